@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Installs every prerequisite of CubeNet's build and tests on a fresh Debian 12 machine with
+# the preinstalled stable + nightly Rust toolchains. Idempotent: each step checks first.
+#
+# Env: SETUP_QUIET=1 hides apt/cargo progress.
+set -euo pipefail
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# Debian packages: LLVM 22 for bpf-linker, iproute2/iputils for the namespace harness,
+# and the shell linter for the scripts.
+APT_PACKAGES=(
+  llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev
+  iproute2 iputils-ping ethtool procps
+  shellcheck
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  if [[ "$status" != "install ok installed" ]]; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  log "apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  log "apt packages present"
+fi
+
+# rust-src for -Z build-std=core with the preinstalled nightly (LLVM 22).
+installed_components=$(rustup component list --toolchain nightly --installed)
+if [[ "$installed_components" != *rust-src* ]]; then
+  log "rustup component add rust-src --toolchain nightly"
+  rustup component add rust-src --toolchain nightly
+else
+  log "nightly rust-src present"
+fi
+for c in clippy rustfmt; do
+  if [[ "$(rustup component list --toolchain stable --installed)" != *"$c"* ]]; then
+    rustup component add "$c" --toolchain stable
+  fi
+  if [[ "$(rustup component list --toolchain nightly --installed)" != *"$c"* ]]; then
+    rustup component add "$c" --toolchain nightly
+  fi
+done
+
+# bpf-linker built against LLVM 22 (the nightly's LLVM); rebuild if missing or linked
+# against another LLVM (../shared/reference/toolchain.md).
+need_linker=1
+if command -v bpf-linker >/dev/null 2>&1; then
+  linked=$(ldd "$(command -v bpf-linker)" 2>/dev/null || true)
+  if [[ "$linked" == *libLLVM.so.22* ]]; then
+    need_linker=0
+  else
+    log "bpf-linker present but not linked against LLVM 22"
+  fi
+fi
+if ((need_linker)); then
+  log "cargo install bpf-linker (LLVM 22)"
+  LLVM_PREFIX=/usr/lib/llvm-22 cargo install bpf-linker --locked --force \
+    --no-default-features --features llvm-22
+else
+  log "bpf-linker (LLVM 22) present"
+fi
+
+log "done"

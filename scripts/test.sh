@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The test command of the README: prerequisites, eBPF build, formatting, lints, then every
+# test including the root-only ones (they create their own network namespaces and a private
+# bpffs; nothing touches the machine's own interfaces). Fails on the first error.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n=== %s\n' "$*"; }
+start=$(date +%s)
+
+step "setup"
+bash scripts/setup.sh
+
+step "shellcheck"
+shellcheck scripts/*.sh .ci/run
+
+step "build eBPF"
+cargo xtask build-ebpf --release
+
+step "fmt"
+cargo fmt --all -- --check
+
+step "clippy (host crates)"
+cargo clippy --workspace --exclude cubevs-ebpf --all-targets --locked -- -D warnings
+
+step "clippy (eBPF crate, nightly)"
+cargo xtask clippy-ebpf
+
+step "tests"
+if [[ $(id -u) -ne 0 ]]; then
+  echo "!!! not root: root-only tests will print SKIPPED and pass vacuously !!!"
+fi
+cargo test --workspace --exclude cubevs-ebpf --locked
+
+step "leak check"
+leaks=""
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}'); do
+  case "$ns" in cnt*) leaks+=" netns:$ns" ;; esac
+done
+for d in /tmp/cubenet-bpffs-*; do
+  [[ -e "$d" ]] && leaks+=" bpffs:$d"
+done
+if [[ -n "$leaks" ]]; then
+  echo "tests left resources behind:$leaks"
+  exit 1
+fi
+echo "no namespaces or bpffs mounts left"
+
+echo
+echo "all checks passed in $(( $(date +%s) - start ))s"

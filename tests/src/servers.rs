@@ -1,0 +1,104 @@
+//! Small servers bound inside a test namespace: an HTTP responder that answers with the
+//! client address it saw, and a UDP echo that prefixes the client address.
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, UdpSocket},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::Duration,
+};
+
+use crate::netns::TestNetns;
+
+/// A background server thread, stopped and joined on drop.
+#[derive(Debug)]
+pub struct Server {
+    /// Address the server listens on.
+    pub addr: SocketAddr,
+    /// Clients seen, in order.
+    pub peers: Arc<Mutex<Vec<SocketAddr>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Clients seen so far.
+    pub fn peers(&self) -> Vec<SocketAddr> {
+        self.peers.lock().expect("peers").clone()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Serves HTTP/1.0-style responses on `ip:port` inside `ns`: each request gets
+/// `200 OK` with body `you are <client ip>:<port>\n`, then the connection closes.
+pub fn http(ns: &TestNetns, ip: [u8; 4], port: u16) -> Server {
+    let addr = SocketAddr::from((ip, port));
+    // The socket belongs to the namespace it was created in, whatever thread uses it later.
+    let listener = ns.run(move || TcpListener::bind(addr)).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+    listener.set_nonblocking(true).expect("nonblocking");
+    let addr = listener.local_addr().expect("local addr");
+    let (stop, peers) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+    let (s, p) = (stop.clone(), peers.clone());
+    let thread = thread::spawn(move || {
+        while !s.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut conn, peer)) => {
+                    p.lock().expect("peers").push(peer);
+                    let _ = conn.set_nonblocking(false);
+                    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 2048];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut chunk) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body = format!("you are {peer}\n");
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(resp.as_bytes());
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(5)),
+                Err(_) => thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    Server { addr, peers, stop, thread: Some(thread) }
+}
+
+/// A UDP echo on `ip:port` inside `ns`: replies `<client ip>:<port>|<payload>`.
+pub fn udp_echo(ns: &TestNetns, ip: [u8; 4], port: u16) -> Server {
+    let addr = SocketAddr::from((ip, port));
+    let sock = ns.run(move || UdpSocket::bind(addr)).unwrap_or_else(|e| panic!("bind udp {addr}: {e}"));
+    sock.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
+    let addr = sock.local_addr().expect("local addr");
+    let (stop, peers) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+    let (s, p) = (stop.clone(), peers.clone());
+    let thread = thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while !s.load(Ordering::Relaxed) {
+            if let Ok((n, peer)) = sock.recv_from(&mut buf) {
+                p.lock().expect("peers").push(peer);
+                let mut reply = format!("{peer}|").into_bytes();
+                reply.extend_from_slice(&buf[..n]);
+                let _ = sock.send_to(&reply, peer);
+            }
+        }
+    });
+    Server { addr, peers, stop, thread: Some(thread) }
+}

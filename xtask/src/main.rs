@@ -1,0 +1,108 @@
+//! Developer tasks. `cargo xtask build-ebpf [--release]` builds the CubeVS eBPF object;
+//! `cargo xtask clippy-ebpf` lints the eBPF crate with the nightly toolchain.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "CubeNet developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the CubeVS eBPF object (with BTF) into `target/ebpf/cubevs.bpf.o`.
+    BuildEbpf {
+        /// Use the release profile (default: dev profile, still optimised for the verifier).
+        #[arg(long)]
+        release: bool,
+    },
+    /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
+    ClippyEbpf,
+}
+
+/// Toolchain that builds the eBPF crate: its LLVM major must match bpf-linker's (22 here).
+const EBPF_TOOLCHAIN: &str = "nightly";
+const EBPF_TARGET: &str = "bpfel-unknown-none";
+const EBPF_PACKAGE: &str = "cubevs-ebpf";
+const EBPF_BIN: &str = "cubevs";
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"))
+}
+
+/// A `cargo +nightly …` command for the eBPF target, with the environment of the outer
+/// (stable) cargo removed so the inner one picks its own toolchain.
+fn ebpf_cargo(root: &Path, sub: &str) -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root)
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env(
+            "CARGO_TARGET_BPFEL_UNKNOWN_NONE_RUSTFLAGS",
+            // BTF is required for pinned-map reuse and CO-RE (../shared/reference/toolchain.md).
+            "--cfg=bpf_target_arch=\"x86_64\" -Cdebuginfo=2 -Clink-arg=--btf",
+        )
+        .args([
+            &format!("+{EBPF_TOOLCHAIN}"),
+            sub,
+            "-p",
+            EBPF_PACKAGE,
+            "--target",
+            EBPF_TARGET,
+            "-Z",
+            "build-std=core",
+        ]);
+    cmd
+}
+
+fn run(mut cmd: Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("spawn {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn build_ebpf(release: bool) -> Result<()> {
+    let root = workspace_root();
+    let mut cmd = ebpf_cargo(&root, "build");
+    cmd.arg("--bins");
+    if release {
+        cmd.arg("--release");
+    }
+    run(cmd)?;
+    let target = target_dir(&root);
+    let built = target.join(EBPF_TARGET).join(if release { "release" } else { "debug" }).join(EBPF_BIN);
+    let out_dir = target.join("ebpf");
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("create {}", out_dir.display()))?;
+    let out = out_dir.join(cubevs_common::OBJECT_FILE_NAME);
+    std::fs::copy(&built, &out).with_context(|| format!("copy {} to {}", built.display(), out.display()))?;
+    println!("eBPF object: {}", out.display());
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::BuildEbpf { release } => build_ebpf(release),
+        Cmd::ClippyEbpf => {
+            let mut cmd = ebpf_cargo(&workspace_root(), "clippy");
+            cmd.args(["--", "-D", "warnings"]);
+            run(cmd)
+        }
+    }
+}
