@@ -1,0 +1,322 @@
+//! Agent configuration: one TOML file, every key optional with the default documented here
+//! and in the README; command-line flags override keys (`main.rs`).
+
+use std::{net::Ipv4Addr, path::PathBuf};
+
+use serde::Deserialize;
+
+/// Errors name the key and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// File unreadable.
+    #[error("config {path}: {source}")]
+    Read {
+        /// Path.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// TOML syntax or type error (the message names the key).
+    #[error("config {path}: {msg}")]
+    Parse {
+        /// Path.
+        path: PathBuf,
+        /// Parser message.
+        msg: String,
+    },
+    /// A key has an invalid value.
+    #[error("config key `{key}`: {reason}")]
+    Invalid {
+        /// Key.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, reason: reason.into() }
+}
+
+/// The agent configuration. Field names are the TOML keys.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// gRPC endpoint: `unix:///path`, `tcp://host:port` or `host:port`
+    /// (default `unix:///tmp/cube/network-agent-grpc.sock`, `reference/upstream.md §1.4`).
+    pub grpc_listen: String,
+    /// Path of the TAP fd Unix socket (default `/tmp/cube/network-agent-tap.sock`).
+    pub tap_fd_listen: PathBuf,
+    /// `host:port` of the health/readiness/metrics HTTP server (default `127.0.0.1:19090`).
+    pub health_listen: String,
+    /// Network namespace to program (default `/proc/1/ns/net`; empty = the agent's own).
+    pub dataplane_netns: String,
+    /// Uplink interface in the dataplane netns (default empty = the default-route device).
+    pub eth_name: String,
+    /// Sandbox address pool (default `192.168.0.0/18`; prefix /16…/24).
+    pub cidr: String,
+    /// MTU of the TAPs and cube-dev (default 1500).
+    pub mtu: u32,
+    /// TAPs kept warm (default 500).
+    pub tap_init_num: usize,
+    /// Parallel TAP creations while warming (default 4).
+    pub warm_parallelism: usize,
+    /// bpffs directory of the datapath's pins (default `/sys/fs/bpf/cubevs`).
+    pub bpffs_dir: PathBuf,
+    /// eBPF object path (default empty = `cubevs::default_object_path()`).
+    pub bpf_object: String,
+    /// Directory of the per-sandbox state files (default `/usr/local/services/cubetoolbox/network-agent/state`).
+    pub state_dir: PathBuf,
+    /// Host-port range `"first-last"` for port mappings (default `20000-29999`).
+    pub host_port_range: String,
+    /// Path of the reserved-ports list (default `/proc/sys/net/ipv4/ip_local_reserved_ports`).
+    pub reserved_ports_file: PathBuf,
+    /// Guest inner IP (default 169.254.68.6).
+    pub mvm_inner_ip: Ipv4Addr,
+    /// Guest MAC (default 20:90:6f:fc:fc:fc).
+    pub mvm_mac_addr: String,
+    /// Guest gateway IP (default 169.254.68.5).
+    pub mvm_gw_dest_ip: Ipv4Addr,
+    /// Gateway MAC, also cube-dev's (default 20:90:6f:cf:cf:cf).
+    pub mvm_gw_mac_addr: String,
+    /// Guest prefix length (default 30).
+    pub mvm_mask: u8,
+    /// Name of the gateway dummy device (default `cube-dev`).
+    pub cube_dev_name: String,
+    /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
+    pub maintenance_interval_secs: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            grpc_listen: "unix:///tmp/cube/network-agent-grpc.sock".into(),
+            tap_fd_listen: "/tmp/cube/network-agent-tap.sock".into(),
+            health_listen: "127.0.0.1:19090".into(),
+            dataplane_netns: "/proc/1/ns/net".into(),
+            eth_name: String::new(),
+            cidr: "192.168.0.0/18".into(),
+            mtu: 1500,
+            tap_init_num: 500,
+            warm_parallelism: 4,
+            bpffs_dir: "/sys/fs/bpf/cubevs".into(),
+            bpf_object: String::new(),
+            state_dir: "/usr/local/services/cubetoolbox/network-agent/state".into(),
+            host_port_range: "20000-29999".into(),
+            reserved_ports_file: "/proc/sys/net/ipv4/ip_local_reserved_ports".into(),
+            mvm_inner_ip: Ipv4Addr::new(169, 254, 68, 6),
+            mvm_mac_addr: "20:90:6f:fc:fc:fc".into(),
+            mvm_gw_dest_ip: Ipv4Addr::new(169, 254, 68, 5),
+            mvm_gw_mac_addr: "20:90:6f:cf:cf:cf".into(),
+            mvm_mask: 30,
+            cube_dev_name: "cube-dev".into(),
+            maintenance_interval_secs: 5,
+        }
+    }
+}
+
+/// An IPv4 network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    /// Network address (host bits zero).
+    pub base: Ipv4Addr,
+    /// Prefix length.
+    pub prefix: u8,
+}
+
+impl Cidr {
+    /// Parses `a.b.c.d/n`; host bits must be zero.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (a, l) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a.b.c.d/len"))?;
+        let base: Ipv4Addr = a.parse().map_err(|_| format!("{a:?} is not an IPv4 address"))?;
+        let prefix: u8 = l.parse().map_err(|_| format!("{l:?} is not a prefix length"))?;
+        if prefix > 32 {
+            return Err(format!("prefix length {prefix} is above 32"));
+        }
+        let mask = if prefix == 0 { 0 } else { u32::MAX << (32 - prefix) };
+        if u32::from(base) & !mask != 0 {
+            return Err(format!("{s} has host bits set"));
+        }
+        Ok(Self { base, prefix })
+    }
+
+    /// Number of addresses.
+    pub fn size(&self) -> u64 {
+        1u64 << (32 - self.prefix)
+    }
+
+    /// The `i`-th address of the network.
+    pub fn nth(&self, i: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.base).wrapping_add(i))
+    }
+
+    /// Index of `ip` inside the network, if it is inside.
+    pub fn index_of(&self, ip: Ipv4Addr) -> Option<u32> {
+        let off = u32::from(ip).wrapping_sub(u32::from(self.base));
+        (u64::from(off) < self.size() && u32::from(ip) >= u32::from(self.base)).then_some(off)
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.base, self.prefix)
+    }
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 6 {
+        return Err(format!("{s:?} is not a MAC address aa:bb:cc:dd:ee:ff"));
+    }
+    let mut mac = [0u8; 6];
+    for (d, p) in mac.iter_mut().zip(parts) {
+        if p.len() != 2 {
+            return Err(format!("{s:?} is not a MAC address aa:bb:cc:dd:ee:ff"));
+        }
+        *d = u8::from_str_radix(p, 16).map_err(|_| format!("{s:?} is not a MAC address"))?;
+    }
+    Ok(mac)
+}
+
+/// `aa:bb:cc:dd:ee:ff` rendering.
+pub fn mac_string(mac: [u8; 6]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// Parses `first-last` (inclusive, first ≤ last, first ≥ 1).
+pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
+    let (a, b) = s.split_once('-').ok_or_else(|| format!("{s:?} is not first-last"))?;
+    let a: u16 = a.trim().parse().map_err(|_| format!("{a:?} is not a port"))?;
+    let b: u16 = b.trim().parse().map_err(|_| format!("{b:?} is not a port"))?;
+    if a == 0 || a > b {
+        return Err(format!("{s:?}: need 1 <= first <= last"));
+    }
+    Ok((a, b))
+}
+
+/// A validated configuration with parsed values.
+#[derive(Clone, Debug)]
+pub struct Validated {
+    /// The raw configuration.
+    pub raw: Config,
+    /// `cidr` parsed.
+    pub cidr: Cidr,
+    /// `mvm_mac_addr` parsed.
+    pub mvm_mac: [u8; 6],
+    /// `mvm_gw_mac_addr` parsed.
+    pub gw_mac: [u8; 6],
+    /// `host_port_range` parsed.
+    pub port_range: (u16, u16),
+}
+
+impl Config {
+    /// Reads and parses `path` (unknown keys are errors).
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Self::parse(&text).map_err(|msg| ConfigError::Parse { path: path.to_path_buf(), msg })
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim().replace('\n', " "))
+    }
+
+    /// Checks every key; the error names the first bad key.
+    pub fn validate(self) -> Result<Validated, ConfigError> {
+        let cidr = Cidr::parse(&self.cidr).map_err(|r| invalid("cidr", r))?;
+        if !(16..=24).contains(&cidr.prefix) {
+            return Err(invalid("cidr", format!("prefix /{} outside /16../24", cidr.prefix)));
+        }
+        if !(576..=65535).contains(&self.mtu) {
+            return Err(invalid("mtu", format!("{} outside 576..65535", self.mtu)));
+        }
+        if self.tap_init_num as u64 > cidr.size() - 3 {
+            return Err(invalid(
+                "tap_init_num",
+                format!("{} exceeds the {} addresses of cidr", self.tap_init_num, cidr),
+            ));
+        }
+        if self.warm_parallelism == 0 || self.warm_parallelism > 64 {
+            return Err(invalid("warm_parallelism", "must be 1..64"));
+        }
+        let mvm_mac = parse_mac(&self.mvm_mac_addr).map_err(|r| invalid("mvm_mac_addr", r))?;
+        let gw_mac = parse_mac(&self.mvm_gw_mac_addr).map_err(|r| invalid("mvm_gw_mac_addr", r))?;
+        if self.mvm_mask == 0 || self.mvm_mask > 30 {
+            return Err(invalid("mvm_mask", format!("/{} outside /1../30", self.mvm_mask)));
+        }
+        let port_range = parse_port_range(&self.host_port_range).map_err(|r| invalid("host_port_range", r))?;
+        if self.grpc_listen.is_empty() {
+            return Err(invalid("grpc_listen", "must not be empty"));
+        }
+        if self.tap_fd_listen.as_os_str().is_empty() {
+            return Err(invalid("tap_fd_listen", "must not be empty"));
+        }
+        self.health_listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| invalid("health_listen", format!("{:?}: {e}", self.health_listen)))?;
+        if self.state_dir.as_os_str().is_empty() {
+            return Err(invalid("state_dir", "must not be empty"));
+        }
+        if self.bpffs_dir.as_os_str().is_empty() {
+            return Err(invalid("bpffs_dir", "must not be empty"));
+        }
+        if self.cube_dev_name.is_empty() || self.cube_dev_name.len() >= 16 {
+            return Err(invalid("cube_dev_name", "must be 1..15 bytes"));
+        }
+        if self.maintenance_interval_secs == 0 {
+            return Err(invalid("maintenance_interval_secs", "must be at least 1"));
+        }
+        Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range })
+    }
+}
+
+impl Validated {
+    /// cube-dev's address: the CIDR's `.1`.
+    pub fn gateway_ip(&self) -> Ipv4Addr {
+        self.cidr.nth(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        let v = Config::default().validate().unwrap();
+        assert_eq!(v.cidr.to_string(), "192.168.0.0/18");
+        assert_eq!(v.gateway_ip(), Ipv4Addr::new(192, 168, 0, 1));
+        assert_eq!(v.port_range, (20000, 29999));
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = Config::parse("cidr = \"10.0.0.0/8\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`cidr`"), "{e}");
+        let e = Config::parse("mtu = 10").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`mtu`"), "{e}");
+        let e = Config::parse("mvm_mac_addr = \"zz\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`mvm_mac_addr`"), "{e}");
+        let e = Config::parse("host_port_range = \"3-2\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`host_port_range`"), "{e}");
+        let e = Config::parse("bogus = 1").unwrap_err();
+        assert!(e.contains("bogus"), "{e}");
+        let e = Config::parse("mtu = \"x\"").unwrap_err();
+        assert!(e.contains("mtu"), "{e}");
+    }
+
+    #[test]
+    fn cidr_math() {
+        let c = Cidr::parse("192.168.0.0/24").unwrap();
+        assert_eq!(c.size(), 256);
+        assert_eq!(c.nth(2), Ipv4Addr::new(192, 168, 0, 2));
+        assert_eq!(c.index_of(Ipv4Addr::new(192, 168, 0, 9)), Some(9));
+        assert_eq!(c.index_of(Ipv4Addr::new(192, 168, 1, 0)), None);
+        assert!(Cidr::parse("192.168.0.1/24").is_err());
+        assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
+        assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");
+    }
+}

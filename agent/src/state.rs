@@ -1,0 +1,252 @@
+//! Durable per-sandbox state (`reference/upstream.md §2.7`): one JSON file per sandbox named
+//! `<state_dir>/<sandbox_id>.<phase>.json`, phase `creating` → `success` → `deleting`,
+//! advanced by rename. Writes go to `<id>.tmp.json`, are fsynced, renamed, and the directory is
+//! fsynced. Directory 0700, files 0600.
+
+use std::{
+    fs::{self, File, OpenOptions},
+    io::Write,
+    net::Ipv4Addr,
+    os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::dataplane::{EgressPolicy, Proto};
+
+/// Intent phase of a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Ensure in progress: resources may be half-made; recovery cleans them.
+    Creating,
+    /// Ensure committed: the sandbox is live; recovery adopts it.
+    Success,
+    /// Release in progress: recovery finishes the cleanup.
+    Deleting,
+}
+
+impl Phase {
+    /// File-name component.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Creating => "creating",
+            Phase::Success => "success",
+            Phase::Deleting => "deleting",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "creating" => Phase::Creating,
+            "success" => Phase::Success,
+            "deleting" => Phase::Deleting,
+            _ => return None,
+        })
+    }
+}
+
+/// One port mapping as persisted and reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortRecord {
+    /// Protocol.
+    pub proto: Proto,
+    /// Guest port.
+    pub container_port: u16,
+    /// Host port.
+    pub host_port: u16,
+    /// Host IP reported back (informational).
+    pub host_ip: String,
+}
+
+/// Everything needed to rebuild one sandbox's network.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// Sandbox id.
+    pub sandbox_id: String,
+    /// TAP name (`z<ip>`).
+    pub tap_name: String,
+    /// TAP ifindex when committed.
+    pub tap_ifindex: u32,
+    /// mvm IP.
+    pub sandbox_ip: Ipv4Addr,
+    /// Datapath version.
+    pub version: u32,
+    /// Port mappings (host ports assigned).
+    pub port_mappings: Vec<PortRecord>,
+    /// Egress policy.
+    pub policy: EgressPolicy,
+    /// Caller's persist_metadata merged with ours.
+    pub persist_metadata: std::collections::BTreeMap<String, String>,
+}
+
+/// Validates a sandbox id for use as a file name and map key: 1–128 bytes of
+/// `[A-Za-z0-9_.:-]`, not starting with `.`.
+pub fn validate_sandbox_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if id.len() > 128 {
+        return Err(format!("is {} bytes, the limit is 128", id.len()));
+    }
+    if id.starts_with('.') || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b)) {
+        return Err(format!("{id:?} may only contain A-Z a-z 0-9 _ . : - and must not start with ."));
+    }
+    Ok(())
+}
+
+/// Result of [`StateStore::scan`]: readable records with their phase, and unreadable files
+/// with the reason.
+pub type Scan = (Vec<(Phase, SandboxRecord)>, Vec<(PathBuf, String)>);
+
+/// The store.
+#[derive(Debug, Clone)]
+pub struct StateStore {
+    dir: PathBuf,
+}
+
+impl StateStore {
+    /// Opens (creating, mode 0700) the directory.
+    pub fn open(dir: &Path) -> std::io::Result<Self> {
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
+        Ok(Self { dir: dir.to_path_buf() })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path(&self, id: &str, phase: &str) -> PathBuf {
+        self.dir.join(format!("{id}.{phase}.json"))
+    }
+
+    fn sync_dir(&self) -> std::io::Result<()> {
+        File::open(&self.dir)?.sync_all()
+    }
+
+    /// Writes `rec` as phase `phase` atomically, removing any other phase of the same id.
+    pub fn write(&self, rec: &SandboxRecord, phase: Phase) -> std::io::Result<()> {
+        let tmp = self.path(&rec.sandbox_id, "tmp");
+        {
+            let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            f.write_all(&serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?)?;
+            f.sync_all()?;
+        }
+        fs::rename(&tmp, self.path(&rec.sandbox_id, phase.as_str()))?;
+        for other in [Phase::Creating, Phase::Success, Phase::Deleting] {
+            if other != phase {
+                let _ = fs::remove_file(self.path(&rec.sandbox_id, other.as_str()));
+            }
+        }
+        self.sync_dir()
+    }
+
+    /// Moves the record of `id` from `from` to `to` (rename).
+    pub fn advance(&self, id: &str, from: Phase, to: Phase) -> std::io::Result<()> {
+        fs::rename(self.path(id, from.as_str()), self.path(id, to.as_str()))?;
+        self.sync_dir()
+    }
+
+    /// Removes every file of `id`.
+    pub fn remove(&self, id: &str) -> std::io::Result<()> {
+        for p in ["tmp", "creating", "success", "deleting"] {
+            match fs::remove_file(self.path(id, p)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.sync_dir()
+    }
+
+    /// Reads every record; leftover `tmp` files are deleted; unreadable files are returned as
+    /// errors (path, message) so recovery can refuse to start.
+    pub fn scan(&self) -> std::io::Result<Scan> {
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        for e in fs::read_dir(&self.dir)? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(stem) = name.strip_suffix(".json") else { continue };
+            let Some((id, phase)) = stem.rsplit_once('.') else { continue };
+            if phase == "tmp" {
+                let _ = fs::remove_file(e.path());
+                continue;
+            }
+            let Some(phase) = Phase::parse(phase) else { continue };
+            match fs::read(e.path())
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()))
+            {
+                Ok(rec) if rec.sandbox_id == id => out.push((phase, rec)),
+                Ok(rec) => bad.push((e.path(), format!("file names sandbox {id:?} but holds {:?}", rec.sandbox_id))),
+                Err(m) => bad.push((e.path(), m)),
+            }
+        }
+        out.sort_by(|a, b| a.1.sandbox_id.cmp(&b.1.sandbox_id));
+        Ok((out, bad))
+    }
+
+    /// Number of record files (any phase), for leak checks.
+    pub fn count(&self) -> usize {
+        fs::read_dir(&self.dir).map(|d| d.flatten().count()).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str) -> SandboxRecord {
+        SandboxRecord {
+            sandbox_id: id.into(),
+            tap_name: "z192.168.0.2".into(),
+            tap_ifindex: 7,
+            sandbox_ip: Ipv4Addr::new(192, 168, 0, 2),
+            version: 3,
+            port_mappings: vec![PortRecord {
+                proto: Proto::Tcp,
+                container_port: 80,
+                host_port: 20001,
+                host_ip: String::new(),
+            }],
+            policy: EgressPolicy::default(),
+            persist_metadata: Default::default(),
+        }
+    }
+
+    #[test]
+    fn phases_and_permissions() {
+        let dir = std::env::temp_dir().join(format!("cubenet-state-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let s = StateStore::open(&dir).unwrap();
+        assert_eq!(fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        s.write(&rec("sb-1"), Phase::Creating).unwrap();
+        s.advance("sb-1", Phase::Creating, Phase::Success).unwrap();
+        let f = dir.join("sb-1.success.json");
+        assert_eq!(fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
+        fs::write(dir.join("sb-2.tmp.json"), b"{").unwrap();
+        fs::write(dir.join("sb-3.success.json"), b"not json").unwrap();
+        let (recs, bad) = s.scan().unwrap();
+        assert_eq!(recs, vec![(Phase::Success, rec("sb-1"))]);
+        assert_eq!(bad.len(), 1);
+        assert!(!dir.join("sb-2.tmp.json").exists());
+        s.write(&rec("sb-1"), Phase::Deleting).unwrap();
+        assert!(!f.exists());
+        s.remove("sb-1").unwrap();
+        fs::remove_file(dir.join("sb-3.success.json")).unwrap();
+        assert_eq!(s.count(), 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sandbox_id_rules() {
+        assert!(validate_sandbox_id("abc-123_x.y:z").is_ok());
+        assert!(validate_sandbox_id("").is_err());
+        assert!(validate_sandbox_id("../etc").is_err());
+        assert!(validate_sandbox_id("a/b").is_err());
+        assert!(validate_sandbox_id(&"a".repeat(129)).is_err());
+    }
+}
