@@ -8,11 +8,13 @@ set -euo pipefail
 log() { printf '[setup] %s\n' "$*"; }
 
 # Debian packages: LLVM 22 for bpf-linker, iproute2/iputils for the namespace harness,
-# and the shell linter for the scripts.
+# the shell linter for the scripts, protoc for the gRPC codegen (proto/build.rs) and python3-venv
+# for the wire-compatibility client test (grpcio-tools from PyPI).
 APT_PACKAGES=(
   llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev
   iproute2 iputils-ping ethtool procps
   shellcheck
+  protobuf-compiler python3-venv
 )
 
 missing=()

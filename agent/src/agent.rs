@@ -214,6 +214,8 @@ pub struct Agent {
     pub metrics: Metrics,
     warmed: AtomicBool,
     started: AtomicBool,
+    /// Wakes the maintenance loop (after Ensure: refill; after Release: trim).
+    pub kick: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Agent {
@@ -268,6 +270,7 @@ impl Agent {
             metrics: Metrics::new(),
             warmed: AtomicBool::new(false),
             started: AtomicBool::new(false),
+            kick: tokio::sync::Notify::new(),
         }
     }
 
@@ -462,6 +465,7 @@ impl Agent {
     pub fn ensure(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
         let t0 = Instant::now();
         let r = self.ensure_inner(req);
+        self.kick.notify_one();
         self.metrics.ensure_seconds.observe(t0.elapsed().as_secs_f64());
         self.metrics.ensure.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
         r
@@ -601,6 +605,7 @@ impl Agent {
     pub fn release(&self, sandbox_id: &str) -> Result<bool, AgentError> {
         let t0 = Instant::now();
         let r = self.release_inner(sandbox_id);
+        self.kick.notify_one();
         self.metrics.release_seconds.observe(t0.elapsed().as_secs_f64());
         self.metrics.release.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
         r

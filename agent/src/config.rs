@@ -83,6 +83,10 @@ pub struct Config {
     pub mvm_mask: u8,
     /// Name of the gateway dummy device (default `cube-dev`).
     pub cube_dev_name: String,
+    /// Value written to the dataplane netns's `net.ipv4.ip_local_port_range` at startup so
+    /// host ephemeral ports stay out of the host-port and SNAT ranges (default `10000 19999`,
+    /// `reference/upstream.md §2.5`; empty = leave it). Per-netns; written from the netns thread.
+    pub ip_local_port_range: String,
     /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
     pub maintenance_interval_secs: u64,
 }
@@ -110,6 +114,7 @@ impl Default for Config {
             mvm_gw_mac_addr: "20:90:6f:cf:cf:cf".into(),
             mvm_mask: 30,
             cube_dev_name: "cube-dev".into(),
+            ip_local_port_range: "10000 19999".into(),
             maintenance_interval_secs: 5,
         }
     }
@@ -264,6 +269,17 @@ impl Config {
         }
         if self.cube_dev_name.is_empty() || self.cube_dev_name.len() >= 16 {
             return Err(invalid("cube_dev_name", "must be 1..15 bytes"));
+        }
+        if !self.ip_local_port_range.is_empty() {
+            let v: Vec<&str> = self.ip_local_port_range.split_whitespace().collect();
+            let ok = v.len() == 2
+                && matches!((v[0].parse::<u16>(), v[1].parse::<u16>()), (Ok(a), Ok(b)) if a >= 1 && a <= b);
+            if !ok {
+                return Err(invalid(
+                    "ip_local_port_range",
+                    format!("{:?} is not \"first last\"", self.ip_local_port_range),
+                ));
+            }
         }
         if self.maintenance_interval_secs == 0 {
             return Err(invalid("maintenance_interval_secs", "must be at least 1"));

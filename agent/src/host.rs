@@ -29,7 +29,7 @@ use netlink_packet_route::{
     neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState},
     route::{RouteAttribute, RouteProtocol, RouteScope},
 };
-use rtnetlink::{LinkDummy, LinkUnspec, RouteMessageBuilder};
+use rtnetlink::{LinkMessageBuilder, LinkUnspec, RouteMessageBuilder};
 
 use crate::config::Cidr;
 
@@ -161,7 +161,7 @@ impl NetnsHost {
         self.threads[0].run(f).map_err(io::Error::other)
     }
 
-    /// Creates or reconciles cube-dev: a dummy with the gateway MAC, txqlen 1000, the MTU,
+    /// Creates or reconciles cube-dev: a dummy (an ifb on kernels without dummy links) with the gateway MAC, txqlen 1000, the MTU,
     /// exactly the address `gw/prefix`, up, and the route `cidr dev cube-dev scope link proto
     /// static` (`reference/upstream.md §2.8`). Returns its ifindex.
     pub fn ensure_cube_dev(&self, gw_mac: [u8; 6], gw: Ipv4Addr, cidr: Cidr) -> io::Result<u32> {
@@ -173,25 +173,52 @@ impl NetnsHost {
                 let idx = match cubenet_sys::ifindex(&p.cube_dev) {
                     Ok(i) => i,
                     Err(_) => {
-                        h.link()
-                            .add(LinkDummy::new(&p.cube_dev).mtu(p.mtu).address(gw_mac.to_vec()).txqueuelen(1000).build())
-                            .execute()
-                            .await
-                            .map_err(nlerr(format!("create dummy {}", p.cube_dev)))?;
+                        let add = |kind: InfoKind| {
+                            h.link()
+                                .add(
+                                    LinkMessageBuilder::<LinkUnspec>::new_with_info_kind(kind)
+                                        .name(p.cube_dev.clone())
+                                        .mtu(p.mtu)
+                                        .address(gw_mac.to_vec())
+                                        .txqueuelen(1000)
+                                        .build(),
+                                )
+                                .execute()
+                        };
+                        match add(InfoKind::Dummy).await {
+                            Ok(()) => {}
+                            // Kernels built without CONFIG_DUMMY: an ifb is the same kind of
+                            // sink device (carrier on, transmits nowhere by itself).
+                            Err(e) if is_errno(&e, libc::EOPNOTSUPP) => {
+                                tracing::warn!("kernel has no dummy links; creating {} as ifb", p.cube_dev);
+                                add(InfoKind::Ifb).await.map_err(nlerr(format!("create ifb {}", p.cube_dev)))?
+                            }
+                            Err(e) => return Err(nlerr(format!("create dummy {}", p.cube_dev))(e)),
+                        }
                         cubenet_sys::ifindex(&p.cube_dev)?
                     }
                 };
                 let link = h.link().get().match_index(idx).execute().try_next().await.map_err(nlerr("get cube-dev"))?;
                 let is_dummy = link.as_ref().is_some_and(|l| {
                     l.attributes.iter().any(|a| {
-                        matches!(a, LinkAttribute::LinkInfo(i) if i.iter().any(|x| matches!(x, LinkInfo::Kind(InfoKind::Dummy))))
+                        matches!(a, LinkAttribute::LinkInfo(i) if i.iter().any(|x| matches!(x, LinkInfo::Kind(InfoKind::Dummy | InfoKind::Ifb))))
                     })
                 });
                 if !is_dummy {
-                    return Err(io::Error::other(format!("{} exists and is not a dummy device", p.cube_dev)));
+                    return Err(io::Error::other(format!("{} exists and is not a dummy (or ifb) device", p.cube_dev)));
+                }
+                let mac_ok = link.as_ref().is_some_and(|l| {
+                    l.attributes.iter().any(|a| matches!(a, LinkAttribute::Address(m) if m.as_slice() == gw_mac))
+                });
+                if !mac_ok {
+                    h.link()
+                        .set(LinkUnspec::new_with_index(idx).address(gw_mac.to_vec()).build())
+                        .execute()
+                        .await
+                        .map_err(nlerr("set cube-dev MAC"))?;
                 }
                 h.link()
-                    .set(LinkUnspec::new_with_index(idx).address(gw_mac.to_vec()).mtu(p.mtu).txqueuelen(1000).up().build())
+                    .set(LinkUnspec::new_with_index(idx).mtu(p.mtu).txqueuelen(1000).up().build())
                     .execute()
                     .await
                     .map_err(nlerr("configure cube-dev"))?;

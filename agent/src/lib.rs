@@ -1,9 +1,13 @@
 //! CubeNet network-agent library (the `network-agent` binary is a thin `main.rs` over it).
 pub mod agent;
+pub mod client;
 pub mod config;
 pub mod cubevs_dp;
 pub mod dataplane;
+pub mod fdserver;
+pub mod grpc;
 pub mod host;
+pub mod http;
 pub mod ipam;
 pub mod metrics;
 pub mod ports;

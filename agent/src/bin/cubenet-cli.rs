@@ -1,1 +1,300 @@
-fn main() {}
+//! `cubenet-cli`: operator CLI for the network-agent. Networks via gRPC, TAPs and datapath
+//! dumps via the loopback HTTP endpoints; tables by default, `--json` for JSON.
+
+use std::collections::HashMap;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use cubenet_proto::v1 as pb;
+use network_agent::client::{connect, http_get};
+
+#[derive(Parser, Debug)]
+#[command(name = "cubenet-cli", version, about = "Operate a CubeNet network-agent")]
+struct Cli {
+    /// gRPC endpoint of the agent.
+    #[arg(long, env = "CUBENET_GRPC", default_value = "unix:///tmp/cube/network-agent-grpc.sock")]
+    grpc: String,
+    /// Health/HTTP address of the agent.
+    #[arg(long, env = "CUBENET_HTTP", default_value = "127.0.0.1:19090")]
+    http: String,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Ensure a sandbox network.
+    Ensure {
+        /// Sandbox id.
+        sandbox_id: String,
+        /// Port mapping `[tcp|udp/]GUEST[:HOST]` (HOST 0 or absent = assign); repeatable.
+        #[arg(short, long = "port")]
+        ports: Vec<String>,
+        /// Deny internet access.
+        #[arg(long)]
+        no_internet: bool,
+        /// Allowed CIDR; repeatable.
+        #[arg(long)]
+        allow_out: Vec<String>,
+        /// Denied CIDR; repeatable.
+        #[arg(long)]
+        deny_out: Vec<String>,
+    },
+    /// Release a sandbox network.
+    Release {
+        /// Sandbox id.
+        sandbox_id: String,
+    },
+    /// Show one sandbox network.
+    Get {
+        /// Sandbox id.
+        sandbox_id: String,
+    },
+    /// List sandbox networks.
+    List,
+    /// List TAPs with their pool state.
+    Taps {
+        /// Only this state (Ready, Active, Cleaning).
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// Dump datapath sessions.
+    Sessions,
+    /// Dump datapath port mappings.
+    Portmaps,
+    /// Dump per-TAP egress policies.
+    Policies,
+}
+
+fn parse_port(s: &str) -> anyhow::Result<pb::PortMapping> {
+    let (proto, rest) = match s.split_once('/') {
+        Some((p, r)) => (p.to_string(), r),
+        None => ("tcp".to_string(), s),
+    };
+    let (g, h) = rest.split_once(':').unwrap_or((rest, "0"));
+    Ok(pb::PortMapping {
+        protocol: proto,
+        container_port: g.parse().with_context(|| format!("guest port in {s:?}"))?,
+        host_port: h.parse().with_context(|| format!("host port in {s:?}"))?,
+        host_ip: String::new(),
+    })
+}
+
+fn ports_str(p: &[pb::PortMapping]) -> String {
+    p.iter().map(|m| format!("{}/{}->{}", m.protocol, m.container_port, m.host_port)).collect::<Vec<_>>().join(",")
+}
+
+fn table(header: &[&str], rows: Vec<Vec<String>>) {
+    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells.iter().enumerate().map(|(i, c)| format!("{c:<width$}", width = w[i])).collect::<Vec<_>>().join("  ")
+    };
+    println!("{}", line(header.iter().map(|s| s.to_string()).collect()));
+    for r in rows {
+        println!("{}", line(r));
+    }
+}
+
+fn network_json(
+    sandbox_id: &str,
+    ifs: &[pb::Interface],
+    ports: &[pb::PortMapping],
+    meta: &HashMap<String, String>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "sandboxID": sandbox_id,
+        "interfaces": ifs.iter().map(|i| serde_json::json!({
+            "name": i.name, "mac": i.mac_address, "ips": i.ip_cidrs, "gateway": i.gateway, "mtu": i.mtu})).collect::<Vec<_>>(),
+        "portMappings": ports.iter().map(|p| serde_json::json!({
+            "protocol": p.protocol, "containerPort": p.container_port, "hostPort": p.host_port})).collect::<Vec<_>>(),
+        "persistMetadata": meta,
+    })
+}
+
+fn http_json(addr: &str, path: &str) -> anyhow::Result<serde_json::Value> {
+    let (code, body) = http_get(addr, path).with_context(|| format!("GET http://{addr}{path}"))?;
+    if code != 200 {
+        bail!("GET {path}: HTTP {code}: {body}");
+    }
+    Ok(serde_json::from_str(&body)?)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Ensure { sandbox_id, ports, no_internet, allow_out, deny_out } => {
+            let mut c = connect(&cli.grpc).await?;
+            let r = c
+                .ensure_network(pb::EnsureNetworkRequest {
+                    sandbox_id,
+                    port_mappings: ports.iter().map(|p| parse_port(p)).collect::<anyhow::Result<_>>()?,
+                    cubevs_context: Some(pb::CubeVsContext {
+                        allow_internet_access: Some(!no_internet),
+                        allow_out,
+                        deny_out,
+                    }),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let j = network_json(&r.sandbox_id, &r.interfaces, &r.port_mappings, &r.persist_metadata);
+            print_network(cli.json, j, &r.interfaces, &r.port_mappings, &r.persist_metadata, &r.sandbox_id);
+        }
+        Cmd::Release { sandbox_id } => {
+            let mut c = connect(&cli.grpc).await?;
+            let r = c
+                .release_network(pb::ReleaseNetworkRequest { sandbox_id: sandbox_id.clone(), ..Default::default() })
+                .await?
+                .into_inner();
+            if cli.json {
+                println!("{}", serde_json::json!({"sandboxID": sandbox_id, "released": r.released}));
+            } else {
+                println!("{sandbox_id}: released={}", r.released);
+            }
+        }
+        Cmd::Get { sandbox_id } => {
+            let mut c = connect(&cli.grpc).await?;
+            let r = c.get_network(pb::GetNetworkRequest { sandbox_id, ..Default::default() }).await?.into_inner();
+            let j = network_json(&r.sandbox_id, &r.interfaces, &r.port_mappings, &r.persist_metadata);
+            print_network(cli.json, j, &r.interfaces, &r.port_mappings, &r.persist_metadata, &r.sandbox_id);
+        }
+        Cmd::List => {
+            let mut c = connect(&cli.grpc).await?;
+            let r = c.list_networks(pb::ListNetworksRequest {}).await?.into_inner();
+            if cli.json {
+                let v: Vec<_> = r
+                    .networks
+                    .iter()
+                    .map(|n| {
+                        serde_json::json!({"sandboxID": n.sandbox_id, "tapName": n.tap_name,
+                        "tapIfIndex": n.tap_ifindex, "sandboxIP": n.sandbox_ip, "ports": ports_str(&n.port_mappings)})
+                    })
+                    .collect();
+                println!("{}", serde_json::json!({"networks": v}));
+            } else {
+                table(
+                    &["SANDBOX", "TAP", "IFINDEX", "IP", "PORTS"],
+                    r.networks
+                        .iter()
+                        .map(|n| {
+                            vec![
+                                n.sandbox_id.clone(),
+                                n.tap_name.clone(),
+                                n.tap_ifindex.to_string(),
+                                n.sandbox_ip.clone(),
+                                ports_str(&n.port_mappings),
+                            ]
+                        })
+                        .collect(),
+                );
+            }
+        }
+        Cmd::Taps { state } => {
+            let mut j = http_json(&cli.http, "/v1/network/taps")?;
+            if let Some(s) = &state
+                && let Some(arr) = j.get_mut("taps").and_then(|t| t.as_array_mut())
+            {
+                arr.retain(|t| t["state"].as_str().is_some_and(|x| x.eq_ignore_ascii_case(s)));
+            }
+            if cli.json {
+                println!("{j}");
+            } else {
+                let rows = j["taps"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|t| {
+                                [
+                                    "tapName",
+                                    "tapIfIndex",
+                                    "sandboxIP",
+                                    "state",
+                                    "ownerSandboxID",
+                                    "retryCount",
+                                    "lastError",
+                                ]
+                                .iter()
+                                .map(|k| match &t[*k] {
+                                    serde_json::Value::String(s) => s.clone(),
+                                    v => v.to_string(),
+                                })
+                                .collect()
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                table(&["TAP", "IFINDEX", "IP", "STATE", "OWNER", "RETRIES", "LAST_ERROR"], rows);
+                println!("{}", j["stateCounts"]);
+            }
+        }
+        Cmd::Sessions | Cmd::Portmaps | Cmd::Policies => {
+            let (path, key) = match cli.cmd {
+                Cmd::Sessions => ("/v1/dataplane/sessions", "sessions"),
+                Cmd::Portmaps => ("/v1/dataplane/portmaps", "portMappings"),
+                _ => ("/v1/dataplane/policies", "policies"),
+            };
+            let j = http_json(&cli.http, path)?;
+            if cli.json {
+                println!("{j}");
+            } else {
+                let items = j[key].as_array().cloned().unwrap_or_default();
+                let mut header: Vec<String> = Vec::new();
+                if let Some(serde_json::Value::Object(m)) = items.first() {
+                    header = m.keys().cloned().collect();
+                }
+                let rows = items
+                    .iter()
+                    .map(|it| {
+                        header
+                            .iter()
+                            .map(|k| match &it[k] {
+                                serde_json::Value::String(s) => s.clone(),
+                                v => v.to_string(),
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let h: Vec<String> = header.iter().map(|s| s.to_uppercase()).collect();
+                table(&h.iter().map(String::as_str).collect::<Vec<_>>(), rows);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_network(
+    json: bool,
+    j: serde_json::Value,
+    ifs: &[pb::Interface],
+    ports: &[pb::PortMapping],
+    meta: &HashMap<String, String>,
+    id: &str,
+) {
+    if json {
+        println!("{j}");
+        return;
+    }
+    let i = ifs.first().cloned().unwrap_or_default();
+    table(
+        &["SANDBOX", "TAP", "MAC", "IP", "GATEWAY", "MTU", "SANDBOX_IP", "PORTS"],
+        vec![vec![
+            id.to_string(),
+            i.name,
+            i.mac_address,
+            i.ip_cidrs.join(","),
+            i.gateway,
+            i.mtu.to_string(),
+            meta.get("sandbox_ip").cloned().unwrap_or_default(),
+            ports_str(ports),
+        ]],
+    );
+}

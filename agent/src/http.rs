@@ -1,0 +1,126 @@
+//! HTTP on `health_listen`: `/healthz` (alive), `/readyz` (recovered, servers up, pool full),
+//! `/metrics` (Prometheus), and, to loopback clients only, `GET /v1/network/taps` (upstream
+//! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
+//! portmaps,policies}`. Other methods get 405 with `Allow: GET`; non-loopback clients of the
+//! `/v1/` paths get 403.
+
+use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
+
+use http_body_util::Full;
+use hyper::{
+    Method, Request, Response, StatusCode,
+    body::{Bytes, Incoming},
+    server::conn::http1,
+    service::service_fn,
+};
+use hyper_util::rt::TokioIo;
+
+use crate::agent::Agent;
+
+fn text(code: StatusCode, body: impl Into<Bytes>, ctype: &str) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(code)
+        .header("content-type", ctype)
+        .body(Full::new(body.into()))
+        .expect("static response")
+}
+
+fn json(v: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    match serde_json::to_vec(v) {
+        Ok(b) => text(StatusCode::OK, b, "application/json"),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+    }
+}
+
+/// A request handler run on the blocking pool.
+type Job = Box<dyn FnOnce(&Agent) -> Response<Full<Bytes>> + Send>;
+
+async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    if req.method() != Method::GET {
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n", "text/plain");
+        r.headers_mut().insert("allow", hyper::header::HeaderValue::from_static("GET"));
+        return r;
+    }
+    if path.starts_with("/v1/") && !peer.ip().is_loopback() {
+        return text(StatusCode::FORBIDDEN, "loopback only\n", "text/plain");
+    }
+    let a = agent.clone();
+    let blocking = |f: Job| async move {
+        tokio::task::spawn_blocking(move || f(&a))
+            .await
+            .unwrap_or_else(|e| text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"))
+    };
+    match path.as_str() {
+        "/healthz" => text(StatusCode::OK, "ok", "text/plain"),
+        "/readyz" => match agent.readiness() {
+            Ok(()) => text(StatusCode::OK, "ready", "text/plain"),
+            Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e, "text/plain"),
+        },
+        "/metrics" => text(StatusCode::OK, agent.metrics.render(), "text/plain; version=0.0.4"),
+        "/v1/network/taps" => {
+            blocking(Box::new(|a: &Agent| {
+                let taps = a.taps();
+                let mut counts: BTreeMap<String, usize> =
+                    ["Ready", "Active", "Cleaning"].iter().map(|s| (s.to_string(), 0)).collect();
+                for t in &taps {
+                    *counts.entry(format!("{:?}", t.state)).or_default() += 1;
+                }
+                json(&serde_json::json!({"taps": taps, "stateCounts": counts}))
+            }))
+            .await
+        }
+        "/v1/dataplane/sessions" => {
+            blocking(Box::new(|a: &Agent| match a.dataplane().sessions() {
+                Ok(s) => json(&serde_json::json!({"sessions": s})),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+            }))
+            .await
+        }
+        "/v1/dataplane/portmaps" => {
+            blocking(Box::new(|a: &Agent| match a.dataplane().port_mappings() {
+                Ok(p) => json(&serde_json::json!({"portMappings": p})),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+            }))
+            .await
+        }
+        "/v1/dataplane/policies" => {
+            blocking(Box::new(|a: &Agent| {
+                let mut out = Vec::new();
+                for t in a.taps() {
+                    match a.dataplane().policy(t.tap_ifindex) {
+                        Ok(p) => out.push(serde_json::json!({
+                            "tapName": t.tap_name, "tapIfIndex": t.tap_ifindex,
+                            "sandboxID": t.sandbox_id, "policy": p,
+                        })),
+                        Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+                    }
+                }
+                json(&serde_json::json!({"policies": out}))
+            }))
+            .await
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n", "text/plain"),
+    }
+}
+
+/// Serves on an already bound listener forever.
+pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) -> std::io::Result<()> {
+    loop {
+        let (stream, peer) = listener.accept().await?;
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let agent = agent.clone();
+                async move { Ok::<_, Infallible>(route(agent, peer, req).await) }
+            });
+            let conn = http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(5))
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!("http client {peer}: {e}");
+            }
+        });
+    }
+}
