@@ -26,6 +26,9 @@ cargo clippy --workspace --exclude cubevs-ebpf --all-targets --locked -- -D warn
 step "clippy (eBPF crate, nightly)"
 cargo xtask clippy-ebpf
 
+step "build binaries (the agent tests start target/debug/network-agent)"
+cargo build --workspace --exclude cubevs-ebpf --bins --locked
+
 step "tests"
 if [[ $(id -u) -ne 0 ]]; then
   echo "!!! not root: root-only tests will print SKIPPED and pass vacuously !!!"

@@ -3,7 +3,7 @@
 
 use std::{net::Ipv4Addr, path::PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Errors name the key and the reason.
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +39,7 @@ fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
 }
 
 /// The agent configuration. Field names are the TOML keys.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// gRPC endpoint: `unix:///path`, `tcp://host:port` or `host:port`

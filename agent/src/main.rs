@@ -69,6 +69,9 @@ struct Args {
     /// Check the configuration and exit.
     #[arg(long)]
     check_config: bool,
+    /// Print the effective configuration (file + flags + defaults) as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
 }
 
 fn apply(mut c: Config, a: &Args) -> Config {
@@ -130,6 +133,16 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if args.print_config {
+        match toml::to_string(&cfg.raw) {
+            Ok(t) => print!("{t}"),
+            Err(e) => {
+                eprintln!("network-agent: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if args.check_config {
         println!("configuration ok");
         return;

@@ -13,8 +13,11 @@
 //!   parses frames with `etherparse`), with a smoltcp TCP/IP stack on the same fd ([`smol`]).
 //! - [`servers`]: TCP/HTTP and UDP echo servers bound inside a namespace.
 //! - [`bpffs::BpfFs`]: a private bpffs instance mounted in a temporary directory.
+//! - [`agent::AgentUnderTest`]: the network-agent started by its start script in its own
+//!   namespace, programming the topology's node namespace.
 //!
 //! Root-only tests call [`require_root`] first, which prints a loud SKIP line when not root.
+pub mod agent;
 pub mod bpffs;
 pub mod guest;
 pub mod netns;

@@ -140,6 +140,11 @@ impl Drop for TestNetns {
 pub struct ChildGuard(Option<Child>);
 
 impl ChildGuard {
+    /// Guards an already spawned child.
+    pub fn from_child(child: Child) -> Self {
+        Self(Some(child))
+    }
+
     /// The child's PID.
     pub fn id(&self) -> u32 {
         self.0.as_ref().map(Child::id).unwrap_or(0)

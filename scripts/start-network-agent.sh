@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Starts the CubeNet network-agent the way the node image does (the seed's init sequence):
+#   (1) wait, bounded, for the host-path volumes (/tmp/cube, the state dir, the log dir);
+#   (2) make sure bpffs is mounted under bpffs_dir, then the agent loads the eBPF datapath;
+#   (3) the agent creates or reconciles cube-dev;
+#   (4) the agent recovers state and warms the TAP pool (tap_init_num, 500 by default);
+#   (5) the agent serves health (/healthz, /readyz) first,
+#   (6) then gRPC and the TAP fd socket.
+# Steps 3-6 are performed, in that order and each logged with its duration, by the agent,
+# which this script `exec`s so SIGTERM reaches it directly. SIGTERM stops the agent and leaves
+# the datapath, TAPs and pins in place.
+#
+# Environment:
+#   NETWORK_AGENT_CONFIG     TOML config file (optional; every key has a default)
+#   NETWORK_AGENT_BIN        agent binary (default: network-agent next to this script's
+#                            target/release or target/debug build, else on PATH)
+#   NETWORK_AGENT_ARGS       extra flags for the agent (word-split), e.g. "--tap-init-num 8"
+#   NETWORK_AGENT_LOG_DIR    log directory to wait for (default /data/log/network-agent)
+#   NETWORK_AGENT_LOG_FILE   append the agent's log here instead of stderr (optional)
+#   NETWORK_AGENT_VOLUMES    extra directories to wait for (space-separated)
+#   NETWORK_AGENT_WAIT_SECS  bound of the volume wait (default 60)
+#   NETWORK_AGENT_BPFFS_ROOT where bpffs is mounted when missing (default /sys/fs/bpf)
+#   NETWORK_AGENT_MOUNT_BPFFS  1 (default): mount bpffs there if missing; 0: fail instead
+set -euo pipefail
+
+log() { printf '[start-network-agent] %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+here="$(cd "$(dirname "$0")" && pwd)"
+bin="${NETWORK_AGENT_BIN:-}"
+if [[ -z "$bin" ]]; then
+  for c in "$here/../target/release/network-agent" "$here/../target/debug/network-agent"; do
+    if [[ -x "$c" ]]; then bin="$c"; break; fi
+  done
+fi
+if [[ -z "$bin" ]]; then
+  bin="$(command -v network-agent || true)"
+fi
+[[ -n "$bin" && -x "$bin" ]] || die "network-agent binary not found (set NETWORK_AGENT_BIN)"
+
+args=()
+if [[ -n "${NETWORK_AGENT_CONFIG:-}" ]]; then
+  [[ -r "$NETWORK_AGENT_CONFIG" ]] || die "config $NETWORK_AGENT_CONFIG is not readable"
+  args+=(--config "$NETWORK_AGENT_CONFIG")
+fi
+if [[ -n "${NETWORK_AGENT_ARGS:-}" ]]; then
+  read -r -a extra <<<"$NETWORK_AGENT_ARGS"
+  args+=("${extra[@]}")
+fi
+
+# The effective configuration (file + flags + defaults), validated by the agent itself.
+effective="$("$bin" "${args[@]}" --print-config)" || die "invalid configuration"
+cfg() {
+  local key="$1" line
+  while IFS= read -r line; do
+    if [[ "$line" == "$key = "* ]]; then
+      line="${line#"$key = "}"
+      line="${line#\"}"
+      printf '%s\n' "${line%\"}"
+      return 0
+    fi
+  done <<<"$effective"
+  return 1
+}
+state_dir="$(cfg state_dir)"
+bpffs_dir="$(cfg bpffs_dir)"
+tap_sock="$(cfg tap_fd_listen)"
+grpc_listen="$(cfg grpc_listen)"
+
+# (1) Host-path volumes, bounded wait.
+wait_secs="${NETWORK_AGENT_WAIT_SECS:-60}"
+volumes=("$(dirname "$tap_sock")" "$state_dir" "${NETWORK_AGENT_LOG_DIR:-/data/log/network-agent}")
+if [[ "$grpc_listen" == unix://* ]]; then
+  volumes+=("$(dirname "${grpc_listen#unix://}")")
+fi
+if [[ -n "${NETWORK_AGENT_VOLUMES:-}" ]]; then
+  read -r -a more <<<"$NETWORK_AGENT_VOLUMES"
+  volumes+=("${more[@]}")
+fi
+t0=$SECONDS
+for v in "${volumes[@]}"; do
+  until [[ -d "$v" ]]; do
+    if (( SECONDS - t0 >= wait_secs )); then
+      die "volume $v did not appear within ${wait_secs}s"
+    fi
+    sleep 1
+  done
+done
+log "(1) volumes present: ${volumes[*]} ($(( SECONDS - t0 ))s)"
+
+# (2) bpffs: bpffs_dir must live on a bpf filesystem. If it lies under the bpffs root
+# (default /sys/fs/bpf) and that is not mounted, mount it there; anything else is an error.
+bpffs_root="${NETWORK_AGENT_BPFFS_ROOT:-/sys/fs/bpf}"
+root="$bpffs_dir"
+while [[ ! -d "$root" ]]; do root="$(dirname "$root")"; done
+fstype="$(stat -f -c %T "$root")"
+if [[ "$fstype" != "bpf_fs" ]]; then
+  if [[ "${NETWORK_AGENT_MOUNT_BPFFS:-1}" == 1 && "$bpffs_dir/" == "$bpffs_root/"* && -d "$bpffs_root" ]]; then
+    log "(2) mounting bpffs at $bpffs_root"
+    mount -t bpf bpf "$bpffs_root" || die "mount bpffs at $bpffs_root failed"
+  else
+    die "$root is on $fstype, not bpffs (mount bpffs there or set bpffs_dir)"
+  fi
+fi
+log "(2) bpffs ready; the agent loads the datapath and pins under $bpffs_dir"
+
+if [[ -n "${NETWORK_AGENT_LOG_FILE:-}" ]]; then
+  exec >>"$NETWORK_AGENT_LOG_FILE" 2>&1
+fi
+log "(3-6) exec $bin ${args[*]}: cube-dev, recovery + TAP pool, health, then gRPC and the TAP socket"
+exec "$bin" "${args[@]}"

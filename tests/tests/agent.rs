@@ -1,0 +1,676 @@
+//! Issue 4 acceptance with today's datapath (ARP proxy): the network-agent started by
+//! `scripts/start-network-agent.sh` in its own namespace, programming the harness node
+//! namespace. Pool, Ensure, fd handoff + TAP guest ARP, Release/reuse, kill -9 recovery,
+//! 50 concurrent Ensure/Release back to baseline, fd-socket bad input, gRPC validation,
+//! config errors, and a Python grpcio-tools client for wire compatibility.
+//! Tests needing SNAT/conntrack/port-map DNAT live in `agent_datapath.rs`.
+
+use std::{
+    collections::BTreeSet,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use cubenet_proto::v1::{self as pb, network_agent_client::NetworkAgentClient};
+use cubenet_sys::tap::VNET_HDR_LEN;
+use cubenet_tests::{
+    agent::{AgentUnderTest, request_tap_fd, tap_fd, workspace_bin},
+    guest::TapGuest,
+    netns::leftover_namespaces,
+    packet::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+    require_root,
+};
+use tonic::{Code, transport::Channel};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn client(a: &AgentUnderTest) -> NetworkAgentClient<Channel> {
+    network_agent::client::connect(&a.grpc_endpoint()).await.expect("connect gRPC")
+}
+
+fn ensure_req(id: &str, ports: &[u32]) -> pb::EnsureNetworkRequest {
+    pb::EnsureNetworkRequest {
+        sandbox_id: id.into(),
+        port_mappings: ports
+            .iter()
+            .map(|p| pb::PortMapping {
+                protocol: "tcp".into(),
+                container_port: *p,
+                host_port: 0,
+                host_ip: String::new(),
+            })
+            .collect(),
+        cubevs_context: Some(pb::CubeVsContext {
+            allow_internet_access: Some(false),
+            allow_out: vec!["198.51.100.0/24".into()],
+            deny_out: vec![],
+        }),
+        ..Default::default()
+    }
+}
+
+fn state_counts(a: &AgentUnderTest) -> (u64, u64, u64) {
+    let j = a.http_json("/v1/network/taps");
+    let c = &j["stateCounts"];
+    (c["Ready"].as_u64().unwrap(), c["Active"].as_u64().unwrap(), c["Cleaning"].as_u64().unwrap())
+}
+
+fn tap_of(a: &AgentUnderTest, name: &str) -> serde_json::Value {
+    let j = a.http_json("/v1/network/taps");
+    j["taps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tapName"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("{name}: {j}"))
+}
+
+fn state_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+}
+
+fn assert_arp(guest: &TapGuest) {
+    let reply = guest.arp(GATEWAY_IP, Duration::from_secs(2)).expect("no ARP reply through the agent's TAP");
+    assert_eq!(reply, packet::arp_reply(GATEWAY_MAC, GATEWAY_IP, GUEST_MAC, GUEST_IP));
+}
+
+fn percentile(v: &mut [Duration], p: f64) -> Duration {
+    v.sort();
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[test]
+fn pool_ensure_fd_arp_release_reuse() {
+    if !require_root("pool_ensure_fd_arp_release_reuse") {
+        return;
+    }
+    let names;
+    {
+        let mut a = AgentUnderTest::prepare("basic", 3, "");
+        names = vec![a.ns.name().to_string(), a.topo.node.name().to_string()];
+        a.start();
+        // Pool: 3 Ready TAPs in the node namespace, each with from_cube pinned.
+        assert_eq!(state_counts(&a), (3, 0, 0));
+        let taps = a.node_taps();
+        assert_eq!(taps.len(), 3, "{taps:?}");
+        let progs = a.topo.node.run({
+            let t = taps.clone();
+            move || t.iter().map(|n| cubevs::tcx_ingress_programs(n).unwrap()).collect::<Vec<_>>()
+        });
+        assert!(progs.iter().all(|p| p == &vec!["from_cube".to_string()]), "{progs:?}");
+        let pins = std::fs::read_dir(a.pin_dir().join("links")).unwrap().count();
+        assert_eq!(pins, 3);
+        // cube-dev: gateway MAC, CIDR .1, route for the CIDR.
+        let dev = a.topo.node.ip(&["-j", "addr", "show", "dev", "cube-dev"]);
+        assert!(dev.contains("20:90:6f:cf:cf:cf") && dev.contains("192.168.0.1"), "{dev}");
+        let route = a.topo.node.ip(&["route", "show", "192.168.0.0/24"]);
+        assert!(route.contains("dev cube-dev"), "{route}");
+
+        let rt = rt();
+        let mut c = rt.block_on(client(&a));
+        let r = rt.block_on(c.ensure_network(ensure_req("sb-a", &[80]))).expect("ensure").into_inner();
+        assert_eq!(r.sandbox_id, "sb-a");
+        assert_eq!(r.network_handle, "sb-a");
+        let i = &r.interfaces[0];
+        assert!(i.name.starts_with("z192.168.0."), "{i:?}");
+        assert_eq!((i.mac_address.as_str(), i.gateway.as_str(), i.mtu), ("20:90:6f:fc:fc:fc", "169.254.68.5", 1500));
+        assert_eq!(i.ip_cidrs, vec!["169.254.68.6/30"]);
+        assert_eq!(r.routes[0].gateway, "169.254.68.5");
+        assert_eq!(
+            (r.arp_neighbors[0].ip.as_str(), r.arp_neighbors[0].mac_address.as_str()),
+            ("169.254.68.5", "20:90:6f:cf:cf:cf")
+        );
+        let hp = r.port_mappings[0].host_port;
+        assert!((20000..=29999).contains(&hp), "{hp}");
+        for k in ["sandbox_ip", "host_tap_name", "mvm_inner_ip", "gateway_ip"] {
+            assert!(r.persist_metadata.contains_key(k), "{k} missing: {:?}", r.persist_metadata);
+        }
+        assert_eq!(r.persist_metadata["host_tap_name"], i.name);
+        assert_eq!(r.persist_metadata["gateway_ip"], "192.168.0.1");
+        // Idempotent, and Get returns the same.
+        let again = rt.block_on(c.ensure_network(ensure_req("sb-a", &[80]))).unwrap().into_inner();
+        assert_eq!(again, r);
+        let got = rt
+            .block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-a".into(), ..Default::default() }))
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            (got.interfaces.clone(), got.port_mappings.clone()),
+            (r.interfaces.clone(), r.port_mappings.clone())
+        );
+        assert_eq!(tap_of(&a, &i.name)["state"], "Active");
+        let v1 = serde_json::from_slice::<serde_json::Value>(
+            &std::fs::read(a.state_dir().join("sb-a.success.json")).expect("success state file"),
+        )
+        .unwrap()["version"]
+            .as_u64()
+            .unwrap();
+
+        // fd handoff → the TAP guest resolves its gateway through the datapath.
+        let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-a");
+        assert_eq!(reply, serde_json::json!({"errCode": "0", "errMsg": "Success"}));
+        let guest = TapGuest::new(fd.expect("fd with errCode 0"), VNET_HDR_LEN);
+        guest.drain();
+        assert_arp(&guest);
+
+        // The CLI sees the same network, as JSON.
+        let out = a
+            .ns
+            .exec(workspace_bin("cubenet-cli").to_str().unwrap(), &["--grpc", &a.grpc_endpoint(), "--json", "list"]);
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cli json");
+        assert_eq!(j["networks"][0]["sandboxID"], "sb-a", "{j}");
+
+        // Release: the TAP goes back to Ready, the handoff is refused.
+        drop(guest);
+        let rel = rt
+            .block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-a".into(), ..Default::default() }))
+            .unwrap()
+            .into_inner();
+        assert!(rel.released);
+        assert_eq!(tap_of(&a, &i.name)["state"], "Ready");
+        assert!(state_files(&a.state_dir()).is_empty());
+        let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-a");
+        assert_eq!(reply["errCode"], "1002");
+        assert!(fd.is_none());
+        let e = rt
+            .block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-a".into(), ..Default::default() }))
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound);
+
+        // Reuse: a new sandbox gets the same TAP, a newer version and none of the old state.
+        let mut req = ensure_req("sb-b", &[]);
+        req.cubevs_context = None;
+        let r2 = rt.block_on(c.ensure_network(req)).unwrap().into_inner();
+        assert_eq!(r2.interfaces[0].name, i.name, "first Ready TAP is reused");
+        assert!(r2.port_mappings.is_empty());
+        let v2 = serde_json::from_slice::<serde_json::Value>(
+            &std::fs::read(a.state_dir().join("sb-b.success.json")).unwrap(),
+        )
+        .unwrap()["version"]
+            .as_u64()
+            .unwrap();
+        assert!(v2 > v1, "version {v2} not newer than {v1}");
+        let pm = a.http_json("/v1/dataplane/portmaps");
+        assert_eq!(pm["portMappings"].as_array().unwrap().len(), 0, "old port mapping survived: {pm}");
+        let pol = a.http_json("/v1/dataplane/policies");
+        let mine =
+            pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == i.name.as_str()).unwrap().clone();
+        assert_eq!(mine["policy"]["allow_out"], serde_json::json!([]), "old policy survived: {mine}");
+        assert_eq!(mine["policy"]["allow_internet_access"], true);
+        let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-b");
+        assert_eq!(reply["errCode"], "0");
+        let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+        guest.drain();
+        assert_arp(&guest);
+
+        // SIGTERM: the agent exits, the TAPs and pins stay.
+        let st = a.kill(nix::sys::signal::Signal::SIGTERM);
+        assert!(st.success(), "{st}\n{}", a.log());
+        assert_eq!(a.node_taps().len(), taps.len().max(a.node_taps().len()));
+        assert!(a.node_taps().contains(&i.name));
+        assert!(a.pin_dir().join("links").read_dir().unwrap().count() >= 3);
+        assert_arp(&guest);
+    }
+    let left = leftover_namespaces();
+    assert!(names.iter().all(|n| !left.contains(n)), "{left:?}");
+}
+
+#[test]
+fn kill9_recovery_keeps_guest_and_state() {
+    if !require_root("kill9_recovery_keeps_guest_and_state") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("kill9", 2, "");
+    a.start();
+    let rt = rt();
+    let mut c = rt.block_on(client(&a));
+    let r = rt.block_on(c.ensure_network(ensure_req("sb-live", &[8080]))).unwrap().into_inner();
+    let r2 = rt.block_on(c.ensure_network(ensure_req("sb-idle", &[]))).unwrap().into_inner();
+    let tap = r.interfaces[0].name.clone();
+    let (_, fd) = tap_fd(&a.tap_socket(), &tap, "sb-live");
+    let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    guest.drain();
+    assert_arp(&guest);
+    let ifindex_before = a.topo.node.run({
+        let t = tap.clone();
+        move || cubenet_sys::ifindex(&t).unwrap()
+    });
+    let get = |c: &mut NetworkAgentClient<Channel>, id: &str| {
+        rt.block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: id.into(), ..Default::default() }))
+            .unwrap()
+            .into_inner()
+    };
+    let before = get(&mut c, "sb-live");
+    let before_idle = get(&mut c, "sb-idle");
+
+    let st = a.kill(nix::sys::signal::Signal::SIGKILL);
+    assert!(!st.success());
+    // The guest keeps being answered while the agent is down (pinned datapath): no loss.
+    let t = Instant::now();
+    let mut answered = 0;
+    while t.elapsed() < Duration::from_millis(500) {
+        assert_arp(&guest);
+        answered += 1;
+    }
+    assert!(answered > 5);
+
+    a.child = Some(a.spawn_script());
+    a.wait_ready(Duration::from_secs(30));
+    let log = a.log();
+    assert!(log.contains("adopted: 2"), "{log}");
+    let mut c = rt.block_on(client(&a));
+    assert_eq!(get(&mut c, "sb-live"), before);
+    assert_eq!(get(&mut c, "sb-idle"), before_idle);
+    let listed = rt.block_on(c.list_networks(pb::ListNetworksRequest {})).unwrap().into_inner();
+    assert_eq!(listed.networks.len(), 2);
+    // Same TAP, same ifindex, still held by the guest, still answered.
+    let ifindex_after = a.topo.node.run({
+        let t = tap.clone();
+        move || cubenet_sys::ifindex(&t).unwrap()
+    });
+    assert_eq!(ifindex_before, ifindex_after);
+    assert_eq!(tap_of(&a, &tap)["state"], "Active");
+    assert_arp(&guest);
+    // The in-use TAP was not reopened: a handoff for it must not steal the guest's queue
+    // (the agent's own fd died with it; reopening a TAP a VMM holds is refused with -1).
+    let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-live");
+    assert_eq!(reply["errCode"], "-1", "{reply}");
+    assert!(fd.is_none());
+    assert_arp(&guest);
+    // The idle sandbox's TAP (no VMM) is opened lazily and handed out.
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r2.interfaces[0].name, "sb-idle");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    assert!(fd.is_some());
+    // Releases still work after recovery.
+    drop(guest);
+    for id in ["sb-live", "sb-idle"] {
+        rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }))
+            .unwrap();
+    }
+    assert!(state_files(&a.state_dir()).is_empty(), "{:?}\n{}", state_files(&a.state_dir()), a.log());
+}
+
+#[test]
+fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
+    if !require_root("fifty_concurrent_ensures_and_releases_return_to_baseline") {
+        return;
+    }
+    const N: usize = 50;
+    let mut a = AgentUnderTest::prepare("fifty", 4, "");
+    a.start();
+    let baseline_taps = a.node_taps();
+    assert_eq!(baseline_taps.len(), 4);
+    let rt = rt();
+
+    // Ensure + fd latency at concurrency 1.
+    let mut serial = Vec::new();
+    {
+        let mut c = rt.block_on(client(&a));
+        for k in 0..10 {
+            let id = format!("serial-{k}");
+            let t = Instant::now();
+            let r = rt.block_on(c.ensure_network(ensure_req(&id, &[80]))).unwrap().into_inner();
+            let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &id);
+            serial.push(t.elapsed());
+            assert_eq!(reply["errCode"], "0");
+            drop(fd);
+            rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id, ..Default::default() })).unwrap();
+        }
+    }
+
+    // 50 concurrent Ensure + fd.
+    let endpoint = a.grpc_endpoint();
+    let sock = a.tap_socket();
+    let mt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let results: Vec<(String, pb::EnsureNetworkResponse, Duration)> = mt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for k in 0..N {
+            let (endpoint, sock) = (endpoint.clone(), sock.clone());
+            set.spawn(async move {
+                let id = format!("sb-{k:02}");
+                let mut c = network_agent::client::connect(&endpoint).await.unwrap();
+                let t = Instant::now();
+                let r = c.ensure_network(ensure_req(&id, &[80])).await.unwrap().into_inner();
+                let name = r.interfaces[0].name.clone();
+                let i2 = id.clone();
+                let (reply, fd) = tokio::task::spawn_blocking(move || tap_fd(&sock, &name, &i2)).await.unwrap();
+                let took = t.elapsed();
+                assert_eq!(reply["errCode"], "0", "{id}: {reply}");
+                assert!(fd.is_some());
+                (id, r, took)
+            });
+        }
+        let mut v = Vec::new();
+        while let Some(r) = set.join_next().await {
+            v.push(r.expect("ensure task"));
+        }
+        v
+    });
+    assert_eq!(results.len(), N);
+    let taps: BTreeSet<_> = results.iter().map(|(_, r, _)| r.interfaces[0].name.clone()).collect();
+    let ports: BTreeSet<_> = results.iter().map(|(_, r, _)| r.port_mappings[0].host_port).collect();
+    assert_eq!(taps.len(), N, "TAPs must be distinct");
+    assert_eq!(ports.len(), N, "host ports must be distinct");
+    assert_eq!(state_counts(&a).1, N as u64);
+    assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), N);
+    assert_eq!(state_files(&a.state_dir()).len(), N);
+    let mut conc: Vec<Duration> = results.iter().map(|r| r.2).collect();
+
+    // Concurrent Ensures of one id make one network.
+    let same: Vec<String> = mt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let endpoint = endpoint.clone();
+            set.spawn(async move {
+                let mut c = network_agent::client::connect(&endpoint).await.unwrap();
+                c.ensure_network(ensure_req("sb-same", &[])).await.unwrap().into_inner().interfaces[0].name.clone()
+            });
+        }
+        let mut v = Vec::new();
+        while let Some(r) = set.join_next().await {
+            v.push(r.unwrap());
+        }
+        v
+    });
+    assert!(same.iter().all(|n| n == &same[0]), "{same:?}");
+
+    // 50 (+1) concurrent Releases.
+    let ids: Vec<String> = results.iter().map(|r| r.0.clone()).chain(["sb-same".to_string()]).collect();
+    mt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for id in ids {
+            let endpoint = endpoint.clone();
+            set.spawn(async move {
+                let mut c = network_agent::client::connect(&endpoint).await.unwrap();
+                let r = c
+                    .release_network(pb::ReleaseNetworkRequest { sandbox_id: id.clone(), ..Default::default() })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert!(r.released, "{id}");
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.expect("release task");
+        }
+    });
+
+    // Baseline: TAP count, map entries, host ports, state files.
+    let t = Instant::now();
+    loop {
+        let (ready, active, cleaning) = state_counts(&a);
+        if ready == 4 && active == 0 && cleaning == 0 && a.node_taps().len() == baseline_taps.len() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "not back to baseline: {:?} {:?}",
+            state_counts(&a),
+            a.node_taps()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
+    assert!(state_files(&a.state_dir()).is_empty());
+    let metrics = a.http("/metrics").unwrap().1;
+    assert!(metrics.contains("cubenet_ensure_total{result=\"ok\"} 68"), "{metrics}");
+    let neigh = a.topo.node.ip(&["neigh", "show", "dev", "cube-dev"]);
+    assert_eq!(neigh.lines().count(), 4, "{neigh}");
+
+    eprintln!(
+        "FIGURES: Ensure+fd at concurrency 1: p50 {:?} p99 {:?}; at concurrency {N}: p50 {:?} p99 {:?}",
+        percentile(&mut serial, 0.5),
+        percentile(&mut serial, 0.99),
+        percentile(&mut conc, 0.5),
+        percentile(&mut conc, 0.99)
+    );
+}
+
+#[test]
+fn fd_socket_bad_input_gets_error_codes_and_no_fd() {
+    if !require_root("fd_socket_bad_input_gets_error_codes_and_no_fd") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("fdbad", 2, "");
+    a.start();
+    let rt = rt();
+    let mut c = rt.block_on(client(&a));
+    let r1 = rt.block_on(c.ensure_network(ensure_req("sb-1", &[]))).unwrap().into_inner();
+    let r2 = rt.block_on(c.ensure_network(ensure_req("sb-2", &[]))).unwrap().into_inner();
+    let sock = a.tap_socket();
+
+    // A silent client does not block others.
+    let silent = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let t = Instant::now();
+    let (reply, fd) = tap_fd(&sock, &r1.interfaces[0].name, "sb-1");
+    assert_eq!(reply["errCode"], "0");
+    assert!(fd.is_some());
+    assert!(t.elapsed() < Duration::from_millis(500), "blocked behind a silent client: {:?}", t.elapsed());
+    drop(silent);
+
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (b"{not json".to_vec(), "1001"),
+        (b"[]".to_vec(), "1001"),
+        (format!("{{\"name\":\"{}\",\"sandboxId\":\"{}\"}}", "x".repeat(8000), "sb-1").into_bytes(), "1001"),
+        (br#"{"name":"z192.168.0.250","sandboxId":"sb-1"}"#.to_vec(), "1002"),
+        (format!(r#"{{"name":"{}","sandboxId":"nobody"}}"#, r1.interfaces[0].name).into_bytes(), "1002"),
+        // Another sandbox's TAP.
+        (format!(r#"{{"name":"{}","sandboxId":"sb-1"}}"#, r2.interfaces[0].name).into_bytes(), "1002"),
+    ];
+    for (req, code) in cases {
+        let (reply, fd) = request_tap_fd(&sock, &req);
+        assert_eq!(reply["errCode"], code, "request {:?}", String::from_utf8_lossy(&req[..req.len().min(80)]));
+        assert!(reply["errCode"].is_string());
+        assert!(fd.is_none(), "an fd came with errCode {code}");
+    }
+    let m = a.http("/metrics").unwrap().1;
+    assert!(m.contains("cubenet_fd_handoffs_total{err_code=\"1002\"} 3"), "{m}");
+}
+
+#[test]
+fn grpc_validation_and_health() {
+    if !require_root("grpc_validation_and_health") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("grpcbad", 1, "");
+    a.start();
+    let rt = rt();
+    let mut c = rt.block_on(client(&a));
+    let cases: Vec<(pb::EnsureNetworkRequest, &str)> = vec![
+        (ensure_req("", &[]), "sandbox_id"),
+        (ensure_req("../x", &[]), "sandbox_id"),
+        (ensure_req("ok", &[0]), "port_mappings[0].container_port"),
+        (ensure_req("ok", &[70000]), "port_mappings[0].container_port"),
+        (
+            pb::EnsureNetworkRequest {
+                port_mappings: vec![pb::PortMapping {
+                    protocol: "sctp".into(),
+                    container_port: 1,
+                    ..Default::default()
+                }],
+                ..ensure_req("ok", &[])
+            },
+            "port_mappings[0].protocol",
+        ),
+        (
+            pb::EnsureNetworkRequest {
+                port_mappings: vec![pb::PortMapping {
+                    protocol: "tcp".into(),
+                    container_port: 1,
+                    host_port: 80,
+                    ..Default::default()
+                }],
+                ..ensure_req("ok", &[])
+            },
+            "port_mappings[0].host_port",
+        ),
+        (
+            pb::EnsureNetworkRequest {
+                cubevs_context: Some(pb::CubeVsContext {
+                    allow_out: vec!["10.0.0.0/8".into(), "bogus".into()],
+                    ..Default::default()
+                }),
+                ..ensure_req("ok", &[])
+            },
+            "cubevs_context.allow_out[1]",
+        ),
+    ];
+    for (req, field) in cases {
+        let e = rt.block_on(c.ensure_network(req)).unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{field}: {e:?}");
+        assert!(e.message().contains(field), "{field} not named in {:?}", e.message());
+    }
+    // Nothing was left behind by the rejected calls.
+    assert_eq!(state_counts(&a), (1, 0, 0));
+    assert!(state_files(&a.state_dir()).is_empty());
+    let e = rt
+        .block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: "ghost".into(), ..Default::default() }))
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = rt
+        .block_on(c.reconcile_network(pb::ReconcileNetworkRequest { sandbox_id: "ghost".into(), ..Default::default() }))
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let r =
+        rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "ghost".into(), ..Default::default() }));
+    assert!(r.unwrap().into_inner().released);
+    let h = rt.block_on(c.health(pb::HealthRequest::default())).unwrap().into_inner();
+    assert!(h.ok, "{h:?}");
+    // grpc.health.v1 reports SERVING for "".
+    let ch = rt.block_on(async {
+        let c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        drop(c);
+        tonic::transport::Endpoint::try_from("http://agent.invalid")
+            .unwrap()
+            .connect_with_connector(tower_connector(a.dir.join("cube/grpc.sock")))
+            .await
+            .unwrap()
+    });
+    let mut hc = tonic_health::pb::health_client::HealthClient::new(ch);
+    let s =
+        rt.block_on(hc.check(tonic_health::pb::HealthCheckRequest { service: String::new() })).unwrap().into_inner();
+    assert_eq!(s.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    // Loopback-only endpoints, 405 on other methods, readiness.
+    assert_eq!(a.http("/healthz").unwrap(), (200, "ok".to_string()));
+    assert_eq!(a.http("/readyz").unwrap(), (200, "ready".to_string()));
+}
+
+fn tower_connector(
+    path: std::path::PathBuf,
+) -> impl tower_service::Service<
+    tonic::transport::Uri,
+    Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone {
+    tower::service_fn(move |_| {
+        let p = path.clone();
+        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+    })
+}
+
+#[test]
+fn invalid_config_and_conflicting_state_refuse_to_start() {
+    if !require_root("invalid_config_and_conflicting_state_refuse_to_start") {
+        return;
+    }
+    // An invalid key: the script exits non-zero and the message names the key.
+    let a = AgentUnderTest::prepare("badcfg", 1, "mtu = 10\n");
+    let mut child = a.spawn_script();
+    let st = child.child().wait().unwrap();
+    assert!(!st.success());
+    // --print-config failed before the log redirect: the reason went to stderr; re-run to see it.
+    let out = std::process::Command::new(workspace_bin("network-agent"))
+        .args(["--config", a.dir.join("agent.toml").to_str().unwrap(), "--check-config"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`mtu`"), "{out:?}");
+    drop(a);
+
+    // Two state records claiming one TAP: recovery refuses with a clear message.
+    let mut a = AgentUnderTest::prepare("conflict", 1, "");
+    for id in ["sb-x", "sb-y"] {
+        let rec = serde_json::json!({
+            "sandbox_id": id, "tap_name": "z192.168.0.9", "tap_ifindex": 99, "sandbox_ip": "192.168.0.9",
+            "version": 1, "port_mappings": [], "policy": {"allow_internet_access": true, "allow_out": [], "deny_out": []},
+            "persist_metadata": {}
+        });
+        std::fs::write(a.state_dir().join(format!("{id}.success.json")), rec.to_string()).unwrap();
+    }
+    let mut child = a.spawn_script();
+    let st = child.child().wait().unwrap();
+    assert!(!st.success());
+    assert!(a.log().contains("conflicting identity"), "{}", a.log());
+    a.child = None;
+}
+
+#[test]
+fn python_grpcio_client_is_wire_compatible() {
+    if !require_root("python_grpcio_client_is_wire_compatible") {
+        return;
+    }
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let venv = target.join("py-grpc-venv");
+    let py = venv.join("bin/python");
+    if !py.exists() || !venv.join(".grpcio-ok").exists() {
+        let st = std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
+        assert!(st.success(), "python3 -m venv failed");
+        let st =
+            std::process::Command::new(&py).args(["-m", "pip", "install", "--quiet", "grpcio-tools"]).status().unwrap();
+        assert!(st.success(), "pip install grpcio-tools failed");
+        std::fs::write(venv.join(".grpcio-ok"), b"").unwrap();
+    }
+    let mut a = AgentUnderTest::prepare("python", 1, "");
+    a.start();
+    let pydir = a.dir.join("py");
+    std::fs::create_dir_all(&pydir).unwrap();
+    let proto_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto");
+    let st = std::process::Command::new(&py)
+        .args(["-m", "grpc_tools.protoc", "-I"])
+        .arg(&proto_dir)
+        .arg(format!("--python_out={}", pydir.display()))
+        .arg(format!("--grpc_python_out={}", pydir.display()))
+        .arg(proto_dir.join("network_agent.proto"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "grpc_tools.protoc failed");
+    let script = r#"
+import sys, grpc
+sys.path.insert(0, sys.argv[1])
+import network_agent_pb2 as pb, network_agent_pb2_grpc as rpc
+# The default :authority of a unix: target is the socket path, which is not a valid
+# authority for the Rust HTTP/2 server; name a host as any TCP client would.
+ch = grpc.insecure_channel(sys.argv[2], options=[("grpc.default_authority", "localhost")])
+s = rpc.NetworkAgentStub(ch)
+r = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-1",
+    port_mappings=[pb.PortMapping(protocol="tcp", container_port=8080)],
+    cubevs_context=pb.CubeVSContext(allow_internet_access=True, deny_out=["10.0.0.0/8"])))
+assert r.sandbox_id == "py-1" and r.network_handle == "py-1", r
+assert r.interfaces[0].ip_cidrs[0] == "169.254.68.6/30", r
+assert r.interfaces[0].mtu == 1500
+assert r.port_mappings[0].host_port >= 20000
+assert r.persist_metadata["host_tap_name"] == r.interfaces[0].name
+g = s.GetNetwork(pb.GetNetworkRequest(sandbox_id="py-1"))
+assert g.interfaces == r.interfaces and g.port_mappings == r.port_mappings
+l = s.ListNetworks(pb.ListNetworksRequest())
+assert [n.sandbox_id for n in l.networks] == ["py-1"], l
+assert l.networks[0].tap_ifindex > 0 and l.networks[0].sandbox_ip.startswith("192.168.0.")
+try:
+    s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id=""))
+    raise SystemExit("empty sandbox_id accepted")
+except grpc.RpcError as e:
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+rel = s.ReleaseNetwork(pb.ReleaseNetworkRequest(sandbox_id="py-1"))
+assert rel.released
+print("PYTHON-OK", r.interfaces[0].name)
+"#;
+    let endpoint = format!("unix://{}", a.dir.join("cube/grpc.sock").display());
+    let out = std::process::Command::new(&py).arg("-c").arg(script).arg(&pydir).arg(&endpoint).output().unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && so.contains("PYTHON-OK"), "{so}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(state_counts(&a), (1, 0, 0));
+}
