@@ -1,21 +1,32 @@
-//! Loading the CubeVS object and attaching its programs.
+//! Loading the CubeVS object, pinning/adopting its maps and attaching its programs.
+//!
+//! Pin layout under `LoadOptions::pin_dir` (a bpffs directory such as `/sys/fs/bpf/cubevs`):
+//! `maps/<name>` for every map (reused by the next load when compatible), and
+//! `links/<program>_<ifindex>` for every tcx link, so the datapath keeps forwarding after the
+//! process exits and a new process adopts the links instead of attaching twice.
 
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use aya::{
     Ebpf, EbpfLoader,
+    maps::MapInfo,
     programs::{
         SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
-        tc::SchedClassifierLink,
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     },
+    util::KernelVersion,
 };
-use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, OBJECT_FILE_NAME, prog};
+use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, OBJECT_FILE_NAME, limits, map, prog};
 
-use crate::Error;
+use crate::{
+    Error, Maps, counters::Counters, node::NodeTable, policy::PolicyTable, ports::PortMaps, sandbox::SandboxTable,
+    sessions::Sessions, snat::SnatTable,
+};
 
 /// Where to find the eBPF object when no path is configured, first hit wins:
 /// 1. `$CUBEVS_BPF_OBJECT`;
@@ -34,6 +45,43 @@ pub fn default_object_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("target").join("ebpf").join(OBJECT_FILE_NAME)
 }
 
+/// How programs are attached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttachMode {
+    /// tcx on kernels ≥ 6.6, legacy tc below.
+    #[default]
+    Auto,
+    /// tcx links (pinned when a pin directory is set).
+    Tcx,
+    /// clsact qdisc + direct-action filter at priority 1, handle 1 (what upstream uses);
+    /// filters persist in the kernel until removed.
+    LegacyTc,
+}
+
+/// `max_entries` of the resizable maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapLimits {
+    /// Sessions per direction (`egress_sessions`, `ingress_sessions`).
+    pub sessions: u32,
+    /// Sandboxes (`ifindex_to_mvmmeta`, `mvmip_to_ifindex`, `policy_gen`).
+    pub sandboxes: u32,
+    /// Port mappings per map.
+    pub port_mappings: u32,
+    /// Policy entries per trie, all sandboxes together.
+    pub policy_entries: u32,
+}
+
+impl Default for MapLimits {
+    fn default() -> Self {
+        Self {
+            sessions: limits::SESSIONS,
+            sandboxes: limits::SANDBOXES,
+            port_mappings: limits::PORT_MAPPINGS,
+            policy_entries: limits::POLICY_ENTRIES,
+        }
+    }
+}
+
 /// How to load the datapath.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
@@ -41,15 +89,25 @@ pub struct LoadOptions {
     pub object: PathBuf,
     /// Constants written into the object's `CONFIG` global.
     pub config: DatapathConfig,
-    /// bpffs directory for pins (e.g. `/sys/fs/bpf/cubevs`); `None` keeps links owned by the
-    /// process, so they detach when the [`Datapath`] is dropped.
+    /// bpffs directory for pins (e.g. `/sys/fs/bpf/cubevs`); `None`: maps are private to this
+    /// process and links detach when the [`Datapath`] is dropped.
     pub pin_dir: Option<PathBuf>,
+    /// Map sizes (ignored for maps adopted from pins, which keep their size).
+    pub limits: MapLimits,
+    /// Attach mechanism.
+    pub attach_mode: AttachMode,
 }
 
 impl LoadOptions {
-    /// Default object path and configuration, no pinning.
+    /// Default object path, configuration and limits; no pinning.
     pub fn new() -> Self {
-        Self { object: default_object_path(), config: DatapathConfig::DEFAULT, pin_dir: None }
+        Self {
+            object: default_object_path(),
+            config: DatapathConfig::DEFAULT,
+            pin_dir: None,
+            limits: MapLimits::default(),
+            attach_mode: AttachMode::Auto,
+        }
     }
 }
 
@@ -59,17 +117,20 @@ impl Default for LoadOptions {
     }
 }
 
-/// A loaded CubeVS datapath.
+/// A loaded CubeVS datapath: programs (attach/detach need the dataplane netns thread) and
+/// the shared, thread-safe [`Maps`].
 pub struct Datapath {
     ebpf: Ebpf,
     opts: LoadOptions,
-    /// Unpinned links, keyed by (program, ifindex); dropped (detached) with the datapath.
+    maps: Arc<Maps>,
+    legacy: bool,
+    /// Unpinned tcx links, keyed by (program, ifindex); detached when dropped.
     owned_links: HashMap<(&'static str, u32), SchedClassifierLink>,
 }
 
 impl std::fmt::Debug for Datapath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Datapath").field("opts", &self.opts).finish_non_exhaustive()
+        f.debug_struct("Datapath").field("opts", &self.opts).field("legacy_tc", &self.legacy).finish_non_exhaustive()
     }
 }
 
@@ -78,36 +139,106 @@ fn prog_err(what: impl Into<String>) -> impl FnOnce(aya::programs::ProgramError)
     move |source| Error::Program { what, source: Box::new(source) }
 }
 
+fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error> {
+    let m = ebpf.take_map(name).ok_or(Error::Missing(name))?;
+    T::try_from(m).map_err(|_| Error::Missing(name))
+}
+
 impl Datapath {
-    /// Reads the object, writes `opts.config` into `CONFIG`, and loads every program into the
-    /// kernel (nothing is attached yet).
+    /// Reads the object, writes `opts.config` into `CONFIG`, creates or adopts the pinned maps
+    /// and loads every program (nothing is attached yet).
     ///
-    /// Errors: [`Error::Object`] when the file is missing, [`Error::Load`] /
+    /// Errors: [`Error::Object`] when the file is missing; [`Error::IncompatiblePin`] when a
+    /// pinned map's type, key or value size differs from the object's; [`Error::Load`] /
     /// [`Error::Program`] for kernel rejections (the verifier log is in the message).
     pub fn load(opts: LoadOptions) -> Result<Self, Error> {
         let bytes =
             std::fs::read(&opts.object).map_err(|source| Error::Object { path: opts.object.clone(), source })?;
-        let mut ebpf = EbpfLoader::new()
+        let map_dir = opts.pin_dir.as_ref().map(|d| d.join("maps"));
+        if let Some(dir) = &opts.pin_dir {
+            for sub in ["maps", "links"] {
+                std::fs::create_dir_all(dir.join(sub))
+                    .map_err(|source| Error::Pin { what: format!("create {}", dir.join(sub).display()), source })?;
+            }
+        }
+        let l = opts.limits;
+        let mut loader = EbpfLoader::new();
+        loader
             .override_global(CONFIG_GLOBAL, &opts.config, true)
+            .map_max_entries(map::EGRESS_SESSIONS, l.sessions)
+            .map_max_entries(map::INGRESS_SESSIONS, l.sessions)
+            .map_max_entries(map::IFINDEX_TO_MVMMETA, l.sandboxes)
+            .map_max_entries(map::MVMIP_TO_IFINDEX, l.sandboxes)
+            .map_max_entries(map::POLICY_GEN, l.sandboxes)
+            .map_max_entries(map::ALLOW_OUT, l.policy_entries)
+            .map_max_entries(map::DENY_OUT, l.policy_entries);
+        for name in [
+            map::REMOTE_PORT_MAPPING,
+            map::LOCAL_PORT_MAPPING,
+            map::REMOTE_PORT_MAPPING_UDP,
+            map::LOCAL_PORT_MAPPING_UDP,
+        ] {
+            loader.map_max_entries(name, l.port_mappings);
+        }
+        if let Some(dir) = &map_dir {
+            check_pins(&bytes, dir)?;
+            for &name in map::ALL {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader
             .load(&bytes)
             .map_err(|source| Error::Load { path: opts.object.clone(), source: Box::new(source) })?;
         for &name in prog::ALL {
             Self::classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
         }
-        if let Some(dir) = &opts.pin_dir {
-            std::fs::create_dir_all(dir.join("links"))
-                .map_err(|source| Error::Pin { what: format!("create {}", dir.display()), source })?;
-        }
-        Ok(Self { ebpf, opts, owned_links: HashMap::new() })
+        let maps = Arc::new(Maps {
+            sandboxes: SandboxTable::new(
+                take(&mut ebpf, map::IFINDEX_TO_MVMMETA)?,
+                take(&mut ebpf, map::MVMIP_TO_IFINDEX)?,
+            ),
+            ports: PortMaps::new(
+                (take(&mut ebpf, map::REMOTE_PORT_MAPPING)?, take(&mut ebpf, map::LOCAL_PORT_MAPPING)?),
+                (take(&mut ebpf, map::REMOTE_PORT_MAPPING_UDP)?, take(&mut ebpf, map::LOCAL_PORT_MAPPING_UDP)?),
+            ),
+            sessions: Arc::new(Sessions::new(
+                take(&mut ebpf, map::EGRESS_SESSIONS)?,
+                take(&mut ebpf, map::INGRESS_SESSIONS)?,
+            )),
+            snat: SnatTable::new(take(&mut ebpf, map::SNAT_IPLIST)?),
+            policy: PolicyTable::new(
+                take(&mut ebpf, map::ALLOW_OUT)?,
+                take(&mut ebpf, map::DENY_OUT)?,
+                take(&mut ebpf, map::POLICY_GEN)?,
+            ),
+            node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
+            counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
+        });
+        let legacy = match opts.attach_mode {
+            AttachMode::Tcx => false,
+            AttachMode::LegacyTc => true,
+            AttachMode::Auto => KernelVersion::current().map(|v| v < KernelVersion::new(6, 6, 0)).unwrap_or(false),
+        };
+        Ok(Self { ebpf, opts, maps, legacy, owned_links: HashMap::new() })
     }
 
     fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier, Error> {
-        ebpf.program_mut(name).and_then(|p| <&mut SchedClassifier>::try_from(p).ok()).ok_or(Error::NoProgram(name))
+        ebpf.program_mut(name).and_then(|p| <&mut SchedClassifier>::try_from(p).ok()).ok_or(Error::Missing(name))
     }
 
     /// The options this datapath was loaded with.
     pub fn options(&self) -> &LoadOptions {
         &self.opts
+    }
+
+    /// The maps, shareable across threads.
+    pub fn maps(&self) -> Arc<Maps> {
+        self.maps.clone()
+    }
+
+    /// Whether programs are attached with legacy tc instead of tcx.
+    pub fn legacy_tc(&self) -> bool {
+        self.legacy
     }
 
     /// The loaded program `name` (for test runs and inspection).
@@ -119,35 +250,59 @@ impl Datapath {
         self.opts.pin_dir.as_ref().map(|d| d.join("links").join(format!("{name}_{ifindex}")))
     }
 
-    /// Attaches `from_cube` to the tcx ingress of the sandbox interface `ifname` (a TAP, or the
-    /// node-side veth of a test guest), resolved in the calling thread's netns.
-    ///
-    /// With a pin directory the link is pinned at `<pin_dir>/links/from_cube_<ifindex>` and
-    /// survives the process; attaching again to an interface that already has a pinned link
-    /// is a no-op (the existing link is adopted, never attached twice). Returns the ifindex.
+    /// Attaches `from_cube` to the ingress of the sandbox interface `ifname` (a TAP, or the
+    /// node-side veth of a test guest), resolved in the calling thread's netns. An interface
+    /// that already carries our pinned link is adopted, never attached twice. Returns the
+    /// ifindex.
     pub fn attach_sandbox(&mut self, ifname: &str) -> Result<u32, Error> {
         self.attach(prog::FROM_CUBE, ifname, TcAttachType::Ingress)
     }
 
-    /// Detaches `from_cube` from `ifname` and removes its pin, if any.
+    /// Detaches `from_cube` from `ifname` and removes its pin.
     pub fn detach_sandbox(&mut self, ifname: &str) -> Result<(), Error> {
-        let ifindex = ifindex(ifname)?;
-        self.owned_links.remove(&(prog::FROM_CUBE, ifindex));
-        if let Some(pin) = self.link_pin_path(prog::FROM_CUBE, ifindex)
-            && pin.exists()
-        {
-            let link = PinnedLink::from_pin(&pin).map_err(|e| Error::Pin {
-                what: format!("open {}", pin.display()),
-                source: std::io::Error::other(e),
-            })?;
-            // Unpinning and dropping the last fd detaches the program.
-            drop(link.unpin().map_err(|source| Error::Pin { what: format!("unpin {}", pin.display()), source })?);
-        }
-        Ok(())
+        self.detach(prog::FROM_CUBE, ifname, TcAttachType::Ingress)
+    }
+
+    /// Attaches `from_world` to the ingress of the uplink `ifname` and records its ifindex
+    /// and address (host ports are DNATed when addressed to `ip`). Returns the ifindex.
+    pub fn attach_uplink(&mut self, ifname: &str, ip: std::net::Ipv4Addr) -> Result<u32, Error> {
+        let ifindex = self.attach(prog::FROM_WORLD, ifname, TcAttachType::Ingress)?;
+        self.maps.node.set_uplink(ifindex, ip)?;
+        Ok(ifindex)
+    }
+
+    /// Attaches `from_envoy` to the egress of cube-dev `ifname` and records its ifindex and
+    /// address (the sandbox CIDR's .1). Returns the ifindex.
+    pub fn attach_cube_dev(&mut self, ifname: &str, ip: std::net::Ipv4Addr) -> Result<u32, Error> {
+        let ifindex = self.attach(prog::FROM_ENVOY, ifname, TcAttachType::Egress)?;
+        self.maps.node.set_cube_dev(ifindex, ip)?;
+        Ok(ifindex)
     }
 
     fn attach(&mut self, name: &'static str, ifname: &str, kind: TcAttachType) -> Result<u32, Error> {
         let ifindex = ifindex(ifname)?;
+        let what = format!("attach {name} to {kind:?} of {ifname}");
+        if self.legacy {
+            if let Err(e) = tc::qdisc_add_clsact(ifname)
+                && !matches!(&e, tc::TcError::AlreadyAttached)
+                && !e.to_string().contains("exists")
+            {
+                return Err(Error::Program { what: format!("{what}: add clsact"), source: Box::new(e.into()) });
+            }
+            let nl = NlOptions { priority: 1, handle: TcHandle::new(0, 1), ..Default::default() };
+            let prog = Self::classifier(&mut self.ebpf, name)?;
+            match prog.attach_with_options(ifname, kind, TcAttachOptions::Netlink(nl)) {
+                Ok(id) => {
+                    // Keep the filter after this process exits: take the link out of aya's
+                    // bookkeeping and forget it so nothing detaches it on drop.
+                    let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
+                    std::mem::forget(link);
+                }
+                Err(e) if e.to_string().contains("exists") => {}
+                Err(e) => return Err(prog_err(what)(e)),
+            }
+            return Ok(ifindex);
+        }
         let pin = self.link_pin_path(name, ifindex);
         if let Some(pin) = &pin {
             if pin.exists() {
@@ -156,9 +311,10 @@ impl Datapath {
         } else if self.owned_links.contains_key(&(name, ifindex)) {
             return Ok(ifindex);
         }
-        let what = format!("attach {name} to tcx {kind:?} of {ifname}");
         let prog = Self::classifier(&mut self.ebpf, name)?;
-        let id = prog.attach(ifname, kind).map_err(prog_err(what.clone()))?;
+        let id = prog
+            .attach_with_options(ifname, kind, TcAttachOptions::TcxOrder(Default::default()))
+            .map_err(prog_err(what.clone()))?;
         let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
         match pin {
             Some(pin) => {
@@ -177,13 +333,101 @@ impl Datapath {
         }
         Ok(ifindex)
     }
+
+    fn detach(&mut self, name: &'static str, ifname: &str, kind: TcAttachType) -> Result<(), Error> {
+        if self.legacy {
+            return match tc::qdisc_detach_program(ifname, kind, name) {
+                Ok(()) => Ok(()),
+                Err(e) if e.to_string().contains("No such file") || e.to_string().contains("not found") => Ok(()),
+                Err(e) => {
+                    Err(Error::Program { what: format!("detach {name} from {ifname}"), source: Box::new(e.into()) })
+                }
+            };
+        }
+        let ifindex = ifindex(ifname)?;
+        self.owned_links.remove(&(name, ifindex));
+        if let Some(pin) = self.link_pin_path(name, ifindex)
+            && pin.exists()
+        {
+            let link = PinnedLink::from_pin(&pin).map_err(|e| Error::Pin {
+                what: format!("open {}", pin.display()),
+                source: std::io::Error::other(e),
+            })?;
+            // Unpinning and dropping the last fd detaches the program.
+            drop(link.unpin().map_err(|source| Error::Pin { what: format!("unpin {}", pin.display()), source })?);
+        }
+        Ok(())
+    }
+
+    /// Removes link pins whose interface no longer exists in the calling thread's netns
+    /// (garbage left by deleted TAPs). Returns the removed pin names.
+    pub fn gc_link_pins(&self) -> Result<Vec<String>, Error> {
+        let Some(dir) = &self.opts.pin_dir else { return Ok(Vec::new()) };
+        let dir = dir.join("links");
+        let mut removed = Vec::new();
+        let entries =
+            std::fs::read_dir(&dir).map_err(|source| Error::Pin { what: format!("read {}", dir.display()), source })?;
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(idx) = name.rsplit('_').next().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            if nix_if_exists(idx) {
+                continue;
+            }
+            if std::fs::remove_file(e.path()).is_ok() {
+                removed.push(name);
+            }
+        }
+        Ok(removed)
+    }
+}
+
+fn nix_if_exists(ifindex: u32) -> bool {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buffer of IF_NAMESIZE bytes as required.
+    !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
+}
+
+/// Rejects pinned maps whose type, key size or value size differ from the object's.
+fn check_pins(object: &[u8], dir: &Path) -> Result<(), Error> {
+    let obj = aya_obj::Object::parse(object)
+        .map_err(|e| Error::IncompatiblePin { path: dir.to_path_buf(), reason: format!("cannot parse object: {e}") })?;
+    for &name in map::ALL {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let Some(m) = obj.maps.get(name) else { continue };
+        let info = MapInfo::from_pin(&path)
+            .map_err(|e| Error::IncompatiblePin { path: path.clone(), reason: format!("cannot read map info: {e}") })?;
+        let want = (m.map_type(), m.key_size(), m.value_size());
+        let have_type = info.map_type().map(|t| t as u32).unwrap_or(u32::MAX);
+        if (have_type, info.key_size(), info.value_size()) != want {
+            return Err(Error::IncompatiblePin {
+                path,
+                reason: format!(
+                    "pinned (type {have_type}, key {} B, value {} B) vs object (type {}, key {} B, value {} B)",
+                    info.key_size(),
+                    info.value_size(),
+                    want.0,
+                    want.1,
+                    want.2
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Names of the programs attached to the tcx ingress of `ifname` (calling thread's netns), in
-/// run order. Kernel program names are truncated to 15 bytes (`from_cube` fits).
+/// run order. Kernel program names are truncated to 15 bytes.
 pub fn tcx_ingress_programs(ifname: &str) -> Result<Vec<String>, Error> {
-    let (_, infos) = SchedClassifier::query_tcx(ifname, TcAttachType::Ingress)
-        .map_err(prog_err(format!("query tcx ingress of {ifname}")))?;
+    tcx_programs(ifname, TcAttachType::Ingress)
+}
+
+/// Names of the programs attached to tcx `kind` of `ifname` (calling thread's netns).
+pub fn tcx_programs(ifname: &str, kind: TcAttachType) -> Result<Vec<String>, Error> {
+    let (_, infos) =
+        SchedClassifier::query_tcx(ifname, kind).map_err(prog_err(format!("query tcx {kind:?} of {ifname}")))?;
     Ok(infos.iter().map(|i| i.name_as_str().unwrap_or("?").to_string()).collect())
 }
 

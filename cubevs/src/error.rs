@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
-/// Everything the library can fail with. Each variant names the object it was working on.
+/// Everything the library can fail with. Each variant names the object it was working on;
+/// validation errors name the offending field so callers can map them to
+/// `INVALID_ARGUMENT`-style replies.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The eBPF object file is missing or unreadable.
@@ -21,16 +23,34 @@ pub enum Error {
         /// aya's error (includes the verifier log).
         source: Box<aya::EbpfError>,
     },
-    /// The object has no program of that name.
-    #[error("program {0} not found in the eBPF object")]
-    NoProgram(&'static str),
+    /// A pinned map exists but its layout differs from the object's.
+    #[error("pinned map {path} is incompatible with this datapath: {reason}")]
+    IncompatiblePin {
+        /// Pin path.
+        path: PathBuf,
+        /// What differs.
+        reason: String,
+    },
+    /// The object has no program or map of that name.
+    #[error("{0} not found in the eBPF object")]
+    Missing(&'static str),
     /// A program operation (load, attach, test run) failed.
     #[error("{what}: {source}")]
     Program {
-        /// What was being done, e.g. `attach from_cube to tcx ingress of z192.168.0.2`.
+        /// What was being done, e.g. `attach from_cube to tcx Ingress of z192.168.0.2`.
         what: String,
         /// aya's error.
         source: Box<aya::programs::ProgramError>,
+    },
+    /// A map operation failed in the kernel.
+    #[error("map {map}: {op}: {source}")]
+    Map {
+        /// Map name.
+        map: &'static str,
+        /// Operation, e.g. `insert`.
+        op: &'static str,
+        /// aya's error.
+        source: Box<aya::maps::MapError>,
     },
     /// Pinning or reading a pin failed.
     #[error("{what}: {source}")]
@@ -48,4 +68,49 @@ pub enum Error {
         /// Underlying error.
         source: std::io::Error,
     },
+    /// A caller-supplied value is invalid; nothing was changed.
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument {
+        /// Field name, e.g. `allow_out[2]` or `host_port`.
+        field: String,
+        /// Why.
+        reason: String,
+    },
+    /// A request would exceed a map's capacity; nothing was changed.
+    #[error("{map} exceeds maximum entries: got {got}, max {max}")]
+    TooManyEntries {
+        /// Map name.
+        map: &'static str,
+        /// Entries requested.
+        got: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// The entry conflicts with an existing one; nothing was changed.
+    #[error("conflict: {0}")]
+    Conflict(String),
+}
+
+impl Error {
+    pub(crate) fn map(map: &'static str, op: &'static str) -> impl FnOnce(aya::maps::MapError) -> Error {
+        move |source| Error::Map { map, op, source: Box::new(source) }
+    }
+
+    pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
+        Error::InvalidArgument { field: field.into(), reason: reason.into() }
+    }
+}
+
+/// True when a map error is "no such key" (`ENOENT`), which deletes treat as success.
+pub(crate) fn is_not_found(e: &aya::maps::MapError) -> bool {
+    match e {
+        aya::maps::MapError::KeyNotFound | aya::maps::MapError::ElementNotFound => true,
+        aya::maps::MapError::SyscallError(s) => s.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
+/// True when a map error is "key exists" (`EEXIST` from a `BPF_NOEXIST` insert).
+pub(crate) fn is_exists(e: &aya::maps::MapError) -> bool {
+    matches!(e, aya::maps::MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::EEXIST))
 }

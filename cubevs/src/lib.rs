@@ -1,17 +1,66 @@
 //! `cubevs`: the userspace side of the CubeVS eBPF datapath.
 //!
 //! - [`Datapath`] loads the eBPF object (built by `cargo xtask build-ebpf`, see
-//!   [`default_object_path`]) with a [`DatapathConfig`] written into its `CONFIG` global, and
-//!   attaches its programs with tcx links that can be pinned under a bpffs directory so the
-//!   datapath outlives the process.
-//! - [`testrun`] runs a program on a crafted frame with `BPF_PROG_TEST_RUN`.
+//!   [`default_object_path`]) with a [`DatapathConfig`] in its `CONFIG` global, creates or
+//!   adopts the pinned maps, and attaches `from_cube` (sandbox interfaces), `from_world`
+//!   (uplink) and `from_envoy` (cube-dev) with pinned tcx links (legacy tc as fallback).
+//! - [`Maps`] is the typed, thread-safe API over every map, one wrapper per map family:
+//!   [`SandboxTable`], [`PortMaps`], [`Sessions`], [`SnatTable`], [`PolicyTable`],
+//!   [`NodeTable`], [`Counters`].
+//! - [`reaper`] expires idle sessions; [`testrun`] runs programs on crafted frames with
+//!   `BPF_PROG_TEST_RUN`.
 //!
 //! Interface names are resolved in the **calling thread's** network namespace: call the
 //! attach functions from a thread inside the dataplane netns (`cubenet_sys::netns`).
+mod counters;
 mod datapath;
 mod error;
+mod node;
+pub mod policy;
+mod ports;
+pub mod reaper;
+mod sandbox;
+pub mod sessions;
+mod snat;
 pub mod testrun;
 
+pub use counters::{CounterValue, Counters};
 pub use cubevs_common::{DatapathConfig, guest, prog};
-pub use datapath::{Datapath, LoadOptions, default_object_path, tcx_ingress_programs};
+pub use datapath::{
+    AttachMode, Datapath, LoadOptions, MapLimits, default_object_path, tcx_ingress_programs, tcx_programs,
+};
 pub use error::Error;
+pub use node::NodeTable;
+pub use policy::{EgressPolicy, PolicyTable};
+pub use ports::{PortMapping, PortMaps, Proto};
+pub use sandbox::{SandboxEntry, SandboxTable};
+pub use sessions::{SessionView, Sessions};
+pub use snat::{SnatAddr, SnatTable};
+
+/// `BPF_NOEXIST` map update flag.
+pub(crate) const BPF_NOEXIST: u64 = 1;
+
+/// Every map of the datapath behind its typed wrapper. Cheap to share (`Arc<Maps>`), usable
+/// from any thread (map operations are netns-independent).
+pub struct Maps {
+    /// `ifindex_to_mvmmeta` + `mvmip_to_ifindex`.
+    pub sandboxes: SandboxTable,
+    /// The four port-mapping maps.
+    pub ports: PortMaps,
+    /// `egress_sessions` + `ingress_sessions`.
+    pub sessions: std::sync::Arc<Sessions>,
+    /// `snat_iplist`.
+    pub snat: SnatTable,
+    /// `allow_out`, `deny_out`, `policy_gen`.
+    pub policy: PolicyTable,
+    /// `node_config`.
+    pub node: NodeTable,
+    /// `counters`.
+    pub counters: Counters,
+}
+
+impl std::fmt::Debug for Maps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maps").finish_non_exhaustive()
+    }
+}

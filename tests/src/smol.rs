@@ -19,6 +19,7 @@ use crate::{guest::TapGuest, packet};
 struct TapDevice<'a> {
     guest: &'a TapGuest,
     mtu: usize,
+    verify_rx_checksums: bool,
 }
 
 struct Rx(Vec<u8>);
@@ -61,13 +62,15 @@ impl phy::Device for TapDevice<'_> {
         let mut caps = DeviceCapabilities::default();
         caps.medium = Medium::Ethernet;
         caps.max_transmission_unit = self.mtu;
-        // Frames from a TAP with checksum offload may carry partial checksums: do not verify
-        // on receive, always compute on transmit.
+        // A TAP without checksum offload (what the harness creates) delivers full checksums:
+        // verify them, so datapath checksum bugs fail the tests. With offload the kernel may
+        // hand over partial checksums, which cannot be verified.
+        let rx = if self.verify_rx_checksums { Checksum::Both } else { Checksum::Tx };
         let mut cs = ChecksumCapabilities::default();
-        cs.ipv4 = Checksum::Tx;
-        cs.tcp = Checksum::Tx;
-        cs.udp = Checksum::Tx;
-        cs.icmpv4 = Checksum::Tx;
+        cs.ipv4 = rx;
+        cs.tcp = rx;
+        cs.udp = rx;
+        cs.icmpv4 = rx;
         caps.checksum = cs;
         caps
     }
@@ -85,7 +88,8 @@ pub struct TcpOutcome {
 }
 
 /// Connects from the guest (169.254.68.6:`sport`) to `dst:dport`, sends `request`, and reads
-/// until the peer closes or `timeout` passes.
+/// until the peer closes or `timeout` passes. Received checksums are verified (the TAP must
+/// have no checksum offload, as the harness's TAPs do).
 pub fn tcp_exchange(
     guest: &TapGuest,
     dst: [u8; 4],
@@ -94,7 +98,7 @@ pub fn tcp_exchange(
     request: &[u8],
     timeout: Duration,
 ) -> TcpOutcome {
-    let mut dev = TapDevice { guest, mtu: 1514 };
+    let mut dev = TapDevice { guest, mtu: 1514, verify_rx_checksums: true };
     let mut cfg = Config::new(EthernetAddress(packet::GUEST_MAC).into());
     cfg.random_seed = u64::from(sport);
     let mut iface = Interface::new(cfg, &mut dev, Instant::now());

@@ -15,6 +15,10 @@ use crate::{guest::VethGuest, netns::TestNetns};
 
 /// Uplink interface name in the node namespace.
 pub const NODE_UPLINK: &str = "up0";
+/// cube-dev name in the node namespace.
+pub const CUBE_DEV: &str = "cube-dev";
+/// cube-dev address (the default sandbox CIDR 192.168.0.0/18's .1).
+pub const CUBE_DEV_IP: [u8; 4] = [192, 168, 0, 1];
 /// Uplink peer name in the world namespace.
 pub const WORLD_IF: &str = "wp0";
 /// Node uplink address.
@@ -93,6 +97,40 @@ impl Topology {
         (tap, ifindex)
     }
 
+    /// Creates cube-dev in the node namespace like the agent does (`reference/upstream.md
+    /// §2.8`): gateway MAC, `192.168.0.1/18` (so the CIDR routes through it), NOARP, up.
+    /// Upstream uses a dummy; this machine's kernel has no dummy driver, so — like the agent's
+    /// fallback — it is one end of a veth pair whose peer `cube-dev-p` is up and unused.
+    /// Returns its ifindex.
+    pub fn add_cube_dev(&self) -> u32 {
+        self.node.ip(&["link", "add", CUBE_DEV, "type", "veth", "peer", "name", "cube-dev-p"]);
+        self.node.ip(&["link", "set", "cube-dev-p", "up"]);
+        self.node.ip(&["link", "set", CUBE_DEV, "arp", "off"]);
+        self.node.ip(&["link", "set", CUBE_DEV, "address", &mac_string(crate::packet::GATEWAY_MAC)]);
+        self.node.ip(&["addr", "add", &format!("{}/18", dotted(CUBE_DEV_IP)), "dev", CUBE_DEV]);
+        self.node.ip(&["link", "set", CUBE_DEV, "up"]);
+        self.node.run(|| cubenet_sys::ifindex(CUBE_DEV).expect("cube-dev ifindex"))
+    }
+
+    /// Adds `cidr` on the world side (an extra address on `wp0`) and routes it from the
+    /// node via world, e.g. a "private-range" server address.
+    pub fn add_world_address(&self, addr: [u8; 4], prefix: u8) {
+        self.world.ip(&["addr", "add", &format!("{}/{prefix}", dotted(addr)), "dev", WORLD_IF]);
+        let net = u32::from_be_bytes(addr) & (u32::MAX << (32 - prefix));
+        let net = std::net::Ipv4Addr::from(net);
+        self.node.ip(&["route", "add", &format!("{net}/{prefix}"), "via", &dotted(WORLD_IP)]);
+    }
+
+    /// The world side's MAC (what the node's FIB resolves its next hop to).
+    pub fn world_mac(&self) -> [u8; 6] {
+        self.world.run(|| read_mac(WORLD_IF))
+    }
+
+    /// The node uplink's MAC.
+    pub fn node_uplink_mac(&self) -> [u8; 6] {
+        self.node.run(|| read_mac(NODE_UPLINK))
+    }
+
     /// The namespace of a guest added with [`Topology::add_veth_guest`].
     pub fn guest_ns(&self, guest: &VethGuest) -> &TestNetns {
         self.guests.iter().find(|g| g.name() == guest.ns_name).expect("guest belongs to this topology")
@@ -119,4 +157,19 @@ fn cubevs_mac() -> [u8; 6] {
 /// `aa:bb:cc:dd:ee:ff` rendering of a MAC.
 pub fn mac_string(mac: [u8; 6]) -> String {
     mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// The MAC of `ifname` in the calling thread's netns (`SIOCGIFHWADDR`; sysfs would show the
+/// mount namespace's view instead).
+fn read_mac(ifname: &str) -> [u8; 6] {
+    // SIOCGIFHWADDR on a socket created in this thread's netns.
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("socket for SIOCGIFHWADDR");
+    let mut req = [0u8; 40];
+    req[..ifname.len()].copy_from_slice(ifname.as_bytes());
+    // SAFETY: SIOCGIFHWADDR fills a struct ifreq (40 bytes) in place.
+    let rc = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&sock), libc::SIOCGIFHWADDR, req.as_mut_ptr()) };
+    assert_eq!(rc, 0, "SIOCGIFHWADDR {ifname}: {}", std::io::Error::last_os_error());
+    let mut mac = [0u8; 6];
+    mac.copy_from_slice(&req[18..24]);
+    mac
 }

@@ -20,8 +20,13 @@ use cubevs::{
 };
 
 fn load(config: DatapathConfig, pin_dir: Option<&BpfFs>) -> Datapath {
-    Datapath::load(LoadOptions { object: ebpf_object(), config, pin_dir: pin_dir.map(|b| b.path().join("cubevs")) })
-        .unwrap_or_else(|e| panic!("load datapath: {e}"))
+    Datapath::load(LoadOptions {
+        object: ebpf_object(),
+        config,
+        pin_dir: pin_dir.map(|b| b.path().join("cubevs")),
+        ..LoadOptions::new()
+    })
+    .unwrap_or_else(|e| panic!("load datapath: {e}"))
 }
 
 /// Asserts the namespaces and bpffs of a finished test are gone.

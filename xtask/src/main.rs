@@ -55,7 +55,7 @@ fn ebpf_cargo(root: &Path, sub: &str) -> Command {
         .env(
             "CARGO_TARGET_BPFEL_UNKNOWN_NONE_RUSTFLAGS",
             // BTF is required for pinned-map reuse and CO-RE (../shared/reference/toolchain.md).
-            "--cfg=bpf_target_arch=\"x86_64\" -Cdebuginfo=2 -Clink-arg=--btf",
+            "--cfg=bpf_target_arch=\"x86_64\" -Cdebuginfo=2 -Clink-arg=--btf -Ctarget-cpu=v3",
         )
         .args([
             &format!("+{EBPF_TOOLCHAIN}"),

@@ -6,9 +6,12 @@
 //! implement [`aya::Pod`] so userspace can use them as map keys/values and load-time globals.
 //!
 //! Byte order: fields named `*_ip` hold an IPv4 address in **network byte order** as read from
-//! the wire into a `u32` (so `169.254.68.6` is `u32::from_ne_bytes([169, 254, 68, 6])`);
+//! the wire into a `u32` (so `169.254.68.6` is `u32::from_ne_bytes([169, 254, 68, 6])`); fields
+//! named `*_port` hold a port in **network byte order** unless their doc says otherwise;
 //! `ifindex` fields are host order.
 #![no_std]
+
+pub mod conntrack;
 
 /// Declares `unsafe impl aya::Pod` for shared types when built for userspace.
 macro_rules! pod {
@@ -27,10 +30,82 @@ pub const OBJECT_FILE_NAME: &str = "cubevs.bpf.o";
 
 /// Program names inside the object (the `#[classifier]` function names).
 pub mod prog {
-    /// TC ingress of every sandbox interface (TAP, or a veth standing in for one).
+    /// tcx ingress of every sandbox interface (TAP, or a veth standing in for one).
     pub const FROM_CUBE: &str = "from_cube";
+    /// tcx ingress of the uplink: reverse NAT and host-port DNAT.
+    pub const FROM_WORLD: &str = "from_world";
+    /// tcx egress of cube-dev: host → sandbox.
+    pub const FROM_ENVOY: &str = "from_envoy";
     /// Every TC program in the object, in load order.
-    pub const ALL: &[&str] = &[FROM_CUBE];
+    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY];
+}
+
+/// Map names (pinned under `<pin_dir>/maps/<name>`). Upstream names and layouts where they
+/// exist (`reference/upstream.md §3.2`).
+pub mod map {
+    /// `u32` sandbox IP → `u32` ifindex.
+    pub const MVMIP_TO_IFINDEX: &str = "mvmip_to_ifindex";
+    /// `u32` ifindex → [`super::MvmMeta`].
+    pub const IFINDEX_TO_MVMMETA: &str = "ifindex_to_mvmmeta";
+    /// TCP: `u16` host port (NBO) → [`super::MvmPort`].
+    pub const REMOTE_PORT_MAPPING: &str = "remote_port_mapping";
+    /// TCP: [`super::MvmPort`] → `u16` host port (NBO).
+    pub const LOCAL_PORT_MAPPING: &str = "local_port_mapping";
+    /// UDP twin of [`REMOTE_PORT_MAPPING`] (upstream maps only TCP).
+    pub const REMOTE_PORT_MAPPING_UDP: &str = "remote_port_mapping_udp";
+    /// UDP twin of [`LOCAL_PORT_MAPPING`].
+    pub const LOCAL_PORT_MAPPING_UDP: &str = "local_port_mapping_udp";
+    /// [`super::SessionKey`] (guest side) → [`super::NatSession`].
+    pub const EGRESS_SESSIONS: &str = "egress_sessions";
+    /// [`super::SessionKey`] (world side, version 0) → [`super::IngressValue`].
+    pub const INGRESS_SESSIONS: &str = "ingress_sessions";
+    /// `u32` slot (0..4) → [`super::SnatIp`].
+    pub const SNAT_IPLIST: &str = "snat_iplist";
+    /// LPM trie: [`super::PolicyLpmData`] → [`super::AllowValue`].
+    pub const ALLOW_OUT: &str = "allow_out";
+    /// LPM trie: [`super::PolicyLpmData`] → `u32` (1).
+    pub const DENY_OUT: &str = "deny_out";
+    /// `u32` ifindex → `u32` active policy generation.
+    pub const POLICY_GEN: &str = "policy_gen";
+    /// `u32` 0 → [`super::NodeConfig`].
+    pub const NODE_CONFIG: &str = "node_config";
+    /// Per-CPU `u64` counters indexed by [`super::counter`].
+    pub const COUNTERS: &str = "counters";
+    /// Every map of the datapath (all pinned).
+    pub const ALL: &[&str] = &[
+        MVMIP_TO_IFINDEX,
+        IFINDEX_TO_MVMMETA,
+        REMOTE_PORT_MAPPING,
+        LOCAL_PORT_MAPPING,
+        REMOTE_PORT_MAPPING_UDP,
+        LOCAL_PORT_MAPPING_UDP,
+        EGRESS_SESSIONS,
+        INGRESS_SESSIONS,
+        SNAT_IPLIST,
+        ALLOW_OUT,
+        DENY_OUT,
+        POLICY_GEN,
+        NODE_CONFIG,
+        COUNTERS,
+    ];
+}
+
+/// Default `max_entries` (userspace may override at load, `LoadOptions::limits`).
+pub mod limits {
+    /// Sandboxes (ifindex / mvm IP maps), upstream 8192.
+    pub const SANDBOXES: u32 = 8192;
+    /// Port mappings per protocol, upstream 65536.
+    pub const PORT_MAPPINGS: u32 = 65536;
+    /// Sessions per direction, upstream 1,048,576.
+    pub const SESSIONS: u32 = 1 << 20;
+    /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes.
+    pub const POLICY_ENTRIES: u32 = 1 << 16;
+    /// Policy entries of one sandbox in one trie (upstream's per-TAP inner trie size).
+    pub const POLICY_ENTRIES_PER_SANDBOX: u32 = 8192;
+    /// SNAT IP slots, upstream `MAX_SNAT_IPS`.
+    pub const SNAT_IPS: u32 = 4;
+    /// Counter slots.
+    pub const COUNTERS: u32 = 64;
 }
 
 /// Name of the load-time global holding [`DatapathConfig`].
@@ -48,6 +123,18 @@ pub mod guest {
     pub const GATEWAY_MAC: [u8; 6] = [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf];
     /// Prefix length of the guest address (169.254.68.6/30).
     pub const PREFIX_LEN: u8 = 30;
+}
+
+/// SNAT and hashing constants (`reference/upstream.md §3.3`, `§3.5`).
+pub mod snat {
+    /// First SNAT port (`MAX_PORT_START`); SNAT ports are 30000..=65535.
+    pub const PORT_MIN: u16 = 30000;
+    /// Number of SNAT ports per SNAT IP.
+    pub const PORT_SPAN: u32 = 65536 - PORT_MIN as u32;
+    /// Insert-if-absent attempts before a new flow is dropped.
+    pub const MAX_TRIES: u32 = 10;
+    /// Seed of the SNAT slot hash (`HASH_SEED`).
+    pub const HASH_SEED: u32 = 0xebcf_0700;
 }
 
 /// Constants the programs read at run time, written into the object's `CONFIG` global at load
@@ -88,7 +175,263 @@ impl Default for DatapathConfig {
 
 const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 24);
 
-pod!(DatapathConfig);
+/// Node addresses the programs need, written by userspace when it attaches the uplink and
+/// cube-dev (map `node_config`, one entry at index 0). 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// cube-dev ifindex (host → sandbox and gateway traffic go through it).
+    pub cube_dev_ifindex: u32,
+    /// cube-dev address (NBO), the sandbox CIDR's .1.
+    pub cube_dev_ip: u32,
+    /// Uplink ifindex.
+    pub uplink_ifindex: u32,
+    /// Uplink address (NBO): host ports are DNATed when addressed to it.
+    pub uplink_ip: u32,
+}
+const _: () = assert!(core::mem::size_of::<NodeConfig>() == 16);
+
+/// Per-sandbox metadata, `ifindex_to_mvmmeta` value (upstream `mvm_meta`, 128 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MvmMeta {
+    /// Sandbox version: part of every session key, so a reused interface never matches the
+    /// flows of its previous sandbox.
+    pub version: u32,
+    /// Sandbox "mvm IP" (NBO): what the guest's 169.254.68.6 is rewritten to.
+    pub ip: u32,
+    /// Sandbox id, NUL-padded (longer ids are truncated).
+    pub uuid: [u8; 64],
+    /// DNS policy flags (reserved for FQDN learning).
+    pub dns_policy_flags: u8,
+    /// Reserved; zero.
+    pub _reserved: [u8; 55],
+}
+const _: () = assert!(core::mem::size_of::<MvmMeta>() == 128);
+
+/// A sandbox port: `remote_port_mapping` value and `local_port_mapping` key (8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MvmPort {
+    /// Sandbox interface ifindex.
+    pub ifindex: u32,
+    /// Guest listen port (NBO).
+    pub listen_port: u16,
+    /// Padding; zero.
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<MvmPort>() == 8);
+
+/// Session key (20 bytes). Egress key: guest side `{sandbox ip, remote ip, guest port, remote
+/// port, sandbox version, proto}`. Ingress key: world side `{remote ip, SNAT ip, remote port,
+/// SNAT port, 0, proto}`. ICMP echo: the echo id stands in for the guest/SNAT port and the
+/// remote port is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SessionKey {
+    /// Source address (NBO).
+    pub src_ip: u32,
+    /// Destination address (NBO).
+    pub dst_ip: u32,
+    /// Source port (NBO).
+    pub sport: u16,
+    /// Destination port (NBO).
+    pub dport: u16,
+    /// Sandbox version (egress keys) or 0 (ingress keys).
+    pub version: u32,
+    /// IP protocol number.
+    pub proto: u8,
+    /// Padding; zero.
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<SessionKey>() == 20);
+
+/// Egress session (`egress_sessions` value, upstream `nat_session`, 64 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NatSession {
+    /// Last use, `bpf_ktime_get_ns` (CLOCK_MONOTONIC ns); refreshed lazily (≥ 1 s apart).
+    pub access_ns: u64,
+    /// Egress (uplink) ifindex of the SNAT IP.
+    pub node_ifindex: u32,
+    /// SNAT address (NBO).
+    pub node_ip: u32,
+    /// Sandbox interface ifindex.
+    pub vm_ifindex: u32,
+    /// Sandbox mvm IP (NBO).
+    pub vm_ip: u32,
+    /// SNAT port (NBO).
+    pub node_port: u16,
+    /// Guest port (NBO).
+    pub vm_port: u16,
+    /// Conntrack state ([`conntrack::tcp`] or [`conntrack::udp`]).
+    pub state: u8,
+    /// 1 when the guest closed first (its FIN moved the session into FIN_WAIT).
+    pub active_close: u8,
+    /// Packet class: [`conntrack::CLASS_SNAT`].
+    pub packet_class: u8,
+    /// L7 scheme (0 none); reserved for L7 steering.
+    pub l7_scheme: u8,
+    /// Direction that sent the first FIN (0 none, 1 original/guest, 2 reply/world).
+    pub close_dir: u8,
+    /// Reserved; zero.
+    pub _reserved: [u8; 31],
+}
+const _: () = assert!(core::mem::size_of::<NatSession>() == 64);
+
+/// Reverse NAT entry (`ingress_sessions` value, 16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IngressValue {
+    /// Sandbox version of the egress session.
+    pub version: u32,
+    /// Sandbox mvm IP (NBO).
+    pub vm_ip: u32,
+    /// Guest port or ICMP echo id (NBO).
+    pub vm_port: u16,
+    /// Padding; zero.
+    pub _pad: [u16; 3],
+}
+const _: () = assert!(core::mem::size_of::<IngressValue>() == 16);
+
+/// One SNAT address (`snat_iplist` value, 16 bytes).
+///
+/// Upstream keeps a `bpf_spin_lock` and a `u16` watermark in its 16 bytes; we keep the size but
+/// use a lock-free 64-bit cursor: ports are `PORT_MIN + cursor % PORT_SPAN`, and
+/// insert-if-absent on the reverse key is what guarantees uniqueness (two CPUs racing on the
+/// cursor only cost one retry).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnatIp {
+    /// Egress ifindex for this address.
+    pub ifindex: u32,
+    /// SNAT address (NBO); 0 = slot unused.
+    pub ip: u32,
+    /// Port cursor (host order), advanced by the datapath on every attempt.
+    pub port_cursor: u64,
+}
+const _: () = assert!(core::mem::size_of::<SnatIp>() == 16);
+
+/// LPM data of the policy tries (12 bytes): `{ifindex, generation, ip}`. The trie prefix
+/// length is `64 + CIDR length`, so the first 64 bits (interface and generation) always match
+/// exactly and the address part is longest-prefix matched.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PolicyLpmData {
+    /// Sandbox interface ifindex.
+    pub ifindex: u32,
+    /// Policy generation (flipped on every replace; see `policy_gen`).
+    pub generation: u32,
+    /// Address (NBO).
+    pub ip: u32,
+}
+const _: () = assert!(core::mem::size_of::<PolicyLpmData>() == 12);
+
+/// Bits of the LPM prefix taken by [`PolicyLpmData::ifindex`] and `generation`.
+pub const POLICY_PREFIX_BITS: u32 = 64;
+
+/// `allow_out` value (upstream `net_policy_value_v3`, 16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllowValue {
+    /// Expiry (CLOCK_MONOTONIC ns); 0 = static, never expires.
+    pub expires_ns: u64,
+    /// Flags (reserved for L7 steering).
+    pub flags: u8,
+    /// L7 scheme (reserved).
+    pub scheme: u8,
+    /// CIDR length of the entry as written (guards merges against covering entries).
+    pub key_prefixlen: u8,
+    /// Padding; zero.
+    pub _pad: [u8; 5],
+}
+const _: () = assert!(core::mem::size_of::<AllowValue>() == 16);
+
+pod!(
+    DatapathConfig,
+    NodeConfig,
+    MvmMeta,
+    MvmPort,
+    SessionKey,
+    NatSession,
+    IngressValue,
+    SnatIp,
+    PolicyLpmData,
+    AllowValue
+);
+
+/// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.
+pub mod counter {
+    /// from_cube: ARP request proxied.
+    pub const CUBE_ARP: u32 = 0;
+    /// from_cube: dropped, interface has no registered sandbox.
+    pub const CUBE_DROP_UNREGISTERED: u32 = 1;
+    /// from_cube: dropped, truncated or malformed headers.
+    pub const CUBE_DROP_MALFORMED: u32 = 2;
+    /// from_cube: dropped, not ARP/IPv4, a fragment, or a protocol other than TCP/UDP/ICMP echo.
+    pub const CUBE_DROP_PROTO: u32 = 3;
+    /// from_cube: to the gateway, redirected into cube-dev.
+    pub const CUBE_GATEWAY: u32 = 4;
+    /// from_cube: dropped, gateway traffic other than ICMP / TCP non-SYN.
+    pub const CUBE_DROP_GATEWAY: u32 = 5;
+    /// from_cube: port-mapped reply, fast path to the uplink.
+    pub const CUBE_PORTMAP_REPLY: u32 = 6;
+    /// from_cube: dropped, SYN from a port-mapped guest port.
+    pub const CUBE_DROP_PORTMAP_SYN: u32 = 7;
+    /// from_cube: denied by policy (TCP answered with RST).
+    pub const CUBE_DENY: u32 = 8;
+    /// from_cube: new session created.
+    pub const CUBE_NEW_SESSION: u32 = 9;
+    /// from_cube: established session forwarded.
+    pub const CUBE_ESTABLISHED: u32 = 10;
+    /// from_cube: dropped, no SNAT IP configured or no free port.
+    pub const CUBE_DROP_NO_SNAT: u32 = 11;
+    /// from_cube: TCP non-SYN without session (answered with RST).
+    pub const CUBE_NO_SESSION: u32 = 12;
+    /// from_cube: dropped, FIB lookup found no route.
+    pub const CUBE_DROP_FIB: u32 = 13;
+    /// from_cube: to the node address, delivered to the host.
+    pub const CUBE_HOST: u32 = 14;
+    /// from_cube: dropped, source address is not the guest's.
+    pub const CUBE_DROP_SPOOF: u32 = 15;
+    /// from_world: host-port DNAT to a sandbox.
+    pub const WORLD_PORTMAP: u32 = 20;
+    /// from_world: reverse NAT of a session.
+    pub const WORLD_REVERSE_NAT: u32 = 21;
+    /// from_world: not ours, passed to the host stack.
+    pub const WORLD_PASS: u32 = 22;
+    /// from_world: reverse entry without egress session (stale), passed.
+    pub const WORLD_STALE: u32 = 23;
+    /// from_envoy: host → sandbox DNAT.
+    pub const ENVOY_TO_SANDBOX: u32 = 30;
+    /// from_envoy: dropped, unknown destination.
+    pub const ENVOY_DROP_UNKNOWN: u32 = 31;
+    /// Names of the slots, for metrics and dumps.
+    pub const NAMES: &[(u32, &str, &str)] = &[
+        (CUBE_ARP, "from_cube", "arp_proxied"),
+        (CUBE_DROP_UNREGISTERED, "from_cube", "drop_unregistered"),
+        (CUBE_DROP_MALFORMED, "from_cube", "drop_malformed"),
+        (CUBE_DROP_PROTO, "from_cube", "drop_proto"),
+        (CUBE_GATEWAY, "from_cube", "gateway"),
+        (CUBE_DROP_GATEWAY, "from_cube", "drop_gateway"),
+        (CUBE_PORTMAP_REPLY, "from_cube", "portmap_reply"),
+        (CUBE_DROP_PORTMAP_SYN, "from_cube", "drop_portmap_syn"),
+        (CUBE_DENY, "from_cube", "deny"),
+        (CUBE_NEW_SESSION, "from_cube", "new_session"),
+        (CUBE_ESTABLISHED, "from_cube", "established"),
+        (CUBE_DROP_NO_SNAT, "from_cube", "drop_no_snat"),
+        (CUBE_NO_SESSION, "from_cube", "no_session"),
+        (CUBE_DROP_FIB, "from_cube", "drop_fib"),
+        (CUBE_HOST, "from_cube", "host"),
+        (CUBE_DROP_SPOOF, "from_cube", "drop_spoof"),
+        (WORLD_PORTMAP, "from_world", "portmap"),
+        (WORLD_REVERSE_NAT, "from_world", "reverse_nat"),
+        (WORLD_PASS, "from_world", "pass"),
+        (WORLD_STALE, "from_world", "stale"),
+        (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
+        (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
+    ];
+}
 
 /// Ethernet and ARP constants used by the ARP proxy.
 pub mod ether {
@@ -104,4 +447,14 @@ pub mod ether {
     pub const ARP_OP_REQUEST: u16 = 1;
     /// ARP opcode: reply.
     pub const ARP_OP_REPLY: u16 = 2;
+}
+
+/// IP protocol numbers.
+pub mod proto {
+    /// ICMP.
+    pub const ICMP: u8 = 1;
+    /// TCP.
+    pub const TCP: u8 = 6;
+    /// UDP.
+    pub const UDP: u8 = 17;
 }

@@ -1,26 +1,196 @@
-//! `from_cube`: tcx ingress of every sandbox interface (what the guest sends).
+//! `from_cube`: tcx ingress of every sandbox interface — everything a guest sends
+//! (`reference/upstream.md §3.4`, with the changes of issue 3).
 //!
-//! Today: the ARP proxy; other frames continue unchanged. The full path (policy, SNAT,
-//! conntrack, gateway access; `reference/upstream.md §3.4`) is built on this entry point.
+//! 1. ARP → proxy; other non-IPv4 → drop.
+//! 2. No registered sandbox on the interface → drop.
+//! 3. Source must be the guest address; it is rewritten to the sandbox's mvm IP first.
+//! 4. To the gateway (169.254.68.5): ICMP and TCP non-SYN are DNATed to cube-dev and
+//!    redirected into cube-dev ingress (replies to host-originated flows); the rest dropped.
+//! 5. From a port-mapped guest port: SYN dropped, replies SNATed to the node address and host
+//!    port (TCP fast path; UDP checks policy first).
+//! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop.
+//! 7. To the node address: policy, then delivered to the host through cube-dev.
+//! 8. Sessions: established flows follow their session; new flows are classified once
+//!    (ALLOW_OUT > DENY_OUT > allow), SNATed and tracked; denied TCP gets a RST.
 
-use aya_ebpf::{bindings::TC_ACT_OK, macros::classifier, programs::TcContext};
-use cubevs_common::ether::{HDR_LEN, P_ARP};
+use aya_ebpf::{
+    bindings::{BPF_F_INGRESS, TC_ACT_SHOT},
+    helpers::generated::bpf_redirect,
+    macros::classifier,
+    programs::TcContext,
+};
+use cubevs_common::{
+    DatapathConfig, MvmPort, NatSession, SessionKey,
+    conntrack::{
+        Dir,
+        flags::{ACK, FIN, RST, SYN},
+        tcp, tcp_step, udp,
+    },
+    counter, ether, proto,
+};
 
-use crate::{arp, config};
+use crate::{
+    arp, config,
+    forward::to_next_hop,
+    maps::{EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, count, node},
+    nat,
+    packet::{self, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port},
+    policy, rst,
+};
 
 #[classifier]
 pub fn from_cube(ctx: TcContext) -> i32 {
-    let start = ctx.data();
-    let end = ctx.data_end();
-    if start + HDR_LEN > end {
-        return TC_ACT_OK;
+    packet::ensure_linear(&ctx, ether::HDR_LEN + 60 + 20);
+    // SAFETY: `skb` is the context pointer the kernel passed in.
+    let ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    let cfg = config::get();
+    match packet::ethertype(&ctx) {
+        Some(ether::P_ARP) => {
+            count(counter::CUBE_ARP);
+            arp::proxy(&ctx, ifindex, cfg.gateway_mac)
+        }
+        Some(ether::P_IP) => ipv4(&ctx, &cfg, ifindex),
+        Some(_) => drop(counter::CUBE_DROP_PROTO),
+        None => drop(counter::CUBE_DROP_MALFORMED),
     }
-    // SAFETY: bounds checked above.
-    let ethertype = unsafe { u16::from_be_bytes(*((start + 12) as *const [u8; 2])) };
-    if ethertype == P_ARP {
-        // SAFETY: `skb` is the context pointer the kernel passed in.
-        let ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
-        return arp::proxy(&ctx, ifindex, config::get().gateway_mac);
+}
+
+#[inline(always)]
+fn drop(reason: u32) -> i32 {
+    count(reason);
+    TC_ACT_SHOT
+}
+
+#[inline(always)]
+fn syn_only(flags: u8) -> bool {
+    flags & (SYN | ACK | FIN | RST) == SYN
+}
+
+#[inline(always)]
+fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
+    // SAFETY: plain map lookup; the value is copied out.
+    let Some(meta) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }) else {
+        return drop(counter::CUBE_DROP_UNREGISTERED);
+    };
+    let (version, sandbox_ip) = (meta.version, meta.ip);
+    let Some(ip) = packet::ipv4(ctx) else { return drop(counter::CUBE_DROP_MALFORMED) };
+    if ip.src != cfg.mvm_inner_ip {
+        return drop(counter::CUBE_DROP_SPOOF);
     }
-    TC_ACT_OK
+    if ip.fragment || !matches!(ip.proto, proto::TCP | proto::UDP | proto::ICMP) {
+        return drop(counter::CUBE_DROP_PROTO);
+    }
+    let Some(l4) = packet::l4(ctx, &ip) else { return drop(counter::CUBE_DROP_MALFORMED) };
+    if set_ip(ctx, &ip, IP_SRC_OFF, ip.src, sandbox_ip).is_err() {
+        return drop(counter::CUBE_DROP_MALFORMED);
+    }
+    let node = node();
+
+    if ip.dst == cfg.mvm_gateway_ip {
+        let ok = ip.proto == proto::ICMP || (ip.proto == proto::TCP && !syn_only(l4.tcp_flags));
+        if !ok || node.cube_dev_ifindex == 0 || set_ip(ctx, &ip, IP_DST_OFF, ip.dst, node.cube_dev_ip).is_err() {
+            return drop(counter::CUBE_DROP_GATEWAY);
+        }
+        count(counter::CUBE_GATEWAY);
+        // SAFETY: plain helper call.
+        return unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32;
+    }
+
+    if ip.proto != proto::ICMP {
+        let mp = MvmPort { ifindex, listen_port: l4.sport, _pad: 0 };
+        // SAFETY: plain map lookups; values are copied out.
+        let host_port = unsafe {
+            if ip.proto == proto::TCP { LOCAL_PORT_MAPPING.get(&mp) } else { LOCAL_PORT_MAPPING_UDP.get(&mp) }
+        }
+        .copied();
+        if let Some(host_port) = host_port {
+            if ip.proto == proto::TCP && syn_only(l4.tcp_flags) {
+                return drop(counter::CUBE_DROP_PORTMAP_SYN);
+            }
+            if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
+                return drop(counter::CUBE_DENY);
+            }
+            if set_ip(ctx, &ip, IP_SRC_OFF, sandbox_ip, node.uplink_ip).is_err()
+                || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
+            {
+                return drop(counter::CUBE_DROP_MALFORMED);
+            }
+            count(counter::CUBE_PORTMAP_REPLY);
+            return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
+        }
+    } else if l4.icmp_type != ICMP_ECHO_REQUEST {
+        return drop(counter::CUBE_DROP_PROTO);
+    }
+
+    if ip.dst == node.uplink_ip && node.uplink_ip != 0 {
+        if !policy::allowed(ifindex, ip.dst) {
+            return deny(ctx, cfg, &ip, &l4, ifindex);
+        }
+        count(counter::CUBE_HOST);
+        // SAFETY: plain helper call.
+        return unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32;
+    }
+
+    let key = SessionKey {
+        src_ip: sandbox_ip,
+        dst_ip: ip.dst,
+        sport: l4.sport,
+        dport: l4.dport,
+        version,
+        proto: ip.proto,
+        _pad: [0; 3],
+    };
+    if let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) {
+        // SAFETY: valid map value pointer.
+        let sess = unsafe { *s };
+        let reopen = ip.proto == proto::TCP
+            && syn_only(l4.tcp_flags)
+            && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
+        if !reopen {
+            if ip.proto == proto::TCP {
+                let st = tcp_step(sess.state, sess.close_dir, sess.active_close, Dir::Original, l4.tcp_flags);
+                // SAFETY: valid map value pointer.
+                unsafe {
+                    (*s).state = st.state;
+                    (*s).close_dir = st.close_dir;
+                    (*s).active_close = st.active_close;
+                }
+            }
+            nat::touch(s);
+            count(counter::CUBE_ESTABLISHED);
+            return snat_out(ctx, &ip, &l4, sandbox_ip, &sess);
+        }
+        // Guest reuses a port of a closed connection: start a fresh session.
+        nat::delete_session(&key, &sess);
+    }
+
+    if ip.proto == proto::TCP && !syn_only(l4.tcp_flags) {
+        count(counter::CUBE_NO_SESSION);
+        return rst::reply(ctx, cfg, &ip, &l4, ifindex);
+    }
+    if !policy::allowed(ifindex, ip.dst) {
+        return deny(ctx, cfg, &ip, &l4, ifindex);
+    }
+    let state = if ip.proto == proto::TCP { tcp::SYN_SENT } else { udp::UNREPLIED };
+    let Some(sess) = nat::create_session(&key, ifindex, state) else {
+        return drop(counter::CUBE_DROP_NO_SNAT);
+    };
+    count(counter::CUBE_NEW_SESSION);
+    snat_out(ctx, &ip, &l4, sandbox_ip, &sess)
+}
+
+#[inline(always)]
+fn deny(ctx: &TcContext, cfg: &DatapathConfig, ip: &Ipv4, l4: &L4, ifindex: u32) -> i32 {
+    count(counter::CUBE_DENY);
+    if ip.proto == proto::TCP { rst::reply(ctx, cfg, ip, l4, ifindex) } else { TC_ACT_SHOT }
+}
+
+#[inline(always)]
+fn snat_out(ctx: &TcContext, ip: &Ipv4, l4: &L4, sandbox_ip: u32, s: &NatSession) -> i32 {
+    if set_ip(ctx, ip, IP_SRC_OFF, sandbox_ip, s.node_ip).is_err()
+        || set_port(ctx, ip, true, l4.sport, s.node_port).is_err()
+    {
+        return drop(counter::CUBE_DROP_MALFORMED);
+    }
+    to_next_hop(ctx, s.node_ifindex, s.node_ip, ip.dst, ip.proto)
 }

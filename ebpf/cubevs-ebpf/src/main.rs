@@ -3,12 +3,28 @@
 //! | program     | attach point                              | module          |
 //! |-------------|-------------------------------------------|-----------------|
 //! | `from_cube` | tcx ingress of every sandbox interface    | [`from_cube`]   |
+//! | `from_world`| tcx ingress of the uplink                 | [`from_world`]  |
+//! | `from_envoy`| tcx egress of cube-dev                    | [`from_envoy`]  |
+//!
+//! Helpers: [`maps`] (every map), [`packet`] (parsing, rewrites, checksums), [`policy`],
+//! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
+//! [`arp`] (proxy), [`config`] (load-time constants).
 #![no_std]
 #![no_main]
+// Map keys are passed by reference on purpose: no struct copies on the hot path.
+#![allow(clippy::needless_borrows_for_generic_args)]
 
 mod arp;
 mod config;
+mod forward;
 mod from_cube;
+mod from_envoy;
+mod from_world;
+mod maps;
+mod nat;
+mod packet;
+mod policy;
+mod rst;
 
 #[cfg(not(test))]
 #[panic_handler]

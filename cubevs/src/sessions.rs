@@ -1,0 +1,155 @@
+//! Conntrack/NAT sessions: `egress_sessions` (guest side) and `ingress_sessions` (world side).
+
+use std::{net::Ipv4Addr, sync::Mutex};
+
+use aya::maps::{HashMap, MapData};
+use cubevs_common::{IngressValue, NatSession, SessionKey, conntrack, map, proto};
+
+use crate::{Error, error::is_not_found};
+
+/// A session as dumps show it: addresses and ports host order, state by name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionView {
+    /// `tcp`, `udp` or `icmp`.
+    pub proto: &'static str,
+    /// Sandbox mvm IP.
+    pub sandbox_ip: Ipv4Addr,
+    /// Guest port (ICMP: echo id).
+    pub guest_port: u16,
+    /// Remote address.
+    pub remote_ip: Ipv4Addr,
+    /// Remote port (ICMP: 0).
+    pub remote_port: u16,
+    /// SNAT address.
+    pub snat_ip: Ipv4Addr,
+    /// SNAT port (ICMP: echo id on the wire).
+    pub snat_port: u16,
+    /// Sandbox version of the session key.
+    pub version: u32,
+    /// Sandbox interface.
+    pub vm_ifindex: u32,
+    /// Conntrack state name (`established`, `replied`, …).
+    pub state: &'static str,
+    /// Guest closed first.
+    pub active_close: bool,
+    /// Last use (CLOCK_MONOTONIC ns).
+    pub access_ns: u64,
+}
+
+/// Name of an IP protocol number.
+pub fn proto_name(p: u8) -> &'static str {
+    match p {
+        proto::TCP => "tcp",
+        proto::UDP => "udp",
+        proto::ICMP => "icmp",
+        _ => "other",
+    }
+}
+
+/// Conntrack state name of `s` for `proto`.
+pub fn state_name(p: u8, s: u8) -> &'static str {
+    if p == proto::TCP { conntrack::tcp::name(s) } else { conntrack::udp::name(s) }
+}
+
+impl SessionView {
+    /// Builds the view of egress entry `k` → `s`.
+    pub fn new(k: &SessionKey, s: &NatSession) -> Self {
+        let ip = |v: u32| Ipv4Addr::from(v.to_ne_bytes());
+        Self {
+            proto: proto_name(k.proto),
+            sandbox_ip: ip(k.src_ip),
+            guest_port: u16::from_be(k.sport),
+            remote_ip: ip(k.dst_ip),
+            remote_port: u16::from_be(k.dport),
+            snat_ip: ip(s.node_ip),
+            snat_port: u16::from_be(s.node_port),
+            version: k.version,
+            vm_ifindex: s.vm_ifindex,
+            state: state_name(k.proto, s.state),
+            active_close: s.active_close != 0,
+            access_ns: s.access_ns,
+        }
+    }
+}
+
+/// The world-side key of egress entry `k` → `s` (mirror of the datapath's `reverse_key`).
+pub fn reverse_key(k: &SessionKey, s: &NatSession) -> SessionKey {
+    let remote_port = if k.proto == proto::ICMP { 0 } else { k.dport };
+    SessionKey {
+        src_ip: k.dst_ip,
+        dst_ip: s.node_ip,
+        sport: remote_port,
+        dport: s.node_port,
+        version: 0,
+        proto: k.proto,
+        _pad: [0; 3],
+    }
+}
+
+pub(crate) struct SessionMaps {
+    pub(crate) egress: HashMap<MapData, SessionKey, NatSession>,
+    pub(crate) ingress: HashMap<MapData, SessionKey, IngressValue>,
+}
+
+/// Typed access to the two session maps.
+pub struct Sessions {
+    pub(crate) inner: Mutex<SessionMaps>,
+}
+
+impl Sessions {
+    pub(crate) fn new(
+        egress: HashMap<MapData, SessionKey, NatSession>,
+        ingress: HashMap<MapData, SessionKey, IngressValue>,
+    ) -> Self {
+        Self { inner: Mutex::new(SessionMaps { egress, ingress }) }
+    }
+
+    /// Every egress session with its entry.
+    pub fn entries(&self) -> Result<Vec<(SessionKey, NatSession)>, Error> {
+        let g = self.inner.lock().expect("sessions lock");
+        g.egress.iter().map(|r| r.map_err(Error::map(map::EGRESS_SESSIONS, "iterate"))).collect()
+    }
+
+    /// Every egress session as a [`SessionView`].
+    pub fn list(&self) -> Result<Vec<SessionView>, Error> {
+        Ok(self.entries()?.iter().map(|(k, s)| SessionView::new(k, s)).collect())
+    }
+
+    /// Every ingress (reverse NAT) entry.
+    pub fn reverse_entries(&self) -> Result<Vec<(SessionKey, IngressValue)>, Error> {
+        let g = self.inner.lock().expect("sessions lock");
+        g.ingress.iter().map(|r| r.map_err(Error::map(map::INGRESS_SESSIONS, "iterate"))).collect()
+    }
+
+    /// Entries in (`egress_sessions`, `ingress_sessions`).
+    pub fn counts(&self) -> (usize, usize) {
+        let g = self.inner.lock().expect("sessions lock");
+        (g.egress.keys().count(), g.ingress.keys().count())
+    }
+
+    /// Deletes both directions of the session `k` → `s` (ingress first, as upstream).
+    pub fn delete(&self, k: &SessionKey, s: &NatSession) -> Result<(), Error> {
+        let mut g = self.inner.lock().expect("sessions lock");
+        delete_locked(&mut g, k, s)
+    }
+
+    /// Deletes every session of the sandbox interface `ifindex`; returns how many.
+    pub fn delete_of(&self, ifindex: u32) -> Result<usize, Error> {
+        let mut g = self.inner.lock().expect("sessions lock");
+        let victims: Vec<_> = g.egress.iter().filter_map(Result::ok).filter(|(_, s)| s.vm_ifindex == ifindex).collect();
+        for (k, s) in &victims {
+            delete_locked(&mut g, k, s)?;
+        }
+        Ok(victims.len())
+    }
+}
+
+pub(crate) fn delete_locked(g: &mut SessionMaps, k: &SessionKey, s: &NatSession) -> Result<(), Error> {
+    let ok = |r: Result<(), aya::maps::MapError>| match r {
+        Ok(()) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e),
+    };
+    ok(g.ingress.remove(&reverse_key(k, s))).map_err(Error::map(map::INGRESS_SESSIONS, "delete"))?;
+    ok(g.egress.remove(k)).map_err(Error::map(map::EGRESS_SESSIONS, "delete"))
+}

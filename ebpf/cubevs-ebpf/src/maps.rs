@@ -1,0 +1,87 @@
+//! Every map of the datapath. Layouts are the shared types of `cubevs_common`; names are the
+//! `cubevs_common::map` constants (userspace pins each under `<pin_dir>/maps/<name>`), and
+//! sizes are the `cubevs_common::limits` defaults, which userspace may override at load.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LpmTrie, PerCpuArray},
+};
+use cubevs_common::{
+    AllowValue, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, SessionKey, SnatIp, limits,
+};
+
+/// Sandbox mvm IP (NBO) → ifindex.
+#[map(name = "mvmip_to_ifindex")]
+pub static MVMIP_TO_IFINDEX: HashMap<u32, u32> = HashMap::with_max_entries(limits::SANDBOXES, 0);
+
+/// ifindex → sandbox metadata; an interface without an entry drops everything.
+#[map(name = "ifindex_to_mvmmeta")]
+pub static IFINDEX_TO_MVMMETA: HashMap<u32, MvmMeta> = HashMap::with_max_entries(limits::SANDBOXES, 0);
+
+/// TCP host port (NBO) → sandbox port.
+#[map(name = "remote_port_mapping")]
+pub static REMOTE_PORT_MAPPING: HashMap<u16, MvmPort> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);
+
+/// TCP sandbox port → host port (NBO).
+#[map(name = "local_port_mapping")]
+pub static LOCAL_PORT_MAPPING: HashMap<MvmPort, u16> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);
+
+/// UDP host port (NBO) → sandbox port.
+#[map(name = "remote_port_mapping_udp")]
+pub static REMOTE_PORT_MAPPING_UDP: HashMap<u16, MvmPort> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);
+
+/// UDP sandbox port → host port (NBO).
+#[map(name = "local_port_mapping_udp")]
+pub static LOCAL_PORT_MAPPING_UDP: HashMap<MvmPort, u16> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);
+
+/// Guest-side session key → session.
+#[map(name = "egress_sessions")]
+pub static EGRESS_SESSIONS: HashMap<SessionKey, NatSession> = HashMap::with_max_entries(limits::SESSIONS, 0);
+
+/// World-side session key → reverse NAT entry.
+#[map(name = "ingress_sessions")]
+pub static INGRESS_SESSIONS: HashMap<SessionKey, IngressValue> = HashMap::with_max_entries(limits::SESSIONS, 0);
+
+/// SNAT addresses, 4 slots.
+#[map(name = "snat_iplist")]
+pub static SNAT_IPLIST: Array<SnatIp> = Array::with_max_entries(limits::SNAT_IPS, 0);
+
+/// Allowed destinations per (ifindex, generation).
+#[map(name = "allow_out")]
+pub static ALLOW_OUT: LpmTrie<PolicyLpmData, AllowValue> = LpmTrie::with_max_entries(limits::POLICY_ENTRIES, 0);
+
+/// Denied destinations per (ifindex, generation).
+#[map(name = "deny_out")]
+pub static DENY_OUT: LpmTrie<PolicyLpmData, u32> = LpmTrie::with_max_entries(limits::POLICY_ENTRIES, 0);
+
+/// ifindex → active policy generation (missing = 0).
+#[map(name = "policy_gen")]
+pub static POLICY_GEN: HashMap<u32, u32> = HashMap::with_max_entries(limits::SANDBOXES, 0);
+
+/// Node addresses at index 0.
+#[map(name = "node_config")]
+pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);
+
+/// Verdict and drop-reason COUNTERS.
+#[map(name = "counters")]
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(limits::COUNTERS, 0);
+
+/// Adds one to counter `idx` (a `cubevs_common::counter` slot).
+#[inline(always)]
+pub fn count(idx: u32) {
+    if let Some(p) = COUNTERS.get_ptr_mut(idx) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+        unsafe { *p += 1 };
+    }
+}
+
+/// The node configuration (zeroed until userspace writes it).
+#[inline(always)]
+pub fn node() -> NodeConfig {
+    NODE_CONFIG.get(0).copied().unwrap_or(NodeConfig {
+        cube_dev_ifindex: 0,
+        cube_dev_ip: 0,
+        uplink_ifindex: 0,
+        uplink_ip: 0,
+    })
+}

@@ -1,0 +1,237 @@
+//! Packet access helpers: header parsing with bounds checks, field rewrites with incremental
+//! checksum updates (`bpf_l3_csum_replace` / `bpf_l4_csum_replace`, which also handle
+//! CHECKSUM_PARTIAL and GSO skbs), MAC rewrites and full checksums for synthesized headers.
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    programs::TcContext,
+};
+use cubevs_common::{ether, proto};
+
+/// Offset of the IPv4 header.
+pub const IP_OFF: usize = ether::HDR_LEN;
+/// Offset of the IPv4 checksum.
+pub const IP_CSUM_OFF: usize = IP_OFF + 10;
+/// Offset of the IPv4 source address.
+pub const IP_SRC_OFF: usize = IP_OFF + 12;
+/// Offset of the IPv4 destination address.
+pub const IP_DST_OFF: usize = IP_OFF + 16;
+
+/// The fields of an Ethernet/IPv4 frame the programs decide on, copied out of the packet.
+#[derive(Clone, Copy)]
+pub struct Ipv4 {
+    /// Source address (NBO).
+    pub src: u32,
+    /// Destination address (NBO).
+    pub dst: u32,
+    /// IP protocol.
+    pub proto: u8,
+    /// Offset of the L4 header.
+    pub l4_off: usize,
+    /// Fragment (MF set or non-zero offset).
+    pub fragment: bool,
+    /// Total length from the IP header.
+    pub tot_len: u16,
+    /// Header length in bytes.
+    pub ihl: usize,
+}
+
+/// L4 fields: ports (NBO; ICMP: echo id in `sport`, 0 in `dport`), TCP flags, ICMP type.
+#[derive(Clone, Copy)]
+pub struct L4 {
+    /// Source port or ICMP echo id (NBO).
+    pub sport: u16,
+    /// Destination port (NBO), 0 for ICMP.
+    pub dport: u16,
+    /// TCP flags byte (0 for others).
+    pub tcp_flags: u8,
+    /// ICMP type (0 for others).
+    pub icmp_type: u8,
+    /// TCP data offset in bytes (0 for others).
+    pub tcp_hlen: usize,
+}
+
+/// ICMP echo request type.
+pub const ICMP_ECHO_REQUEST: u8 = 8;
+/// ICMP echo reply type.
+pub const ICMP_ECHO_REPLY: u8 = 0;
+
+/// Makes at least `len` bytes (or the whole packet) directly readable.
+#[inline(always)]
+pub fn ensure_linear(ctx: &TcContext, len: usize) {
+    if ctx.data() + len > ctx.data_end() {
+        let want = if (ctx.len() as usize) < len { ctx.len() } else { len as u32 };
+        let _ = ctx.pull_data(want);
+    }
+}
+
+#[inline(always)]
+fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*const T> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some((start + off) as *const T)
+}
+
+/// EtherType of the frame (host order), `None` when shorter than an Ethernet header.
+#[inline(always)]
+pub fn ethertype(ctx: &TcContext) -> Option<u16> {
+    let p = ptr_at::<[u8; 2]>(ctx, 12)?;
+    // SAFETY: bounds checked by ptr_at.
+    Some(u16::from_be_bytes(unsafe { *p }))
+}
+
+/// Parses the IPv4 header (caller checked the EtherType).
+#[inline(always)]
+pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
+    let h = ptr_at::<[u8; 20]>(ctx, IP_OFF)?;
+    // SAFETY: bounds checked by ptr_at.
+    let h = unsafe { &*h };
+    if h[0] >> 4 != 4 {
+        return None;
+    }
+    let ihl = ((h[0] & 0x0f) as usize) * 4;
+    if ihl < 20 {
+        return None;
+    }
+    let frag = u16::from_be_bytes([h[6], h[7]]);
+    Some(Ipv4 {
+        src: u32::from_ne_bytes([h[12], h[13], h[14], h[15]]),
+        dst: u32::from_ne_bytes([h[16], h[17], h[18], h[19]]),
+        proto: h[9],
+        l4_off: IP_OFF + ihl,
+        fragment: frag & 0x3fff != 0,
+        tot_len: u16::from_be_bytes([h[2], h[3]]),
+        ihl,
+    })
+}
+
+/// Parses the L4 header of `ip` (TCP, UDP or ICMP); `None` if truncated or another protocol.
+#[inline(always)]
+pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
+    let off = ip.l4_off;
+    if off > 14 + 60 {
+        return None;
+    }
+    match ip.proto {
+        proto::TCP => {
+            let t = ptr_at::<[u8; 20]>(ctx, off)?;
+            // SAFETY: bounds checked by ptr_at.
+            let t = unsafe { &*t };
+            Some(L4 {
+                sport: u16::from_ne_bytes([t[0], t[1]]),
+                dport: u16::from_ne_bytes([t[2], t[3]]),
+                tcp_flags: t[13],
+                icmp_type: 0,
+                tcp_hlen: ((t[12] >> 4) as usize) * 4,
+            })
+        }
+        proto::UDP => {
+            let u = ptr_at::<[u8; 8]>(ctx, off)?;
+            // SAFETY: bounds checked by ptr_at.
+            let u = unsafe { &*u };
+            Some(L4 {
+                sport: u16::from_ne_bytes([u[0], u[1]]),
+                dport: u16::from_ne_bytes([u[2], u[3]]),
+                tcp_flags: 0,
+                icmp_type: 0,
+                tcp_hlen: 0,
+            })
+        }
+        proto::ICMP => {
+            let i = ptr_at::<[u8; 8]>(ctx, off)?;
+            // SAFETY: bounds checked by ptr_at.
+            let i = unsafe { &*i };
+            Some(L4 { sport: u16::from_ne_bytes([i[4], i[5]]), dport: 0, tcp_flags: 0, icmp_type: i[0], tcp_hlen: 0 })
+        }
+        _ => None,
+    }
+}
+
+/// Offset of the L4 checksum for `proto` relative to the L4 header.
+#[inline(always)]
+fn l4_csum_off(proto: u8) -> usize {
+    match proto {
+        proto::TCP => 16,
+        proto::UDP => 6,
+        _ => 2,
+    }
+}
+
+/// Flags for `bpf_l4_csum_replace` of a pseudo-header field of `proto` (UDP zero checksum
+/// stays zero).
+#[inline(always)]
+fn pseudo_flags(proto: u8) -> u64 {
+    let mut f = BPF_F_PSEUDO_HDR as u64 | 4;
+    if proto == proto::UDP {
+        f |= BPF_F_MARK_MANGLED_0 as u64;
+    }
+    f
+}
+
+/// Rewrites the IPv4 address at `addr_off` (IP_SRC_OFF / IP_DST_OFF) from `old` to `new`,
+/// updating the IP checksum and, for TCP/UDP, the L4 pseudo-header checksum.
+#[inline(always)]
+pub fn set_ip(ctx: &TcContext, ip: &Ipv4, addr_off: usize, old: u32, new: u32) -> Result<(), i64> {
+    if old == new {
+        return Ok(());
+    }
+    if ip.proto == proto::TCP || ip.proto == proto::UDP {
+        ctx.l4_csum_replace(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, pseudo_flags(ip.proto))?;
+    }
+    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)?;
+    ctx.store(addr_off, &new, 0)?;
+    Ok(())
+}
+
+/// Rewrites the source (`src = true`) or destination port (NBO) of a TCP/UDP header, or the
+/// echo id of an ICMP header (either flag), with its checksum. Ports are not part of the
+/// pseudo-header: no pseudo flag (`reference/upstream.md §8.7`).
+#[inline(always)]
+pub fn set_port(ctx: &TcContext, ip: &Ipv4, src: bool, old: u16, new: u16) -> Result<(), i64> {
+    if old == new {
+        return Ok(());
+    }
+    let field = match ip.proto {
+        proto::ICMP => 4,
+        _ if src => 0,
+        _ => 2,
+    };
+    let mut flags = 2u64;
+    if ip.proto == proto::UDP {
+        flags |= BPF_F_MARK_MANGLED_0 as u64;
+    }
+    ctx.l4_csum_replace(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, flags)?;
+    ctx.store(ip.l4_off + field, &new, 0)?;
+    Ok(())
+}
+
+/// Writes the Ethernet destination and source MACs.
+#[inline(always)]
+pub fn set_macs(ctx: &TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), i64> {
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(dst);
+    macs[6..].copy_from_slice(src);
+    ctx.store(0, &macs, 0)?;
+    Ok(())
+}
+
+/// Folds a 32-bit one's-complement sum into the final 16-bit checksum (as stored, NBO bytes).
+#[inline(always)]
+pub fn csum_fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
+
+/// One's-complement sum of big-endian 16-bit words of `bytes` (even length).
+#[inline(always)]
+pub fn csum_add(mut sum: u32, bytes: &[u8]) -> u32 {
+    let mut i = 0;
+    while i + 1 < bytes.len() {
+        sum += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
+        i += 2;
+    }
+    sum
+}
