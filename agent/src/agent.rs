@@ -668,6 +668,7 @@ impl Agent {
             };
             drain(&fd);
             self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
+            self.dp.delete_sessions_of(ifindex).map_err(|e| e.to_string())?;
             self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
             if self.dp.sandbox(ifindex).map_err(|e| e.to_string())?.is_some() {
                 return Err(format!("{name}: sandbox entry still present after unregister"));
@@ -1148,7 +1149,8 @@ mod tests {
         assert!(f.agent.release("sb-1").unwrap(), "release is idempotent");
         assert!(f.dp.sandbox(r.tap_ifindex).unwrap().is_none());
         assert!(f.dp.port_mappings().unwrap().is_empty());
-        assert_eq!(f.dp.policy(r.tap_ifindex).unwrap(), Some(EgressPolicy::default()), "baseline deny back");
+        let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
+        assert!(p.allow.is_empty() && p.deny.contains(&"0.0.0.0/0".to_string()), "baseline deny back: {p:?}");
         assert_eq!(f.agent.store.count(), 0);
         assert_eq!(f.agent.host_ports_in_use(), 0);
         assert!(matches!(f.agent.get("sb-1"), Err(AgentError::NotFound(_))));
@@ -1158,7 +1160,7 @@ mod tests {
         assert_eq!(v2.record.tap_name, r.tap_name);
         assert!(v2.record.version > r.version);
         let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
-        assert!(p.allow_out.is_empty() && p.allow_internet_access);
+        assert!(p.allow.is_empty() && !p.deny.contains(&"0.0.0.0/0".to_string()), "{p:?}");
     }
 
     #[test]

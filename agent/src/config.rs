@@ -87,6 +87,8 @@ pub struct Config {
     /// host ephemeral ports stay out of the host-port and SNAT ranges (default `10000 19999`,
     /// `reference/upstream.md §2.5`; empty = leave it). Per-netns; written from the netns thread.
     pub ip_local_port_range: String,
+    /// Seconds between session reaper sweeps (default 5).
+    pub reaper_interval_secs: u64,
     /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
     pub maintenance_interval_secs: u64,
 }
@@ -115,6 +117,7 @@ impl Default for Config {
             mvm_mask: 30,
             cube_dev_name: "cube-dev".into(),
             ip_local_port_range: "10000 19999".into(),
+            reaper_interval_secs: 5,
             maintenance_interval_secs: 5,
         }
     }
@@ -280,6 +283,9 @@ impl Config {
                     format!("{:?} is not \"first last\"", self.ip_local_port_range),
                 ));
             }
+        }
+        if self.reaper_interval_secs == 0 {
+            return Err(invalid("reaper_interval_secs", "must be at least 1"));
         }
         if self.maintenance_interval_secs == 0 {
             return Err(invalid("maintenance_interval_secs", "must be at least 1"));

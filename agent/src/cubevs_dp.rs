@@ -1,59 +1,30 @@
-//! The real [`Dataplane`]: `cubevs` as of the datapath issue 2, driven on the dataplane netns
-//! thread.
-//!
-//! Wired today: program loading (`cubevs::Datapath::load` with the guest constants written into
-//! `CONFIG`, links pinned under `<bpffs_dir>/links` and adopted on restart) and
-//! `attach_sandbox` / `detach_sandbox` of `from_cube` on the TAPs.
-//!
-//! **Not wired yet** ([`UNWIRED`]): the map API the datapath issue 3 adds to `cubevs`. Until the
-//! lead merges it, those methods act on an in-process [`MemTables`] with the same semantics
-//! (conflict and validation errors included), so the agent's logic runs end to end, but they
-//! have no kernel effect and do not survive a restart. Each one is marked `UNWIRED(cubevs)`.
+//! The real [`Dataplane`] over `cubevs`: programs attached on the dataplane netns thread
+//! (interface names resolve there), maps through the thread-safe `cubevs::Maps` (pinned
+//! under `<bpffs_dir>/maps`, adopted on restart), and the session reaper thread.
 
 use std::{
     net::Ipv4Addr,
     path::PathBuf,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
-use cubevs::{Datapath, DatapathConfig, LoadOptions};
+use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, reaper::Reaper};
 
 use crate::{
     dataplane::{
-        Counters, Dataplane, DataplaneError, EgressPolicy, MemTables, PortMapping, SandboxEntry, Session, SnatIp,
+        Counters, Dataplane, DataplaneError, EgressPolicy, PolicyDump, PortMapping, Proto, SandboxEntry, Session,
+        SnatIp,
     },
     host::NetnsHost,
 };
-
-/// The [`Dataplane`] methods that still need the cubevs map API (datapath issue 3). The lead
-/// wires each to the method of the same name on the cubevs maps handle, and `attach_uplink` /
-/// `attach_cube_dev` to the `Datapath` methods, then empties this list.
-pub const UNWIRED: &[&str] = &[
-    "attach_uplink",
-    "attach_cube_dev",
-    "register_sandbox",
-    "unregister_sandbox",
-    "sandbox",
-    "sandboxes",
-    "set_snat_ips",
-    "add_port_mapping",
-    "delete_port_mapping",
-    "delete_port_mappings_of",
-    "port_mappings",
-    "replace_policy",
-    "install_default_deny",
-    "remove_policy",
-    "policy",
-    "sessions",
-    "counters",
-];
 
 /// Datapath backed by `cubevs`.
 pub struct CubeVsDataplane {
     host: Arc<NetnsHost>,
     datapath: Arc<Mutex<Datapath>>,
-    /// UNWIRED(cubevs): stand-in for the pinned maps.
-    tables: Mutex<MemTables>,
+    maps: Arc<Maps>,
+    reaper: Reaper,
 }
 
 impl std::fmt::Debug for CubeVsDataplane {
@@ -62,18 +33,38 @@ impl std::fmt::Debug for CubeVsDataplane {
     }
 }
 
+fn err(e: cubevs::Error) -> DataplaneError {
+    match e {
+        cubevs::Error::InvalidArgument { field, reason } => DataplaneError::Invalid { field, reason },
+        other => DataplaneError::Other(other.to_string()),
+    }
+}
+
 fn other(e: impl std::fmt::Display) -> DataplaneError {
     DataplaneError::Other(e.to_string())
 }
 
+fn proto(p: Proto) -> cubevs::Proto {
+    match p {
+        Proto::Tcp => cubevs::Proto::Tcp,
+        Proto::Udp => cubevs::Proto::Udp,
+    }
+}
+
+fn mapping(m: &PortMapping) -> cubevs::PortMapping {
+    cubevs::PortMapping { proto: proto(m.proto), host_port: m.host_port, ifindex: m.ifindex, guest_port: m.guest_port }
+}
+
 impl CubeVsDataplane {
-    /// Loads the object (`object`, empty = `cubevs::default_object_path()`) with `config`,
-    /// pins under `bpffs_dir`; existing pinned links are adopted by later attaches.
+    /// Loads the object (`object`, `None` = `cubevs::default_object_path()`) with `config`,
+    /// creating or adopting the pinned maps under `bpffs_dir`; pinned links are adopted by
+    /// later attaches. Starts the session reaper (every `reaper_interval`).
     pub fn load(
         host: Arc<NetnsHost>,
         object: Option<PathBuf>,
         config: DatapathConfig,
         bpffs_dir: PathBuf,
+        reaper_interval: Duration,
     ) -> Result<Self, DataplaneError> {
         let mut opts = LoadOptions::new();
         if let Some(o) = object {
@@ -81,107 +72,164 @@ impl CubeVsDataplane {
         }
         opts.config = config;
         opts.pin_dir = Some(bpffs_dir);
-        let dp = Datapath::load(opts).map_err(other)?;
-        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), tables: Mutex::new(MemTables::default()) })
+        let dp = Datapath::load(opts).map_err(err)?;
+        let maps = dp.maps();
+        let reaper = Reaper::spawn(maps.sessions.clone(), reaper_interval, Default::default());
+        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper })
     }
 
-    fn tables(&self) -> std::sync::MutexGuard<'_, MemTables> {
-        self.tables.lock().unwrap_or_else(|e| e.into_inner())
+    fn on_thread<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Datapath) -> Result<R, cubevs::Error> + Send + 'static,
+    ) -> Result<R, DataplaneError> {
+        let dp = self.datapath.clone();
+        self.host.run_first(move || f(&mut dp.lock().unwrap_or_else(|e| e.into_inner()))).map_err(other)?.map_err(err)
+    }
+
+    /// Removes link pins of interfaces that no longer exist (deleted TAPs).
+    pub fn gc_link_pins(&self) -> Result<Vec<String>, DataplaneError> {
+        self.on_thread(|dp| dp.gc_link_pins())
     }
 }
 
 impl Dataplane for CubeVsDataplane {
     fn attach_sandbox(&self, ifname: &str) -> Result<u32, DataplaneError> {
-        let dp = self.datapath.clone();
         let n = ifname.to_string();
-        self.host
-            .run_first(move || dp.lock().unwrap_or_else(|e| e.into_inner()).attach_sandbox(&n))
-            .map_err(other)?
-            .map_err(other)
+        self.on_thread(move |dp| dp.attach_sandbox(&n))
     }
     fn detach_sandbox(&self, ifname: &str) -> Result<(), DataplaneError> {
-        let dp = self.datapath.clone();
         let n = ifname.to_string();
-        self.host
-            .run_first(move || dp.lock().unwrap_or_else(|e| e.into_inner()).detach_sandbox(&n))
-            .map_err(other)?
-            .map_err(other)
+        self.on_thread(move |dp| dp.detach_sandbox(&n))
     }
     fn attach_uplink(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs): Datapath::attach_uplink (from_world) arrives with issue 3.
-        tracing::warn!(ifname, %ip, "attach_uplink: not wired to cubevs yet (no from_world program)");
-        Ok(())
+        let n = ifname.to_string();
+        self.on_thread(move |dp| dp.attach_uplink(&n, ip)).map(drop)
     }
     fn attach_cube_dev(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs): Datapath::attach_cube_dev (from_envoy) arrives with issue 3.
-        tracing::warn!(ifname, %ip, "attach_cube_dev: not wired to cubevs yet (no from_envoy program)");
-        Ok(())
+        let n = ifname.to_string();
+        self.on_thread(move |dp| dp.attach_cube_dev(&n, ip)).map(drop)
     }
-    fn register_sandbox(&self, entry: &SandboxEntry) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().register(entry);
-        Ok(())
+    fn register_sandbox(&self, e: &SandboxEntry) -> Result<(), DataplaneError> {
+        self.maps
+            .sandboxes
+            .register(&cubevs::SandboxEntry { ifindex: e.ifindex, ip: e.ip, version: e.version, id: e.id.clone() })
+            .map_err(err)
     }
     fn unregister_sandbox(&self, ifindex: u32) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().unregister(ifindex);
-        Ok(())
+        self.maps.sandboxes.unregister(ifindex).map_err(err)
     }
     fn sandbox(&self, ifindex: u32) -> Result<Option<SandboxEntry>, DataplaneError> {
-        // UNWIRED(cubevs)
-        Ok(self.tables().sandbox(ifindex))
+        Ok(self.maps.sandboxes.get(ifindex).map_err(err)?.map(|e| SandboxEntry {
+            ifindex: e.ifindex,
+            ip: e.ip,
+            version: e.version,
+            id: e.id,
+        }))
     }
     fn sandboxes(&self) -> Result<Vec<SandboxEntry>, DataplaneError> {
-        // UNWIRED(cubevs)
-        Ok(self.tables().sandboxes())
+        Ok(self
+            .maps
+            .sandboxes
+            .list()
+            .map_err(err)?
+            .into_iter()
+            .map(|e| SandboxEntry { ifindex: e.ifindex, ip: e.ip, version: e.version, id: e.id })
+            .collect())
     }
     fn set_snat_ips(&self, ips: &[SnatIp]) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().set_snat(ips);
-        Ok(())
+        let v: Vec<_> = ips.iter().map(|s| cubevs::SnatAddr { ip: s.ip, ifindex: s.ifindex }).collect();
+        self.maps.snat.set(&v).map_err(err)
     }
     fn add_port_mapping(&self, m: &PortMapping) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().add_port(m)
+        match self.maps.ports.add(&mapping(m)) {
+            Ok(()) => Ok(()),
+            Err(cubevs::Error::Conflict(_)) => {
+                Err(DataplaneError::PortConflict { proto: m.proto, host_port: m.host_port })
+            }
+            Err(e) => Err(err(e)),
+        }
     }
     fn delete_port_mapping(&self, m: &PortMapping) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().delete_port(m);
-        Ok(())
+        self.maps.ports.delete(&mapping(m)).map_err(err)
     }
     fn delete_port_mappings_of(&self, ifindex: u32) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().delete_ports_of(ifindex);
-        Ok(())
+        self.maps.ports.delete_of(ifindex).map(drop).map_err(err)
     }
     fn port_mappings(&self) -> Result<Vec<PortMapping>, DataplaneError> {
-        // UNWIRED(cubevs)
-        Ok(self.tables().ports())
+        Ok(self
+            .maps
+            .ports
+            .list()
+            .map_err(err)?
+            .into_iter()
+            .map(|m| PortMapping {
+                proto: match m.proto {
+                    cubevs::Proto::Tcp => Proto::Tcp,
+                    cubevs::Proto::Udp => Proto::Udp,
+                },
+                host_port: m.host_port,
+                ifindex: m.ifindex,
+                guest_port: m.guest_port,
+            })
+            .collect())
     }
-    fn replace_policy(&self, ifindex: u32, policy: &EgressPolicy) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().replace_policy(ifindex, policy)
+    fn replace_policy(&self, ifindex: u32, p: &EgressPolicy) -> Result<(), DataplaneError> {
+        let cp = cubevs::EgressPolicy {
+            allow_internet_access: p.allow_internet_access,
+            allow_out: p.allow_out.clone(),
+            deny_out: p.deny_out.clone(),
+        };
+        self.maps.policy.replace(ifindex, &cp).map_err(err)
     }
     fn install_default_deny(&self, ifindex: u32) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().default_deny(ifindex);
-        Ok(())
+        self.maps.policy.install_default_deny(ifindex).map_err(err)
     }
     fn remove_policy(&self, ifindex: u32) -> Result<(), DataplaneError> {
-        // UNWIRED(cubevs)
-        self.tables().remove_policy(ifindex);
-        Ok(())
+        self.maps.policy.remove(ifindex).map_err(err)
     }
-    fn policy(&self, ifindex: u32) -> Result<Option<EgressPolicy>, DataplaneError> {
-        // UNWIRED(cubevs)
-        Ok(self.tables().policy(ifindex))
+    fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError> {
+        let d = self.maps.policy.dump(ifindex).map_err(err)?;
+        if d.allow.is_empty() && d.deny.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(PolicyDump {
+            allow: d.allow.iter().map(ToString::to_string).collect(),
+            deny: d.deny.iter().map(ToString::to_string).collect(),
+        }))
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
-        // UNWIRED(cubevs): no session maps before issue 3.
-        Ok(Vec::new())
+        Ok(self
+            .maps
+            .sessions
+            .list()
+            .map_err(err)?
+            .into_iter()
+            .map(|s| Session {
+                ifindex: s.vm_ifindex,
+                proto: s.proto.to_string(),
+                sandbox: format!("{}:{}", s.sandbox_ip, s.guest_port),
+                remote: format!("{}:{}", s.remote_ip, s.remote_port),
+                snat: format!("{}:{}", s.snat_ip, s.snat_port),
+                version: s.version,
+                state: s.state.to_string(),
+            })
+            .collect())
+    }
+    fn delete_sessions_of(&self, ifindex: u32) -> Result<usize, DataplaneError> {
+        self.maps.sessions.delete_of(ifindex).map_err(err)
     }
     fn counters(&self) -> Result<Counters, DataplaneError> {
-        // UNWIRED(cubevs): no counters before issue 3.
-        Ok(Counters::new())
+        let mut c: Counters = self
+            .maps
+            .counters
+            .read()
+            .map_err(err)?
+            .into_iter()
+            .map(|v| (format!("{}_{}", v.program, v.reason), v.packets))
+            .collect();
+        let st = self.reaper.stats();
+        c.insert("reaper_runs".into(), st.runs.load(std::sync::atomic::Ordering::Relaxed));
+        c.insert("reaper_removed".into(), st.removed.load(std::sync::atomic::Ordering::Relaxed));
+        Ok(c)
     }
 }

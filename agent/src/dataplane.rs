@@ -4,10 +4,9 @@
 //! IPs, port maps, egress policy, sessions, counters, program attachment). The agent touches
 //! the datapath only through it:
 //!
-//! - [`crate::cubevs_dp::CubeVsDataplane`] is the real implementation. Program attachment
-//!   (`attach_sandbox` / `detach_sandbox`) uses today's `cubevs::Datapath` on the dataplane
-//!   netns thread; the map methods that need the not-yet-merged cubevs map API are listed in
-//!   [`crate::cubevs_dp::UNWIRED`] and kept in an in-process table until wired.
+//! - [`crate::cubevs_dp::CubeVsDataplane`] is the real implementation over `cubevs`: program
+//!   attachment on the dataplane netns thread, maps through `cubevs::Maps` (pinned, adopted
+//!   on restart), plus the session reaper.
 //! - [`FakeDataplane`] is an in-memory implementation for unit tests of the service logic.
 
 use std::{
@@ -113,14 +112,27 @@ pub struct EgressPolicy {
 pub struct Session {
     /// TAP ifindex of the owner.
     pub ifindex: u32,
-    /// Protocol name.
+    /// Protocol name (`tcp`, `udp`, `icmp`).
     pub proto: String,
-    /// Guest-side `ip:port`.
-    pub inner: String,
+    /// Sandbox-side `mvm_ip:port`.
+    pub sandbox: String,
     /// Remote `ip:port`.
     pub remote: String,
     /// SNAT `ip:port`.
     pub snat: String,
+    /// Sandbox version in the session key.
+    pub version: u32,
+    /// Conntrack state name.
+    pub state: String,
+}
+
+/// The policy installed for one interface, as the tries hold it (CIDR strings).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyDump {
+    /// Allowed networks.
+    pub allow: Vec<String>,
+    /// Denied networks (the baseline deny included).
+    pub deny: Vec<String>,
 }
 
 /// Datapath counters by name (verdicts, drops).
@@ -165,9 +177,11 @@ pub trait Dataplane: Send + Sync {
     /// Removes every policy entry of `ifindex`.
     fn remove_policy(&self, ifindex: u32) -> Result<(), DataplaneError>;
     /// The policy currently installed for `ifindex` (`None`: no entry).
-    fn policy(&self, ifindex: u32) -> Result<Option<EgressPolicy>, DataplaneError>;
+    fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError>;
     /// Live sessions.
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError>;
+    /// Deletes every session of `ifindex` (both directions). Returns how many.
+    fn delete_sessions_of(&self, ifindex: u32) -> Result<usize, DataplaneError>;
     /// Datapath counters.
     fn counters(&self) -> Result<Counters, DataplaneError>;
 }
@@ -268,15 +282,27 @@ impl MemTables {
     }
     /// `install_default_deny`.
     pub fn default_deny(&mut self, ifindex: u32) {
-        self.policies.insert(ifindex, EgressPolicy::default());
+        self.policies.insert(ifindex, EgressPolicy { allow_internet_access: false, ..Default::default() });
     }
     /// `remove_policy`.
     pub fn remove_policy(&mut self, ifindex: u32) {
         self.policies.remove(&ifindex);
     }
-    /// `policy`.
-    pub fn policy(&self, ifindex: u32) -> Option<EgressPolicy> {
-        self.policies.get(&ifindex).cloned()
+    /// `policy`, compiled the way the datapath does (baseline deny; no internet = deny all,
+    /// user deny list ignored; the default deny is "deny all").
+    pub fn policy(&self, ifindex: u32) -> Option<PolicyDump> {
+        self.policies.get(&ifindex).map(|p| {
+            let mut deny: Vec<String> =
+                ["10.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16"]
+                    .map(String::from)
+                    .to_vec();
+            if p.allow_internet_access {
+                deny.extend(p.deny_out.iter().cloned());
+            } else {
+                deny.push("0.0.0.0/0".into());
+            }
+            PolicyDump { allow: p.allow_out.clone(), deny }
+        })
     }
 }
 
@@ -374,11 +400,14 @@ impl Dataplane for FakeDataplane {
         self.tables.lock().unwrap().remove_policy(ifindex);
         Ok(())
     }
-    fn policy(&self, ifindex: u32) -> Result<Option<EgressPolicy>, DataplaneError> {
+    fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError> {
         Ok(self.tables.lock().unwrap().policy(ifindex))
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
         Ok(Vec::new())
+    }
+    fn delete_sessions_of(&self, _ifindex: u32) -> Result<usize, DataplaneError> {
+        Ok(0)
     }
     fn counters(&self) -> Result<Counters, DataplaneError> {
         Ok(Counters::new())

@@ -13,7 +13,7 @@ use cubevs_common::DatapathConfig;
 use network_agent::{
     agent::Agent,
     config::Config,
-    cubevs_dp::{CubeVsDataplane, UNWIRED},
+    cubevs_dp::CubeVsDataplane,
     dataplane::{Dataplane, SnatIp},
     fdserver, grpc,
     host::{HostParams, NetnsHost},
@@ -176,9 +176,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             _pad: [0; 4],
         };
         let obj = (!raw.bpf_object.is_empty()).then(|| PathBuf::from(&raw.bpf_object));
-        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, raw.bpffs_dir.clone())?))
+        let reaper = Duration::from_secs(raw.reaper_interval_secs);
+        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, raw.bpffs_dir.clone(), reaper)?))
     })?;
-    tracing::warn!("datapath methods not yet wired to cubevs (in-process stand-ins): {}", UNWIRED.join(", "));
 
     // 2. cube-dev.
     let gw = cfg.gateway_ip();
@@ -215,6 +215,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let agent = Arc::new(Agent::new(cfg.clone(), host.clone(), dp.clone() as Arc<dyn Dataplane>, store));
         let s = agent.recover()?;
         tracing::info!(?s, "recovered");
+        match dp.gc_link_pins() {
+            Ok(gone) if !gone.is_empty() => tracing::info!(?gone, "removed link pins of vanished interfaces"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("link pin GC: {e}"),
+        }
         Ok(agent)
     })?;
 

@@ -80,14 +80,15 @@ pub struct SandboxRecord {
     pub persist_metadata: std::collections::BTreeMap<String, String>,
 }
 
-/// Validates a sandbox id for use as a file name and map key: 1–128 bytes of
+/// Validates a sandbox id for use as a file name and map key: 1–64 bytes (the datapath's
+/// metadata holds 64) of
 /// `[A-Za-z0-9_.:-]`, not starting with `.`.
 pub fn validate_sandbox_id(id: &str) -> Result<(), String> {
     if id.is_empty() {
         return Err("must not be empty".into());
     }
-    if id.len() > 128 {
-        return Err(format!("is {} bytes, the limit is 128", id.len()));
+    if id.len() > 64 {
+        return Err(format!("is {} bytes, the limit is 64", id.len()));
     }
     if id.starts_with('.') || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b)) {
         return Err(format!("{id:?} may only contain A-Z a-z 0-9 _ . : - and must not start with ."));
@@ -247,6 +248,7 @@ mod tests {
         assert!(validate_sandbox_id("").is_err());
         assert!(validate_sandbox_id("../etc").is_err());
         assert!(validate_sandbox_id("a/b").is_err());
-        assert!(validate_sandbox_id(&"a".repeat(129)).is_err());
+        assert!(validate_sandbox_id(&"a".repeat(65)).is_err());
+        assert!(validate_sandbox_id(&"a".repeat(64)).is_ok());
     }
 }

@@ -101,8 +101,14 @@ fn pool_ensure_fd_arp_release_reuse() {
             move || t.iter().map(|n| cubevs::tcx_ingress_programs(n).unwrap()).collect::<Vec<_>>()
         });
         assert!(progs.iter().all(|p| p == &vec!["from_cube".to_string()]), "{progs:?}");
-        let pins = std::fs::read_dir(a.pin_dir().join("links")).unwrap().count();
-        assert_eq!(pins, 3);
+        let pins: Vec<String> = std::fs::read_dir(a.pin_dir().join("links"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(pins.iter().filter(|p| p.starts_with("from_cube_")).count(), 3, "{pins:?}");
+        assert!(pins.iter().any(|p| p.starts_with("from_world_")), "uplink not attached: {pins:?}");
+        assert!(pins.iter().any(|p| p.starts_with("from_envoy_")), "cube-dev not attached: {pins:?}");
         // cube-dev: gateway MAC, CIDR .1, route for the CIDR.
         let dev = a.topo.node.ip(&["-j", "addr", "show", "dev", "cube-dev"]);
         assert!(dev.contains("20:90:6f:cf:cf:cf") && dev.contains("192.168.0.1"), "{dev}");
@@ -163,6 +169,12 @@ fn pool_ensure_fd_arp_release_reuse() {
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cli json");
         assert_eq!(j["networks"][0]["sandboxID"], "sb-a", "{j}");
 
+        let pol = a.http_json("/v1/dataplane/policies");
+        let mine =
+            pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == i.name.as_str()).unwrap().clone();
+        assert_eq!(mine["policy"]["allow"], serde_json::json!(["198.51.100.0/24"]), "{mine}");
+        assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 1);
+
         // Release: the TAP goes back to Ready, the handoff is refused.
         drop(guest);
         let rel = rt
@@ -198,8 +210,8 @@ fn pool_ensure_fd_arp_release_reuse() {
         let pol = a.http_json("/v1/dataplane/policies");
         let mine =
             pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == i.name.as_str()).unwrap().clone();
-        assert_eq!(mine["policy"]["allow_out"], serde_json::json!([]), "old policy survived: {mine}");
-        assert_eq!(mine["policy"]["allow_internet_access"], true);
+        assert_eq!(mine["policy"]["allow"], serde_json::json!([]), "old policy survived: {mine}");
+        assert!(!mine["policy"]["deny"].as_array().unwrap().contains(&serde_json::json!("0.0.0.0/0")), "{mine}");
         let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-b");
         assert_eq!(reply["errCode"], "0");
         let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
