@@ -933,6 +933,7 @@ impl Agent {
             .iter()
             .map(|(_, r)| r.version)
             .chain(self.dp.sandboxes()?.iter().map(|e| e.version))
+            .chain(self.dp.sessions()?.iter().map(|x| x.version))
             .max()
             .unwrap_or(0);
         // Versions only grow, also across restarts where records were deleted: mix in time.
