@@ -359,7 +359,7 @@ impl Agent {
             if attached != ifindex {
                 return Err(internal(format!("{name}: ifindex changed during creation")));
             }
-            self.dp.remove_policy(ifindex)?;
+            // A replace: whatever a previous owner of this ifindex left is purged with it.
             self.dp.install_default_deny(ifindex)?;
             Ok((ifindex, fd))
         })();
@@ -676,7 +676,7 @@ impl Agent {
             if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
                 return Err(format!("{name}: port mappings still present after delete"));
             }
-            self.dp.remove_policy(ifindex).map_err(|e| e.to_string())?;
+            // One atomic replace by the baseline deny (no window without policy).
             self.dp.install_default_deny(ifindex).map_err(|e| e.to_string())?;
             if let Some(o) = &owner {
                 self.store.remove(o).map_err(|e| format!("remove state of {o}: {e}"))?;
