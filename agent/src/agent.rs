@@ -15,7 +15,7 @@ use std::{
         Arc, Mutex, MutexGuard,
         atomic::{AtomicBool, AtomicU32, Ordering},
     },
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use serde::Serialize;
@@ -47,6 +47,9 @@ pub enum AgentError {
     /// Out of TAPs, addresses or ports (`RESOURCE_EXHAUSTED`).
     #[error("{0}")]
     Exhausted(String),
+    /// The sandbox's previous network is still being cleaned (`UNAVAILABLE`; retry).
+    #[error("{0}")]
+    Busy(String),
     /// Anything else (`INTERNAL`).
     #[error("{0}")]
     Internal(String),
@@ -494,8 +497,17 @@ impl Agent {
         let id = req.sandbox_id.clone();
         let guard = self.sandbox_lock(&id);
         let _g = lock(&guard);
-        if let Some(rec) = lock(&self.inner).sandboxes.get(&id) {
-            return Ok(self.view(rec));
+        {
+            let inner = lock(&self.inner);
+            if let Some(rec) = inner.sandboxes.get(&id) {
+                return Ok(self.view(rec));
+            }
+            if let Some(t) = inner.taps.values().find(|t| t.owner.as_deref() == Some(id.as_str())) {
+                return Err(AgentError::Busy(format!(
+                    "the previous network of {id:?} ({}) is still being cleaned; retry later",
+                    t.name
+                )));
+            }
         }
 
         // 1. A TAP: first Ready one, else on demand.
@@ -1049,11 +1061,6 @@ impl Agent {
             self.metrics.sessions.set(s.len() as i64);
         }
     }
-
-    /// Time since an instant, for step logs.
-    pub fn since(t: Instant) -> Duration {
-        t.elapsed()
-    }
 }
 
 /// What recovery did.
@@ -1176,6 +1183,29 @@ mod tests {
         assert_eq!(f.agent.host_ports_in_use(), 0);
         assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
         assert!(f.agent.list().is_empty());
+    }
+
+    #[test]
+    fn failed_cleanup_stays_cleaning_and_is_retried() {
+        let f = fixture("retry");
+        f.agent.recover().unwrap();
+        f.agent.warm(1, 1);
+        let v = f.agent.ensure(req("sb-r")).unwrap();
+        f.dp.fail_delete_ports.store(true, Ordering::Relaxed);
+        assert!(f.agent.release("sb-r").unwrap());
+        assert_eq!(f.agent.pool_counts()[&TapState::Cleaning], 1);
+        let t = f.agent.taps().into_iter().find(|t| t.tap_name == v.record.tap_name).unwrap();
+        assert_eq!((t.retry_count, t.last_error.contains("injected")), (1, true), "{t:?}");
+        assert_eq!(f.agent.store.count(), 1, "the deleting record stays until cleanup succeeds");
+        // The same id cannot be ensured while its old network is still being cleaned.
+        assert!(matches!(f.agent.ensure(req("sb-r")), Err(AgentError::Busy(_))));
+        f.dp.fail_delete_ports.store(false, Ordering::Relaxed);
+        f.agent.maintain();
+        assert_eq!(f.agent.pool_counts()[&TapState::Cleaning], 0);
+        assert_eq!(f.agent.store.count(), 0);
+        assert_eq!(f.agent.host_ports_in_use(), 0);
+        assert!(f.dp.port_mappings().unwrap().is_empty());
+        f.agent.ensure(req("sb-r")).unwrap();
     }
 
     #[test]

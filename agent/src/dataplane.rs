@@ -318,6 +318,8 @@ pub struct FakeDataplane {
     pub infra: Mutex<Vec<(String, Ipv4Addr)>>,
     /// When set, `register_sandbox` fails (to test rollback).
     pub fail_register: std::sync::atomic::AtomicBool,
+    /// When set, `delete_port_mappings_of` fails (to test cleanup retries).
+    pub fail_delete_ports: std::sync::atomic::AtomicBool,
     /// Resolves interface names to ifindexes (a fake host's table); unset: a counter.
     pub resolver: Mutex<Option<Resolver>>,
 }
@@ -383,6 +385,9 @@ impl Dataplane for FakeDataplane {
         Ok(())
     }
     fn delete_port_mappings_of(&self, ifindex: u32) -> Result<(), DataplaneError> {
+        if self.fail_delete_ports.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected delete failure".into()));
+        }
         self.tables.lock().unwrap().delete_ports_of(ifindex);
         Ok(())
     }

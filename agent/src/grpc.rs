@@ -35,6 +35,7 @@ pub fn status(e: AgentError) -> Status {
         AgentError::Invalid { .. } => Status::invalid_argument(e.to_string()),
         AgentError::NotFound(_) => Status::not_found(e.to_string()),
         AgentError::Exhausted(_) => Status::resource_exhausted(e.to_string()),
+        AgentError::Busy(_) => Status::unavailable(e.to_string()),
         AgentError::Internal(_) => Status::internal(e.to_string()),
     }
 }

@@ -212,6 +212,25 @@ fn pool_ensure_fd_arp_release_reuse() {
             pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == i.name.as_str()).unwrap().clone();
         assert_eq!(mine["policy"]["allow"], serde_json::json!([]), "old policy survived: {mine}");
         assert!(!mine["policy"]["deny"].as_array().unwrap().contains(&serde_json::json!("0.0.0.0/0")), "{mine}");
+        // Reconcile with a new policy converges and replaces it.
+        let rc = rt
+            .block_on(c.reconcile_network(pb::ReconcileNetworkRequest {
+                sandbox_id: "sb-b".into(),
+                cubevs_context: Some(pb::CubeVsContext {
+                    allow_internet_access: Some(true),
+                    deny_out: vec!["203.0.113.0/24".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }))
+            .unwrap()
+            .into_inner();
+        assert!(rc.converged);
+        assert_eq!(rc.interfaces, r2.interfaces);
+        let pol = a.http_json("/v1/dataplane/policies");
+        let mine =
+            pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == i.name.as_str()).unwrap().clone();
+        assert!(mine["policy"]["deny"].as_array().unwrap().contains(&serde_json::json!("203.0.113.0/24")), "{mine}");
         let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-b");
         assert_eq!(reply["errCode"], "0");
         let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
