@@ -255,8 +255,14 @@ impl Config {
             return Err(invalid("mvm_mask", format!("/{} outside /1../30", self.mvm_mask)));
         }
         let port_range = parse_port_range(&self.host_port_range).map_err(|r| invalid("host_port_range", r))?;
-        if self.grpc_listen.is_empty() {
-            return Err(invalid("grpc_listen", "must not be empty"));
+        let hp = self.grpc_listen.strip_prefix("tcp://").unwrap_or(&self.grpc_listen);
+        let unix_ok = self.grpc_listen.strip_prefix("unix://").is_some_and(|p| p.starts_with('/'));
+        let tcp_ok = hp.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        if !unix_ok && !tcp_ok {
+            return Err(invalid(
+                "grpc_listen",
+                format!("{:?} is not unix:///PATH, tcp://HOST:PORT or HOST:PORT", self.grpc_listen),
+            ));
         }
         if self.tap_fd_listen.as_os_str().is_empty() {
             return Err(invalid("tap_fd_listen", "must not be empty"));
@@ -324,6 +330,9 @@ mod tests {
         assert!(e.contains("`mvm_mac_addr`"), "{e}");
         let e = Config::parse("host_port_range = \"3-2\"").unwrap().validate().unwrap_err().to_string();
         assert!(e.contains("`host_port_range`"), "{e}");
+        let e = Config::parse("grpc_listen = \"/tmp/x\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`grpc_listen`"), "{e}");
+        assert!(Config::parse("grpc_listen = \"tcp://127.0.0.1:9\"").unwrap().validate().is_ok());
         let e = Config::parse("bogus = 1").unwrap_err();
         assert!(e.contains("bogus"), "{e}");
         let e = Config::parse("mtu = \"x\"").unwrap_err();

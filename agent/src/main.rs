@@ -264,7 +264,15 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let fd_agent = agent.clone();
     let fd_task = tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = fd_listener.accept().await else { continue };
+            let stream = match fd_listener.accept().await {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // E.g. EMFILE: back off instead of spinning.
+                    tracing::warn!("fd socket accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
             let a = fd_agent.clone();
             tokio::spawn(fdserver::handle_conn(stream, a));
         }
