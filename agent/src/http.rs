@@ -1,7 +1,7 @@
 //! HTTP on `health_listen`: `/healthz` (alive), `/readyz` (recovered, servers up, pool full),
 //! `/metrics` (Prometheus), and, to loopback clients only, `GET /v1/network/taps` (upstream
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
-//! portmaps,policies}`. Other methods get 405 with `Allow: GET`; non-loopback clients of the
+//! sandboxes,portmaps,policies}`. Other methods get 405 with `Allow: GET`; non-loopback clients of the
 //! `/v1/` paths get 403.
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
@@ -73,6 +73,13 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
         "/v1/dataplane/sessions" => {
             blocking(Box::new(|a: &Agent| match a.dataplane().sessions() {
                 Ok(s) => json(&serde_json::json!({"sessions": s})),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+            }))
+            .await
+        }
+        "/v1/dataplane/sandboxes" => {
+            blocking(Box::new(|a: &Agent| match a.dataplane().sandboxes() {
+                Ok(s) => json(&serde_json::json!({"sandboxes": s})),
                 Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
             }))
             .await

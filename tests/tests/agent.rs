@@ -388,6 +388,7 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
     assert_eq!(state_counts(&a).1, N as u64);
     assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), N);
     assert_eq!(state_files(&a.state_dir()).len(), N);
+    assert_eq!(a.http_json("/v1/dataplane/sandboxes")["sandboxes"].as_array().unwrap().len(), N);
     let mut conc: Vec<Duration> = results.iter().map(|r| r.2).collect();
 
     // Concurrent Ensures of one id make one network.
@@ -445,6 +446,8 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
+    assert_eq!(a.http_json("/v1/dataplane/sandboxes")["sandboxes"].as_array().unwrap().len(), 0);
+    assert_eq!(a.http_json("/v1/dataplane/sessions")["sessions"].as_array().unwrap().len(), 0);
     assert!(state_files(&a.state_dir()).is_empty());
     let metrics = a.http("/metrics").unwrap().1;
     assert!(metrics.contains("cubenet_ensure_total{result=\"ok\"} 68"), "{metrics}");

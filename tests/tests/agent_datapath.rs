@@ -353,7 +353,8 @@ fn kill9_keeps_long_tcp_and_ping_without_loss() {
 
     assert!(t.broke.is_none(), "{t:?}");
     assert!(t.echoes > 50, "{t:?}");
-    assert!(t.max_gap < Duration::from_millis(300), "TCP stalled (loss + retransmit?): {t:?}");
+    // An echo every 20 ms; a stall this long would mean the flow stopped during the restart.
+    assert!(t.max_gap < Duration::from_millis(500), "TCP stalled: {t:?}");
     let mut back = t.pings_back.clone();
     back.sort();
     back.dedup();

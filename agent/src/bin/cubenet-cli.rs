@@ -63,6 +63,8 @@ enum Cmd {
     },
     /// Dump datapath sessions.
     Sessions,
+    /// Dump the datapath's sandbox registry.
+    Sandboxes,
     /// Dump datapath port mappings.
     Portmaps,
     /// Dump per-TAP egress policies.
@@ -236,9 +238,10 @@ async fn main() -> anyhow::Result<()> {
                 println!("{}", j["stateCounts"]);
             }
         }
-        Cmd::Sessions | Cmd::Portmaps | Cmd::Policies => {
+        Cmd::Sessions | Cmd::Sandboxes | Cmd::Portmaps | Cmd::Policies => {
             let (path, key) = match cli.cmd {
                 Cmd::Sessions => ("/v1/dataplane/sessions", "sessions"),
+                Cmd::Sandboxes => ("/v1/dataplane/sandboxes", "sandboxes"),
                 Cmd::Portmaps => ("/v1/dataplane/portmaps", "portMappings"),
                 _ => ("/v1/dataplane/policies", "policies"),
             };
