@@ -19,6 +19,9 @@ use cubevs_common::{
 
 use crate::{Error, sessions::Sessions};
 
+/// Upstream's sweep interval: 5 s.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Idle timeouts per state, in nanoseconds. [`Default`] is upstream's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
