@@ -13,6 +13,8 @@ APT_PACKAGES=(
   llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev
   iproute2 iputils-ping ethtool procps
   shellcheck
+  # benchmarks (cargo xtask bench): iperf3, and iptables for the bridge+iptables baseline
+  iperf3 iptables
 )
 
 missing=()

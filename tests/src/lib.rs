@@ -13,12 +13,16 @@
 //!   parses frames with `etherparse`), with a smoltcp TCP/IP stack on the same fd ([`smol`]).
 //! - [`servers`]: TCP/HTTP and UDP echo servers bound inside a namespace.
 //! - [`bpffs::BpfFs`]: a private bpffs instance mounted in a temporary directory.
+//! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
+//!   [`frames`] builds the exact frames it is fed and compared with.
 //!
 //! Root-only tests call [`require_root`] first, which prints a loud SKIP line when not root.
 pub mod bpffs;
+pub mod frames;
 pub mod guest;
 pub mod netns;
 pub mod packet;
+pub mod rig;
 pub mod servers;
 pub mod smol;
 pub mod topology;

@@ -4,145 +4,30 @@
 //! Runs inside a harness node namespace so the FIB lookup of `from_cube` resolves the uplink
 //! next hop (a permanent neighbour entry makes the MACs deterministic).
 
-use std::{
-    net::Ipv4Addr,
-    sync::{Arc, Mutex},
-};
+use std::net::Ipv4Addr;
 
-use cubenet_sys::netns::NetnsThread;
 use cubenet_tests::{
     ebpf_object,
+    frames::{Tcp as T, icmp, tcp, udp},
     packet::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    topology::{CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP, mac_string},
+    rig::{Rig, SB_IFINDEX, SB_IP, VERSION},
+    topology::{CUBE_DEV_IP, NODE_IP, WORLD_IP},
 };
 use cubevs::{
-    Datapath, EgressPolicy, LoadOptions, Maps, PortMapping, Proto, SandboxEntry, SnatAddr, prog,
+    Datapath, EgressPolicy, LoadOptions, PortMapping, Proto, SandboxEntry, prog,
     reaper::{self, Timeouts},
-    testrun::{self, SkBuffCtx, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
+    testrun::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
 use cubevs_common::{
-    conntrack::{tcp, timeout, udp},
+    conntrack::{tcp as tcp_state, timeout, udp as udp_state},
     counter,
 };
-use etherparse::{PacketBuilder, TcpHeader};
 
-const SB_IFINDEX: u32 = 100;
-const SB_IP: [u8; 4] = [192, 168, 0, 3];
-const VERSION: u32 = 7;
-
-struct Rig {
-    dp: Arc<Mutex<Datapath>>,
-    maps: Arc<Maps>,
-    thread: NetnsThread,
-    world_mac: [u8; 6],
-    up_mac: [u8; 6],
-    _topo: Topology,
-}
-
-impl Rig {
-    fn new() -> Self {
-        let topo = Topology::new();
-        let world_mac = topo.world_mac();
-        let up_mac = topo.node_uplink_mac();
-        topo.node.ip(&[
-            "neigh",
-            "replace",
-            "198.51.100.1",
-            "lladdr",
-            &mac_string(world_mac),
-            "dev",
-            NODE_UPLINK,
-            "nud",
-            "permanent",
-        ]);
-        // bpf_fib_lookup answers only when forwarding is on for the egress device.
-        let out = topo.node.exec("sysctl", &["-qw", "net.ipv4.conf.up0.forwarding=1"]);
-        assert!(out.status.success(), "sysctl in node netns: {}", String::from_utf8_lossy(&out.stderr));
-        let dp = Datapath::load(LoadOptions { object: ebpf_object(), ..LoadOptions::new() }).expect("load");
-        let maps = dp.maps();
-        let up = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-        maps.node.set_uplink(up, Ipv4Addr::from(NODE_IP)).unwrap();
-        maps.node.set_cube_dev(55, Ipv4Addr::from(CUBE_DEV_IP)).unwrap();
-        maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: up }]).unwrap();
-        maps.sandboxes
-            .register(&SandboxEntry {
-                ifindex: SB_IFINDEX,
-                ip: Ipv4Addr::from(SB_IP),
-                version: VERSION,
-                id: "sb".into(),
-            })
-            .unwrap();
-        maps.policy.install_default_deny(SB_IFINDEX).unwrap();
-        let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, _topo: topo }
-    }
-
-    fn run(&self, program: &'static str, frame: Vec<u8>, ingress_ifindex: u32) -> testrun::TestRunOutput {
-        let dp = self.dp.clone();
-        self.thread
-            .run(move || {
-                let mut dp = dp.lock().unwrap();
-                let p = dp.program(program).unwrap();
-                testrun::run(p, &frame, SkBuffCtx { ingress_ifindex, ..Default::default() }, 1).expect("test run")
-            })
-            .unwrap()
-    }
-
-    fn cube(&self, frame: Vec<u8>) -> testrun::TestRunOutput {
-        self.run(prog::FROM_CUBE, frame, SB_IFINDEX)
-    }
-
-    fn world(&self, frame: Vec<u8>) -> testrun::TestRunOutput {
-        self.run(prog::FROM_WORLD, frame, 0)
-    }
-
-    fn session(&self) -> cubevs::SessionView {
-        let s = self.maps.sessions.list().unwrap();
-        assert_eq!(s.len(), 1, "{s:?}");
-        s[0].clone()
-    }
-}
-
-#[derive(Clone, Copy, Default)]
-struct T {
-    sport: u16,
-    dport: u16,
-    seq: u32,
-    ack: Option<u32>,
-    syn: bool,
-    fin: bool,
-    rst: bool,
-    win: u16,
-}
-
-fn tcp(smac: [u8; 6], dmac: [u8; 6], src: [u8; 4], dst: [u8; 4], t: T, payload: &[u8]) -> Vec<u8> {
-    let mut h = TcpHeader::new(t.sport, t.dport, t.seq, t.win);
-    h.syn = t.syn;
-    h.fin = t.fin;
-    h.rst = t.rst;
-    if let Some(a) = t.ack {
-        h.ack = true;
-        h.acknowledgment_number = a;
-    }
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(smac, dmac).ipv4(src, dst, 64).tcp_header(h).write(&mut out, payload).unwrap();
-    out
-}
-
-fn udp(smac: [u8; 6], dmac: [u8; 6], src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(smac, dmac).ipv4(src, dst, 64).udp(sport, dport).write(&mut out, payload).unwrap();
-    out
-}
-
-fn icmp(smac: [u8; 6], dmac: [u8; 6], src: [u8; 4], dst: [u8; 4], request: bool, id: u16, seq: u16) -> Vec<u8> {
-    let mut out = Vec::new();
-    let b = PacketBuilder::ethernet2(smac, dmac).ipv4(src, dst, 64);
-    if request { b.icmpv4_echo_request(id, seq) } else { b.icmpv4_echo_reply(id, seq) }
-        .write(&mut out, b"abcdefgh")
-        .unwrap();
-    out
+fn session(r: &Rig) -> cubevs::SessionView {
+    let s = r.maps.sessions.list().unwrap();
+    assert_eq!(s.len(), 1, "{s:?}");
+    s[0].clone()
 }
 
 const GSPORT: u16 = 40000;
@@ -171,7 +56,7 @@ fn tcp_snat_reverse_nat_and_conntrack() {
     let out = r.cube(guest_tcp(syn));
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, snat(syn, r.up_mac, r.world_mac));
-    let s = r.session();
+    let s = session(&r);
     assert_eq!((s.state, s.snat_port, s.version, s.vm_ifindex), ("syn_sent", SNAT_PORT, VERSION, SB_IFINDEX));
     assert_eq!(r.maps.sessions.reverse_entries().unwrap().len(), 1);
 
@@ -180,13 +65,13 @@ fn tcp_snat_reverse_nat_and_conntrack() {
     let out = r.world(from_world(synack));
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, to_guest(synack));
-    assert_eq!(r.session().state, "syn_recv");
+    assert_eq!(session(&r).state, "syn_recv");
 
     // Established: ACK and data follow the session.
     let ack = T { seq: 101, ack: Some(501), ..Default::default() };
     let out = r.cube(guest_tcp(ack));
     assert_eq!((out.verdict, out.data), (TC_ACT_REDIRECT, snat(ack, r.up_mac, r.world_mac)));
-    assert_eq!(r.session().state, "established");
+    assert_eq!(session(&r).state, "established");
 
     // Guest closes first: FIN_WAIT, active close; then CLOSE_WAIT, LAST_ACK, TIME_WAIT.
     let steps: [(bool, T, &str); 4] = [
@@ -198,9 +83,29 @@ fn tcp_snat_reverse_nat_and_conntrack() {
     for (from_guest, t, state) in steps {
         let out = if from_guest { r.cube(guest_tcp(t)) } else { r.world(from_world(t)) };
         assert_eq!(out.verdict, TC_ACT_REDIRECT, "{state}");
-        assert_eq!(r.session().state, state);
+        assert_eq!(session(&r).state, state);
     }
-    assert!(r.session().active_close);
+    assert!(session(&r).active_close);
+
+    // The guest reuses the port: the session reopens in place on the same SNAT port.
+    let again = T { seq: 7000, syn: true, ..Default::default() };
+    let out = r.cube(guest_tcp(again));
+    assert_eq!((out.verdict, out.data), (TC_ACT_REDIRECT, snat(again, r.up_mac, r.world_mac)));
+    let s = session(&r);
+    assert_eq!((s.state, s.snat_port, s.active_close), ("syn_sent", SNAT_PORT, false));
+    // Walk it to TIME_WAIT again for the timeout check below.
+    for (from_guest, t) in [
+        (false, T { seq: 800, ack: Some(7001), syn: true, ..Default::default() }),
+        (true, T { seq: 7001, ack: Some(801), ..Default::default() }),
+        (true, T { seq: 7001, ack: Some(801), fin: true, ..Default::default() }),
+        (false, T { seq: 801, ack: Some(7002), fin: true, ..Default::default() }),
+        (true, T { seq: 7002, ack: Some(802), ..Default::default() }),
+    ] {
+        let out = if from_guest { r.cube(guest_tcp(t)) } else { r.world(from_world(t)) };
+        assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    }
+    let s = session(&r);
+    assert_eq!((s.state, s.active_close), ("time_wait", true));
 
     // TIME_WAIT after an active close expires after 10 s, not 2 min; both directions go.
     let (k, s) = r.maps.sessions.entries().unwrap()[0];
@@ -251,17 +156,17 @@ fn timeouts_follow_the_state_table() {
     };
     const S: u64 = 1_000_000_000;
     for (p, st, ac, want) in [
-        (6, tcp::SYN_SENT, 0, 60 * S),
-        (6, tcp::ESTABLISHED, 0, 3 * 3600 * S),
-        (6, tcp::FIN_WAIT, 0, 120 * S),
-        (6, tcp::CLOSE_WAIT, 0, 60 * S),
-        (6, tcp::LAST_ACK, 0, 30 * S),
-        (6, tcp::TIME_WAIT, 0, 120 * S),
-        (6, tcp::TIME_WAIT, 1, 10 * S),
-        (6, tcp::CLOSE, 0, 10 * S),
-        (17, udp::UNREPLIED, 0, 30 * S),
-        (17, udp::REPLIED, 0, 180 * S),
-        (1, udp::REPLIED, 0, 30 * S),
+        (6, tcp_state::SYN_SENT, 0, 60 * S),
+        (6, tcp_state::ESTABLISHED, 0, 3 * 3600 * S),
+        (6, tcp_state::FIN_WAIT, 0, 120 * S),
+        (6, tcp_state::CLOSE_WAIT, 0, 60 * S),
+        (6, tcp_state::LAST_ACK, 0, 30 * S),
+        (6, tcp_state::TIME_WAIT, 0, 120 * S),
+        (6, tcp_state::TIME_WAIT, 1, 10 * S),
+        (6, tcp_state::CLOSE, 0, 10 * S),
+        (17, udp_state::UNREPLIED, 0, 30 * S),
+        (17, udp_state::REPLIED, 0, 180 * S),
+        (1, udp_state::REPLIED, 0, 30 * S),
     ] {
         assert_eq!(t.of(p, &mk(st, ac)), want, "proto {p} state {st} active_close {ac}");
     }
@@ -277,11 +182,11 @@ fn udp_and_icmp_sessions() {
     let out = r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 53, b"q"));
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, udp(r.up_mac, r.world_mac, NODE_IP, WORLD_IP, SNAT_PORT, 53, b"q"));
-    assert_eq!(r.session().state, "unreplied");
+    assert_eq!(session(&r).state, "unreplied");
     let out = r.world(udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, SNAT_PORT, b"a"));
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, udp(GATEWAY_MAC, GUEST_MAC, WORLD_IP, GUEST_IP, 53, 5000, b"a"));
-    assert_eq!(r.session().state, "replied");
+    assert_eq!(session(&r).state, "replied");
     r.maps.sessions.delete_of(SB_IFINDEX).unwrap();
 
     // ICMP echo: the id is translated like a port.
@@ -292,7 +197,7 @@ fn udp_and_icmp_sessions() {
     let out = r.world(icmp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, false, port, 1));
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, icmp(GATEWAY_MAC, GUEST_MAC, WORLD_IP, GUEST_IP, false, 0x1234, 1));
-    assert_eq!((r.session().proto, r.session().state), ("icmp", "replied"));
+    assert_eq!((session(&r).proto, session(&r).state), ("icmp", "replied"));
     // Unrelated world traffic continues to the host stack unchanged.
     let stray = udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, 31999, b"x");
     let out = r.world(stray.clone());
@@ -449,47 +354,15 @@ fn programs_stay_within_the_verifier_budget() {
     }
 }
 
-/// Per-packet cost figures (ns/packet, BPF_PROG_TEST_RUN). A report, not a test of speed:
-/// run with `cargo test -p cubenet-tests --test datapath_testrun -- --ignored --nocapture`.
+/// Per-packet cost figures (ns/packet, BPF_PROG_TEST_RUN): `cargo xtask bench per-packet` is
+/// the full report; this ignored test prints the headline numbers only.
 #[test]
 #[ignore]
 fn report_per_packet_cost() {
     let r = Rig::new();
-    let syn = T { seq: 1, syn: true, ..Default::default() };
-    r.cube(guest_tcp(syn));
-    let est = guest_tcp(T { seq: 2, ack: Some(1), ..Default::default() });
-    let from_world = tcp(
-        r.world_mac,
-        r.up_mac,
-        WORLD_IP,
-        NODE_IP,
-        T { sport: 80, dport: SNAT_PORT, seq: 1, ack: Some(2), win: 1000, ..Default::default() },
-        b"",
-    );
-    let arp = cubenet_tests::packet::arp_request(GUEST_MAC, GUEST_IP, GATEWAY_IP);
-    let cases: Vec<(&str, &'static str, Vec<u8>, u32)> = vec![
-        ("from_cube established TCP", prog::FROM_CUBE, est, SB_IFINDEX),
-        ("from_cube ARP", prog::FROM_CUBE, arp, SB_IFINDEX),
-        ("from_world reverse NAT", prog::FROM_WORLD, from_world, 0),
-    ];
-    for (label, p, frame, ifx) in cases {
-        let mut v: Vec<u128> = (0..2000).map(|_| r.run(p, frame.clone(), ifx).duration.as_nanos()).collect();
-        v.sort_unstable();
-        eprintln!("{label}: p50 {} ns, p90 {} ns (repeat=1 x 2000)", v[1000], v[1800]);
-    }
-    // New SYN: a new guest port each time (fresh session).
-    let mut v = Vec::new();
-    for i in 0..2000u16 {
-        let f = tcp(
-            GUEST_MAC,
-            GATEWAY_MAC,
-            GUEST_IP,
-            WORLD_IP,
-            T { sport: 10000 + i, dport: 80, seq: 1, syn: true, win: 1000, ..Default::default() },
-            b"",
-        );
-        v.push(r.cube(f).duration.as_nanos());
-    }
+    r.cube(guest_tcp(T { seq: 1, syn: true, ..Default::default() }));
+    let mut v =
+        r.run_many(prog::FROM_CUBE, SB_IFINDEX, 2000, |_| guest_tcp(T { seq: 2, ack: Some(1), ..Default::default() }));
     v.sort_unstable();
-    eprintln!("from_cube new TCP SYN: p50 {} ns, p90 {} ns", v[1000], v[1800]);
+    eprintln!("from_cube established TCP: p50 {} ns", v[1000]);
 }

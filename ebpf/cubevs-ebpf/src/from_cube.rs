@@ -149,25 +149,26 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
     if let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) {
         // SAFETY: valid map value pointer.
         let sess = unsafe { *s };
-        let reopen = ip.proto == proto::TCP
-            && syn_only(l4.tcp_flags)
-            && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
-        if !reopen {
-            if ip.proto == proto::TCP {
-                let st = tcp_step(sess.state, sess.close_dir, sess.active_close, Dir::Original, l4.tcp_flags);
-                // SAFETY: valid map value pointer.
-                unsafe {
-                    (*s).state = st.state;
-                    (*s).close_dir = st.close_dir;
-                    (*s).active_close = st.active_close;
-                }
+        if ip.proto == proto::TCP {
+            let reopen = syn_only(l4.tcp_flags) && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
+            if reopen && !policy::allowed(ifindex, ip.dst) {
+                // The guest reuses the port of a closed connection, and policy changed since.
+                nat::delete_session(&key, &sess);
+                return deny(ctx, cfg, &ip, &l4, ifindex);
             }
-            nat::touch(s);
-            count(counter::CUBE_ESTABLISHED);
-            return snat_out(ctx, &ip, &l4, guest_ip, &sess);
+            let st = tcp_step(sess.state, sess.close_dir, sess.active_close, Dir::Original, l4.tcp_flags);
+            // SAFETY: valid map value pointer.
+            unsafe {
+                (*s).state = st.state;
+                // A reopened port starts a new connection on the same SNAT port: the
+                // remote sees the guest's own 4-tuple reused, which its TIME_WAIT accepts.
+                (*s).close_dir = if reopen { 0 } else { st.close_dir };
+                (*s).active_close = if reopen { 0 } else { st.active_close };
+            }
         }
-        // Guest reuses a port of a closed connection: start a fresh session.
-        nat::delete_session(&key, &sess);
+        nat::touch(s);
+        count(counter::CUBE_ESTABLISHED);
+        return snat_out(ctx, &ip, &l4, guest_ip, &sess);
     }
 
     if ip.proto == proto::TCP && !syn_only(l4.tcp_flags) {
