@@ -15,6 +15,8 @@ APT_PACKAGES=(
   iproute2 iputils-ping ethtool procps
   shellcheck
   protobuf-compiler python3-venv
+  # benchmarks (cargo xtask bench): iperf3, and iptables for the bridge+iptables baseline
+  iperf3 iptables
 )
 
 missing=()

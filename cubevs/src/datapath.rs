@@ -284,8 +284,7 @@ impl Datapath {
         let what = format!("attach {name} to {kind:?} of {ifname}");
         if self.legacy {
             if let Err(e) = tc::qdisc_add_clsact(ifname)
-                && !matches!(&e, tc::TcError::AlreadyAttached)
-                && !e.to_string().contains("exists")
+                && !is_eexist(&e)
             {
                 return Err(Error::Program { what: format!("{what}: add clsact"), source: Box::new(e.into()) });
             }
@@ -298,7 +297,7 @@ impl Datapath {
                     let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
                     std::mem::forget(link);
                 }
-                Err(e) if e.to_string().contains("exists") => {}
+                Err(e) if is_eexist(&e) => {}
                 Err(e) => return Err(prog_err(what)(e)),
             }
             return Ok(ifindex);
@@ -379,6 +378,21 @@ impl Datapath {
         }
         Ok(removed)
     }
+}
+
+/// True when `e` or any error in its source chain is `EEXIST` (qdisc or filter already there).
+fn is_eexist(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.raw_os_error() == Some(libc::EEXIST)
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    // Some aya netlink errors carry the errno only in their message.
+    format!("{e:?}").contains("code: 17")
 }
 
 fn nix_if_exists(ifindex: u32) -> bool {

@@ -52,6 +52,16 @@ pub enum Error {
         /// aya's error.
         source: Box<aya::maps::MapError>,
     },
+    /// A raw map syscall (batch lookup/delete) failed.
+    #[error("map {map}: {op}: {source}")]
+    MapSyscall {
+        /// Map name.
+        map: &'static str,
+        /// Operation, e.g. `batch lookup`.
+        op: &'static str,
+        /// The errno.
+        source: std::io::Error,
+    },
     /// Pinning or reading a pin failed.
     #[error("{what}: {source}")]
     Pin {

@@ -12,6 +12,7 @@
 //!
 //! Interface names are resolved in the **calling thread's** network namespace: call the
 //! attach functions from a thread inside the dataplane netns (`cubenet_sys::netns`).
+mod batch;
 mod counters;
 mod datapath;
 mod error;

@@ -12,12 +12,18 @@ use std::{
 };
 
 use cubevs_common::{
-    NatSession,
+    NatSession, SessionKey,
     conntrack::{tcp, timeout, udp},
-    proto,
+    map, proto,
 };
 
-use crate::{Error, sessions::Sessions};
+use crate::{
+    Error, batch,
+    sessions::{Sessions, reverse_key},
+};
+
+/// Upstream's sweep interval: 5 s.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Idle timeouts per state, in nanoseconds. [`Default`] is upstream's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,25 +121,44 @@ pub struct SweepStats {
     pub took: Duration,
 }
 
-/// Deletes every session idle longer than its timeout at `now_ns`.
+/// Entries read or deleted per batch syscall.
+const BATCH: usize = 4096;
+
+/// Deletes every session idle longer than its timeout at `now_ns`: ingress entries first,
+/// then egress (`reference/upstream.md §3.5`). Reads and deletes in batches of 4096.
 pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStats, Error> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+
     let start = Instant::now();
-    let mut g = sessions.inner.lock().expect("sessions lock");
-    let mut stats = SweepStats::default();
-    let mut victims = Vec::new();
-    for (k, s) in g.egress.iter().filter_map(Result::ok) {
-        stats.scanned += 1;
-        if now_ns > s.access_ns.saturating_add(t.of(k.proto, &s)) {
+    let g = sessions.inner.lock().expect("sessions lock");
+    let egress_fd = g.egress.map().fd().as_fd();
+    let ingress_fd = g.ingress.map().fd().as_fd();
+    let all: Vec<(SessionKey, NatSession)> = batch::lookup_all(egress_fd, BATCH)
+        .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
+    let mut stats = SweepStats { scanned: all.len(), ..Default::default() };
+    let mut egress_keys = Vec::new();
+    let mut ingress_keys = Vec::new();
+    for (k, s) in &all {
+        if now_ns > s.access_ns.saturating_add(t.of(k.proto, s)) {
             if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
                 stats.removed_open_tcp += 1;
             }
-            victims.push((k, s));
+            ingress_keys.push(reverse_key(k, s));
+            egress_keys.push(*k);
         }
     }
-    for (k, s) in &victims {
-        crate::sessions::delete_locked(&mut g, k, s)?;
-    }
-    stats.removed = victims.len();
+    batch::delete(ingress_fd, &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
+        map: map::INGRESS_SESSIONS,
+        op: "batch delete",
+        source,
+    })?;
+    stats.removed = batch::delete(egress_fd, &egress_keys, BATCH).map_err(|source| Error::MapSyscall {
+        map: map::EGRESS_SESSIONS,
+        op: "batch delete",
+        source,
+    })?;
     stats.took = start.elapsed();
     Ok(stats)
 }

@@ -104,10 +104,17 @@ impl Sessions {
         Self { inner: Mutex::new(SessionMaps { egress, ingress }) }
     }
 
-    /// Every egress session with its entry.
+    /// Every egress session with its entry (batched reads).
     pub fn entries(&self) -> Result<Vec<(SessionKey, NatSession)>, Error> {
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
         let g = self.inner.lock().expect("sessions lock");
-        g.egress.iter().map(|r| r.map_err(Error::map(map::EGRESS_SESSIONS, "iterate"))).collect()
+        crate::batch::lookup_all(g.egress.map().fd().as_fd(), 4096).map_err(|source| Error::MapSyscall {
+            map: map::EGRESS_SESSIONS,
+            op: "batch lookup",
+            source,
+        })
     }
 
     /// Every egress session as a [`SessionView`].
@@ -121,10 +128,16 @@ impl Sessions {
         g.ingress.iter().map(|r| r.map_err(Error::map(map::INGRESS_SESSIONS, "iterate"))).collect()
     }
 
-    /// Entries in (`egress_sessions`, `ingress_sessions`).
+    /// Entries in (`egress_sessions`, `ingress_sessions`) (batched reads).
     pub fn counts(&self) -> (usize, usize) {
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
         let g = self.inner.lock().expect("sessions lock");
-        (g.egress.keys().count(), g.ingress.keys().count())
+        let e = crate::batch::lookup_all::<SessionKey, NatSession>(g.egress.map().fd().as_fd(), 4096).map(|v| v.len());
+        let i =
+            crate::batch::lookup_all::<SessionKey, IngressValue>(g.ingress.map().fd().as_fd(), 4096).map(|v| v.len());
+        (e.unwrap_or_else(|_| g.egress.keys().count()), i.unwrap_or_else(|_| g.ingress.keys().count()))
     }
 
     /// Deletes both directions of the session `k` → `s` (ingress first, as upstream).

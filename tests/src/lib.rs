@@ -15,13 +15,17 @@
 //! - [`bpffs::BpfFs`]: a private bpffs instance mounted in a temporary directory.
 //! - [`agent::AgentUnderTest`]: the network-agent started by its start script in its own
 //!   namespace, programming the topology's node namespace.
+//! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
+//!   [`frames`] builds the exact frames it is fed and compared with.
 //!
 //! Root-only tests call [`require_root`] first, which prints a loud SKIP line when not root.
 pub mod agent;
 pub mod bpffs;
+pub mod frames;
 pub mod guest;
 pub mod netns;
 pub mod packet;
+pub mod rig;
 pub mod servers;
 pub mod smol;
 pub mod topology;

@@ -96,6 +96,18 @@ impl TestNetns {
         run_in(&self.handle(), f).expect("enter test netns")
     }
 
+    /// Spawns a thread that enters the namespace and runs `f`; join it for the result.
+    pub fn spawn_thread<R: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> std::thread::JoinHandle<R> {
+        let ns = self.handle();
+        std::thread::spawn(move || {
+            ns.enter().expect("enter test netns");
+            f()
+        })
+    }
+
     /// A long-lived thread inside the namespace.
     pub fn thread(&self) -> NetnsThread {
         NetnsThread::spawn(&self.handle()).expect("spawn netns thread")

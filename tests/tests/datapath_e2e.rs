@@ -366,3 +366,50 @@ fn bad_input_is_rejected_without_changes() {
     assert!(m.snat.set(&[]).is_err());
     assert_eq!(snapshot(), before, "a rejected call changed the maps");
 }
+
+#[test]
+fn legacy_tc_fallback_attaches_and_persists() {
+    if !require_root("legacy_tc_fallback_attaches_and_persists") {
+        return;
+    }
+    let mut topo = Topology::new();
+    topo.add_cube_dev();
+    let veth = topo.add_veth_guest(1);
+    let dp = Datapath::load(LoadOptions {
+        object: ebpf_object(),
+        attach_mode: cubevs::AttachMode::LegacyTc,
+        ..LoadOptions::new()
+    })
+    .expect("load");
+    assert!(dp.legacy_tc());
+    let maps = dp.maps();
+    let up = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
+    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: up }]).unwrap();
+    maps.sandboxes
+        .register(&SandboxEntry { ifindex: veth.node_ifindex, ip: VETH_IP, version: 1, id: "legacy".into() })
+        .unwrap();
+    maps.policy.install_default_deny(veth.node_ifindex).unwrap();
+    let thread = topo.node.thread();
+    let node_if = veth.node_if.clone();
+    let dp = thread
+        .run(move || {
+            let mut dp = dp;
+            dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
+            dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
+            dp.attach_sandbox(&node_if).expect("attach sandbox");
+            // Attaching again (a restarted agent) is not an error and adds nothing.
+            dp.attach_sandbox(&node_if).expect("re-attach sandbox");
+            dp
+        })
+        .unwrap();
+    let filters = topo.node.exec("tc", &["filter", "show", "dev", &veth.node_if, "ingress"]);
+    let text = String::from_utf8_lossy(&filters.stdout).into_owned();
+    assert_eq!(text.matches(" handle ").count(), 1, "exactly one clsact filter expected: {text}");
+    assert!(text.contains("from_cube"), "{text}");
+    let gns = topo.guest_ns(&veth);
+    assert!(ping(gns, "198.51.100.1", 1), "legacy tc path cannot ping world");
+    // The filters outlive the loader (the kernel keeps them; maps stay referenced by them).
+    drop(dp);
+    drop(maps);
+    assert!(ping(gns, "198.51.100.1", 2), "legacy tc path broke after the loader exited");
+}

@@ -26,6 +26,18 @@ enum Cmd {
     },
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
+    /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
+    /// Never fails on time.
+    Bench {
+        /// Benchmarks to run (per-packet, throughput, scale); default all.
+        names: Vec<String>,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Repetitions of each throughput measurement.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
 }
 
 /// Toolchain that builds the eBPF crate: its LLVM major must match bpf-linker's (22 here).
@@ -99,6 +111,18 @@ fn build_ebpf(release: bool) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::BuildEbpf { release } => build_ebpf(release),
+        Cmd::Bench { names, json, rounds } => {
+            build_ebpf(true)?;
+            let root = workspace_root();
+            let mut cmd = Command::new("cargo");
+            cmd.current_dir(&root).args(["run", "--release", "--quiet", "-p", "cubenet-bench", "--"]).args(&names);
+            cmd.arg("--rounds").arg(rounds.to_string());
+            cmd.arg("--markdown").arg(root.join("docs").join("benchmarks.md"));
+            if let Some(j) = json {
+                cmd.arg("--json").arg(j);
+            }
+            run(cmd)
+        }
         Cmd::ClippyEbpf => {
             let mut cmd = ebpf_cargo(&workspace_root(), "clippy");
             cmd.args(["--", "-D", "warnings"]);

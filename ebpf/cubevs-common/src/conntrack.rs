@@ -116,25 +116,26 @@ use tcp::{
 };
 
 /// `TABLE[dir][flag_index][state]`, columns NONE, SYN_SENT, SYN_RECV, ESTABLISHED, FIN_WAIT,
-/// CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE, SYN_SENT2.
-const TABLE: [[[u8; 10]; 6]; 2] = [
+/// CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE, SYN_SENT2, then 6 padding columns (invalid) so the
+/// datapath can index with `state & 15`, a bound the BPF verifier always sees.
+const TABLE: [[[u8; 16]; 6]; 2] = [
     [
         // ORIGINAL
-        [SS, SS, IG, IG, IG, IG, IG, SS, SS, S2], // syn
-        [IV, IV, SR, IV, IV, IV, IV, IV, IV, SR], // synack
-        [IV, IV, FW, FW, LA, LA, LA, TW, CL, IV], // fin
-        [ES, IV, ES, ES, CW, CW, TW, TW, CL, IV], // ack
-        [IV, CL, CL, CL, CL, CL, CL, CL, CL, CL], // rst
-        [IV, IV, IV, IV, IV, IV, IV, IV, IV, IV], // none
+        [SS, SS, IG, IG, IG, IG, IG, SS, SS, S2, IV, IV, IV, IV, IV, IV], // syn
+        [IV, IV, SR, IV, IV, IV, IV, IV, IV, SR, IV, IV, IV, IV, IV, IV], // synack
+        [IV, IV, FW, FW, LA, LA, LA, TW, CL, IV, IV, IV, IV, IV, IV, IV], // fin
+        [ES, IV, ES, ES, CW, CW, TW, TW, CL, IV, IV, IV, IV, IV, IV, IV], // ack
+        [IV, CL, CL, CL, CL, CL, CL, CL, CL, CL, IV, IV, IV, IV, IV, IV], // rst
+        [IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV], // none
     ],
     [
         // REPLY
-        [IV, S2, IV, IV, IV, IV, IV, SS, IV, S2], // syn
-        [IV, SR, IG, IG, IG, IG, IG, IG, IG, SR], // synack
-        [IV, IV, FW, FW, LA, LA, LA, TW, CL, IV], // fin
-        [IV, IG, SR, ES, CW, CW, TW, TW, CL, IG], // ack
-        [IV, CL, CL, CL, CL, CL, CL, CL, CL, CL], // rst
-        [IV, IV, IV, IV, IV, IV, IV, IV, IV, IV], // none
+        [IV, S2, IV, IV, IV, IV, IV, SS, IV, S2, IV, IV, IV, IV, IV, IV], // syn
+        [IV, SR, IG, IG, IG, IG, IG, IG, IG, SR, IV, IV, IV, IV, IV, IV], // synack
+        [IV, IV, FW, FW, LA, LA, LA, TW, CL, IV, IV, IV, IV, IV, IV, IV], // fin
+        [IV, IG, SR, ES, CW, CW, TW, TW, CL, IG, IV, IV, IV, IV, IV, IV], // ack
+        [IV, CL, CL, CL, CL, CL, CL, CL, CL, CL, IV, IV, IV, IV, IV, IV], // rst
+        [IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV, IV], // none
     ],
 ];
 
@@ -156,15 +157,15 @@ pub struct TcpStep {
 #[inline(always)]
 pub fn tcp_step(state: u8, close_dir: u8, active_close: u8, dir: Dir, tcp_flags: u8) -> TcpStep {
     let same = TcpStep { state, close_dir, active_close };
-    if state >= tcp::MAX {
-        return same;
-    }
+    // No early `state >= MAX` return: the compiler would then drop the mask below, and the
+    // verifier (which may lose the bound across a stack spill) would reject the table access.
+    // States 10..15 are padding columns (invalid), so masking is exact for every stored state.
     let idx = flag_index(tcp_flags);
     let dir_code = dir as u8 + 1;
     if idx == 2 && close_dir == dir_code && (state == FW || state == CW) {
         return same;
     }
-    let next = TABLE[dir as usize][idx][state as usize];
+    let next = TABLE[dir as usize & 1][idx][(state & 15) as usize];
     if next == IV || next == IG {
         return same;
     }

@@ -36,8 +36,10 @@ pub mod prog {
     pub const FROM_WORLD: &str = "from_world";
     /// tcx egress of cube-dev: host → sandbox.
     pub const FROM_ENVOY: &str = "from_envoy";
+    /// Returns `TC_ACT_OK` and nothing else: the per-packet cost floor for benchmarks.
+    pub const BASELINE_PASS: &str = "baseline_pass";
     /// Every TC program in the object, in load order.
-    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY];
+    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS];
 }
 
 /// Map names (pinned under `<pin_dir>/maps/<name>`). Upstream names and layouts where they

@@ -3,7 +3,8 @@
 //!
 //! 1. ARP → proxy; other non-IPv4 → drop.
 //! 2. No registered sandbox on the interface → drop.
-//! 3. Source must be the guest address; it is rewritten to the sandbox's mvm IP first.
+//! 3. Source must be the guest address; every path below treats it as the sandbox's mvm IP
+//!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
 //! 4. To the gateway (169.254.68.5): ICMP and TCP non-SYN are DNATed to cube-dev and
 //!    redirected into cube-dev ingress (replies to host-originated flows); the rest dropped.
 //! 5. From a port-mapped guest port: SYN dropped, replies SNATed to the node address and host
@@ -81,14 +82,16 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         return drop(counter::CUBE_DROP_PROTO);
     }
     let Some(l4) = packet::l4(ctx, &ip) else { return drop(counter::CUBE_DROP_MALFORMED) };
-    if set_ip(ctx, &ip, IP_SRC_OFF, ip.src, sandbox_ip).is_err() {
-        return drop(counter::CUBE_DROP_MALFORMED);
-    }
+    let guest_ip = ip.src;
     let node = node();
 
     if ip.dst == cfg.mvm_gateway_ip {
         let ok = ip.proto == proto::ICMP || (ip.proto == proto::TCP && !syn_only(l4.tcp_flags));
-        if !ok || node.cube_dev_ifindex == 0 || set_ip(ctx, &ip, IP_DST_OFF, ip.dst, node.cube_dev_ip).is_err() {
+        if !ok
+            || node.cube_dev_ifindex == 0
+            || set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err()
+            || set_ip(ctx, &ip, IP_DST_OFF, ip.dst, node.cube_dev_ip).is_err()
+        {
             return drop(counter::CUBE_DROP_GATEWAY);
         }
         count(counter::CUBE_GATEWAY);
@@ -110,7 +113,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
             if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
                 return drop(counter::CUBE_DENY);
             }
-            if set_ip(ctx, &ip, IP_SRC_OFF, sandbox_ip, node.uplink_ip).is_err()
+            if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, node.uplink_ip).is_err()
                 || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
             {
                 return drop(counter::CUBE_DROP_MALFORMED);
@@ -125,6 +128,9 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
     if ip.dst == node.uplink_ip && node.uplink_ip != 0 {
         if !policy::allowed(ifindex, ip.dst) {
             return deny(ctx, cfg, &ip, &l4, ifindex);
+        }
+        if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err() {
+            return drop(counter::CUBE_DROP_MALFORMED);
         }
         count(counter::CUBE_HOST);
         // SAFETY: plain helper call.
@@ -143,25 +149,26 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
     if let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) {
         // SAFETY: valid map value pointer.
         let sess = unsafe { *s };
-        let reopen = ip.proto == proto::TCP
-            && syn_only(l4.tcp_flags)
-            && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
-        if !reopen {
-            if ip.proto == proto::TCP {
-                let st = tcp_step(sess.state, sess.close_dir, sess.active_close, Dir::Original, l4.tcp_flags);
-                // SAFETY: valid map value pointer.
-                unsafe {
-                    (*s).state = st.state;
-                    (*s).close_dir = st.close_dir;
-                    (*s).active_close = st.active_close;
-                }
+        if ip.proto == proto::TCP {
+            let reopen = syn_only(l4.tcp_flags) && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
+            if reopen && !policy::allowed(ifindex, ip.dst) {
+                // The guest reuses the port of a closed connection, and policy changed since.
+                nat::delete_session(&key, &sess);
+                return deny(ctx, cfg, &ip, &l4, ifindex);
             }
-            nat::touch(s);
-            count(counter::CUBE_ESTABLISHED);
-            return snat_out(ctx, &ip, &l4, sandbox_ip, &sess);
+            let st = tcp_step(sess.state, sess.close_dir, sess.active_close, Dir::Original, l4.tcp_flags);
+            // SAFETY: valid map value pointer.
+            unsafe {
+                (*s).state = st.state;
+                // A reopened port starts a new connection on the same SNAT port: the
+                // remote sees the guest's own 4-tuple reused, which its TIME_WAIT accepts.
+                (*s).close_dir = if reopen { 0 } else { st.close_dir };
+                (*s).active_close = if reopen { 0 } else { st.active_close };
+            }
         }
-        // Guest reuses a port of a closed connection: start a fresh session.
-        nat::delete_session(&key, &sess);
+        nat::touch(s);
+        count(counter::CUBE_ESTABLISHED);
+        return snat_out(ctx, &ip, &l4, guest_ip, &sess);
     }
 
     if ip.proto == proto::TCP && !syn_only(l4.tcp_flags) {
@@ -176,7 +183,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         return drop(counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);
-    snat_out(ctx, &ip, &l4, sandbox_ip, &sess)
+    snat_out(ctx, &ip, &l4, guest_ip, &sess)
 }
 
 #[inline(always)]
@@ -186,8 +193,8 @@ fn deny(ctx: &TcContext, cfg: &DatapathConfig, ip: &Ipv4, l4: &L4, ifindex: u32)
 }
 
 #[inline(always)]
-fn snat_out(ctx: &TcContext, ip: &Ipv4, l4: &L4, sandbox_ip: u32, s: &NatSession) -> i32 {
-    if set_ip(ctx, ip, IP_SRC_OFF, sandbox_ip, s.node_ip).is_err()
+fn snat_out(ctx: &TcContext, ip: &Ipv4, l4: &L4, guest_ip: u32, s: &NatSession) -> i32 {
+    if set_ip(ctx, ip, IP_SRC_OFF, guest_ip, s.node_ip).is_err()
         || set_port(ctx, ip, true, l4.sport, s.node_port).is_err()
     {
         return drop(counter::CUBE_DROP_MALFORMED);

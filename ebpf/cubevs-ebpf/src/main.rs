@@ -5,6 +5,7 @@
 //! | `from_cube` | tcx ingress of every sandbox interface    | [`from_cube`]   |
 //! | `from_world`| tcx ingress of the uplink                 | [`from_world`]  |
 //! | `from_envoy`| tcx egress of cube-dev                    | [`from_envoy`]  |
+//! | `baseline_pass` | never attached; benchmark floor       | [`baseline`]    |
 //!
 //! Helpers: [`maps`] (every map), [`packet`] (parsing, rewrites, checksums), [`policy`],
 //! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
@@ -15,6 +16,7 @@
 #![allow(clippy::needless_borrows_for_generic_args)]
 
 mod arp;
+mod baseline;
 mod config;
 mod forward;
 mod from_cube;

@@ -10,8 +10,6 @@ use cubevs_common::{ether, proto};
 
 /// Offset of the IPv4 header.
 pub const IP_OFF: usize = ether::HDR_LEN;
-/// Offset of the IPv4 checksum.
-pub const IP_CSUM_OFF: usize = IP_OFF + 10;
 /// Offset of the IPv4 source address.
 pub const IP_SRC_OFF: usize = IP_OFF + 12;
 /// Offset of the IPv4 destination address.
@@ -56,12 +54,13 @@ pub const ICMP_ECHO_REQUEST: u8 = 8;
 /// ICMP echo reply type.
 pub const ICMP_ECHO_REPLY: u8 = 0;
 
-/// Makes at least `len` bytes (or the whole packet) directly readable.
+/// Makes at least `len` bytes (or the whole packet, if shorter) directly readable; a helper
+/// call only when the linear part is actually short (non-linear GSO skbs).
 #[inline(always)]
 pub fn ensure_linear(ctx: &TcContext, len: usize) {
-    if ctx.data() + len > ctx.data_end() {
-        let want = if (ctx.len() as usize) < len { ctx.len() } else { len as u32 };
-        let _ = ctx.pull_data(want);
+    let want = if (ctx.len() as usize) < len { ctx.len() as usize } else { len };
+    if ctx.data() + want > ctx.data_end() {
+        let _ = ctx.pull_data(want as u32);
     }
 }
 
@@ -170,8 +169,28 @@ fn pseudo_flags(proto: u8) -> u64 {
     f
 }
 
-/// Rewrites the IPv4 address at `addr_off` (IP_SRC_OFF / IP_DST_OFF) from `old` to `new`,
-/// updating the IP checksum and, for TCP/UDP, the L4 pseudo-header checksum.
+#[inline(always)]
+fn ptr_mut<T>(ctx: &TcContext, off: usize) -> Option<*mut T> {
+    ptr_at::<T>(ctx, off).map(|p| p as *mut T)
+}
+
+/// RFC 1624 incremental update of a 16-bit one's-complement checksum (`csum`, wire bytes)
+/// for a 32-bit field changing from `old` to `new` (wire bytes).
+#[inline(always)]
+fn csum_replace4(csum: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
+    let mut sum = !u16::from_be_bytes(csum) as u32;
+    sum += !u16::from_be_bytes([old[0], old[1]]) as u32;
+    sum += !u16::from_be_bytes([old[2], old[3]]) as u32;
+    sum += u16::from_be_bytes([new[0], new[1]]) as u32;
+    sum += u16::from_be_bytes([new[2], new[3]]) as u32;
+    csum_fold(sum).to_be_bytes()
+}
+
+/// Rewrites the IPv4 address at `addr_off` (IP_SRC_OFF / IP_DST_OFF) from `old` to `new`.
+///
+/// The L4 pseudo-header checksum of TCP/UDP goes through `bpf_l4_csum_replace` (correct for
+/// CHECKSUM_PARTIAL and GSO skbs); the IP header checksum (always complete) is updated
+/// incrementally in place, and the address is written directly.
 #[inline(always)]
 pub fn set_ip(ctx: &TcContext, ip: &Ipv4, addr_off: usize, old: u32, new: u32) -> Result<(), i64> {
     if old == new {
@@ -180,8 +199,22 @@ pub fn set_ip(ctx: &TcContext, ip: &Ipv4, addr_off: usize, old: u32, new: u32) -
     if ip.proto == proto::TCP || ip.proto == proto::UDP {
         ctx.l4_csum_replace(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, pseudo_flags(ip.proto))?;
     }
-    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)?;
-    ctx.store(addr_off, &new, 0)?;
+    // Packet pointers are invalid after a helper that may change the skb: look them up again.
+    let hdr = ptr_mut::<[u8; 20]>(ctx, IP_OFF).ok_or(-1i64)?;
+    // SAFETY: bounds checked by ptr_mut; `addr_off` is IP_SRC_OFF or IP_DST_OFF (inside the
+    // 20-byte header).
+    unsafe {
+        let h = &mut *hdr;
+        let a = addr_off - IP_OFF;
+        let c = csum_replace4([h[10], h[11]], old.to_ne_bytes(), new.to_ne_bytes());
+        h[10] = c[0];
+        h[11] = c[1];
+        if a == 12 {
+            h[12..16].copy_from_slice(&new.to_ne_bytes());
+        } else {
+            h[16..20].copy_from_slice(&new.to_ne_bytes());
+        }
+    }
     Ok(())
 }
 
@@ -203,17 +236,23 @@ pub fn set_port(ctx: &TcContext, ip: &Ipv4, src: bool, old: u16, new: u16) -> Re
         flags |= BPF_F_MARK_MANGLED_0 as u64;
     }
     ctx.l4_csum_replace(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, flags)?;
-    ctx.store(ip.l4_off + field, &new, 0)?;
+    if ip.l4_off + field > 14 + 60 + 4 {
+        return Err(-1);
+    }
+    let p = ptr_mut::<[u8; 2]>(ctx, ip.l4_off + field).ok_or(-1i64)?;
+    // SAFETY: bounds checked by ptr_mut.
+    unsafe { *p = new.to_ne_bytes() };
     Ok(())
 }
 
 /// Writes the Ethernet destination and source MACs.
 #[inline(always)]
 pub fn set_macs(ctx: &TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), i64> {
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(dst);
-    macs[6..].copy_from_slice(src);
-    ctx.store(0, &macs, 0)?;
+    let p = ptr_mut::<[u8; 12]>(ctx, 0).ok_or(-1i64)?;
+    // SAFETY: bounds checked by ptr_mut.
+    let m = unsafe { &mut *p };
+    m[..6].copy_from_slice(dst);
+    m[6..].copy_from_slice(src);
     Ok(())
 }
 

@@ -1,0 +1,192 @@
+//! Per-packet cost with BPF_PROG_TEST_RUN (issue 6 §1): every program path, repeat=1 many
+//! times (rewriting paths cannot be repeated in place), beside `baseline_pass` on the same
+//! frame — the floor of a TC program run.
+
+use cubenet_tests::{
+    frames::{Tcp, icmp, tcp, udp},
+    packet::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC, arp_request},
+    rig::{Rig, SB_IFINDEX, SB_IP},
+    topology::{CUBE_DEV_IP, NODE_IP, WORLD_IP},
+};
+use cubevs::{PortMapping, Proto, prog};
+
+use crate::report::{Row, stats};
+
+const RUNS: usize = 2000;
+const ROUNDS: usize = 5;
+
+fn measure(
+    rig: &Rig,
+    program: &'static str,
+    ifindex: u32,
+    frame: impl Fn(usize) -> Vec<u8> + Send + Sync + Clone + 'static,
+) -> (f64, (f64, f64)) {
+    let mut all = Vec::new();
+    for round in 0..ROUNDS {
+        let f = frame.clone();
+        let v = rig.run_many(program, ifindex, RUNS, move |i| f(round * RUNS + i));
+        all.extend(v.into_iter().map(|x| x as f64));
+    }
+    stats(&mut all)
+}
+
+/// Runs the per-packet benchmark.
+pub fn run() -> Vec<Row> {
+    let rig = Rig::new();
+    let m = &rig.maps;
+    let (wm, um) = (rig.world_mac, rig.up_mac);
+    let est = |_| {
+        tcp(
+            GUEST_MAC,
+            GATEWAY_MAC,
+            GUEST_IP,
+            WORLD_IP,
+            Tcp { sport: 40000, dport: 80, seq: 2, ack: Some(1), win: 1000, ..Default::default() },
+            b"",
+        )
+    };
+    // Sessions used by the established / reverse paths.
+    rig.cube(tcp(
+        GUEST_MAC,
+        GATEWAY_MAC,
+        GUEST_IP,
+        WORLD_IP,
+        Tcp { sport: 40000, dport: 80, seq: 1, syn: true, win: 1000, ..Default::default() },
+        b"",
+    ));
+    rig.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 53, b"q"));
+    let snat_port = m.sessions.list().unwrap().iter().find(|s| s.proto == "tcp").map(|s| s.snat_port).unwrap();
+    m.ports.add(&PortMapping { proto: Proto::Tcp, host_port: 20080, ifindex: SB_IFINDEX, guest_port: 8080 }).unwrap();
+
+    let floor = measure(&rig, prog::BASELINE_PASS, SB_IFINDEX, est);
+    let base = Some(("baseline_pass".to_string(), floor.0));
+    let mut rows = vec![Row {
+        bench: "per-packet".into(),
+        case: "baseline_pass (empty TC program)".into(),
+        value: floor.0,
+        spread: floor.1,
+        unit: "ns/pkt".into(),
+        baseline: None,
+        target: None,
+    }];
+    let mut add = |case: &str,
+                   program: &'static str,
+                   ifx: u32,
+                   target: Option<&str>,
+                   f: Box<dyn Fn(usize) -> Vec<u8> + Send + Sync>| {
+        let f: std::sync::Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> = f.into();
+        let (v, s) = measure(&rig, program, ifx, move |i| f(i));
+        rows.push(Row {
+            bench: "per-packet".into(),
+            case: case.into(),
+            value: v,
+            spread: s,
+            unit: "ns/pkt".into(),
+            baseline: base.clone(),
+            target: target.map(str::to_string),
+        });
+    };
+    add("from_cube established TCP (egress SNAT)", prog::FROM_CUBE, SB_IFINDEX, Some("<= 150 ns/pkt"), Box::new(est));
+    add(
+        "from_cube new TCP SYN (policy + session)",
+        prog::FROM_CUBE,
+        SB_IFINDEX,
+        None,
+        Box::new(|i| {
+            // A new 5-tuple every run: vary the guest port and the remote address.
+            let dst = [198, 51, 100, 1 + (i / 30000) as u8 % 200];
+            tcp(
+                GUEST_MAC,
+                GATEWAY_MAC,
+                GUEST_IP,
+                dst,
+                Tcp {
+                    sport: 1024 + (i % 30000) as u16,
+                    dport: 443,
+                    seq: 1,
+                    syn: true,
+                    win: 1000,
+                    ..Default::default()
+                },
+                b"",
+            )
+        }),
+    );
+    add(
+        "from_cube established UDP",
+        prog::FROM_CUBE,
+        SB_IFINDEX,
+        None,
+        Box::new(|_| udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 53, b"q")),
+    );
+    add(
+        "from_cube ARP proxy",
+        prog::FROM_CUBE,
+        SB_IFINDEX,
+        None,
+        Box::new(|_| arp_request(GUEST_MAC, GUEST_IP, GATEWAY_IP)),
+    );
+    add(
+        "from_cube gateway path (ICMP to gateway)",
+        prog::FROM_CUBE,
+        SB_IFINDEX,
+        None,
+        Box::new(|_| icmp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, GATEWAY_IP, true, 7, 1)),
+    );
+    add(
+        "from_world reverse NAT (TCP)",
+        prog::FROM_WORLD,
+        0,
+        None,
+        Box::new(move |_| {
+            tcp(
+                wm,
+                um,
+                WORLD_IP,
+                NODE_IP,
+                Tcp { sport: 80, dport: snat_port, seq: 9, ack: Some(2), win: 1000, ..Default::default() },
+                b"",
+            )
+        }),
+    );
+    add(
+        "from_world host-port DNAT (TCP)",
+        prog::FROM_WORLD,
+        0,
+        None,
+        Box::new(move |_| {
+            tcp(
+                wm,
+                um,
+                [203, 0, 113, 9],
+                NODE_IP,
+                Tcp { sport: 5555, dport: 20080, seq: 1, syn: true, win: 1000, ..Default::default() },
+                b"",
+            )
+        }),
+    );
+    add(
+        "from_world pass-through (not ours)",
+        prog::FROM_WORLD,
+        0,
+        None,
+        Box::new(move |_| udp(wm, um, WORLD_IP, NODE_IP, 53, 31999, b"x")),
+    );
+    add(
+        "from_envoy host -> sandbox",
+        prog::FROM_ENVOY,
+        0,
+        None,
+        Box::new(|_| {
+            tcp(
+                [2, 0, 0, 0, 0, 1],
+                [2, 0, 0, 0, 0, 2],
+                CUBE_DEV_IP,
+                SB_IP,
+                Tcp { sport: 4444, dport: 8080, seq: 5, syn: true, win: 100, ..Default::default() },
+                b"",
+            )
+        }),
+    );
+    rows
+}

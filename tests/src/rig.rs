@@ -1,0 +1,139 @@
+//! A datapath under `BPF_PROG_TEST_RUN`: the CubeVS object loaded (unpinned) with one
+//! registered sandbox, inside a fresh node/world topology so `from_cube`'s FIB lookup resolves
+//! the uplink next hop to known MACs (permanent neighbour, forwarding on in the node netns).
+
+use std::{
+    net::Ipv4Addr,
+    sync::{Arc, Mutex},
+};
+
+use cubenet_sys::netns::NetnsThread;
+use cubevs::{
+    Datapath, LoadOptions, MapLimits, Maps, SandboxEntry, SnatAddr, prog,
+    testrun::{self, SkBuffCtx, TestRunOutput},
+};
+
+use crate::topology::{CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, mac_string};
+
+/// ifindex the rig's sandbox is registered on (a number only; frames "arrive" on it).
+pub const SB_IFINDEX: u32 = 100;
+/// The rig sandbox's mvm IP.
+pub const SB_IP: [u8; 4] = [192, 168, 0, 3];
+/// The rig sandbox's version.
+pub const VERSION: u32 = 7;
+/// ifindex recorded for cube-dev (redirect target only).
+pub const CUBE_DEV_IFINDEX: u32 = 55;
+
+/// See the module docs.
+pub struct Rig {
+    dp: Arc<Mutex<Datapath>>,
+    /// The datapath's maps.
+    pub maps: Arc<Maps>,
+    thread: NetnsThread,
+    /// MAC of the world side of the uplink (the next hop).
+    pub world_mac: [u8; 6],
+    /// MAC of the node uplink.
+    pub up_mac: [u8; 6],
+    _topo: Topology,
+}
+
+impl Rig {
+    /// Builds the rig with default map sizes.
+    pub fn new() -> Self {
+        Self::with_limits(MapLimits::default())
+    }
+
+    /// Builds the rig with `limits` (e.g. larger session maps for scale benchmarks).
+    pub fn with_limits(limits: MapLimits) -> Self {
+        let topo = Topology::new();
+        let world_mac = topo.world_mac();
+        let up_mac = topo.node_uplink_mac();
+        topo.node.ip(&[
+            "neigh",
+            "replace",
+            "198.51.100.1",
+            "lladdr",
+            &mac_string(world_mac),
+            "dev",
+            NODE_UPLINK,
+            "nud",
+            "permanent",
+        ]);
+        // bpf_fib_lookup answers only when forwarding is on for the egress device.
+        let out = topo.node.exec("sysctl", &["-qw", "net.ipv4.conf.up0.forwarding=1"]);
+        assert!(out.status.success(), "sysctl in node netns: {}", String::from_utf8_lossy(&out.stderr));
+        let dp = Datapath::load(LoadOptions { object: crate::ebpf_object(), limits, ..LoadOptions::new() })
+            .expect("load datapath");
+        let maps = dp.maps();
+        let up = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).expect("uplink ifindex"));
+        maps.node.set_uplink(up, Ipv4Addr::from(NODE_IP)).expect("node config");
+        maps.node.set_cube_dev(CUBE_DEV_IFINDEX, Ipv4Addr::from(CUBE_DEV_IP)).expect("node config");
+        maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: up }]).expect("snat");
+        maps.sandboxes
+            .register(&SandboxEntry {
+                ifindex: SB_IFINDEX,
+                ip: Ipv4Addr::from(SB_IP),
+                version: VERSION,
+                id: "sb".into(),
+            })
+            .expect("register");
+        maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
+        let thread = topo.node.thread();
+        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, _topo: topo }
+    }
+
+    /// Runs `program` once on `frame` arriving on `ingress_ifindex` (in the node netns).
+    pub fn run(&self, program: &'static str, frame: Vec<u8>, ingress_ifindex: u32) -> TestRunOutput {
+        let dp = self.dp.clone();
+        self.thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let p = dp.program(program).expect("program");
+                testrun::run(p, &frame, SkBuffCtx { ingress_ifindex, ..Default::default() }, 1).expect("test run")
+            })
+            .expect("node thread")
+    }
+
+    /// Runs `program` `n` times on `frame(i)` in one hop to the node thread; returns the
+    /// kernel-measured ns of each run.
+    pub fn run_many(
+        &self,
+        program: &'static str,
+        ingress_ifindex: u32,
+        n: usize,
+        frame: impl Fn(usize) -> Vec<u8> + Send + 'static,
+    ) -> Vec<u64> {
+        let dp = self.dp.clone();
+        self.thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let p = dp.program(program).expect("program");
+                (0..n)
+                    .map(|i| {
+                        let f = frame(i);
+                        testrun::run(p, &f, SkBuffCtx { ingress_ifindex, ..Default::default() }, 1)
+                            .expect("test run")
+                            .duration
+                            .as_nanos() as u64
+                    })
+                    .collect()
+            })
+            .expect("node thread")
+    }
+
+    /// `from_cube` on the rig sandbox's interface.
+    pub fn cube(&self, frame: Vec<u8>) -> TestRunOutput {
+        self.run(prog::FROM_CUBE, frame, SB_IFINDEX)
+    }
+
+    /// `from_world` on the uplink.
+    pub fn world(&self, frame: Vec<u8>) -> TestRunOutput {
+        self.run(prog::FROM_WORLD, frame, 0)
+    }
+}
+
+impl Default for Rig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
