@@ -94,6 +94,9 @@ struct TapEntry {
     fd: Option<Arc<OwnedFd>>,
     retry_count: u32,
     last_error: Option<String>,
+    /// A cleanup of this TAP is running (only one at a time: a second one could capture the
+    /// next owner and delete its state).
+    scrubbing: bool,
 }
 
 /// One TAP as listed by `GET /v1/network/taps` (upstream field names, §1.2).
@@ -380,6 +383,7 @@ impl Agent {
                         fd: Some(Arc::new(fd)),
                         retry_count: 0,
                         last_error: None,
+                        scrubbing: false,
                     },
                 );
                 self.update_pool_gauges(&inner);
@@ -593,6 +597,9 @@ impl Agent {
         })();
         if let Err(e) = programmed {
             tracing::warn!(sandbox = %id, "ensure failed, rolling back: {e}");
+            if let Some(t) = lock(&self.inner).taps.get_mut(&name) {
+                t.state = TapState::Cleaning;
+            }
             self.cleanup_tap(&name);
             return Err(e);
         }
@@ -654,11 +661,18 @@ impl Agent {
     /// usable fd (never reopening one a VMM still holds), install the baseline deny, delete the
     /// owner's state, free its ports, mark Ready. On error the TAP stays Cleaning with the
     /// error recorded. Returns whether it reached Ready.
+    ///
+    /// Only a TAP in Cleaning is scrubbed, and only by one caller at a time: a maintenance pass
+    /// racing a Release must not scrub the TAP again after it went Ready and was handed to the
+    /// next sandbox.
     pub fn cleanup_tap(&self, name: &str) -> bool {
         let (ifindex, owner, fd) = {
             let mut inner = lock(&self.inner);
             let Some(t) = inner.taps.get_mut(name) else { return false };
-            t.state = TapState::Cleaning;
+            if t.state != TapState::Cleaning || t.scrubbing {
+                return false;
+            }
+            t.scrubbing = true;
             let r = (t.ifindex, t.owner.clone(), t.fd.clone());
             self.update_pool_gauges(&inner);
             r
@@ -696,6 +710,9 @@ impl Agent {
             Ok(())
         })();
         let mut inner = lock(&self.inner);
+        if let Some(t) = inner.taps.get_mut(name) {
+            t.scrubbing = false;
+        }
         match res {
             Ok(()) => {
                 if let Some(o) = &owner {
@@ -974,6 +991,7 @@ impl Agent {
                 fd: None,
                 retry_count: 0,
                 last_error: None,
+                scrubbing: false,
             };
             match rec {
                 Some((Phase::Success, r)) => {
@@ -1153,6 +1171,11 @@ mod tests {
         assert!(f.agent.tap_fd(&r.tap_name, "other").unwrap().is_none());
         assert!(f.agent.tap_fd("z10.9.0.3", "sb-1").unwrap().is_none());
 
+        // A stray cleanup (e.g. a maintenance pass that raced a Release) never scrubs an
+        // Active TAP or touches its owner's state.
+        assert!(!f.agent.cleanup_tap(&r.tap_name));
+        assert_eq!(f.agent.store.count(), 1);
+        assert_eq!(f.agent.pool_counts()[&TapState::Active], 1);
         assert!(f.agent.release("sb-1").unwrap());
         assert!(f.agent.release("sb-1").unwrap(), "release is idempotent");
         assert!(f.dp.sandbox(r.tap_ifindex).unwrap().is_none());

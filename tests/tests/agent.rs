@@ -343,7 +343,16 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
         for k in 0..10 {
             let id = format!("serial-{k}");
             let t = Instant::now();
-            let r = rt.block_on(c.ensure_network(ensure_req(&id, &[80]))).unwrap().into_inner();
+            let r = rt
+                .block_on(c.ensure_network(ensure_req(&id, &[80])))
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "ensure {id}: {e:?}\nstate dir: {:?}\n{}",
+                        std::fs::read_dir(a.state_dir()).map(|d| d.count()),
+                        a.log()
+                    )
+                })
+                .into_inner();
             let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &id);
             serial.push(t.elapsed());
             assert_eq!(reply["errCode"], "0");
