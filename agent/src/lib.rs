@@ -1,4 +1,5 @@
 //! CubeNet network-agent library (the `network-agent` binary is a thin `main.rs` over it).
+#![warn(missing_docs)]
 pub mod agent;
 pub mod client;
 pub mod config;
