@@ -13,6 +13,10 @@ APT_PACKAGES=(
   llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev
   iproute2 iputils-ping ethtool procps
   shellcheck
+  # --- CubeEgress (branch egress): TPROXY plumbing (scripts/cube-egress-net.sh) and the
+  # --- end-to-end test's TLS client / certificate checks (tests/tests/egress.rs).
+  iptables openssl curl ca-certificates
+  # --- end CubeEgress
 )
 
 missing=()

@@ -118,6 +118,9 @@ pub struct Cli {
     /// Bootstrap attempts.
     #[arg(long, env = "CUBE_EGRESS_BOOTSTRAP_ATTEMPTS")]
     pub bootstrap_attempts: Option<u32>,
+    /// Seconds between bootstrap rounds after the first round failed.
+    #[arg(long, env = "CUBE_EGRESS_BOOTSTRAP_RETRY_SECS")]
+    pub bootstrap_retry_secs: Option<u64>,
     /// Mint rate per sandbox (per second).
     #[arg(long, env = "CUBE_EGRESS_MINT_RATE_PER_SEC")]
     pub mint_rate_per_sec: Option<f64>,
@@ -146,7 +149,7 @@ impl Config {
             ($($f:ident),*) => { $( if let Some(v) = cli.$f { c.$f = v; } )* };
         }
         over!(sandbox_cidr, http_port, https_port, admin_addr, ca_dir, audit_file, bootstrap_url, bootstrap_attempts);
-        over!(mint_rate_per_sec, mint_burst, drain_timeout_secs);
+        over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs);
         if cli.listen_ip.is_some() {
             c.listen_ip = cli.listen_ip;
         }
@@ -170,7 +173,7 @@ impl Config {
     }
 
     fn validate(&self) -> anyhow::Result<()> {
-        self.gateway_ip()?;
+        gateway_of(&self.sandbox_cidr)?;
         if !self.mint_rate_per_sec.is_finite() || self.mint_rate_per_sec <= 0.0 || self.mint_burst == 0 {
             bail!("mint_rate_per_sec and mint_burst must be positive");
         }
