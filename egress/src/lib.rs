@@ -127,13 +127,28 @@ async fn accept_loop(
     }
 }
 
+/// How long a successor (`takeover_socket`) waits for its bootstrap before taking the listeners.
+pub const TAKEOVER_BOOTSTRAP_WAIT: Duration = Duration::from_secs(30);
+
 /// Runs the gateway until SIGTERM/SIGINT (or a handoff to a successor), then drains in-flight
 /// requests for at most `drain_timeout_secs`.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let app = Arc::new(App::new(&cfg)?);
     let gw = cfg.gateway_ip()?;
+    tokio::spawn(bootstrap::run(
+        app.clone(),
+        cfg.bootstrap_url.clone(),
+        cfg.bootstrap_attempts,
+        Duration::from_secs(cfg.bootstrap_retry_secs),
+    ));
     let listeners = match &cfg.takeover_socket {
         Some(p) => {
+            // Load policies before taking traffic from the predecessor, so the takeover does
+            // not turn into a window of fail-closed 403s (bounded wait).
+            let deadline = tokio::time::Instant::now() + TAKEOVER_BOOTSTRAP_WAIT;
+            while !app.store.status().serving() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             let l = net::take_listeners(p)?;
             tracing::info!(socket = %p.display(), "took over listeners from predecessor");
             l
@@ -148,12 +163,6 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         http = %listeners.http.local_addr()?, https = %listeners.https.local_addr()?,
         admin = %listeners.admin.local_addr()?, ca_expires_in_days = app.certs_ca_days(), "cube-egress listening"
     );
-    tokio::spawn(bootstrap::run(
-        app.clone(),
-        cfg.bootstrap_url.clone(),
-        cfg.bootstrap_attempts,
-        Duration::from_secs(cfg.bootstrap_retry_secs),
-    ));
     let graceful = Arc::new(GracefulShutdown::new());
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();

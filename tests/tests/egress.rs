@@ -11,6 +11,7 @@
 
 use std::{
     convert::Infallible,
+    future::Future,
     net::SocketAddr,
     path::{Path, PathBuf},
     process::Output,
@@ -80,6 +81,7 @@ fn leaf(ca: &TestCa, name: &str) -> rustls::ServerConfig {
 #[derive(Debug, Clone)]
 struct Seen {
     path: String,
+    version: hyper::Version,
     headers: Vec<(String, String)>,
 }
 
@@ -91,15 +93,53 @@ impl Seen {
 
 type SeenLog = Arc<Mutex<Vec<Seen>>>;
 
-async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+/// A streamed body: `first` now, `last` after 3 s (shows whether a proxy buffers).
+struct Dribble {
+    step: u8,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl hyper::body::Body for Dribble {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        use std::task::Poll;
+        match self.step {
+            0 => {
+                self.step = 1;
+                Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from_static(b"first\n")))))
+            }
+            1 => match self.sleep.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    self.step = 2;
+                    Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from_static(b"last\n")))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+            _ => Poll::Ready(None),
+        }
+    }
+}
+
+type WorldBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response<WorldBody>, Infallible> {
+    use http_body_util::BodyExt;
     let path = req.uri().path().to_string();
     let headers =
         req.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
-    seen.lock().unwrap().push(Seen { path: path.clone(), headers });
-    if path == "/slow" {
+    seen.lock().unwrap().push(Seen { path: path.clone(), version: req.version(), headers });
+    if path == "/v1/slow" {
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
-    Ok(Response::new(Full::new(Bytes::from(format!("hello from world {path}\n")))))
+    if path == "/v1/stream" {
+        let body = Dribble { step: 0, sleep: Box::pin(tokio::time::sleep(Duration::from_secs(3))) };
+        return Ok(Response::new(body.boxed_unsync()));
+    }
+    Ok(Response::new(Full::new(Bytes::from(format!("hello from world {path}\n"))).boxed_unsync()))
 }
 
 /// Serves HTTPS (when `tls`) or plain HTTP on a listener bound inside `ns`, recording requests.
@@ -212,6 +252,27 @@ fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(50));
     }
     panic!("timed out waiting for {what}");
+}
+
+/// Waits up to 20 s for `child` to exit; panics early if `other` (its partner) exits first.
+fn wait_exit(child: &mut ChildGuard, other: &mut Option<&mut ChildGuard>) -> std::process::ExitStatus {
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        if let Some(s) = child.child().try_wait().unwrap() {
+            return s;
+        }
+        if let Some(o) = other.as_mut()
+            && let Some(s) = o.child().try_wait().unwrap()
+        {
+            panic!("partner process exited first: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("process {} did not exit in time", child.id());
+}
+
+fn gw_none<'a>() -> Option<&'a mut ChildGuard> {
+    None
 }
 
 fn audit_lines(path: &Path) -> Vec<Value> {
@@ -353,6 +414,8 @@ fn egress_gateway_end_to_end() {
             "1",
             "--drain-timeout-secs",
             "10",
+            "--handoff-socket",
+            dir.join("handoff.sock").to_str().unwrap(),
         ],
     );
     let admin = |args: &[&str]| -> (u16, String) {
@@ -410,6 +473,20 @@ fn egress_gateway_end_to_end() {
         curl(&sb, &["--http2", "--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/h2"]);
     assert_eq!(code, 200, "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).trim_end().ends_with(" 2"), "client leg is h2: {}", text(&o));
+    assert!(
+        seen.lock().unwrap().iter().any(|r| r.path == "/v1/h2" && r.version == hyper::Version::HTTP_2),
+        "upstream leg negotiated h2"
+    );
+
+    // Streamed responses pass through unbuffered: the first chunk arrives while the upstream
+    // still holds the rest (curl gives up after 1.5 s, the body completes after 3 s).
+    let (_, _, o) = curl(
+        &sb,
+        &["-N", "--max-time", "1.5", "--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/stream"],
+    );
+    assert_eq!(o.status.code(), Some(28), "curl must time out mid-body: {}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("first") && !out.contains("last"), "first chunk streamed before the end: {}", text(&o));
 
     // Denied by rule: 403 and the server sees nothing.
     let (code, _, _) = curl(&sb, &["--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/admin/users"]);
@@ -516,7 +593,7 @@ fn egress_gateway_end_to_end() {
     for needle in [
         "cube_egress_requests_total{decision=\"allow\"}",
         "cube_egress_requests_total{decision=\"deny\"}",
-        "cube_egress_injections_total 2",
+        "cube_egress_injections_total 3",
         "cube_egress_cert_mints_total",
         "cube_egress_cert_cache_hits_total",
         "cube_egress_upstream_errors_total{kind=\"tls\"} 1",
@@ -524,6 +601,35 @@ fn egress_gateway_end_to_end() {
     ] {
         assert!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");
     }
+
+    // Listener handoff: a successor takes the three listening sockets over the Unix socket;
+    // the predecessor drains and exits; traffic continues on the successor.
+    let mut gw2: ChildGuard = node.spawn(
+        egress_bin().to_str().unwrap(),
+        &[
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            &dump_url,
+            "--drain-timeout-secs",
+            "10",
+            "--takeover-socket",
+            dir.join("handoff.sock").to_str().unwrap(),
+        ],
+    );
+    let status = wait_exit(&mut gw, &mut Some(&mut gw2));
+    assert!(status.success(), "predecessor exit after handoff: {status}");
+    let (code, _, o) =
+        curl(&sb, &["--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/after-handoff"]);
+    assert_eq!(code, 200, "request served by the successor: {}", text(&o));
+    assert!(admin(&["http://127.0.0.1:9091/admin/v1/health"]).1.contains("\"bootstrap_status\":\"ready\""));
+    let gw = &mut gw2;
 
     // SIGTERM drains an in-flight request, then the process exits 0.
     let sb_path = sb.path();
@@ -544,7 +650,7 @@ fn egress_gateway_end_to_end() {
     assert_eq!(unsafe { libc::kill(gw.id() as i32, libc::SIGTERM) }, 0);
     let slow_out = slow.join().unwrap();
     assert_eq!(String::from_utf8_lossy(&slow_out.stdout), "200", "in-flight request finished during drain");
-    let status = gw.child().wait().unwrap();
+    let status = wait_exit(gw, &mut gw_none());
     assert!(status.success(), "gateway exit after SIGTERM: {status}");
 
     // Audit: every line is JSON, no secret anywhere, fingerprints and the security events.
