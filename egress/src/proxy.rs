@@ -28,7 +28,7 @@ use hyper_util::{
         Client,
         connect::{HttpConnector, dns::Name},
     },
-    rt::{TokioExecutor, TokioIo},
+    rt::{TokioExecutor, TokioIo, TokioTimer},
     server::{conn::auto, graceful::Watcher},
 };
 use serde_json::{Value, json};
@@ -44,7 +44,9 @@ use crate::{
 /// Response body type of the proxy.
 pub type ProxyBody = UnsyncBoxBody<Bytes, hyper::Error>;
 
-/// How long a client may take to send its ClientHello.
+/// How long an HTTP/1 client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client may take to send its ClientHello (and, separately, to finish the handshake).
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Upstream time to response headers (upstream: read timeout 60 s).
 const UPSTREAM_HEADERS_TIMEOUT: Duration = Duration::from_secs(60);
@@ -139,7 +141,10 @@ where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let svc = hyper::service::service_fn(move |req| handle(app.clone(), ctx.clone(), req));
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // A timer enables HTTP/1 header-read timeouts (slow clients) and HTTP/2 keep-alive.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(io, svc).into_owned();
     if let Err(e) = watcher.watch(conn).await {
         tracing::debug!(error = %e, "downstream connection ended with error");
@@ -190,12 +195,13 @@ async fn serve_tls(
         Err(MintError::RateLimited) => return refuse("cert_mint_rate_limited".into()),
         Err(e) => return refuse(e.to_string()),
     };
-    let tls = match start.into_stream(cfg).await {
-        Ok(t) => t,
-        Err(e) => {
+    let tls = match tokio::time::timeout(HELLO_TIMEOUT, start.into_stream(cfg)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
             tracing::debug!(%sandbox, error = %e, "client TLS handshake failed");
             return;
         }
+        Err(_) => return,
     };
     let (_, server) = tls.get_ref();
     let info = TlsInfo {

@@ -391,6 +391,17 @@ fn egress_gateway_end_to_end() {
     assert!(o.status.success(), "second up (idempotent): {}", text(&o));
     let o = node.exec("bash", &[script().to_str().unwrap(), "status"]);
     assert!(o.status.success(), "status after up: {}", text(&o));
+    // A rejected `up` (mark outside the mask) changes nothing: the working chain stays.
+    let mangle_up = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
+    let o = node
+        .command("bash")
+        .args([script().to_str().unwrap(), "up"])
+        .env("CUBE_EGRESS_MARK_HTTP", "0x1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "invalid mark must be refused: {}", text(&o));
+    let mangle_after = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
+    assert_eq!(mangle_after, mangle_up, "a refused up must not touch the installed chain");
 
     // The gateway.
     let audit = dir.join("log/access.jsonl");
