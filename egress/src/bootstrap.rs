@@ -13,7 +13,7 @@ use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use crate::{
     App,
     policy::{Policy, PolicySpec, parse_sandbox_ip},
-    store::BootstrapStatus,
+    store::{BootstrapStatus, PolicyStore},
 };
 
 /// Per-attempt timeout (upstream: 10 s).
@@ -22,7 +22,7 @@ pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Loads a dump body `{"policies": {"<ip>": policy}}` into the store; returns how many loaded.
 /// Invalid entries are skipped with a warning. Errors: not JSON / no `policies` object, or a
 /// non-empty dump of which nothing loaded.
-pub fn load_dump(app: &App, body: &[u8]) -> anyhow::Result<usize> {
+pub fn load_dump(store: &PolicyStore, body: &[u8]) -> anyhow::Result<usize> {
     let v: serde_json::Value = serde_json::from_slice(body).context("dump is not JSON")?;
     let Some(map) = v.get("policies").and_then(|p| p.as_object()) else { bail!("dump has no `policies` object") };
     let mut loaded = 0;
@@ -33,7 +33,7 @@ pub fn load_dump(app: &App, body: &[u8]) -> anyhow::Result<usize> {
         });
         match res {
             Ok((ip, p)) => {
-                app.store.put(ip, p);
+                store.put(ip, p);
                 loaded += 1;
             }
             Err(e) => tracing::warn!(sandbox = %ip, error = %e, "skipping invalid policy in dump"),
@@ -72,7 +72,7 @@ pub async fn run(app: Arc<App>, url: String, attempts: u32, retry: Duration) {
     loop {
         attempt += 1;
         let res = match fetch(&url).await {
-            Ok(body) => load_dump(&app, &body),
+            Ok(body) => load_dump(&app.store, &body),
             Err(e) => Err(e),
         };
         match res {
@@ -94,5 +94,27 @@ pub async fn run(app: Arc<App>, url: String, attempts: u32, retry: Duration) {
                 tokio::time::sleep(delay).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dump_loading() {
+        let store = PolicyStore::default();
+        let good = r#"{"policy_id":"a","rules":[{"id":"r","action":{"allow":true}}]}"#;
+        let body = format!(
+            r#"{{"policies":{{"192.168.0.2":{good},"192.168.0.3":{{"policy_id":"","rules":[]}},"1.2.3":{good}}}}}"#
+        );
+        assert_eq!(load_dump(&store, body.as_bytes()).unwrap(), 1, "invalid entries are skipped");
+        assert!(store.get("192.168.0.2".parse().unwrap()).is_some());
+        assert!(store.get("192.168.0.3".parse().unwrap()).is_none());
+        assert_eq!(load_dump(&store, br#"{"policies":{}}"#).unwrap(), 0, "an empty dump is valid");
+        let bad_only = r#"{"policies":{"192.168.0.9":{"policy_id":"","rules":[]}}}"#;
+        assert!(load_dump(&store, bad_only.as_bytes()).is_err(), "non-empty dump with nothing valid fails");
+        assert!(load_dump(&store, b"{}").is_err());
+        assert!(load_dump(&store, b"nope").is_err());
     }
 }

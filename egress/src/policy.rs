@@ -76,8 +76,8 @@ pub struct MatchSpec {
     pub port: Option<Ports>,
 }
 
-/// One credential to inject as a request header.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One credential to inject as a request header. `Debug` shows the fingerprint, not the secret.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InjectSpec {
     /// Header name to set (client copies are removed first).
@@ -87,6 +87,16 @@ pub struct InjectSpec {
     /// Header value template; the first `${SECRET}` is replaced. Default `${SECRET}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<String>,
+}
+
+impl fmt::Debug for InjectSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InjectSpec")
+            .field("header", &self.header)
+            .field("secret", &fingerprint(&self.secret))
+            .field("format", &self.format)
+            .finish()
+    }
 }
 
 /// `action` of a rule.
@@ -781,6 +791,7 @@ mod tests {
         assert_eq!(inj.fingerprint, fingerprint("s3cr3t"));
         assert!(inj.fingerprint.starts_with("fp-") && inj.fingerprint.len() == 11);
         assert!(!format!("{inj:?}").contains("s3cr3t"));
+        assert!(!format!("{:?} {:?}", p.spec, p.rules).contains("s3cr3t"), "Debug output never shows a secret");
         let red = serde_json::to_string(&p.spec.redacted()).unwrap();
         assert!(!red.contains("s3cr3t") && red.contains(REDACTED));
     }
