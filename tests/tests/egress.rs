@@ -93,7 +93,7 @@ impl Seen {
 
 type SeenLog = Arc<Mutex<Vec<Seen>>>;
 
-/// A streamed body: `first` now, `last` after 3 s (shows whether a proxy buffers).
+/// A streamed body: `first` now, `last` after 6 s (shows whether a proxy buffers).
 struct Dribble {
     step: u8,
     sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
@@ -136,7 +136,7 @@ async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
     if path == "/v1/stream" {
-        let body = Dribble { step: 0, sleep: Box::pin(tokio::time::sleep(Duration::from_secs(3))) };
+        let body = Dribble { step: 0, sleep: Box::pin(tokio::time::sleep(Duration::from_secs(6))) };
         return Ok(Response::new(body.boxed_unsync()));
     }
     Ok(Response::new(Full::new(Bytes::from(format!("hello from world {path}\n"))).boxed_unsync()))
@@ -490,10 +490,10 @@ fn egress_gateway_end_to_end() {
     );
 
     // Streamed responses pass through unbuffered: the first chunk arrives while the upstream
-    // still holds the rest (curl gives up after 1.5 s, the body completes after 3 s).
+    // still holds the rest (curl gives up after 2.5 s, the body completes after 6 s).
     let (_, _, o) = curl(
         &sb,
-        &["-N", "--max-time", "1.5", "--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/stream"],
+        &["-N", "--max-time", "2.5", "--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/stream"],
     );
     assert_eq!(o.status.code(), Some(28), "curl must time out mid-body: {}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
