@@ -13,8 +13,11 @@ APT_PACKAGES=(
   llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev
   iproute2 iputils-ping ethtool procps
   shellcheck
-  # benchmarks (cargo xtask bench): iperf3, and iptables for the bridge+iptables baseline
-  iperf3 iptables
+  # benchmarks (cargo xtask bench): iperf3; iptables also serves the bridge+iptables baseline
+  iperf3
+  # --- CubeEgress: TPROXY plumbing (scripts/cube-egress-net.sh) and the end-to-end test's
+  # --- TLS client / certificate checks (tests/tests/egress.rs).
+  iptables openssl curl ca-certificates
 )
 
 missing=()
