@@ -18,6 +18,7 @@
 #       send:IP:PORT:BYTES     BYTES zero bytes sent over TCP, then EOF    (detail: first reply line)
 #       refused:IP:PORT        a TCP connect is actively refused (RST)     (detail: the error)
 # and prints to the console (ttyS0), one line each:
+#   CUBENET-INFO <key> <value>              diagnostics (virtio-net-features: negotiated bits)
 #   CUBENET-READY <ip> <ms since boot>      eth0 is configured (and httpd started)
 #   CUBENET-CHECK <spec> PASS|FAIL <ms> <detail>
 #   CUBENET-DONE <passed> <failed>          all checks ran
@@ -91,6 +92,11 @@ fi
 if [ -n "$SERVE" ]; then
   httpd -p "0.0.0.0:$SERVE" -h /www || fatal "httpd on port $SERVE"
 fi
+set +f
+for f in /sys/bus/virtio/drivers/virtio_net/virtio*/features; do
+  [ -r "$f" ] && echo "CUBENET-INFO virtio-net-features $(cat "$f")"
+done
+set -f
 echo "CUBENET-READY $IP $(now_ms)"
 
 CR=$(printf '\r')

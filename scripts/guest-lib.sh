@@ -23,7 +23,8 @@ guest_apt_install() {
     [[ "$status" == "install ok installed" ]] || missing+=("$p")
   done
   ((${#missing[@]})) || return 0
-  printf '[guest] apt-get install %s\n' "${missing[*]}"
+  printf '[guest] apt-get install %s\n' "${missing[*]}" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
@@ -34,6 +35,11 @@ guest_kernel_fetch() {
   local dir=$1 pkg out
   mkdir -p "$dir"
   pkg=$(guest_kernel_package)
+  if [[ -z "$pkg" && ! -f "$dir/kernel.deb" ]]; then
+    # A fresh machine may have no apt lists yet.
+    apt-get update -qq >&2 || true
+    pkg=$(guest_kernel_package)
+  fi
   if [[ -z "$pkg" ]]; then
     if [[ -f "$dir/kernel.deb" ]]; then
       printf '%s\n' "$dir/kernel.deb"

@@ -180,6 +180,15 @@ fn tap_offloads(node: &Node) -> String {
         .join(", ")
 }
 
+/// (rx packets, rx bytes, tx packets, tx bytes) of the TAP; rx is what the guest sent.
+fn tap_stats(node: &Node) -> [u64; 4] {
+    let out = node.topo.node.exec("ip", &["-s", "-j", "link", "show", "dev", TAP_NAME]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("ip -j output");
+    let s = &v[0]["stats64"];
+    let n = |dir: &str, k: &str| s[dir][k].as_u64().unwrap_or_else(|| panic!("stats64.{dir}.{k} in {v}"));
+    [n("rx", "packets"), n("rx", "bytes"), n("tx", "packets"), n("tx", "bytes")]
+}
+
 fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -223,10 +232,21 @@ fn real_guest_egress_checks() {
     );
     let results = vm.wait_done(CHECKS_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
     let offloads = tap_offloads(&node);
+    let [rxp, rxb, txp, txb] = tap_stats(&node);
+    let console = vm.console();
+    for l in console.lines().filter(|l| l.contains("CUBENET-INFO")) {
+        eprintln!("[vm] guest {l}");
+    }
     for r in &results {
         eprintln!("[vm] {} {} {} ms {}", r.spec, if r.pass { "PASS" } else { "FAIL" }, r.ms, r.detail);
     }
     eprintln!("[vm] TAP offloads with the guest running (set by QEMU from virtio features): {offloads}");
+    eprintln!(
+        "[vm] TAP frames: from guest {rxp} pkts avg {} B, to guest {txp} pkts avg {} B (> 1514 B means GSO/TSO \
+         super-frames crossed the TAP)",
+        rxb / rxp.max(1),
+        txb / txp.max(1)
+    );
     assert_eq!(results.len(), checks.len(), "{results:?}\n{}", vm.console());
     assert!(results.iter().all(|r| r.pass), "failed checks: {results:?}\n{}", vm.console());
 
