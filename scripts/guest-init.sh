@@ -115,7 +115,7 @@ run_check() {
   RESULT=FAIL
   case "$kind" in
     arp)
-      out=$(arping -c 1 -w "$TIMEOUT" -I eth0 "$args" 2>&1)
+      out=$(arping -f -c 1 -w "$TIMEOUT" -I eth0 "$args" 2>&1)
       mac=$(printf '%s\n' "$out" | sed -n 's/.*reply from [0-9.]* \[\([0-9a-fA-F:]*\)\].*/\1/p' | head -n 1)
       if [ -n "$mac" ]; then RESULT=PASS DETAIL=$mac; else DETAIL=$out; fi
       ;;

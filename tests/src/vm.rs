@@ -60,8 +60,9 @@ const QEMU: &str = "qemu-system-x86_64";
 
 impl GuestImage {
     /// Runs `scripts/guest-image.sh` once per process (it is itself cached and idempotent) and
-    /// returns the image. Errors are [`Unavailable`] (downcast to tell) when QEMU is not
-    /// installed or the script could not produce an image.
+    /// returns the image. The error is an [`Unavailable`] (downcast to tell) only for a proven
+    /// environmental reason: QEMU not runnable, no `/dev/net/tun`, or the script's exit status 3
+    /// (packages or the kernel could not be obtained); anything else is a plain error.
     pub fn ensure() -> Result<Self> {
         static IMAGE: OnceLock<std::result::Result<GuestImage, (bool, String)>> = OnceLock::new();
         match IMAGE.get_or_init(Self::build) {

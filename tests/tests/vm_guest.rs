@@ -220,6 +220,8 @@ fn real_guest_egress_checks() {
         Check::Refused(SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 1), 80)),
         Check::Fetch(w(8081), "/big".into()),
         Check::Send(w(9000), BULK),
+        // Must FAIL: ICMP to the private range is denied (proves failures are reported).
+        Check::Ping(Ipv4Addr::new(10, 99, 0, 1)),
     ];
     let cfg = GuestConfig { checks: checks.clone(), ..GuestConfig::cubevs() };
     let vm = Vm::boot(&img, tap_fd, &cfg).expect("boot QEMU");
@@ -248,7 +250,9 @@ fn real_guest_egress_checks() {
         txb / txp.max(1)
     );
     assert_eq!(results.len(), checks.len(), "{results:?}\n{}", vm.console());
-    assert!(results.iter().all(|r| r.pass), "failed checks: {results:?}\n{}", vm.console());
+    let (denied, rest) = results.split_last().expect("results");
+    assert!(rest.iter().all(|r| r.pass), "failed checks: {results:?}\n{}", vm.console());
+    assert!(!denied.pass && denied.spec == checks[6].spec(), "ping to 10.99.0.1 must fail: {denied:?}");
 
     // The ARP proxy answered with the gateway MAC.
     assert_eq!(find(&results, &checks[0]).detail, mac_string(packet::GATEWAY_MAC));
