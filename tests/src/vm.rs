@@ -56,12 +56,16 @@ impl fmt::Display for Unavailable {
 
 impl std::error::Error for Unavailable {}
 
-const QEMU: &str = "qemu-system-x86_64";
+/// The QEMU binary: `$CUBENET_QEMU`, else `qemu-system-x86_64` from `PATH`.
+pub fn qemu_binary() -> String {
+    std::env::var("CUBENET_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into())
+}
 
 impl GuestImage {
     /// Runs `scripts/guest-image.sh` once per process (it is itself cached and idempotent) and
     /// returns the image. The error is an [`Unavailable`] (downcast to tell) only for a proven
-    /// environmental reason: QEMU not runnable, no `/dev/net/tun`, or the script's exit status 3
+    /// environmental reason: QEMU not runnable or without TCG or microvm, no `/dev/net/tun`,
+    /// or the script's exit status 3
     /// (packages or the kernel could not be obtained); anything else is a plain error.
     pub fn ensure() -> Result<Self> {
         static IMAGE: OnceLock<std::result::Result<GuestImage, (bool, String)>> = OnceLock::new();
@@ -76,10 +80,19 @@ impl GuestImage {
     fn build() -> std::result::Result<Self, (bool, String)> {
         let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let dir = std::env::var_os("CUBENET_GUEST_DIR").map(PathBuf::from).unwrap_or_else(|| repo.join("target/guest"));
-        match Command::new(QEMU).arg("--version").stdin(Stdio::null()).output() {
+        let qemu = qemu_binary();
+        match Command::new(&qemu).arg("--version").stdin(Stdio::null()).output() {
             Ok(o) if o.status.success() => {}
-            Ok(o) => return Err((true, format!("{QEMU} --version: {}", String::from_utf8_lossy(&o.stderr).trim()))),
-            Err(e) => return Err((true, format!("{QEMU}: {e} (scripts/setup.sh installs it)"))),
+            Ok(o) => return Err((true, format!("{qemu} --version: {}", String::from_utf8_lossy(&o.stderr).trim()))),
+            Err(e) => return Err((true, format!("{qemu}: {e} (scripts/setup.sh installs it)"))),
+        }
+        // The binary must offer what Vm::boot uses: the TCG accelerator and the microvm machine.
+        for (probe, want) in [("-accel", "tcg"), ("-machine", "microvm")] {
+            let out = Command::new(&qemu).args([probe, "help"]).stdin(Stdio::null()).output();
+            let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+            if !text.lines().any(|l| l.split_whitespace().next() == Some(want)) {
+                return Err((true, format!("{qemu} {probe} help does not list {want}")));
+            }
         }
         if !Path::new("/dev/net/tun").exists() {
             return Err((true, "/dev/net/tun missing".into()));
@@ -288,7 +301,8 @@ impl Vm {
         // SAFETY: `raw` is a fresh fd nobody else owns.
         let child_tap = unsafe { OwnedFd::from_raw_fd(raw) };
         drop(tap);
-        let mut cmd = Command::new(QEMU);
+        let qemu = qemu_binary();
+        let mut cmd = Command::new(&qemu);
         cmd.args(["-accel", "tcg", "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
             .args(["-display", "none", "-nodefaults", "-no-user-config", "-no-reboot", "-serial", "stdio"])
             .arg("-kernel")
@@ -311,7 +325,7 @@ impl Vm {
             });
         }
         let started = Instant::now();
-        let mut child = cmd.spawn().with_context(|| format!("spawn {QEMU}"))?;
+        let mut child = cmd.spawn().with_context(|| format!("spawn {qemu}"))?;
         drop(child_tap);
         let console: Shared = Arc::new((Mutex::new(Console::default()), Condvar::new()));
         let stdout = child.stdout.take().expect("piped stdout");
