@@ -15,8 +15,11 @@ APT_PACKAGES=(
   iproute2 iputils-ping ethtool procps
   shellcheck
   protobuf-compiler python3-venv
-  # benchmarks (cargo xtask bench): iperf3, and iptables for the bridge+iptables baseline
-  iperf3 iptables
+  # benchmarks (cargo xtask bench): iperf3; iptables also serves the bridge+iptables baseline
+  iperf3
+  # --- CubeEgress: TPROXY plumbing (scripts/cube-egress-net.sh) and the end-to-end test's
+  # --- TLS client / certificate checks (tests/tests/egress.rs).
+  iptables openssl curl ca-certificates
 )
 
 missing=()
@@ -34,6 +37,18 @@ if ((${#missing[@]})); then
 else
   log "apt packages present"
 fi
+
+# ---- real Linux guest (issue 5 building block) ---------------------------------------------
+# QEMU, static busybox and cpio (GUEST_APT_PACKAGES in scripts/guest-lib.sh, installed without
+# recommends), and the newest Debian 12 guest kernel package (`linux-image-6.1.0-<n>-amd64`,
+# resolved with apt-cache) downloaded — not installed — into target/guest/. The same functions
+# serve scripts/guest-image.sh, which builds the image from them.
+setup_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck disable=SC1091 # sourced by path; test.sh runs shellcheck without -x
+source "$setup_dir/guest-lib.sh"
+guest_apt_install
+log "guest kernel package: $(guest_kernel_fetch "$(dirname "$setup_dir")/target/guest")"
+# ---- end real Linux guest -------------------------------------------------------------------
 
 # rust-src for -Z build-std=core with the preinstalled nightly (LLVM 22).
 installed_components=$(rustup component list --toolchain nightly --installed)

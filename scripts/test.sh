@@ -36,22 +36,22 @@ fi
 cargo test --workspace --exclude cubevs-ebpf --locked
 
 step "leak check"
-# Names carry the PID of the test process that made them (cnt<pid>x…, cubenet-bpffs-<pid>-…).
-# Every test process of this run has exited by now, so a name whose PID is still alive belongs
-# to a test run of another checkout on the same machine and is not ours to report.
+# Names carry the creating test process's PID (cnt<pid>x…, cubenet-bpffs-<pid>-…). Every test
+# process of this run has exited by now, so a live PID means a concurrent run from another
+# checkout on the same machine: not ours, not a leak.
 alive() { [[ -n "$1" && -d "/proc/$1" ]]; }
 leaks=""
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}'); do
   case "$ns" in
     cnt*)
-      pid="${ns#cnt}"; pid="${pid%%x*}"
+      pid=${ns#cnt}; pid=${pid%%x*}
       alive "$pid" || leaks+=" netns:$ns"
       ;;
   esac
 done
 for d in /tmp/cubenet-bpffs-*; do
   [[ -e "$d" ]] || continue
-  pid="${d#/tmp/cubenet-bpffs-}"; pid="${pid%%-*}"
+  pid=${d#/tmp/cubenet-bpffs-}; pid=${pid%%-*}
   alive "$pid" || leaks+=" bpffs:$d"
 done
 if [[ -n "$leaks" ]]; then

@@ -17,6 +17,8 @@
 //!   namespace, programming the topology's node namespace.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
+//! - [`vm`]: real Linux guests under QEMU on a TAP fd, configured and checked from the kernel
+//!   command line (image built by `scripts/guest-image.sh`).
 //!
 //! Root-only tests call [`require_root`] first, which prints a loud SKIP line when not root.
 pub mod agent;
@@ -29,6 +31,7 @@ pub mod rig;
 pub mod servers;
 pub mod smol;
 pub mod topology;
+pub mod vm;
 
 /// True when the process can run root-only tests. Otherwise prints a loud skip notice naming
 /// `test` to stderr (visible with `--nocapture` and in the test summary of the runner).

@@ -1,5 +1,6 @@
 //! Developer tasks. `cargo xtask build-ebpf [--release]` builds the CubeVS eBPF object;
-//! `cargo xtask clippy-ebpf` lints the eBPF crate with the nightly toolchain.
+//! `cargo xtask clippy-ebpf` lints the eBPF crate with the nightly toolchain;
+//! `cargo xtask bench egress` benchmarks cube-egress against mitmproxy (root).
 
 use std::{
     path::{Path, PathBuf},
@@ -27,17 +28,46 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Never fails on time.
+    /// Names: per-packet, throughput, scale (cubenet-bench) and egress (cube-egress vs
+    /// mitmproxy; BENCH_SECS, BENCH_CONC); default: the first three. Never fails on time.
     Bench {
-        /// Benchmarks to run (per-packet, throughput, scale); default all.
+        /// Benchmarks to run.
         names: Vec<String>,
-        /// Also write the results as JSON to this file.
+        /// Also write the cubenet-bench results as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
         /// Repetitions of each throughput measurement.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
+}
+
+/// mitmproxy version the egress benchmark installs into `target/mitmproxy-venv` (PyPI).
+const MITMPROXY_VERSION: &str = "11.0.2";
+
+fn bench_egress() -> Result<()> {
+    let root = workspace_root();
+    let target = target_dir(&root);
+    // One invocation, so both targets share one feature resolution (no double build).
+    let mut build = Command::new("cargo");
+    build.current_dir(&root).args(["build", "--release", "-p", "cube-egress", "-p", "cubenet-tests"]);
+    build.args(["--bin", "cube-egress", "--example", "egress_bench"]);
+    run(build)?;
+    // mitmproxy in its own virtualenv, so the system Python is left alone.
+    let venv = target.join("mitmproxy-venv");
+    let mitmdump = venv.join("bin/mitmdump");
+    if !mitmdump.exists() {
+        let mut mk = Command::new("python3");
+        mk.args(["-m", "venv"]).arg(&venv);
+        run(mk)?;
+        let mut pip = Command::new(venv.join("bin/pip"));
+        pip.args(["install", "-q", &format!("mitmproxy=={MITMPROXY_VERSION}")]);
+        run(pip)?;
+    }
+    let mut bench = Command::new(target.join("release/examples/egress_bench"));
+    bench.env("MITMDUMP", &mitmdump).env("CUBE_EGRESS_BIN", target.join("release/cube-egress"));
+    bench.env("CUBE_EGRESS_LOG", "warn");
+    run(bench)
 }
 
 /// Toolchain that builds the eBPF crate: its LLVM major must match bpf-linker's (22 here).
@@ -112,6 +142,14 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::BuildEbpf { release } => build_ebpf(release),
         Cmd::Bench { names, json, rounds } => {
+            let egress = names.iter().any(|n| n == "egress");
+            let names: Vec<String> = names.into_iter().filter(|n| n != "egress").collect();
+            if egress {
+                bench_egress()?;
+                if names.is_empty() {
+                    return Ok(());
+                }
+            }
             build_ebpf(true)?;
             let root = workspace_root();
             let mut cmd = Command::new("cargo");

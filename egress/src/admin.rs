@@ -1,0 +1,149 @@
+//! Admin API (`reference/upstream.md §4.4`) and Prometheus `/metrics`, on a loopback listener.
+//!
+//! | method/path | result |
+//! |---|---|
+//! | `GET /admin/v1/health` | `{status, bootstrap_status, policy_count, version}` |
+//! | `GET /admin/v1/dump` | `{policies:{ip:policy}}`, secrets redacted |
+//! | `GET /admin/v1/policies` | `{ip:policy}`, redacted |
+//! | `GET/PUT/PATCH/DELETE /admin/v1/policies/<ip>` | read (404 when absent) / replace / upsert one rule by id / delete |
+//! | `GET /metrics` | Prometheus text |
+//!
+//! Bodies are limited to 1 MiB; bad JSON or an invalid policy → 400 `{"error": "<field>: <reason>"}`;
+//! wrong method → 405 with `Allow`; unknown path → 404 `{"error":"not found"}`.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+
+use crate::{
+    App,
+    policy::{Policy, RuleSpec, parse_sandbox_ip},
+};
+
+/// Largest accepted admin request body.
+pub const MAX_BODY: usize = 1 << 20;
+
+fn reply(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(v.to_string())))
+        .expect("static response")
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response<Full<Bytes>> {
+    reply(status, json!({"error": msg.into()}))
+}
+
+fn not_allowed(allow: &str) -> Response<Full<Bytes>> {
+    let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
+    r.headers_mut().insert(header::ALLOW, http::HeaderValue::from_str(allow).expect("static header"));
+    r
+}
+
+async fn body(req: Request<Incoming>) -> Result<Bytes, Response<Full<Bytes>>> {
+    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(_) => Err(error(StatusCode::PAYLOAD_TOO_LARGE, format!("body larger than {MAX_BODY} bytes"))),
+    }
+}
+
+/// Serves one admin request.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    match path.as_str() {
+        "/metrics" => match method {
+            Method::GET => Response::builder()
+                .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+                .body(Full::new(Bytes::from(app.metrics.render())))
+                .expect("static response"),
+            _ => not_allowed("GET"),
+        },
+        "/admin/v1/health" => match method {
+            Method::GET => reply(
+                StatusCode::OK,
+                json!({
+                    "status": "ok",
+                    "bootstrap_status": app.store.status().as_str(),
+                    "policy_count": app.store.len(),
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "commit": option_env!("CUBE_EGRESS_COMMIT").unwrap_or("unknown"),
+                    "build_time": option_env!("CUBE_EGRESS_BUILD_TIME").unwrap_or("unknown"),
+                }),
+            ),
+            _ => not_allowed("GET"),
+        },
+        "/admin/v1/dump" | "/admin/v1/policies" => match method {
+            Method::GET => {
+                let mut m = serde_json::Map::new();
+                for (ip, p) in app.store.all() {
+                    m.insert(ip.to_string(), serde_json::to_value(p.spec.redacted()).unwrap_or(Value::Null));
+                }
+                let v = if path.ends_with("dump") { json!({"policies": m}) } else { Value::Object(m) };
+                reply(StatusCode::OK, v)
+            }
+            _ => not_allowed("GET"),
+        },
+        p if p.starts_with("/admin/v1/policies/") => {
+            let seg = &p["/admin/v1/policies/".len()..];
+            if seg.is_empty() || !seg.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+                return error(StatusCode::NOT_FOUND, "not found");
+            }
+            let ip = match parse_sandbox_ip(seg) {
+                Ok(ip) => ip,
+                Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+            };
+            match method {
+                Method::GET => match app.store.get(ip) {
+                    Some(p) => reply(StatusCode::OK, serde_json::to_value(p.spec.redacted()).unwrap_or(Value::Null)),
+                    None => error(StatusCode::NOT_FOUND, "policy not found"),
+                },
+                Method::PUT => {
+                    let b = match body(req).await {
+                        Ok(b) => b,
+                        Err(r) => return r,
+                    };
+                    match Policy::from_json(&b) {
+                        Ok(pol) => {
+                            app.store.put(ip, pol);
+                            tracing::info!(%ip, "policy replaced");
+                            reply(StatusCode::OK, json!({"ok": true}))
+                        }
+                        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                    }
+                }
+                Method::PATCH => {
+                    let b = match body(req).await {
+                        Ok(b) => b,
+                        Err(r) => return r,
+                    };
+                    let de = &mut serde_json::Deserializer::from_slice(&b);
+                    let rule: RuleSpec = match serde_path_to_error::deserialize(de) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let path = e.path().to_string();
+                            let field = if path == "." || path == "?" { "body".to_string() } else { path };
+                            return error(StatusCode::BAD_REQUEST, format!("{field}: {}", e.inner()));
+                        }
+                    };
+                    match app.store.patch_rule(ip, rule) {
+                        Ok(true) => reply(StatusCode::OK, json!({"ok": true})),
+                        Ok(false) => error(StatusCode::NOT_FOUND, "policy not found"),
+                        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                    }
+                }
+                Method::DELETE => {
+                    app.store.delete(ip);
+                    reply(StatusCode::OK, json!({"ok": true}))
+                }
+                _ => not_allowed("GET, PUT, PATCH, DELETE"),
+            }
+        }
+        _ => error(StatusCode::NOT_FOUND, "not found"),
+    }
+}

@@ -1,0 +1,381 @@
+//! The interception CA, leaf minting (`reference/upstream.md §4.6`) and the upstream trust store.
+//!
+//! Leaves are minted only after the policy admitted the SNI (anchors D.17), cached per name,
+//! minted once per name under concurrency (single flight), and rate-limited per sandbox.
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, Ipv4Addr},
+    path::Path,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use rcgen::{
+    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+    SanType, SerialNumber,
+};
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
+
+use crate::metrics::Metrics;
+
+/// CA certificate file name inside the CA directory.
+pub const CA_CERT_FILE: &str = "cube-root-ca.crt";
+/// CA key file name inside the CA directory.
+pub const CA_KEY_FILE: &str = "cube-root-ca.key";
+/// Leaf validity (7 days) and how long a cached leaf is reused (6 days).
+pub const LEAF_VALIDITY: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long a minted leaf stays in the cache.
+pub const LEAF_CACHE_TTL: Duration = Duration::from_secs(6 * 24 * 3600);
+/// A CA expiring sooner than this logs a warning at start.
+pub const CA_WARN_BEFORE: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// The ring crypto provider every TLS config uses.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The interception CA: signs leaves.
+pub struct Ca {
+    issuer: Issuer<'static, KeyPair>,
+    cert_der: CertificateDer<'static>,
+    /// Seconds until the CA expires (negative when expired) at load time.
+    pub expires_in_secs: i64,
+}
+
+impl std::fmt::Debug for Ca {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ca").field("expires_in_secs", &self.expires_in_secs).finish_non_exhaustive()
+    }
+}
+
+impl Ca {
+    /// Loads `cube-root-ca.{crt,key}` from `dir`. Errors: unreadable/unparsable files, a key
+    /// that does not match the certificate, a certificate that is not a CA, or an expired CA.
+    /// Logs a warning when it expires within 30 days.
+    pub fn load(dir: &Path) -> anyhow::Result<Ca> {
+        let cert_path = dir.join(CA_CERT_FILE);
+        let key_path = dir.join(CA_KEY_FILE);
+        let cert_der = CertificateDer::from_pem_file(&cert_path)
+            .with_context(|| format!("read CA certificate {}", cert_path.display()))?;
+        let key_pem =
+            std::fs::read_to_string(&key_path).with_context(|| format!("read CA key {}", key_path.display()))?;
+        let key = KeyPair::from_pem(&key_pem).with_context(|| format!("parse CA key {}", key_path.display()))?;
+        let (_, x509) = x509_parser::parse_x509_certificate(&cert_der)
+            .map_err(|e| anyhow::anyhow!("parse CA certificate {}: {e}", cert_path.display()))?;
+        if x509.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+            bail!("CA key {} does not match certificate {}", key_path.display(), cert_path.display());
+        }
+        if !x509.is_ca() {
+            bail!("{} is not a CA certificate (basicConstraints CA:TRUE missing)", cert_path.display());
+        }
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        let expires_in_secs = x509.validity().not_after.timestamp() - now;
+        if expires_in_secs <= 0 {
+            bail!("CA certificate {} expired {} s ago", cert_path.display(), -expires_in_secs);
+        }
+        if expires_in_secs < CA_WARN_BEFORE.as_secs() as i64 {
+            tracing::warn!(days = expires_in_secs / 86400, "CA certificate expires soon");
+        }
+        let issuer = Issuer::from_ca_cert_der(&cert_der, key).context("use CA certificate as issuer")?;
+        Ok(Ca { issuer, cert_der, expires_in_secs })
+    }
+
+    /// The CA certificate (DER).
+    pub fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert_der
+    }
+
+    /// Mints a leaf for `name`: new EC P-256 key, serial from time + random, notBefore now−60 s,
+    /// notAfter now+7 d, CN = the name, SAN = DNS name or IP, CA:FALSE, digitalSignature +
+    /// keyEncipherment, EKU serverAuth. Returns (chain [leaf, CA], key).
+    pub fn mint(&self, name: &CertName) -> anyhow::Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let mut p = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        let cn = match name {
+            CertName::Dns(n) => n.clone(),
+            CertName::Ip(ip) => ip.to_string(),
+        };
+        dn.push(DnType::CommonName, cn);
+        p.distinguished_name = dn;
+        p.subject_alt_names = vec![match name {
+            CertName::Dns(n) => SanType::DnsName(n.clone().try_into().context("SNI is not a valid DNS name")?),
+            CertName::Ip(ip) => SanType::IpAddress(*ip),
+        }];
+        let now = time::OffsetDateTime::now_utc();
+        p.not_before = now - time::Duration::seconds(60);
+        p.not_after = now + LEAF_VALIDITY;
+        p.is_ca = IsCa::ExplicitNoCa;
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let mut serial = (now.unix_timestamp_nanos() / 1000).to_be_bytes()[8..].to_vec();
+        let mut rnd = [0u8; 8];
+        rustls::crypto::ring::default_provider()
+            .secure_random
+            .fill(&mut rnd)
+            .map_err(|_| anyhow::anyhow!("random serial"))?;
+        serial.extend_from_slice(&rnd);
+        serial[0] &= 0x7f;
+        p.serial_number = Some(SerialNumber::from_slice(&serial));
+        let cert = p.signed_by(&key, &self.issuer)?;
+        let chain = vec![cert.der().clone(), self.cert_der.clone()];
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        Ok((chain, key))
+    }
+}
+
+/// What a leaf is minted for: the client's SNI, or the original destination IP without SNI.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CertName {
+    /// Lower-case SNI host name.
+    Dns(String),
+    /// Destination IP (no SNI sent).
+    Ip(IpAddr),
+}
+
+impl CertName {
+    fn cache_key(&self) -> String {
+        match self {
+            CertName::Dns(n) => n.clone(),
+            CertName::Ip(ip) => format!("ip:{ip}"),
+        }
+    }
+}
+
+/// Why no certificate could be produced.
+#[derive(Debug, thiserror::Error)]
+pub enum MintError {
+    /// The sandbox exceeded its mint budget.
+    #[error("mint rate limit exceeded")]
+    RateLimited,
+    /// Signing failed.
+    #[error("cert_signer_failed:{0}")]
+    Failed(String),
+}
+
+struct Slot {
+    cell: Arc<tokio::sync::OnceCell<Arc<ServerConfig>>>,
+    created: Instant,
+}
+
+/// Token bucket per sandbox IP (our own: a dozen lines, no crate needed).
+#[derive(Debug)]
+struct RateLimiter {
+    rate: f64,
+    burst: f64,
+    buckets: Mutex<HashMap<Ipv4Addr, (f64, Instant)>>,
+}
+
+impl RateLimiter {
+    fn take(&self, who: Ipv4Addr) -> bool {
+        let now = Instant::now();
+        let mut b = self.buckets.lock().expect("limiter lock");
+        let (tokens, last) = b.entry(who).or_insert((self.burst, now));
+        *tokens = (*tokens + now.duration_since(*last).as_secs_f64() * self.rate).min(self.burst);
+        *last = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Leaf cache with single-flight minting and a per-sandbox mint rate limit; hands out ready
+/// rustls server configs (ALPN `h2`, `http/1.1`).
+pub struct CertCache {
+    ca: Arc<Ca>,
+    slots: Mutex<HashMap<String, Slot>>,
+    capacity: usize,
+    limiter: RateLimiter,
+    metrics: Metrics,
+}
+
+impl CertCache {
+    /// A cache of at most `capacity` leaves; each sandbox may mint `burst` leaves at once and
+    /// `rate` per second after that.
+    pub fn new(ca: Arc<Ca>, capacity: usize, rate: f64, burst: u32, metrics: Metrics) -> CertCache {
+        CertCache {
+            ca,
+            slots: Mutex::new(HashMap::new()),
+            capacity: capacity.max(1),
+            limiter: RateLimiter { rate, burst: f64::from(burst), buckets: Mutex::new(HashMap::new()) },
+            metrics,
+        }
+    }
+
+    /// The server config for `name`, minting it if needed (charged to `sandbox`).
+    pub async fn server_config(&self, sandbox: Ipv4Addr, name: CertName) -> Result<Arc<ServerConfig>, MintError> {
+        let key = name.cache_key();
+        let cell = {
+            let mut slots = self.slots.lock().expect("cache lock");
+            let fresh = slots.get(&key).is_some_and(|s| s.created.elapsed() < LEAF_CACHE_TTL);
+            if !fresh {
+                if slots.len() >= self.capacity {
+                    // Evict expired entries first, else an arbitrary one.
+                    slots.retain(|_, s| s.created.elapsed() < LEAF_CACHE_TTL);
+                    if slots.len() >= self.capacity
+                        && let Some(k) = slots.keys().next().cloned()
+                    {
+                        slots.remove(&k);
+                    }
+                }
+                slots.insert(
+                    key.clone(),
+                    Slot { cell: Arc::new(tokio::sync::OnceCell::new()), created: Instant::now() },
+                );
+            }
+            slots.get(&key).expect("slot just ensured").cell.clone()
+        };
+        if let Some(cfg) = cell.get() {
+            self.metrics.cert_cache_hits.inc();
+            return Ok(cfg.clone());
+        }
+        cell.get_or_try_init(|| async {
+            if !self.limiter.take(sandbox) {
+                self.metrics.mint_rate_limited.inc();
+                return Err(MintError::RateLimited);
+            }
+            let ca = self.ca.clone();
+            let n = name.clone();
+            let cfg = tokio::task::spawn_blocking(move || -> anyhow::Result<ServerConfig> {
+                let (chain, key) = ca.mint(&n)?;
+                let mut cfg = ServerConfig::builder_with_provider(provider())
+                    .with_safe_default_protocol_versions()?
+                    .with_no_client_auth()
+                    .with_single_cert(chain, key)?;
+                cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+                Ok(cfg)
+            })
+            .await
+            .map_err(|e| MintError::Failed(e.to_string()))?
+            .map_err(|e| MintError::Failed(e.to_string()))?;
+            self.metrics.mints.inc();
+            Ok(Arc::new(cfg))
+        })
+        .await
+        .cloned()
+    }
+
+    /// Seconds until the CA expires, as measured at load.
+    pub fn ca_expires_in_secs(&self) -> i64 {
+        self.ca.expires_in_secs
+    }
+
+    /// Number of cached leaves.
+    pub fn len(&self) -> usize {
+        self.slots.lock().expect("cache lock").len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Upstream TLS client config: the system trust store (`rustls-native-certs`) plus an optional
+/// extra PEM bundle. Errors: no usable root at all, or an unreadable extra bundle.
+pub fn upstream_client_config(extra_ca: Option<&Path>) -> anyhow::Result<ClientConfig> {
+    let mut roots = RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for c in native.certs {
+        let _ = roots.add(c);
+    }
+    if let Some(p) = extra_ca {
+        for c in CertificateDer::pem_file_iter(p).with_context(|| format!("read {}", p.display()))? {
+            roots.add(c.with_context(|| format!("parse {}", p.display()))?).context("add extra CA")?;
+        }
+    }
+    if roots.is_empty() {
+        bail!("no trusted root certificates for upstream TLS");
+    }
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_ca(dir: &Path, days: i64) -> KeyPair {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut p = CertificateParams::default();
+        p.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        p.distinguished_name.push(DnType::CommonName, "test CA");
+        let now = time::OffsetDateTime::now_utc();
+        p.not_before = now - time::Duration::days(2);
+        p.not_after = now + time::Duration::days(days);
+        let cert = p.self_signed(&key).unwrap();
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join(CA_CERT_FILE), cert.pem()).unwrap();
+        std::fs::write(dir.join(CA_KEY_FILE), key.serialize_pem()).unwrap();
+        key
+    }
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("cube-egress-{name}-{}", std::process::id()))
+    }
+
+    #[test]
+    fn ca_validation() {
+        let d = tmp("ca-ok");
+        write_ca(&d, 365);
+        let ca = Ca::load(&d).unwrap();
+        assert!(ca.expires_in_secs > 300 * 86400);
+        // Key of another CA.
+        let other = tmp("ca-other");
+        let k = write_ca(&other, 365);
+        std::fs::write(d.join(CA_KEY_FILE), k.serialize_pem()).unwrap();
+        let e = Ca::load(&d).unwrap_err().to_string();
+        assert!(e.contains("does not match"), "{e}");
+        // Expired CA.
+        write_ca(&d, -1);
+        let e = Ca::load(&d).unwrap_err().to_string();
+        assert!(e.contains("expired"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(&other).unwrap();
+    }
+
+    #[tokio::test]
+    async fn mint_cache_single_flight_and_rate_limit() {
+        let d = tmp("ca-mint");
+        write_ca(&d, 365);
+        let ca = Arc::new(Ca::load(&d).unwrap());
+        let (chain, _) = ca.mint(&CertName::Dns("api.example.test".into())).unwrap();
+        let (_, leaf) = x509_parser::parse_x509_certificate(&chain[0]).unwrap();
+        let san = leaf.subject_alternative_name().unwrap().unwrap();
+        assert_eq!(format!("{:?}", san.value.general_names), "[DNSName(\"api.example.test\")]");
+        let validity = leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp();
+        assert_eq!(validity, 7 * 86400 + 60);
+        assert!(!leaf.is_ca());
+        let metrics = Metrics::new();
+        let cache = Arc::new(CertCache::new(ca, 100, 0.001, 2, metrics.clone()));
+        let sb = Ipv4Addr::new(192, 168, 0, 2);
+        let mut joins = Vec::new();
+        for _ in 0..8 {
+            let c = cache.clone();
+            joins.push(tokio::spawn(
+                async move { c.server_config(sb, CertName::Dns("a.test".into())).await.map(|_| ()) },
+            ));
+        }
+        for j in joins {
+            j.await.unwrap().unwrap();
+        }
+        assert_eq!(metrics.mints.get(), 1, "single flight: one mint for 8 concurrent handshakes");
+        cache.server_config(sb, CertName::Dns("b.test".into())).await.unwrap();
+        let e = cache.server_config(sb, CertName::Dns("c.test".into())).await.unwrap_err();
+        assert!(matches!(e, MintError::RateLimited));
+        // Cache hits are free; another sandbox has its own budget.
+        cache.server_config(sb, CertName::Dns("a.test".into())).await.unwrap();
+        cache.server_config(Ipv4Addr::new(192, 168, 0, 3), CertName::Dns("c.test".into())).await.unwrap();
+        assert_eq!(metrics.mints.get(), 3);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -1,0 +1,238 @@
+//! Configuration: defaults < TOML file (`--config`) < environment (`CUBE_EGRESS_*`) < flags.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use serde::Deserialize;
+
+/// Upstream's default bootstrap URL (the agent's policy dump; upstream.md §4.5).
+pub const DEFAULT_BOOTSTRAP_URL: &str = "http://127.0.0.1:9998/v1/policies/dump";
+
+/// Effective configuration of one `cube-egress` process. Every field is also a TOML key of the
+/// same name.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Sandbox (mvm IP) CIDR; the listeners bind its network address + 1. Default `192.168.0.0/18`.
+    pub sandbox_cidr: String,
+    /// Overrides the listen address derived from `sandbox_cidr`.
+    pub listen_ip: Option<Ipv4Addr>,
+    /// Transparent HTTP listener port (default 8080).
+    pub http_port: u16,
+    /// Transparent HTTPS listener port (default 8443).
+    pub https_port: u16,
+    /// Admin API and `/metrics` (default `127.0.0.1:9091`).
+    pub admin_addr: SocketAddr,
+    /// Directory holding `cube-root-ca.crt` and `cube-root-ca.key` (default `/etc/cube/ca`).
+    pub ca_dir: PathBuf,
+    /// Extra PEM CA bundle trusted for upstream TLS besides the system store (tests).
+    pub upstream_extra_ca: Option<PathBuf>,
+    /// Audit JSON Lines file (default `/data/log/cube-egress/access.jsonl`).
+    pub audit_file: PathBuf,
+    /// Policy dump URL fetched at start; empty string = no bootstrap (status `skipped`).
+    pub bootstrap_url: String,
+    /// Bootstrap attempts before status `failed` (then retried every `bootstrap_retry_secs`).
+    pub bootstrap_attempts: u32,
+    /// Delay between bootstrap rounds after the first `bootstrap_attempts` failed, seconds.
+    pub bootstrap_retry_secs: u64,
+    /// Certificate mints each sandbox may do per second (token refill rate).
+    pub mint_rate_per_sec: f64,
+    /// Burst of certificate mints per sandbox.
+    pub mint_burst: u32,
+    /// Most cached leaf certificates.
+    pub cert_cache_size: usize,
+    /// Upstream connect timeout, seconds (default 10).
+    pub upstream_connect_timeout_secs: u64,
+    /// How long SIGTERM waits for in-flight requests, seconds (default 30).
+    pub drain_timeout_secs: u64,
+    /// Serve the listening sockets to a successor on this Unix socket path.
+    pub handoff_socket: Option<PathBuf>,
+    /// Take the listening sockets from a predecessor's `handoff_socket` instead of binding.
+    pub takeover_socket: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            sandbox_cidr: "192.168.0.0/18".into(),
+            listen_ip: None,
+            http_port: 8080,
+            https_port: 8443,
+            admin_addr: "127.0.0.1:9091".parse().expect("static addr"),
+            ca_dir: "/etc/cube/ca".into(),
+            upstream_extra_ca: None,
+            audit_file: "/data/log/cube-egress/access.jsonl".into(),
+            bootstrap_url: DEFAULT_BOOTSTRAP_URL.into(),
+            bootstrap_attempts: 3,
+            bootstrap_retry_secs: 5,
+            mint_rate_per_sec: 2.0,
+            mint_burst: 20,
+            cert_cache_size: 10_000,
+            upstream_connect_timeout_secs: 10,
+            drain_timeout_secs: 30,
+            handoff_socket: None,
+            takeover_socket: None,
+        }
+    }
+}
+
+/// Command line; each flag also reads the `CUBE_EGRESS_<NAME>` environment variable.
+#[derive(Debug, Parser)]
+#[command(name = "cube-egress", version, about = "CubeEgress L7 egress gateway")]
+pub struct Cli {
+    /// TOML configuration file (keys = `Config` field names).
+    #[arg(long, env = "CUBE_EGRESS_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Sandbox CIDR (listen address = network + 1).
+    #[arg(long, env = "CUBE_SANDBOX_NETWORK_CIDR")]
+    pub sandbox_cidr: Option<String>,
+    /// Listen address override.
+    #[arg(long, env = "CUBE_EGRESS_LISTEN_IP")]
+    pub listen_ip: Option<Ipv4Addr>,
+    /// HTTP listener port.
+    #[arg(long, env = "CUBE_EGRESS_HTTP_PORT")]
+    pub http_port: Option<u16>,
+    /// HTTPS listener port.
+    #[arg(long, env = "CUBE_EGRESS_HTTPS_PORT")]
+    pub https_port: Option<u16>,
+    /// Admin listener address.
+    #[arg(long, env = "CUBE_EGRESS_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// CA directory.
+    #[arg(long, env = "CUBE_EGRESS_CA_DIR")]
+    pub ca_dir: Option<PathBuf>,
+    /// Extra upstream CA bundle (PEM).
+    #[arg(long, env = "CUBE_EGRESS_UPSTREAM_EXTRA_CA")]
+    pub upstream_extra_ca: Option<PathBuf>,
+    /// Audit file.
+    #[arg(long, env = "CUBE_EGRESS_AUDIT_FILE")]
+    pub audit_file: Option<PathBuf>,
+    /// Bootstrap URL ("" disables bootstrap).
+    #[arg(long, env = "CUBE_EGRESS_BOOTSTRAP_URL")]
+    pub bootstrap_url: Option<String>,
+    /// Bootstrap attempts.
+    #[arg(long, env = "CUBE_EGRESS_BOOTSTRAP_ATTEMPTS")]
+    pub bootstrap_attempts: Option<u32>,
+    /// Seconds between bootstrap rounds after the first round failed.
+    #[arg(long, env = "CUBE_EGRESS_BOOTSTRAP_RETRY_SECS")]
+    pub bootstrap_retry_secs: Option<u64>,
+    /// Mint rate per sandbox (per second).
+    #[arg(long, env = "CUBE_EGRESS_MINT_RATE_PER_SEC")]
+    pub mint_rate_per_sec: Option<f64>,
+    /// Mint burst per sandbox.
+    #[arg(long, env = "CUBE_EGRESS_MINT_BURST")]
+    pub mint_burst: Option<u32>,
+    /// Drain deadline on SIGTERM (seconds).
+    #[arg(long, env = "CUBE_EGRESS_DRAIN_TIMEOUT_SECS")]
+    pub drain_timeout_secs: Option<u64>,
+    /// Unix socket on which to hand the listeners to a successor.
+    #[arg(long, env = "CUBE_EGRESS_HANDOFF_SOCKET")]
+    pub handoff_socket: Option<PathBuf>,
+    /// Unix socket of a predecessor to take the listeners from.
+    #[arg(long, env = "CUBE_EGRESS_TAKEOVER_SOCKET")]
+    pub takeover_socket: Option<PathBuf>,
+}
+
+impl Config {
+    /// Builds the effective configuration from a parsed command line (and its `--config` file).
+    pub fn load(cli: Cli) -> anyhow::Result<Config> {
+        let mut c = match &cli.config {
+            Some(p) => Self::from_toml_file(p)?,
+            None => Config::default(),
+        };
+        macro_rules! over {
+            ($($f:ident),*) => { $( if let Some(v) = cli.$f { c.$f = v; } )* };
+        }
+        over!(sandbox_cidr, http_port, https_port, admin_addr, ca_dir, audit_file, bootstrap_url, bootstrap_attempts);
+        over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs);
+        if cli.listen_ip.is_some() {
+            c.listen_ip = cli.listen_ip;
+        }
+        if cli.upstream_extra_ca.is_some() {
+            c.upstream_extra_ca = cli.upstream_extra_ca;
+        }
+        if cli.handoff_socket.is_some() {
+            c.handoff_socket = cli.handoff_socket;
+        }
+        if cli.takeover_socket.is_some() {
+            c.takeover_socket = cli.takeover_socket;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Reads a TOML file; unknown keys are an error.
+    pub fn from_toml_file(p: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(p).with_context(|| format!("read config {}", p.display()))?;
+        toml::from_str(&text).with_context(|| format!("parse config {}", p.display()))
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        gateway_of(&self.sandbox_cidr)?;
+        if !self.mint_rate_per_sec.is_finite() || self.mint_rate_per_sec <= 0.0 || self.mint_burst == 0 {
+            bail!("mint_rate_per_sec and mint_burst must be positive");
+        }
+        if self.bootstrap_attempts == 0 {
+            bail!("bootstrap_attempts must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The listen address: `listen_ip`, else network(`sandbox_cidr`) + 1 (upstream.md §4.2).
+    pub fn gateway_ip(&self) -> anyhow::Result<Ipv4Addr> {
+        if let Some(ip) = self.listen_ip {
+            return Ok(ip);
+        }
+        gateway_of(&self.sandbox_cidr)
+    }
+
+    /// Upstream connect timeout.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_secs(self.upstream_connect_timeout_secs)
+    }
+}
+
+/// Network address + 1 of an IPv4 CIDR such as `192.168.0.0/18` (→ 192.168.0.1).
+pub fn gateway_of(cidr: &str) -> anyhow::Result<Ipv4Addr> {
+    let (addr, len) = cidr.split_once('/').with_context(|| format!("sandbox_cidr {cidr:?}: expected a.b.c.d/len"))?;
+    let addr: Ipv4Addr = addr.parse().with_context(|| format!("sandbox_cidr {cidr:?}: bad address"))?;
+    let len: u32 = len.parse().with_context(|| format!("sandbox_cidr {cidr:?}: bad prefix length"))?;
+    if len > 30 {
+        bail!("sandbox_cidr {cidr:?}: prefix must be /30 or shorter");
+    }
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    Ok(Ipv4Addr::from((u32::from(addr) & mask) + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gateway_is_network_plus_one() {
+        assert_eq!(gateway_of("192.168.0.0/18").unwrap(), Ipv4Addr::new(192, 168, 0, 1));
+        assert_eq!(gateway_of("10.1.77.9/16").unwrap(), Ipv4Addr::new(10, 1, 0, 1));
+        assert!(gateway_of("10.0.0.0").is_err());
+        assert!(gateway_of("10.0.0.0/31").is_err());
+    }
+
+    #[test]
+    fn layers_override_in_order() {
+        let dir = std::env::temp_dir().join(format!("cube-egress-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("c.toml");
+        std::fs::write(&f, "http_port = 1080\nhttps_port = 1443\nbootstrap_url = \"\"\n").unwrap();
+        let cli = Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap(), "--https-port", "2443"]);
+        let c = Config::load(cli).unwrap();
+        assert_eq!((c.http_port, c.https_port, c.bootstrap_url.as_str()), (1080, 2443, ""));
+        assert_eq!(c.admin_addr.to_string(), "127.0.0.1:9091");
+        std::fs::write(&f, "htp_port = 1\n").unwrap();
+        assert!(Config::from_toml_file(&f).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,93 @@
+//! Prometheus metrics served at `GET /metrics` on the admin listener.
+
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
+
+/// Every metric the gateway exports (names prefixed `cube_egress_`).
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by `decision` (`allow`, `deny`).
+    pub requests: IntCounterVec,
+    /// Credentials injected (one per header).
+    pub injections: IntCounter,
+    /// Injections dropped by a gate.
+    pub injections_dropped: IntCounter,
+    /// Leaf certificates minted.
+    pub mints: IntCounter,
+    /// Leaf certificate cache hits.
+    pub cert_cache_hits: IntCounter,
+    /// Mints refused by the per-sandbox rate limit.
+    pub mint_rate_limited: IntCounter,
+    /// TLS connections refused before minting (SNI denied or no policy).
+    pub handshakes_refused: IntCounter,
+    /// Upstream failures by `kind` (`connect`, `tls`, `timeout`, `other`).
+    pub upstream_errors: IntCounterVec,
+    /// Request duration until response headers, seconds.
+    pub request_seconds: Histogram,
+    /// Upstream time to response headers, seconds (request − upstream ≈ added latency).
+    pub upstream_seconds: Histogram,
+}
+
+impl Metrics {
+    /// Registers all metrics in a fresh registry.
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let buckets = vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+        let requests =
+            IntCounterVec::new(Opts::new("cube_egress_requests_total", "Requests by decision"), &["decision"])
+                .expect("metric");
+        let c = |n: &str, h: &str| IntCounter::new(n, h).expect("metric");
+        let injections = c("cube_egress_injections_total", "Credentials injected");
+        let injections_dropped = c("cube_egress_injections_dropped_total", "Injections dropped by a gate");
+        let mints = c("cube_egress_cert_mints_total", "Leaf certificates minted");
+        let cert_cache_hits = c("cube_egress_cert_cache_hits_total", "Leaf certificate cache hits");
+        let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
+        let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
+        let upstream_errors =
+            IntCounterVec::new(Opts::new("cube_egress_upstream_errors_total", "Upstream failures by kind"), &["kind"])
+                .expect("metric");
+        let request_seconds = Histogram::with_opts(
+            HistogramOpts::new("cube_egress_request_duration_seconds", "Request duration to response headers")
+                .buckets(buckets.clone()),
+        )
+        .expect("metric");
+        let upstream_seconds = Histogram::with_opts(
+            HistogramOpts::new("cube_egress_upstream_duration_seconds", "Upstream time to response headers")
+                .buckets(buckets),
+        )
+        .expect("metric");
+        for m in [&injections, &injections_dropped, &mints, &cert_cache_hits, &mint_rate_limited, &handshakes_refused] {
+            registry.register(Box::new(m.clone())).expect("register");
+        }
+        registry.register(Box::new(requests.clone())).expect("register");
+        registry.register(Box::new(upstream_errors.clone())).expect("register");
+        registry.register(Box::new(request_seconds.clone())).expect("register");
+        registry.register(Box::new(upstream_seconds.clone())).expect("register");
+        Metrics {
+            registry,
+            requests,
+            injections,
+            injections_dropped,
+            mints,
+            cert_cache_hits,
+            mint_rate_limited,
+            handshakes_refused,
+            upstream_errors,
+            request_seconds,
+            upstream_seconds,
+        }
+    }
+
+    /// Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,553 @@
+//! The transparent HTTP/HTTPS proxy: accept (original destination = the accepted socket's local
+//! address, sandbox = peer address), decide, intercept TLS, forward, audit.
+//!
+//! Per connection: HTTPS reads the ClientHello first and admits the SNI against the policy
+//! before minting (anchors D.17); requests are then evaluated one by one (`reference/upstream.md
+//! §4.3`); allowed ones go upstream over a per-connection hyper client (HTTP/1.1 or HTTP/2 by
+//! ALPN, TLS verified, SNI = client SNI) to the original destination, with response bodies
+//! streamed frame by frame.
+
+use std::{
+    convert::Infallible,
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, Uri, header};
+use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::{
+    client::legacy::{
+        Client,
+        connect::{HttpConnector, dns::Name},
+    },
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    server::{conn::auto, graceful::Watcher},
+};
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+
+use crate::{
+    App,
+    audit::redacted_headers,
+    certs::{CertName, MintError},
+    policy::{AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host},
+};
+
+/// Response body type of the proxy.
+pub type ProxyBody = UnsyncBoxBody<Bytes, hyper::Error>;
+
+/// How long an HTTP/1 client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client may take to send its ClientHello (and, separately, to finish the handshake).
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Upstream time to response headers (upstream: read timeout 60 s).
+const UPSTREAM_HEADERS_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Headers never forwarded: hop-by-hop ones and the client-identifying ones upstream strips.
+const STRIP: &[&str] = &[
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "x-forwarded-for",
+    "x-real-ip",
+    "forwarded",
+];
+
+/// Resolves every name to the original destination (our own: the only resolver we need is
+/// "the address the sandbox dialled", which no DNS resolver crate models).
+#[derive(Clone, Debug)]
+struct FixedResolver(IpAddr);
+
+impl tower_service::Service<Name> for FixedResolver {
+    type Response = std::iter::Once<SocketAddr>;
+    type Error = std::io::Error;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, _: Name) -> Self::Future {
+        std::future::ready(Ok(std::iter::once(SocketAddr::new(self.0, 0))))
+    }
+}
+
+type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector<FixedResolver>>, CountingBody<Incoming>>;
+
+/// TLS facts of an intercepted connection (for audit).
+#[derive(Debug, Clone, Default)]
+struct TlsInfo {
+    version: Option<String>,
+    cipher: Option<String>,
+    client_alpn: Vec<String>,
+}
+
+/// Per-connection context.
+struct Conn {
+    sandbox: Ipv4Addr,
+    dst: SocketAddrV4,
+    scheme: Scheme,
+    sni: Option<String>,
+    tls: Option<TlsInfo>,
+    client: UpstreamClient,
+    conn_id: u64,
+    reqs: AtomicU64,
+}
+
+fn new_client(app: &App, dst: IpAddr) -> UpstreamClient {
+    let mut http = HttpConnector::new_with_resolver(FixedResolver(dst));
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(app.connect_timeout));
+    let https = hyper_rustls::HttpsConnector::from((http, app.upstream_tls.clone()));
+    Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(https)
+}
+
+/// Splits an accepted socket into (sandbox IP, original destination); `None` for non-IPv4.
+fn addrs(s: &TcpStream) -> Option<(Ipv4Addr, SocketAddrV4)> {
+    match (s.peer_addr().ok()?, s.local_addr().ok()?) {
+        (SocketAddr::V4(p), SocketAddr::V4(l)) => Some((*p.ip(), l)),
+        _ => None,
+    }
+}
+
+/// Serves one accepted connection of the `scheme` listener until it closes (or drains).
+pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, watcher: Watcher) {
+    let Some((sandbox, dst)) = addrs(&stream) else { return };
+    let _ = stream.set_nodelay(true);
+    let conn_id = app.next_id();
+    match scheme {
+        Scheme::Http => {
+            let client = new_client(&app, IpAddr::V4(*dst.ip()));
+            let ctx =
+                Arc::new(Conn { sandbox, dst, scheme, sni: None, tls: None, client, conn_id, reqs: AtomicU64::new(0) });
+            serve_http(app, ctx, TokioIo::new(stream), watcher).await;
+        }
+        Scheme::Https => serve_tls(app, stream, sandbox, dst, conn_id, watcher).await,
+    }
+}
+
+async fn serve_http<I>(app: Arc<App>, ctx: Arc<Conn>, io: I, watcher: Watcher)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| handle(app.clone(), ctx.clone(), req));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // A timer enables HTTP/1 header-read timeouts (slow clients) and HTTP/2 keep-alive.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    builder.http2().timer(TokioTimer::new());
+    let conn = builder.serve_connection(io, svc).into_owned();
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(error = %e, "downstream connection ended with error");
+    }
+}
+
+async fn serve_tls(
+    app: Arc<App>,
+    stream: TcpStream,
+    sandbox: Ipv4Addr,
+    dst: SocketAddrV4,
+    conn_id: u64,
+    watcher: Watcher,
+) {
+    let acceptor = tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream);
+    let start = match tokio::time::timeout(HELLO_TIMEOUT, acceptor).await {
+        Ok(Ok(s)) => s,
+        _ => return,
+    };
+    let hello = start.client_hello();
+    let sni = hello.server_name().map(|s| s.trim_end_matches('.').to_ascii_lowercase());
+    let client_alpn: Vec<String> =
+        hello.alpn().map(|it| it.map(|p| String::from_utf8_lossy(p).into_owned()).collect()).unwrap_or_default();
+    let refuse = |reason: String| {
+        app.metrics.handshakes_refused.inc();
+        app.audit.write(json!({
+            "event": "tls_handshake",
+            "sandbox": {"src_ip": sandbox.to_string()},
+            "conn": {"original_dst_ip": dst.ip().to_string(), "original_dst_port": dst.port()},
+            "tls": {"sni": sni, "client_alpn": client_alpn},
+            "security": {"reason": reason},
+        }));
+    };
+    let status = app.store.status();
+    if !status.serving() {
+        return refuse(format!("bootstrap_not_ready:{}", status.as_str()));
+    }
+    let Some(policy) = app.store.get(sandbox) else { return refuse("no_policy_for_sandbox".into()) };
+    if policy.admit_sni(sni.as_deref(), dst.port()) == SniAdmission::Refuse {
+        return refuse("sni_not_allowed".into());
+    }
+    let name = match &sni {
+        Some(s) => CertName::Dns(s.clone()),
+        None => CertName::Ip(IpAddr::V4(*dst.ip())),
+    };
+    let cfg = match app.certs.server_config(sandbox, name).await {
+        Ok(c) => c,
+        Err(MintError::RateLimited) => return refuse("cert_mint_rate_limited".into()),
+        Err(e) => return refuse(e.to_string()),
+    };
+    let tls = match tokio::time::timeout(HELLO_TIMEOUT, start.into_stream(cfg)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            tracing::debug!(%sandbox, error = %e, "client TLS handshake failed");
+            return;
+        }
+        Err(_) => return,
+    };
+    let (_, server) = tls.get_ref();
+    let info = TlsInfo {
+        version: server.protocol_version().and_then(|v| v.as_str().map(str::to_string)),
+        cipher: server.negotiated_cipher_suite().and_then(|c| c.suite().as_str().map(str::to_string)),
+        client_alpn,
+    };
+    let client = new_client(&app, IpAddr::V4(*dst.ip()));
+    let ctx = Arc::new(Conn {
+        sandbox,
+        dst,
+        scheme: Scheme::Https,
+        sni,
+        tls: Some(info),
+        client,
+        conn_id,
+        reqs: AtomicU64::new(0),
+    });
+    serve_http(app, ctx, TokioIo::new(tls), watcher).await;
+}
+
+fn plain(status: StatusCode, msg: &str) -> Response<ProxyBody> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "text/plain")
+        .body(Full::new(Bytes::from(format!("{msg}\n"))).map_err(|never| match never {}).boxed_unsync())
+        .expect("static response")
+}
+
+/// Everything the audit record of one request needs, filled in as the request goes.
+struct Record {
+    rec: Value,
+}
+
+impl Record {
+    fn set(&mut self, path: &[&str], v: Value) {
+        let mut cur = &mut self.rec;
+        for (i, k) in path.iter().enumerate() {
+            if i + 1 == path.len() {
+                cur[*k] = v;
+                return;
+            }
+            cur = &mut cur[*k];
+        }
+    }
+}
+
+async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+    let started = Instant::now();
+    let n = ctx.reqs.fetch_add(1, Ordering::Relaxed);
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()));
+    let method = req.method().as_str().to_string();
+    let path = req.uri().path().to_string();
+    let tls = ctx.tls.clone().unwrap_or_default();
+    let mut rec = Record {
+        rec: json!({
+            "event": "http_request",
+            "request_id": format!("{:x}-{n}", ctx.conn_id),
+            "sandbox": {"src_ip": ctx.sandbox.to_string(), "policy_id": null},
+            "conn": {"original_dst_ip": ctx.dst.ip().to_string(), "original_dst_port": ctx.dst.port()},
+            "tls": {"sni": ctx.sni, "cipher": tls.cipher, "version": tls.version, "client_alpn": tls.client_alpn},
+            "http": {
+                "method": method,
+                "host": host,
+                "path": req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/"),
+                "status": null, "req_bytes": 0, "resp_bytes": 0,
+                "user_agent": req.headers().get(header::USER_AGENT).and_then(|v| v.to_str().ok()),
+            },
+            "policy": {"matched_rule": null, "decision": "unknown", "duration_us": 0},
+            "credentials": {"injected": [], "secret_ids": []},
+            "security": {"reason": null, "inject_dropped": false, "inject_skipped": []},
+            "redacted_request_headers": redacted_headers(req.headers()),
+        }),
+    };
+    let deny = |mut rec: Record, reason: &str, security: bool, started: Instant| {
+        app.metrics.requests.with_label_values(&["deny"]).inc();
+        rec.set(&["policy", "decision"], json!("deny"));
+        rec.set(&["http", "status"], json!(403));
+        rec.set(&["security", "reason"], json!(reason));
+        rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
+        if security {
+            let mut ev = rec.rec.clone();
+            ev["event"] = json!("security_event");
+            app.audit.write(ev);
+        }
+        app.audit.write(rec.rec);
+        app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
+        Ok(plain(StatusCode::FORBIDDEN, &format!("forbidden by cube-egress: {reason}")))
+    };
+    let status = app.store.status();
+    if !status.serving() {
+        return deny(rec, &format!("bootstrap_not_ready:{}", status.as_str()), true, started);
+    }
+    let Some(policy) = app.store.get(ctx.sandbox) else {
+        return deny(rec, "no_policy_for_sandbox", true, started);
+    };
+    rec.set(&["sandbox", "policy_id"], json!(policy.spec.policy_id));
+    let facts = RequestFacts {
+        sni: ctx.sni.as_deref(),
+        host: host.as_deref(),
+        method: &method,
+        path: &path,
+        scheme: ctx.scheme,
+        port: ctx.dst.port(),
+    };
+    let idx = match policy.evaluate(&facts) {
+        Verdict::NoMatch => return deny(rec, "no_rule_match", true, started),
+        Verdict::Deny(i) => {
+            rec.set(&["policy", "matched_rule"], json!(policy.rules[i].id));
+            return deny(rec, "rule_deny", false, started);
+        }
+        Verdict::Allow(i) => i,
+    };
+    rec.set(&["policy", "matched_rule"], json!(policy.rules[idx].id));
+    rec.set(&["policy", "decision"], json!("allow"));
+    app.metrics.requests.with_label_values(&["allow"]).inc();
+    Ok(forward(app, ctx, req, &policy, idx, host, rec, started).await)
+}
+
+/// Why an injection gate failed, or `None` when credentials may be injected.
+fn inject_gate(scheme: Scheme, sni: Option<&str>, host: Option<&str>, plain_http_ok: bool) -> Option<&'static str> {
+    match scheme {
+        Scheme::Https => match (sni, host) {
+            (Some(s), Some(h)) if normalize_request_host(s) == normalize_request_host(h) => None,
+            (None, _) => Some("inject_missing_sni"),
+            (_, None) => Some("inject_missing_host"),
+            _ => Some("g4_host_sni_mismatch"),
+        },
+        Scheme::Http if !plain_http_ok => Some("inject_plain_http_not_allowed"),
+        Scheme::Http if host.is_none() => Some("inject_missing_host"),
+        Scheme::Http => None,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn forward(
+    app: Arc<App>,
+    ctx: Arc<Conn>,
+    req: Request<Incoming>,
+    policy: &Policy,
+    idx: usize,
+    host: Option<String>,
+    mut rec: Record,
+    started: Instant,
+) -> Response<ProxyBody> {
+    let rule = &policy.rules[idx];
+    let (mut parts, body) = req.into_parts();
+    strip(&mut parts.headers);
+    for inj in &rule.inject {
+        while parts.headers.remove(&inj.header).is_some() {}
+    }
+    if !rule.inject.is_empty() {
+        match inject_gate(ctx.scheme, ctx.sni.as_deref(), host.as_deref(), rule.inject_plain_http) {
+            None => {
+                for inj in &rule.inject {
+                    parts.headers.insert(inj.header.clone(), inj.value.clone());
+                    app.metrics.injections.inc();
+                }
+                rec.set(
+                    &["credentials", "injected"],
+                    json!(rule.inject.iter().map(|i| i.header.as_str()).collect::<Vec<_>>()),
+                );
+                rec.set(
+                    &["credentials", "secret_ids"],
+                    json!(rule.inject.iter().map(|i| &i.fingerprint).collect::<Vec<_>>()),
+                );
+            }
+            Some(reason) => {
+                app.metrics.injections_dropped.inc();
+                rec.set(&["security", "reason"], json!(reason));
+                rec.set(&["security", "inject_dropped"], json!(true));
+                rec.set(
+                    &["security", "inject_skipped"],
+                    json!(rule.inject.iter().map(|i| i.header.as_str()).collect::<Vec<_>>()),
+                );
+                rec.set(
+                    &["credentials", "secret_ids"],
+                    json!(rule.inject.iter().map(|i| &i.fingerprint).collect::<Vec<_>>()),
+                );
+                let mut ev = rec.rec.clone();
+                ev["event"] = json!("security_event");
+                app.audit.write(ev);
+            }
+        }
+    }
+    if !parts.headers.contains_key(header::HOST)
+        && let Some(h) = host.as_deref().and_then(|h| HeaderValue::from_str(h).ok())
+    {
+        parts.headers.insert(header::HOST, h);
+    }
+    let authority = match (ctx.scheme, &ctx.sni) {
+        (Scheme::Https, Some(sni)) => format!("{sni}:{}", ctx.dst.port()),
+        _ => ctx.dst.to_string(),
+    };
+    let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/").to_string();
+    parts.uri = match Uri::builder().scheme(ctx.scheme.as_str()).authority(authority).path_and_query(pq).build() {
+        Ok(u) => u,
+        Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target"),
+    };
+    parts.version = http::Version::HTTP_11;
+    let req_bytes = Arc::new(AtomicU64::new(0));
+    let body = CountingBody { inner: body, count: req_bytes.clone(), done: None };
+    let up_start = Instant::now();
+    let res =
+        tokio::time::timeout(UPSTREAM_HEADERS_TIMEOUT, ctx.client.request(Request::from_parts(parts, body))).await;
+    let audit_level = rule.audit;
+    let fail = |mut rec: Record, status: StatusCode, kind: &str, err: String| {
+        app.metrics.upstream_errors.with_label_values(&[kind]).inc();
+        rec.set(&["http", "status"], json!(status.as_u16()));
+        rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
+        rec.set(&["security", "upstream_status"], json!(status.as_u16()));
+        rec.set(&["security", "upstream_addr"], json!(ctx.dst.to_string()));
+        let mut ev = rec.rec.clone();
+        ev["event"] = json!("security_event");
+        ev["security"]["reason"] = json!("upstream_unreachable_or_unverified");
+        ev["security"]["error"] = json!(err);
+        app.audit.write(ev);
+        if audit_level != AuditLevel::None {
+            app.audit.write(rec.rec);
+        }
+        app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
+        plain(status, &format!("cube-egress: upstream {kind} error"))
+    };
+    let resp = match res {
+        Err(_) => return fail(rec, StatusCode::GATEWAY_TIMEOUT, "timeout", "no response headers in time".into()),
+        Ok(Err(e)) => {
+            let msg = format!("{:?}", e);
+            let kind =
+                if msg.contains("InvalidCertificate") || msg.contains("certificate") || msg.contains("AlertReceived") {
+                    "tls"
+                } else if e.is_connect() {
+                    "connect"
+                } else {
+                    "other"
+                };
+            tracing::info!(sandbox = %ctx.sandbox, dst = %ctx.dst, error = %msg, "upstream failed");
+            return fail(rec, StatusCode::BAD_GATEWAY, kind, msg);
+        }
+        Ok(Ok(r)) => r,
+    };
+    app.metrics.upstream_seconds.observe(up_start.elapsed().as_secs_f64());
+    app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
+    let (mut parts, body) = resp.into_parts();
+    strip(&mut parts.headers);
+    rec.set(&["http", "status"], json!(parts.status.as_u16()));
+    rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
+    let done = (audit_level != AuditLevel::None).then(|| AuditOnDrop { app: app.clone(), rec: rec.rec, req_bytes });
+    let body = CountingBody { inner: body, count: Arc::new(AtomicU64::new(0)), done };
+    Response::from_parts(parts, body.boxed_unsync())
+}
+
+fn strip(h: &mut HeaderMap) {
+    // Headers named by `Connection` are hop-by-hop too.
+    let named: Vec<String> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()))
+        .filter(|s| !s.is_empty())
+        .collect();
+    for n in STRIP.iter().copied().chain(named.iter().map(String::as_str)) {
+        while h.remove(n).is_some() {}
+    }
+}
+
+/// Writes the request's audit record when the response body is finished or dropped.
+struct AuditOnDrop {
+    app: Arc<App>,
+    rec: Value,
+    req_bytes: Arc<AtomicU64>,
+}
+
+/// A body that counts data bytes as they stream through (no buffering).
+struct CountingBody<B> {
+    inner: B,
+    count: Arc<AtomicU64>,
+    done: Option<AuditOnDrop>,
+}
+
+impl<B> Drop for CountingBody<B> {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.done.take() {
+            d.rec["http"]["resp_bytes"] = json!(self.count.load(Ordering::Relaxed));
+            d.rec["http"]["req_bytes"] = json!(d.req_bytes.load(Ordering::Relaxed));
+            d.app.audit.write(d.rec);
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes> + Unpin> Body for CountingBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let p = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(f))) = &p
+            && let Some(d) = f.data_ref()
+        {
+            self.count.fetch_add(d.len() as u64, Ordering::Relaxed);
+        }
+        p
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gates() {
+        assert_eq!(inject_gate(Scheme::Https, Some("api.test"), Some("API.test:443"), false), None);
+        assert_eq!(
+            inject_gate(Scheme::Https, Some("api.test"), Some("evil.test"), false),
+            Some("g4_host_sni_mismatch")
+        );
+        assert_eq!(inject_gate(Scheme::Https, None, Some("api.test"), false), Some("inject_missing_sni"));
+        assert_eq!(inject_gate(Scheme::Http, None, Some("api.test"), false), Some("inject_plain_http_not_allowed"));
+        assert_eq!(inject_gate(Scheme::Http, None, Some("api.test"), true), None);
+        assert_eq!(inject_gate(Scheme::Http, None, None, true), Some("inject_missing_host"));
+    }
+
+    #[test]
+    fn strips_hop_by_hop_and_forwarding_headers() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-custom"),
+            ("x-custom", "1"),
+            ("x-forwarded-for", "1.2.3.4"),
+            ("x-real-ip", "1.2.3.4"),
+            ("forwarded", "for=1.2.3.4"),
+            ("accept", "*/*"),
+        ] {
+            h.append(k, HeaderValue::from_static(v));
+        }
+        strip(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("accept"));
+    }
+}

@@ -1,0 +1,422 @@
+//! `cargo xtask bench egress`: requests/s and added latency through cube-egress vs mitmproxy,
+//! with the same client, upstream, CA and topology, in one run; plus each proxy's RSS.
+//!
+//! ```text
+//!  sandbox ns (load generator) ─veth─ node ns (proxy under test) ─veth─ world ns (HTTPS server)
+//! ```
+//!
+//! Phases: `direct` (node forwards, no proxy: the baseline latency), `cube-egress` (datapath
+//! marks + `cube-egress-net.sh up` + TPROXY, policy allows the SNI), `mitmproxy` (mitmdump in
+//! transparent mode behind an iptables REDIRECT, using the same CA and trusting the same world
+//! CA). Each phase runs `BENCH_CONC` (default 16) keep-alive HTTP/1.1-over-TLS connections for
+//! `BENCH_SECS` (default 10) seconds. Needs root; `MITMDUMP` overrides the mitmdump path.
+//! Figures are printed, never asserted.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use cubenet_tests::{netns::TestNetns, require_root, topology::Topology};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::{Request, Response, body::Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+
+const SANDBOX_IP: &str = "192.168.0.2";
+const GATEWAY: &str = "192.168.0.1";
+const WORLD: &str = "198.51.100.1";
+const NAME: &str = "api.example.test";
+
+struct TestCa {
+    pem: String,
+    key_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+fn make_ca(cn: &str) -> TestCa {
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::default();
+    p.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p.distinguished_name.push(DnType::CommonName, cn);
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now - time::Duration::days(1);
+    p.not_after = now + time::Duration::days(365);
+    let cert = p.self_signed(&key).unwrap();
+    let key_pem = key.serialize_pem();
+    TestCa { pem: cert.pem(), key_pem, issuer: Issuer::new(p, key) }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn world_tls(ca: &TestCa) -> rustls::ServerConfig {
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec![NAME.to_string()]).unwrap();
+    p.distinguished_name.push(DnType::CommonName, NAME);
+    let cert = p.signed_by(&key, &ca.issuer).unwrap();
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
+        .unwrap();
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    cfg
+}
+
+fn client_tls(ca_pem: &str) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
+    let mut c = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    c.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Arc::new(c)
+}
+
+fn serve_world(rt: &tokio::runtime::Runtime, world: &TestNetns, cfg: rustls::ServerConfig) {
+    let addr: SocketAddr = format!("{WORLD}:443").parse().unwrap();
+    let l = world.run(move || std::net::TcpListener::bind(addr)).unwrap();
+    l.set_nonblocking(true).unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    rt.spawn(async move {
+        let l = tokio::net::TcpListener::from_std(l).unwrap();
+        loop {
+            let Ok((s, _)) = l.accept().await else { continue };
+            let a = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(t) = a.accept(s).await else { return };
+                let svc = hyper::service::service_fn(|_r: Request<Incoming>| async {
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello from world\n"))))
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(t), svc)
+                    .await;
+            });
+        }
+    });
+}
+
+struct Stats {
+    requests: u64,
+    errors: u64,
+    secs: f64,
+    lat_us: Vec<u64>,
+}
+
+impl Stats {
+    fn pct(&self, p: f64) -> f64 {
+        if self.lat_us.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((self.lat_us.len() as f64 - 1.0) * p).round() as usize;
+        self.lat_us[i] as f64 / 1000.0
+    }
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.secs
+    }
+}
+
+async fn worker(tls: Arc<rustls::ClientConfig>, deadline: Instant) -> (u64, u64, Vec<u64>) {
+    let (mut ok, mut err, mut lat) = (0u64, 0u64, Vec::new());
+    let connector = tokio_rustls::TlsConnector::from(tls);
+    let name = rustls::pki_types::ServerName::try_from(NAME).unwrap();
+    'outer: while Instant::now() < deadline {
+        let conn = async {
+            let tcp = tokio::net::TcpStream::connect(format!("{WORLD}:443")).await.ok()?;
+            tcp.set_nodelay(true).ok()?;
+            let t = connector.connect(name.clone(), tcp).await.ok()?;
+            let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(t)).await.ok()?;
+            tokio::spawn(conn);
+            Some(send)
+        };
+        let Some(mut send) = conn.await else {
+            err += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        while Instant::now() < deadline {
+            let req = Request::get("/bench").header("host", NAME).body(Empty::<Bytes>::new()).unwrap();
+            let t0 = Instant::now();
+            let r = async {
+                let resp = send.send_request(req).await.ok()?;
+                let ok = resp.status().is_success();
+                resp.into_body().collect().await.ok()?;
+                ok.then_some(())
+            }
+            .await;
+            match r {
+                Some(()) => {
+                    ok += 1;
+                    lat.push(t0.elapsed().as_micros() as u64);
+                }
+                None => {
+                    err += 1;
+                    continue 'outer;
+                }
+            }
+        }
+    }
+    (ok, err, lat)
+}
+
+/// Runs the load generator on threads inside the sandbox namespace.
+fn load(sb: &TestNetns, ca_pem: &str, conc: usize, secs: u64) -> Stats {
+    let tls = client_tls(ca_pem);
+    sb.run(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async move {
+            // Warm-up (connections, leaf cache) outside the measurement.
+            let _ = worker(tls.clone(), Instant::now() + Duration::from_millis(500)).await;
+            let start = Instant::now();
+            let deadline = start + Duration::from_secs(secs);
+            let hs: Vec<_> = (0..conc).map(|_| tokio::spawn(worker(tls.clone(), deadline))).collect();
+            let mut s = Stats { requests: 0, errors: 0, secs: 0.0, lat_us: Vec::new() };
+            for h in hs {
+                let (ok, err, lat) = h.await.unwrap();
+                s.requests += ok;
+                s.errors += err;
+                s.lat_us.extend(lat);
+            }
+            s.secs = start.elapsed().as_secs_f64();
+            s.lat_us.sort_unstable();
+            s
+        })
+    })
+}
+
+/// (current RSS, peak RSS) of a process in MiB, from /proc.
+fn rss_mib(pid: u32) -> (f64, f64) {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |k: &str| {
+        s.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+            / 1024.0
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn wait_port(ns: &TestNetns, addr: &str) {
+    let a: SocketAddr = addr.parse().unwrap();
+    for _ in 0..200 {
+        if ns.run(move || std::net::TcpStream::connect_timeout(&a, Duration::from_millis(100)).is_ok()) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{addr} never came up");
+}
+
+fn sh(ns: &TestNetns, prog: &str, args: &[&str]) {
+    let o = ns.exec(prog, args);
+    assert!(o.status.success(), "{prog} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn main() {
+    if !require_root("egress benchmark") {
+        std::process::exit(1);
+    }
+    let secs: u64 = std::env::var("BENCH_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let conc: usize = std::env::var("BENCH_CONC").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
+    let egress_bin = std::env::var("CUBE_EGRESS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("cube-egress"));
+    let mitmdump = std::env::var("MITMDUMP").unwrap_or_else(|_| {
+        let venv = repo().join("target/mitmproxy-venv/bin/mitmdump");
+        if venv.exists() { venv.to_string_lossy().into_owned() } else { "mitmdump".into() }
+    });
+    let dir = std::env::temp_dir().join(format!("cube-egress-bench-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = TestNetns::new("sb");
+    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
+    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
+    node.ip(&["link", "set", "cube-dev", "up"]);
+    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
+    sb.ip(&["link", "set", "eth0", "up"]);
+    sb.ip(&["route", "add", "default", "via", GATEWAY]);
+    world.ip(&["route", "add", "192.168.0.0/18", "via", "198.51.100.2"]);
+    // Only inside our node namespace: lets the direct baseline be routed.
+    sh(node, "sysctl", &["-q", "-w", "net.ipv4.ip_forward=1"]);
+
+    let gw_ca = make_ca("bench gateway CA");
+    let world_ca = make_ca("bench world CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
+    std::fs::write(dir.join("mitmproxy-ca.pem"), format!("{}{}", gw_ca.key_pem, gw_ca.pem)).unwrap();
+    serve_world(&rt, world, world_tls(&world_ca));
+
+    println!("egress benchmark: {conc} keep-alive HTTP/1.1+TLS connections x {secs} s per phase, 2-core host");
+
+    // Phase 1: direct.
+    let direct = load(&sb, &world_ca.pem, conc, secs);
+
+    // Phase 2: cube-egress.
+    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
+        sh(
+            node,
+            "iptables",
+            &[
+                "-t",
+                "mangle",
+                "-I",
+                "PREROUTING",
+                "-i",
+                "cube-dev",
+                "-p",
+                "tcp",
+                "--dport",
+                port,
+                "-j",
+                "MARK",
+                "--set-mark",
+                mark,
+            ],
+        );
+    }
+    let script = repo().join("scripts/cube-egress-net.sh");
+    sh(node, "bash", &[script.to_str().unwrap(), "up"]);
+    let mut gw = node.spawn(
+        egress_bin.to_str().unwrap(),
+        &[
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
+            "--audit-file",
+            dir.join("access.jsonl").to_str().unwrap(),
+            "--bootstrap-url",
+            "",
+        ],
+    );
+    wait_port(node, "127.0.0.1:9091");
+    let pol = format!(
+        r#"{{"policy_id":"bench","rules":[{{"id":"api","match":{{"sni":"{NAME}"}},"action":{{"allow":true}}}}]}}"#
+    );
+    sh(
+        node,
+        "curl",
+        &["-sf", "-X", "PUT", "--data", &pol, &format!("http://127.0.0.1:9091/admin/v1/policies/{SANDBOX_IP}")],
+    );
+    let egress = load(&sb, &gw_ca.pem, conc, secs);
+    let egress_rss = rss_mib(gw.id());
+    // SAFETY: signalling the child we spawned, by its PID.
+    unsafe { libc::kill(gw.id() as i32, libc::SIGTERM) };
+    let _ = gw.child().wait();
+    sh(node, "bash", &[script.to_str().unwrap(), "down"]);
+    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
+        sh(
+            node,
+            "iptables",
+            &[
+                "-t",
+                "mangle",
+                "-D",
+                "PREROUTING",
+                "-i",
+                "cube-dev",
+                "-p",
+                "tcp",
+                "--dport",
+                port,
+                "-j",
+                "MARK",
+                "--set-mark",
+                mark,
+            ],
+        );
+    }
+
+    // Phase 3: mitmproxy (transparent mode, REDIRECT), same CA and upstream trust.
+    sh(
+        node,
+        "iptables",
+        &[
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-i",
+            "cube-dev",
+            "-p",
+            "tcp",
+            "--dport",
+            "443",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            "8081",
+        ],
+    );
+    let mut mitm = node.spawn(
+        &mitmdump,
+        &[
+            "--mode",
+            "transparent",
+            "--listen-port",
+            "8081",
+            "-q",
+            "--set",
+            &format!("confdir={}", dir.display()),
+            "--set",
+            &format!("ssl_verify_upstream_trusted_ca={}", dir.join("world-ca.pem").display()),
+            "--set",
+            "connection_strategy=lazy",
+        ],
+    );
+    wait_port(node, "127.0.0.1:8081");
+    let mitm_stats = load(&sb, &gw_ca.pem, conc, secs);
+    let mitm_rss = rss_mib(mitm.id());
+    drop(mitm.child().kill());
+    let _ = mitm.child().wait();
+
+    let base50 = direct.pct(0.5);
+    let base99 = direct.pct(0.99);
+    println!();
+    println!("| path | req/s | errors | p50 ms | p99 ms | added p50 ms | added p99 ms | RSS MiB (peak) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let row = |name: &str, s: &Stats, rss: Option<(f64, f64)>| {
+        println!(
+            "| {name} | {:.0} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+            s.rps(),
+            s.errors,
+            s.pct(0.5),
+            s.pct(0.99),
+            s.pct(0.5) - base50,
+            s.pct(0.99) - base99,
+            rss.map(|(c, p)| format!("{c:.1} ({p:.1})")).unwrap_or_else(|| "-".into())
+        )
+    };
+    row("direct (no proxy)", &direct, None);
+    row("cube-egress", &egress, Some(egress_rss));
+    row("mitmproxy", &mitm_stats, Some(mitm_rss));
+    println!();
+    println!(
+        "cube-egress / mitmproxy: {:.1}x requests/s, {:.2}x RSS (targets: >= 10x, <= 0.20x)",
+        egress.rps() / mitm_stats.rps(),
+        egress_rss.1 / mitm_rss.1
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(rt);
+}

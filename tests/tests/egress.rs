@@ -1,0 +1,709 @@
+//! CubeEgress end to end, with real packets and real TLS in namespaces this test creates.
+//!
+//! ```text
+//!  sandbox ns                         node ns                                     world ns
+//!  eth0 192.168.0.2/18 (+ .3) ─veth─ cube-dev 192.168.0.1/18                      wp0 198.51.100.1 (+ .3)
+//!   curl (trusts the gateway CA)      mangle: dport 80/443 from cube-dev → marks   HTTPS servers (test CA):
+//!                                     (stand-in for the datapath)                   .1:443 api.example.test (+ :80 HTTP)
+//!                                     cube-egress-net.sh up → TPROXY → cube-egress   .3:443 bad.example.test (untrusted CA)
+//!                                     dump server 127.0.0.1:9998 (bootstrap)
+//! ```
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Output,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use cubenet_tests::{
+    netns::{ChildGuard, TestNetns},
+    require_root,
+    topology::Topology,
+};
+use http_body_util::Full;
+use hyper::{Request, Response, body::Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use serde_json::{Value, json};
+
+const SANDBOX_IP: &str = "192.168.0.2";
+const UNKNOWN_IP: &str = "192.168.0.3";
+const GATEWAY: &str = "192.168.0.1";
+const WORLD: &str = "198.51.100.1";
+const WORLD_BAD: &str = "198.51.100.3";
+const SECRET: &str = "sk-live-TOPSECRET-0123456789";
+
+/// A CA made with rcgen: PEM cert, and an issuer for leaves.
+struct TestCa {
+    pem: String,
+    key_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+fn make_ca(cn: &str) -> TestCa {
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::default();
+    p.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p.distinguished_name.push(DnType::CommonName, cn);
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now - time::Duration::days(1);
+    p.not_after = now + time::Duration::days(365);
+    let cert = p.self_signed(&key).unwrap();
+    let key_pem = key.serialize_pem();
+    TestCa { pem: cert.pem(), key_pem, issuer: Issuer::new(p, key) }
+}
+
+fn leaf(ca: &TestCa, name: &str) -> rustls::ServerConfig {
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec![name.to_string()]).unwrap();
+    p.distinguished_name.push(DnType::CommonName, name);
+    let cert = p.signed_by(&key, &ca.issuer).unwrap();
+    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
+        .unwrap();
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    cfg
+}
+
+/// One request as the world server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    path: String,
+    version: hyper::Version,
+    headers: Vec<(String, String)>,
+}
+
+impl Seen {
+    fn header(&self, name: &str) -> Vec<&str> {
+        self.headers.iter().filter(|(k, _)| k == name).map(|(_, v)| v.as_str()).collect()
+    }
+}
+
+type SeenLog = Arc<Mutex<Vec<Seen>>>;
+
+/// A streamed body: `first` now, `last` after 6 s (shows whether a proxy buffers).
+struct Dribble {
+    step: u8,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl hyper::body::Body for Dribble {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        use std::task::Poll;
+        match self.step {
+            0 => {
+                self.step = 1;
+                Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from_static(b"first\n")))))
+            }
+            1 => match self.sleep.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    self.step = 2;
+                    Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from_static(b"last\n")))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+            _ => Poll::Ready(None),
+        }
+    }
+}
+
+type WorldBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response<WorldBody>, Infallible> {
+    use http_body_util::BodyExt;
+    let path = req.uri().path().to_string();
+    let headers =
+        req.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
+    seen.lock().unwrap().push(Seen { path: path.clone(), version: req.version(), headers });
+    if path == "/v1/slow" {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    if path == "/v1/stream" {
+        let body = Dribble { step: 0, sleep: Box::pin(tokio::time::sleep(Duration::from_secs(6))) };
+        return Ok(Response::new(body.boxed_unsync()));
+    }
+    Ok(Response::new(Full::new(Bytes::from(format!("hello from world {path}\n"))).boxed_unsync()))
+}
+
+/// Serves HTTPS (when `tls`) or plain HTTP on a listener bound inside `ns`, recording requests.
+fn world_server(
+    rt: &tokio::runtime::Runtime,
+    ns: &TestNetns,
+    addr: SocketAddr,
+    tls: Option<rustls::ServerConfig>,
+) -> SeenLog {
+    let l = ns.run(move || std::net::TcpListener::bind(addr)).unwrap();
+    l.set_nonblocking(true).unwrap();
+    let seen: SeenLog = Arc::default();
+    let s = seen.clone();
+    let acceptor = tls.map(|c| tokio_rustls::TlsAcceptor::from(Arc::new(c)));
+    rt.spawn(async move {
+        let l = tokio::net::TcpListener::from_std(l).unwrap();
+        loop {
+            let Ok((stream, _)) = l.accept().await else { continue };
+            let (s, acceptor) = (s.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |r| world_handler(s.clone(), r));
+                let b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                match acceptor {
+                    Some(a) => {
+                        if let Ok(t) = a.accept(stream).await {
+                            let _ = b.serve_connection(TokioIo::new(t), svc).await;
+                        }
+                    }
+                    None => {
+                        let _ = b.serve_connection(TokioIo::new(stream), svc).await;
+                    }
+                }
+            });
+        }
+    });
+    seen
+}
+
+/// The agent's policy dump endpoint: 503 until `ready`, then `{"policies": …}`.
+fn dump_server(rt: &tokio::runtime::Runtime, ns: &TestNetns, ready: Arc<AtomicBool>, dump: Value) -> SocketAddr {
+    let l = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap();
+    let body = dump.to_string();
+    rt.spawn(async move {
+        let l = tokio::net::TcpListener::from_std(l).unwrap();
+        loop {
+            let Ok((stream, _)) = l.accept().await else { continue };
+            let (ready, body) = (ready.clone(), body.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_r: Request<Incoming>| {
+                    let (ready, body) = (ready.clone(), body.clone());
+                    async move {
+                        let mut resp = Response::new(Full::new(Bytes::from(body)));
+                        if !ready.load(Ordering::SeqCst) {
+                            *resp.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
+                        }
+                        Ok::<_, Infallible>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            });
+        }
+    });
+    addr
+}
+
+fn egress_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("CUBE_EGRESS_BIN") {
+        return p.into();
+    }
+    // target/<profile>/deps/egress-<hash> → target/<profile>/cube-egress (built by `cargo test
+    // --workspace` because the cube-egress package has integration tests).
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("cube-egress");
+    assert!(p.exists(), "{} missing: run `cargo build -p cube-egress` (or `cargo test --workspace`)", p.display());
+    p
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/cube-egress-net.sh")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// curl in `ns`; returns (HTTP code or 0, body, full output).
+fn curl(ns: &TestNetns, args: &[&str]) -> (u16, String, Output) {
+    let mut a = vec!["-sS", "--max-time", "10", "-w", "\n%{http_code} %{http_version}"];
+    a.extend_from_slice(args);
+    let o = ns.exec("curl", &a);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let (body, tail) = out.rsplit_once('\n').unwrap_or(("", &out));
+    let code = tail.split_whitespace().next().and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, body.to_string(), o)
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// Waits up to 20 s for `child` to exit; panics early if `other` (its partner) exits first.
+fn wait_exit(child: &mut ChildGuard, other: &mut Option<&mut ChildGuard>) -> std::process::ExitStatus {
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        if let Some(s) = child.child().try_wait().unwrap() {
+            return s;
+        }
+        if let Some(o) = other.as_mut()
+            && let Some(s) = o.child().try_wait().unwrap()
+        {
+            panic!("partner process exited first: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("process {} did not exit in time", child.id());
+}
+
+fn gw_none<'a>() -> Option<&'a mut ChildGuard> {
+    None
+}
+
+fn audit_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("audit line is not JSON ({e}): {l}")))
+        .collect()
+}
+
+fn has_event(lines: &[Value], event: &str, reason: &str) -> bool {
+    lines.iter().any(|l| l["event"] == event && l["security"]["reason"].as_str().is_some_and(|r| r.starts_with(reason)))
+}
+
+/// Removes the temporary directory on drop.
+struct TmpDir(PathBuf);
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `cube-egress-net.sh down` in the node namespace on drop (also on panic).
+struct NetDown<'a>(&'a TestNetns);
+impl Drop for NetDown<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.exec("bash", &[script().to_str().unwrap(), "down"]);
+    }
+}
+
+fn policy() -> Value {
+    json!({"policy_id": SANDBOX_IP, "rules": [
+        {"id": "deny-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
+        {"id": "api", "match": {"sni": "api.example.test"},
+         "action": {"allow": true, "inject": [{"header": "Authorization", "secret": SECRET, "format": "Bearer ${SECRET}"}]}},
+        {"id": "bad", "match": {"sni": "bad.example.test"}, "action": {"allow": true}},
+        {"id": "plain", "match": {"host": WORLD, "scheme": "http"},
+         "action": {"allow": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}}
+    ]})
+}
+
+#[test]
+fn egress_gateway_end_to_end() {
+    if !require_root("egress_gateway_end_to_end") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-e2e-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+
+    // Namespaces: node + world from the harness, plus the sandbox client on cube-dev.
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = TestNetns::new("sb");
+    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
+    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
+    node.ip(&["link", "set", "cube-dev", "up"]);
+    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
+    sb.ip(&["addr", "add", &format!("{UNKNOWN_IP}/18"), "dev", "eth0"]);
+    sb.ip(&["link", "set", "eth0", "up"]);
+    sb.ip(&["route", "add", "default", "via", GATEWAY]);
+    world.ip(&["addr", "add", &format!("{WORLD_BAD}/24"), "dev", "wp0"]);
+
+    // Certificates: the gateway CA (sandbox trusts it), the world CA (gateway trusts it via
+    // --upstream-extra-ca), and a rogue CA nobody trusts.
+    let gw_ca = make_ca("CubeSandbox Egress test CA");
+    let world_ca = make_ca("world test CA");
+    let rogue_ca = make_ca("rogue CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
+    let gw_ca_pem = dir.join("ca/cube-root-ca.crt");
+
+    let seen =
+        world_server(&rt, world, format!("{WORLD}:443").parse().unwrap(), Some(leaf(&world_ca, "api.example.test")));
+    let seen_http = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let seen_bad = world_server(
+        &rt,
+        world,
+        format!("{WORLD_BAD}:443").parse().unwrap(),
+        Some(leaf(&rogue_ca, "bad.example.test")),
+    );
+    let ready = Arc::new(AtomicBool::new(false));
+    let dump = dump_server(&rt, node, ready.clone(), json!({"policies": {SANDBOX_IP: policy()}}));
+
+    // The datapath stand-in: mark sandbox port-80/443 traffic as CubeVS does for L7 flows.
+    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
+        let o = node.exec(
+            "iptables",
+            &[
+                "-t",
+                "mangle",
+                "-I",
+                "PREROUTING",
+                "-i",
+                "cube-dev",
+                "-p",
+                "tcp",
+                "--dport",
+                port,
+                "-j",
+                "MARK",
+                "--set-mark",
+                mark,
+            ],
+        );
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let before_up = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
+    let rules_before = node.ip(&["rule", "show"]);
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "second up (idempotent): {}", text(&o));
+    let o = node.exec("bash", &[script().to_str().unwrap(), "status"]);
+    assert!(o.status.success(), "status after up: {}", text(&o));
+    // A rejected `up` (mark outside the mask) changes nothing: the working chain stays.
+    let mangle_up = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
+    let o = node
+        .command("bash")
+        .args([script().to_str().unwrap(), "up"])
+        .env("CUBE_EGRESS_MARK_HTTP", "0x1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "invalid mark must be refused: {}", text(&o));
+    let mangle_after = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
+    assert_eq!(mangle_after, mangle_up, "a refused up must not touch the installed chain");
+
+    // The gateway.
+    let audit = dir.join("log/access.jsonl");
+    let dump_url = format!("http://{dump}/v1/policies/dump");
+    let mut gw: ChildGuard = node.spawn(
+        egress_bin().to_str().unwrap(),
+        &[
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            &dump_url,
+            "--bootstrap-attempts",
+            "2",
+            "--bootstrap-retry-secs",
+            "1",
+            "--drain-timeout-secs",
+            "10",
+            "--handoff-socket",
+            dir.join("handoff.sock").to_str().unwrap(),
+        ],
+    );
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    wait_for("admin health", Duration::from_secs(10), || admin(&["http://127.0.0.1:9091/admin/v1/health"]).0 == 200);
+
+    // Before bootstrap: every request is refused (HTTP 403; HTTPS gets no certificate).
+    let (code, body, _) = curl(&sb, &[&format!("http://{WORLD}/x")]);
+    assert_eq!(code, 403, "before bootstrap: {body}");
+    let resolve = format!("api.example.test:443:{WORLD}");
+    let ca_arg = gw_ca_pem.to_str().unwrap();
+    let (code, _, o) = curl(&sb, &["--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/early"]);
+    assert_eq!(code, 0, "HTTPS before bootstrap must not complete a handshake: {}", text(&o));
+    assert!(seen.lock().unwrap().is_empty() && seen_http.lock().unwrap().is_empty(), "nothing reached the world yet");
+
+    ready.store(true, Ordering::SeqCst);
+    wait_for("bootstrap ready", Duration::from_secs(15), || {
+        admin(&["http://127.0.0.1:9091/admin/v1/health"]).1.contains("\"bootstrap_status\":\"ready\"")
+    });
+
+    // Allowed HTTPS request: client trusts our CA; the server sees the injected credential
+    // only (the client's copy and X-Forwarded-For are removed).
+    let (code, body, o) = curl(
+        &sb,
+        &[
+            "--cacert",
+            ca_arg,
+            "--resolve",
+            &resolve,
+            "-H",
+            "Authorization: Bearer sandbox-placeholder",
+            "-H",
+            "X-Forwarded-For: 6.6.6.6",
+            "https://api.example.test/v1/chat",
+        ],
+    );
+    assert_eq!(code, 200, "allowed request: {}", text(&o));
+    assert!(body.contains("hello from world /v1/chat"), "{body}");
+    {
+        let s = seen.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/v1/chat").expect("world saw /v1/chat");
+        assert_eq!(r.header("authorization"), vec![format!("Bearer {SECRET}").as_str()]);
+        assert!(r.header("x-forwarded-for").is_empty(), "{r:?}");
+        assert_eq!(r.header("host"), vec!["api.example.test"]);
+    }
+
+    // HTTP/2 on both legs.
+    let (code, _, o) =
+        curl(&sb, &["--http2", "--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/h2"]);
+    assert_eq!(code, 200, "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).trim_end().ends_with(" 2"), "client leg is h2: {}", text(&o));
+    assert!(
+        seen.lock().unwrap().iter().any(|r| r.path == "/v1/h2" && r.version == hyper::Version::HTTP_2),
+        "upstream leg negotiated h2"
+    );
+
+    // Streamed responses pass through unbuffered: the first chunk arrives while the upstream
+    // still holds the rest (curl gives up after 2.5 s, the body completes after 6 s).
+    let (_, _, o) = curl(
+        &sb,
+        &["-N", "--max-time", "2.5", "--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/stream"],
+    );
+    assert_eq!(o.status.code(), Some(28), "curl must time out mid-body: {}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("first") && !out.contains("last"), "first chunk streamed before the end: {}", text(&o));
+
+    // Denied by rule: 403 and the server sees nothing.
+    let (code, _, _) = curl(&sb, &["--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/admin/users"]);
+    assert_eq!(code, 403);
+    assert!(!seen.lock().unwrap().iter().any(|r| r.path.starts_with("/admin")), "denied request reached the server");
+
+    // SNI ≠ Host (domain fronting): request continues without credentials, security event.
+    let (code, _, o) = curl(
+        &sb,
+        &[
+            "--cacert",
+            ca_arg,
+            "--resolve",
+            &resolve,
+            "-H",
+            "Host: other.example.test",
+            "https://api.example.test/v1/fronted",
+        ],
+    );
+    assert_eq!(code, 200, "{}", text(&o));
+    {
+        let s = seen.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/v1/fronted").expect("world saw /v1/fronted");
+        assert!(r.header("authorization").is_empty(), "credential leaked on SNI≠Host: {r:?}");
+    }
+
+    // Plain HTTP rule with injection but no opt-in: forwarded without the credential.
+    let (code, _, o) = curl(&sb, &["-H", "X-Api-Key: from-sandbox", &format!("http://{WORLD}/plain")]);
+    assert_eq!(code, 200, "{}", text(&o));
+    {
+        let s = seen_http.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/plain").expect("world saw /plain");
+        assert!(r.header("x-api-key").is_empty(), "no plaintext injection and the client copy is removed: {r:?}");
+    }
+
+    // Upstream with a certificate we do not trust: 502, security event, nothing served.
+    let resolve_bad = format!("bad.example.test:443:{WORLD_BAD}");
+    let (code, _, o) = curl(&sb, &["--cacert", ca_arg, "--resolve", &resolve_bad, "https://bad.example.test/steal"]);
+    assert_eq!(code, 502, "{}", text(&o));
+    assert!(seen_bad.lock().unwrap().is_empty(), "request reached an unverified upstream");
+
+    // Unknown sandbox (source 192.168.0.3 has no policy): 403.
+    let (code, _, _) = curl(&sb, &["--interface", UNKNOWN_IP, &format!("http://{WORLD}/unknown")]);
+    assert_eq!(code, 403);
+    assert!(!seen_http.lock().unwrap().iter().any(|r| r.path == "/unknown"));
+
+    // The minted leaf, checked with openssl: SAN, EKU, 7-day validity, chains to our CA.
+    let o = sb.exec(
+        "bash",
+        &["-c", &format!(
+            "openssl s_client -connect {WORLD}:443 -servername api.example.test </dev/null 2>/dev/null | openssl x509 -out {}",
+            dir.join("leaf.pem").display()
+        )],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let leaf_pem = dir.join("leaf.pem");
+    let leaf_s = leaf_pem.to_str().unwrap();
+    let o = sb.exec(
+        "openssl",
+        &["x509", "-in", leaf_s, "-noout", "-ext", "subjectAltName,extendedKeyUsage,basicConstraints"],
+    );
+    let ext = text(&o);
+    assert!(ext.contains("DNS:api.example.test"), "{ext}");
+    assert!(ext.contains("TLS Web Server Authentication"), "{ext}");
+    assert!(ext.contains("CA:FALSE"), "{ext}");
+    let o = sb.exec("openssl", &["x509", "-in", leaf_s, "-noout", "-checkend", &(6 * 86400 + 86000).to_string()]);
+    assert!(o.status.success(), "leaf must stay valid for ~7 days: {}", text(&o));
+    let o = sb.exec("openssl", &["x509", "-in", leaf_s, "-noout", "-checkend", &(7 * 86400 + 120).to_string()]);
+    assert!(!o.status.success(), "leaf must expire after 7 days: {}", text(&o));
+    let o = sb.exec("openssl", &["verify", "-CAfile", ca_arg, leaf_s]);
+    assert!(o.status.success(), "leaf chains to the gateway CA: {}", text(&o));
+
+    // Admin API round trip, secrets redacted on read.
+    let base = "http://127.0.0.1:9091/admin/v1";
+    let (code, body) = admin(&[&format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200);
+    assert!(body.contains("***REDACTED***") && !body.contains(SECRET), "{body}");
+    let (code, body) = admin(&[&format!("{base}/dump")]);
+    assert_eq!(code, 200);
+    assert!(body.contains(SANDBOX_IP) && !body.contains(SECRET), "{body}");
+    let p4 = json!({"policy_id": "p4", "rules": [{"id": "a", "match": {"host": "x.test"}, "action": {"allow": true}}]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &p4.to_string(), &format!("{base}/policies/192.168.0.4")]);
+    assert_eq!((code, body.as_str()), (200, "{\"ok\":true}"));
+    let rule_b = json!({"id": "b", "match": {"host": "*.y.test", "path": "/v1/*"}, "action": {"allow": false}});
+    let (code, _) = admin(&["-X", "PATCH", "--data", &rule_b.to_string(), &format!("{base}/policies/192.168.0.4")]);
+    assert_eq!(code, 200);
+    let (code, body) = admin(&[&format!("{base}/policies/192.168.0.4")]);
+    assert_eq!(code, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["rules"][1]["match"]["host"], "*.y.test");
+    let bad = json!({"policy_id": "p4", "rules": [{"id": "a", "match": {"path": "nope"}, "action": {"allow": true}}]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &bad.to_string(), &format!("{base}/policies/192.168.0.4")]);
+    assert_eq!(code, 400);
+    assert!(body.contains("rules[0].match.path"), "{body}");
+    let (code, body) = admin(&["-X", "PUT", "--data", "{oops", &format!("{base}/policies/192.168.0.4")]);
+    assert_eq!(code, 400, "{body}");
+    assert_eq!(admin(&[&format!("{base}/policies/192.168.00.4")]).0, 400);
+    assert_eq!(admin(&["-X", "POST", &format!("{base}/policies/192.168.0.4")]).0, 405);
+    assert_eq!(admin(&["-X", "DELETE", &format!("{base}/policies/192.168.0.4")]).0, 200);
+    assert_eq!(admin(&[&format!("{base}/policies/192.168.0.4")]).0, 404);
+    assert_eq!(admin(&[&format!("{base}/nope")]).0, 404);
+    let (code, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
+    assert_eq!(code, 200);
+    for needle in [
+        "cube_egress_requests_total{decision=\"allow\"}",
+        "cube_egress_requests_total{decision=\"deny\"}",
+        "cube_egress_injections_total 3",
+        "cube_egress_cert_mints_total",
+        "cube_egress_cert_cache_hits_total",
+        "cube_egress_upstream_errors_total{kind=\"tls\"} 1",
+        "cube_egress_request_duration_seconds_bucket",
+    ] {
+        assert!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");
+    }
+
+    // Listener handoff: a successor takes the three listening sockets over the Unix socket;
+    // the predecessor drains and exits; traffic continues on the successor.
+    let mut gw2: ChildGuard = node.spawn(
+        egress_bin().to_str().unwrap(),
+        &[
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            &dump_url,
+            "--drain-timeout-secs",
+            "10",
+            "--takeover-socket",
+            dir.join("handoff.sock").to_str().unwrap(),
+        ],
+    );
+    let status = wait_exit(&mut gw, &mut Some(&mut gw2));
+    assert!(status.success(), "predecessor exit after handoff: {status}");
+    let (code, _, o) =
+        curl(&sb, &["--cacert", ca_arg, "--resolve", &resolve, "https://api.example.test/v1/after-handoff"]);
+    assert_eq!(code, 200, "request served by the successor: {}", text(&o));
+    assert!(admin(&["http://127.0.0.1:9091/admin/v1/health"]).1.contains("\"bootstrap_status\":\"ready\""));
+    let gw = &mut gw2;
+
+    // SIGTERM drains an in-flight request, then the process exits 0.
+    let sb_path = sb.path();
+    let ca_owned = ca_arg.to_string();
+    let resolve2 = resolve.clone();
+    let slow = std::thread::spawn(move || {
+        std::process::Command::new("ip")
+            .args(["netns", "exec", sb_path.file_name().unwrap().to_str().unwrap(), "curl", "-s", "--max-time", "10"])
+            .args(["-o", "/dev/null", "-w", "%{http_code}", "--cacert", &ca_owned, "--resolve", &resolve2])
+            .arg("https://api.example.test/v1/slow")
+            .output()
+            .unwrap()
+    });
+    wait_for("slow request in flight", Duration::from_secs(5), || {
+        seen.lock().unwrap().iter().any(|r| r.path == "/v1/slow")
+    });
+    // SAFETY: kill(2) on the PID of the child we spawned and still own.
+    assert_eq!(unsafe { libc::kill(gw.id() as i32, libc::SIGTERM) }, 0);
+    let slow_out = slow.join().unwrap();
+    assert_eq!(String::from_utf8_lossy(&slow_out.stdout), "200", "in-flight request finished during drain");
+    let status = wait_exit(gw, &mut gw_none());
+    assert!(status.success(), "gateway exit after SIGTERM: {status}");
+
+    // Audit: every line is JSON, no secret anywhere, fingerprints and the security events.
+    let text_all = std::fs::read_to_string(&audit).unwrap();
+    assert!(!text_all.contains(SECRET), "secret in audit log");
+    assert!(!text_all.contains("sandbox-placeholder"), "client Authorization value must be redacted");
+    let lines = audit_lines(&audit);
+    let ok = lines
+        .iter()
+        .find(|l| l["event"] == "http_request" && l["http"]["path"] == "/v1/chat")
+        .expect("audit record of /v1/chat");
+    assert_eq!(ok["policy"]["decision"], "allow");
+    assert_eq!(ok["policy"]["matched_rule"], "api");
+    assert_eq!(ok["sandbox"]["src_ip"], SANDBOX_IP);
+    assert_eq!(ok["conn"]["original_dst_ip"], WORLD);
+    assert_eq!(ok["conn"]["original_dst_port"], 443);
+    assert_eq!(ok["tls"]["sni"], "api.example.test");
+    assert_eq!(ok["credentials"]["injected"], json!(["authorization"]));
+    assert!(ok["credentials"]["secret_ids"][0].as_str().unwrap().starts_with("fp-"));
+    assert_eq!(ok["redacted_request_headers"]["authorization"], "<redacted:Bearer>");
+    assert!(ok["http"]["resp_bytes"].as_u64().unwrap() > 0);
+    let denied = lines.iter().find(|l| l["http"]["path"] == "/admin/users").expect("audit of the denied request");
+    assert_eq!((denied["policy"]["decision"].as_str(), denied["http"]["status"].as_u64()), (Some("deny"), Some(403)));
+    for (event, reason) in [
+        ("security_event", "bootstrap_not_ready"),
+        ("tls_handshake", "bootstrap_not_ready"),
+        ("security_event", "g4_host_sni_mismatch"),
+        ("security_event", "inject_plain_http_not_allowed"),
+        ("security_event", "upstream_unreachable_or_unverified"),
+        ("security_event", "no_policy_for_sandbox"),
+    ] {
+        assert!(has_event(&lines, event, reason), "no {event} {reason} in audit:\n{text_all}");
+    }
+
+    // `down` removes everything `up` added (the test's own mark rules stay).
+    let o = node.exec("bash", &[script().to_str().unwrap(), "down"]);
+    assert!(o.status.success(), "down: {}", text(&o));
+    let after_down = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
+    assert_eq!(after_down, before_up, "mangle table after down");
+    assert_eq!(node.ip(&["rule", "show"]), rules_before, "ip rules after down");
+    assert_eq!(node.ip(&["route", "show", "table", "100"]).trim(), "", "table 100 after down");
+    let o = node.exec("bash", &[script().to_str().unwrap(), "status"]);
+    assert_eq!(o.status.code(), Some(3), "status after down: {}", text(&o));
+    drop(rt);
+}
