@@ -99,8 +99,9 @@ impl Topology {
 
     /// Creates cube-dev in the node namespace like the agent does (`reference/upstream.md
     /// §2.8`): gateway MAC, `192.168.0.1/18` (so the CIDR routes through it), NOARP, up.
-    /// Upstream uses a dummy; this machine's kernel has no dummy driver, so — like the agent's
-    /// fallback — it is one end of a veth pair whose peer `cube-dev-p` is up and unused.
+    /// Upstream uses a dummy; this machine's kernel has no dummy driver, so here it is one end
+    /// of a veth pair whose peer `cube-dev-p` is up and unused (the agent itself falls back to
+    /// an ifb, `docs/decisions.md` A4).
     /// Returns its ifindex.
     pub fn add_cube_dev(&self) -> u32 {
         self.node.ip(&["link", "add", CUBE_DEV, "type", "veth", "peer", "name", "cube-dev-p"]);
