@@ -132,10 +132,21 @@ pub struct PolicyDump {
     pub deny: Vec<Cidr>,
 }
 
+/// The entries of one (ifindex, generation), as written.
+#[derive(Clone, Debug, Default)]
+struct Written {
+    allow: Vec<Cidr>,
+    deny: Vec<Cidr>,
+}
+
 struct Tries {
     allow: LpmTrie<MapData, PolicyLpmData, AllowValue>,
     deny: LpmTrie<MapData, PolicyLpmData, u32>,
     generation: HashMap<MapData, u32, u32>,
+    /// What each (ifindex, generation) holds in the tries. Built by one scan at load (adopted
+    /// pins) and kept by every write, so a replace touches only its own interface's keys
+    /// instead of walking both tries (thousands of syscalls with a full pool).
+    index: std::collections::HashMap<(u32, u32), Written>,
 }
 
 /// Typed access to the policy maps.
@@ -166,27 +177,35 @@ impl Tries {
 
     /// Deletes every entry of `ifindex` whose generation matches `gen` (or any, if `None`).
     fn purge(&mut self, ifindex: u32, generation: Option<u32>) -> Result<(), Error> {
-        let hit = |d: &PolicyLpmData| d.ifindex == ifindex && generation.is_none_or(|g| d.generation == g);
-        // Collect first, then delete: deleting while iterating an LPM trie skips entries
-        // (`reference/upstream.md §8.18`).
-        let allow: Vec<_> = self.allow.keys().filter_map(Result::ok).filter(|k| hit(&k.data())).collect();
-        for k in allow {
-            self.allow
-                .remove(&k)
-                .or_else(|e| if is_not_found(&e) { Ok(()) } else { Err(e) })
-                .map_err(Error::map(map::ALLOW_OUT, "delete"))?;
-        }
-        let deny: Vec<_> = self.deny.keys().filter_map(Result::ok).filter(|k| hit(&k.data())).collect();
-        for k in deny {
-            self.deny
-                .remove(&k)
-                .or_else(|e| if is_not_found(&e) { Ok(()) } else { Err(e) })
-                .map_err(Error::map(map::DENY_OUT, "delete"))?;
+        let gens: Vec<u32> = self
+            .index
+            .keys()
+            .filter(|(i, g)| *i == ifindex && generation.is_none_or(|want| *g == want))
+            .map(|(_, g)| *g)
+            .collect();
+        let ok = |r: Result<(), aya::maps::MapError>| match r {
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
+            Err(e) => Err(e),
+        };
+        for g in gens {
+            let w = self.index.get(&(ifindex, g)).cloned().unwrap_or_default();
+            for c in &w.allow {
+                ok(self.allow.remove(&key(ifindex, g, *c))).map_err(Error::map(map::ALLOW_OUT, "delete"))?;
+            }
+            for c in &w.deny {
+                ok(self.deny.remove(&key(ifindex, g, *c))).map_err(Error::map(map::DENY_OUT, "delete"))?;
+            }
+            self.index.remove(&(ifindex, g));
         }
         Ok(())
     }
 
     fn write(&mut self, ifindex: u32, generation: u32, c: &CompiledPolicy) -> Result<(), Error> {
+        // Record before writing, so a failed write can still be purged.
+        let w = self.index.entry((ifindex, generation)).or_default();
+        w.allow.extend_from_slice(&c.allow);
+        w.deny.extend_from_slice(&c.deny);
         for a in &c.allow {
             let v = AllowValue { expires_ns: 0, flags: 0, scheme: 0, key_prefixlen: a.len, _pad: [0; 5] };
             self.allow.insert(&key(ifindex, generation, *a), v, 0).map_err(Error::map(map::ALLOW_OUT, "insert"))?;
@@ -196,6 +215,19 @@ impl Tries {
         }
         Ok(())
     }
+
+    /// Rebuilds the index from the tries (one scan, at load).
+    fn scan(&mut self) {
+        self.index.clear();
+        for k in self.allow.keys().filter_map(Result::ok) {
+            let d = k.data();
+            self.index.entry((d.ifindex, d.generation)).or_default().allow.push(cidr_of(&k));
+        }
+        for k in self.deny.keys().filter_map(Result::ok) {
+            let d = k.data();
+            self.index.entry((d.ifindex, d.generation)).or_default().deny.push(cidr_of(&k));
+        }
+    }
 }
 
 impl PolicyTable {
@@ -204,7 +236,9 @@ impl PolicyTable {
         deny: LpmTrie<MapData, PolicyLpmData, u32>,
         generation: HashMap<MapData, u32, u32>,
     ) -> Self {
-        Self { inner: Mutex::new(Tries { allow, deny, generation }) }
+        let mut t = Tries { allow, deny, generation, index: Default::default() };
+        t.scan();
+        Self { inner: Mutex::new(t) }
     }
 
     /// Replaces the policy of `ifindex` with `p` atomically (see the module docs).
@@ -247,9 +281,8 @@ impl PolicyTable {
     pub fn dump(&self, ifindex: u32) -> Result<PolicyDump, Error> {
         let t = self.inner.lock().expect("policy lock");
         let generation = t.active(ifindex)?;
-        let mine = |k: &Key<PolicyLpmData>| k.data().ifindex == ifindex && k.data().generation == generation;
-        let mut allow: Vec<Cidr> = t.allow.keys().filter_map(Result::ok).filter(mine).map(|k| cidr_of(&k)).collect();
-        let mut deny: Vec<Cidr> = t.deny.keys().filter_map(Result::ok).filter(mine).map(|k| cidr_of(&k)).collect();
+        let w = t.index.get(&(ifindex, generation)).cloned().unwrap_or_default();
+        let (mut allow, mut deny) = (w.allow, w.deny);
         allow.sort();
         deny.sort();
         Ok(PolicyDump { generation, allow, deny })
@@ -258,19 +291,13 @@ impl PolicyTable {
     /// Interfaces that have any policy entry (for garbage collection of vanished ifindexes).
     pub fn interfaces(&self) -> Vec<u32> {
         let t = self.inner.lock().expect("policy lock");
-        let mut v: Vec<u32> = t
-            .allow
-            .keys()
-            .filter_map(Result::ok)
-            .map(|k| k.data().ifindex)
-            .chain(t.deny.keys().filter_map(Result::ok).map(|k| k.data().ifindex))
-            .collect();
+        let mut v: Vec<u32> = t.index.keys().map(|(i, _)| *i).collect();
         v.sort_unstable();
         v.dedup();
         v
     }
 
-    /// Total entries in (`allow_out`, `deny_out`).
+    /// Total entries in (`allow_out`, `deny_out`), counted in the kernel maps.
     pub fn entry_counts(&self) -> (usize, usize) {
         let t = self.inner.lock().expect("policy lock");
         (t.allow.keys().count(), t.deny.keys().count())

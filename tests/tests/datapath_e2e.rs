@@ -295,6 +295,7 @@ fn datapath_survives_loader_restart() {
     // A ping running throughout.
     let mut pinger = gns.spawn("ping", &["-c", "30", "-i", "0.05", "-W", "1", "-q", "198.51.100.1"]);
 
+    let policy_before = n.maps.policy.dump(n.veth.node_ifindex).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     // The process side goes away entirely: programs, maps and links are only held by pins.
     drop(n.dp.take());
@@ -308,6 +309,10 @@ fn datapath_survives_loader_restart() {
     let progs = n.thread.run(move || cubevs::tcx_ingress_programs(&veth_if).unwrap()).unwrap();
     assert_eq!(progs, vec!["from_cube".to_string()], "adopted, not attached twice");
     assert_eq!(dp.maps().sandboxes.list().unwrap().len(), 2, "sandboxes survived");
+    assert_eq!(dp.maps().policy.dump(n.veth.node_ifindex).unwrap(), policy_before, "policy index rebuilt from pins");
+    // A replace after adoption removes the adopted generation's entries (index from the scan).
+    dp.maps().policy.install_default_deny(n.veth.node_ifindex).unwrap();
+    assert_eq!(dp.maps().policy.entry_counts(), (0, 10), "two sandboxes x 5 baseline entries, nothing stale");
     n.dp = Some(dp);
     std::thread::sleep(Duration::from_millis(300));
 
