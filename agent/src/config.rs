@@ -65,7 +65,8 @@ pub struct Config {
     pub bpffs_dir: PathBuf,
     /// eBPF object path (default empty = `cubevs::default_object_path()`).
     pub bpf_object: String,
-    /// Directory of the per-sandbox state files (default `/usr/local/services/cubetoolbox/network-agent/state`).
+    /// Directory of the per-sandbox state files (default `/dev/shm/cube/network-agent/state`:
+    /// tmpfs, like upstream's runtime, because TAPs and pins do not survive a reboot either).
     pub state_dir: PathBuf,
     /// Host-port range `"first-last"` for port mappings (default `20000-29999`).
     pub host_port_range: String,
@@ -107,7 +108,7 @@ impl Default for Config {
             warm_parallelism: 4,
             bpffs_dir: "/sys/fs/bpf/cubevs".into(),
             bpf_object: String::new(),
-            state_dir: "/usr/local/services/cubetoolbox/network-agent/state".into(),
+            state_dir: "/dev/shm/cube/network-agent/state".into(),
             host_port_range: "20000-29999".into(),
             reserved_ports_file: "/proc/sys/net/ipv4/ip_local_reserved_ports".into(),
             mvm_inner_ip: Ipv4Addr::new(169, 254, 68, 6),

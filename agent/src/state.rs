@@ -1,7 +1,7 @@
 //! Durable per-sandbox state (`reference/upstream.md §2.7`): one JSON file per sandbox named
 //! `<state_dir>/<sandbox_id>.<phase>.json`, phase `creating` → `success` → `deleting`,
 //! advanced by rename. Writes go to `<id>.tmp.json`, are fsynced, renamed, and the directory is
-//! fsynced. Directory 0700, files 0600.
+//! fsynced (no fsync on tmpfs, the default location). Directory 0700, files 0600.
 
 use std::{
     fs::{self, File, OpenOptions},
@@ -104,6 +104,9 @@ pub type Scan = (Vec<(Phase, SandboxRecord)>, Vec<(PathBuf, String)>);
 #[derive(Debug, Clone)]
 pub struct StateStore {
     dir: PathBuf,
+    /// fsync makes no sense on tmpfs (its contents die with the machine either way);
+    /// upstream skips it there too (`reference/upstream.md §2.7`).
+    durable: bool,
 }
 
 impl StateStore {
@@ -111,7 +114,10 @@ impl StateStore {
     pub fn open(dir: &Path) -> std::io::Result<Self> {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
         fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
-        Ok(Self { dir: dir.to_path_buf() })
+        let tmpfs = nix::sys::statfs::statfs(dir)
+            .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+            .unwrap_or(false);
+        Ok(Self { dir: dir.to_path_buf(), durable: !tmpfs })
     }
 
     /// The directory.
@@ -124,6 +130,9 @@ impl StateStore {
     }
 
     fn sync_dir(&self) -> std::io::Result<()> {
+        if !self.durable {
+            return Ok(());
+        }
         File::open(&self.dir)?.sync_all()
     }
 
@@ -133,7 +142,9 @@ impl StateStore {
         {
             let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
             f.write_all(&serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?)?;
-            f.sync_all()?;
+            if self.durable {
+                f.sync_all()?;
+            }
         }
         fs::rename(&tmp, self.path(&rec.sandbox_id, phase.as_str()))?;
         for other in [Phase::Creating, Phase::Success, Phase::Deleting] {

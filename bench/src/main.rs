@@ -2,6 +2,7 @@
 //! run. Prints a table, writes JSON, refreshes `docs/benchmarks.md`. Never fails on time.
 //! Run through `cargo xtask bench [NAME] [--json FILE]` (builds the eBPF object first). Root.
 
+mod agent;
 mod per_packet;
 mod report;
 mod scale;
@@ -14,7 +15,7 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale (default: all).
+    /// Benchmarks to run: per-packet, throughput, scale, agent (default: all).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -27,7 +28,7 @@ struct Cli {
     rounds: usize,
 }
 
-const ALL: &[&str] = &["per-packet", "throughput", "scale"];
+const ALL: &[&str] = &["per-packet", "throughput", "scale", "agent"];
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -44,6 +45,7 @@ fn main() -> anyhow::Result<()> {
             "per-packet" => rows.extend(per_packet::run()),
             "throughput" => rows.extend(throughput::run(cli.rounds)),
             "scale" => rows.extend(scale::run()),
+            "agent" => rows.extend(agent::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
@@ -75,4 +77,6 @@ hop (permanent neighbour, forwarding on).\n\
 a world namespace, through (a) CubeVS, (b) a Linux bridge + iptables MASQUERADE + nf_conntrack, (c) plain routing. Each \
 path in a fresh topology, 3 rounds.\n\
 - scale: sessions created by the datapath itself (BPF_PROG_TEST_RUN SYNs), then swept by the userspace reaper.\n\
-- Network-agent figures (create latency, pool warm-up, RSS) come with the agent.\n";
+- agent: the release network-agent started by scripts/start-network-agent.sh in its own namespace, dataplane in \
+a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \
+warm pool = tap_init_num above the concurrency, empty pool = tap_init_num 0 (every Ensure creates its TAP).\n";

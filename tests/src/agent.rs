@@ -20,9 +20,13 @@ use crate::{
 /// The health address inside the agent namespace (its own loopback, so tests never clash).
 pub const HEALTH: &str = "127.0.0.1:19090";
 
-/// Path of a workspace binary built by cargo (debug profile of this test build).
+/// Path of a workspace binary built by cargo: `$CUBENET_BIN_DIR/<name>` when set (benchmarks
+/// and the demo use release builds), else the debug profile of this test build.
 pub fn workspace_bin(name: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug").join(name);
+    let dir = std::env::var_os("CUBENET_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug"));
+    let p = dir.join(name);
     assert!(p.exists(), "{} missing: build the workspace (cargo build) first", p.display());
     p
 }
@@ -44,7 +48,8 @@ pub struct AgentUnderTest {
 
 impl AgentUnderTest {
     /// Creates the topology, the agent namespace, bpffs and config (`tap_init_num` TAPs,
-    /// `extra` appended to the TOML), without starting the agent.
+    /// `extra` appended to the TOML; cidr 192.168.0.0/24 unless `extra` sets `cidr`), without
+    /// starting the agent.
     pub fn prepare(tag: &str, tap_init_num: usize, extra: &str) -> Self {
         let topo = Topology::new();
         let ns = TestNetns::new("agent");
@@ -59,7 +64,7 @@ impl AgentUnderTest {
              tap_fd_listen = \"{d}/cube/tap.sock\"\n\
              health_listen = \"{HEALTH}\"\n\
              dataplane_netns = \"{node}\"\n\
-             cidr = \"192.168.0.0/24\"\n\
+             {cidr}\
              tap_init_num = {tap_init_num}\n\
              bpffs_dir = \"{bpf}/cubevs\"\n\
              bpf_object = \"{obj}\"\n\
@@ -70,6 +75,8 @@ impl AgentUnderTest {
             node = topo.node.path().display(),
             bpf = bpffs.path().display(),
             obj = crate::ebpf_object().display(),
+            // `extra` may set its own CIDR (TOML forbids the key twice).
+            cidr = if extra.contains("cidr =") { "" } else { "cidr = \"192.168.0.0/24\"\n" },
         );
         std::fs::write(dir.join("agent.toml"), cfg).unwrap();
         Self { child: None, ns, bpffs, dir, topo }

@@ -28,8 +28,8 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Names: per-packet, throughput, scale (cubenet-bench) and egress (cube-egress vs
-    /// mitmproxy; BENCH_SECS, BENCH_CONC); default: the first three. Never fails on time.
+    /// Names: per-packet, throughput, scale, agent (cubenet-bench) and egress (cube-egress vs
+    /// mitmproxy; BENCH_SECS, BENCH_CONC); default: the first four. Never fails on time.
     Bench {
         /// Benchmarks to run.
         names: Vec<String>,
@@ -152,8 +152,24 @@ fn main() -> Result<()> {
             }
             build_ebpf(true)?;
             let root = workspace_root();
+            // The agent benchmark starts the release network-agent.
+            let mut build = Command::new("cargo");
+            build.current_dir(&root).args([
+                "build",
+                "--release",
+                "--quiet",
+                "--bins",
+                "-p",
+                "network-agent",
+                "-p",
+                "cubenet-bench",
+            ]);
+            run(build)?;
             let mut cmd = Command::new("cargo");
             cmd.current_dir(&root).args(["run", "--release", "--quiet", "-p", "cubenet-bench", "--"]).args(&names);
+            cmd.env("CUBENET_BIN_DIR", target_dir(&root).join("release"));
+            // Agent state, sockets and pins on tmpfs, like the agent's default state_dir.
+            cmd.env("TMPDIR", "/dev/shm");
             cmd.arg("--rounds").arg(rounds.to_string());
             cmd.arg("--markdown").arg(root.join("docs").join("benchmarks.md"));
             if let Some(j) = json {

@@ -1,0 +1,167 @@
+//! network-agent figures (issue 6 §2–3): EnsureNetwork + TAP fd handoff latency at concurrency
+//! 1, 10 and 50 with a warm pool beside an empty pool (on-demand TAP creation: what the pool
+//! buys), Release latency, time for 500 TAPs to reach Ready, and the agent's RSS.
+//!
+//! The agent is the release build, started by `scripts/start-network-agent.sh` in its own
+//! namespace with the harness node namespace as its dataplane (`cubenet_tests::agent`).
+
+use std::time::{Duration, Instant};
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::agent::{AgentUnderTest, tap_fd};
+
+use crate::report::{Row, stats};
+
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .unwrap_or(0.0)
+        / 1024.0
+}
+
+fn agent_pid(a: &mut AgentUnderTest) -> u32 {
+    // The start script execs the agent, so the child's PID is the agent's.
+    a.child.as_ref().map(|c| c.id()).unwrap_or(0)
+}
+
+/// Ensure + fd (ms) and Release (ms) for `rounds` rounds of `conc` concurrent sandboxes.
+fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize) -> (Vec<f64>, Vec<f64>) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = a.grpc_endpoint();
+    let sock = a.tap_socket();
+    rt.block_on(async move {
+        let mut ensure_ms = Vec::new();
+        let mut release_ms = Vec::new();
+        for round in 0..rounds {
+            let mut tasks = Vec::new();
+            for i in 0..conc {
+                let (endpoint, sock) = (endpoint.clone(), sock.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+                    let id = format!("bench-{round}-{i}");
+                    let t = Instant::now();
+                    let resp = c
+                        .ensure_network(pb::EnsureNetworkRequest { sandbox_id: id.clone(), ..Default::default() })
+                        .await
+                        .expect("EnsureNetwork")
+                        .into_inner();
+                    let tap = resp.interfaces.first().map(|i| i.name.clone()).expect("interface");
+                    let (reply, fd) = tokio::task::spawn_blocking({
+                        let (sock, id) = (sock.clone(), id.clone());
+                        move || tap_fd(&sock, &tap, &id)
+                    })
+                    .await
+                    .expect("fd task");
+                    assert!(fd.is_some(), "fd handoff failed: {reply}");
+                    let e = t.elapsed().as_secs_f64() * 1e3;
+                    drop(fd);
+                    (id, e, c)
+                }));
+            }
+            let mut done = Vec::new();
+            for t in tasks {
+                done.push(t.await.expect("ensure task"));
+            }
+            let mut rel = Vec::new();
+            for (id, e, mut c) in done {
+                ensure_ms.push(e);
+                rel.push(tokio::spawn(async move {
+                    let t = Instant::now();
+                    c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id, ..Default::default() })
+                        .await
+                        .expect("Release");
+                    t.elapsed().as_secs_f64() * 1e3
+                }));
+            }
+            for r in rel {
+                release_ms.push(r.await.expect("release task"));
+            }
+            // Let the pool refill before the next round.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        (ensure_ms, release_ms)
+    })
+}
+
+fn pct(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Runs the agent benchmark.
+pub fn run() -> Vec<Row> {
+    let mut rows = Vec::new();
+    // Pool warm-up: 500 TAPs from cold, beside an agent with no pool (its fixed startup).
+    let mut empty = AgentUnderTest::prepare("bench-nopool", 0, "");
+    let t = Instant::now();
+    empty.start();
+    let startup_s = t.elapsed().as_secs_f64();
+    let idle_rss = rss_mib(agent_pid(&mut empty));
+    let mut warm = AgentUnderTest::prepare("bench-pool500", 500, "cidr = \"192.168.0.0/22\"\n");
+    let t = Instant::now();
+    let child = warm.spawn_script();
+    warm.child = Some(child);
+    warm.wait_ready(Duration::from_secs(300));
+    let warm_s = t.elapsed().as_secs_f64();
+    let rss500 = rss_mib(agent_pid(&mut warm));
+    rows.push(Row {
+        bench: "agent".into(),
+        case: "500 TAPs Ready (start to /readyz)".into(),
+        value: warm_s,
+        spread: (warm_s, warm_s),
+        unit: "s".into(),
+        baseline: Some(("start with tap_init_num=0".into(), startup_s)),
+        target: Some("<= 2 s".into()),
+    });
+    rows.push(Row {
+        bench: "agent".into(),
+        case: "agent RSS with 500 pooled TAPs".into(),
+        value: rss500,
+        spread: (rss500, rss500),
+        unit: "MiB".into(),
+        baseline: Some(("RSS with no pool".into(), idle_rss)),
+        target: Some("<= 50 MB".into()),
+    });
+    drop(warm);
+
+    // Create latency, warm pool vs empty pool.
+    for conc in [1usize, 10, 50] {
+        let rounds = (100 / conc).clamp(2, 20);
+        let mut pooled = AgentUnderTest::prepare(&format!("bench-warm{conc}"), conc.max(1) + 8, "");
+        pooled.start();
+        let (mut e_warm, mut r_warm) = create_latency(&pooled, conc, rounds);
+        drop(pooled);
+        // Empty pool: every Ensure creates its TAP; one round so nothing comes back warm.
+        let mut cold = AgentUnderTest::prepare(&format!("bench-cold{conc}"), 0, "");
+        cold.start();
+        let (mut e_cold, _) = create_latency(&cold, conc, 1);
+        drop(cold);
+        let cold_p50 = pct(&mut e_cold, 0.5);
+        for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
+            let v = pct(&mut e_warm, q);
+            rows.push(Row {
+                bench: "agent".into(),
+                case: format!("Ensure+fd {name}, concurrency {conc}, warm pool"),
+                value: v,
+                spread: (pct(&mut e_warm, 0.1), pct(&mut e_warm, 0.9)),
+                unit: "ms".into(),
+                baseline: Some((format!("empty pool {name}"), pct(&mut e_cold, q))),
+                target: (conc == 50 && name == "p99").then(|| "<= 2 ms".to_string()),
+            });
+        }
+        let (rel_med, rel_spread) = stats(&mut r_warm);
+        rows.push(Row {
+            bench: "agent".into(),
+            case: format!("Release p50, concurrency {conc}"),
+            value: rel_med,
+            spread: rel_spread,
+            unit: "ms".into(),
+            baseline: Some(("empty-pool Ensure+fd p50".into(), cold_p50)),
+            target: None,
+        });
+    }
+    rows
+}
