@@ -15,15 +15,36 @@ use smoltcp::{
 
 use crate::{guest::TapGuest, packet};
 
-/// smoltcp device over a TAP fd: strips/prepends the vnet header.
-struct TapDevice<'a> {
+/// smoltcp device over a [`TapGuest`]'s fd (the guest strips/prepends the vnet header).
+pub struct GuestDevice<'a> {
     guest: &'a TapGuest,
     mtu: usize,
     verify_rx_checksums: bool,
+    divert: Option<Divert<'a>>,
 }
 
-struct Rx(Vec<u8>);
-struct Tx<'a>(&'a TapGuest);
+/// A frame filter that consumes the frames it returns true for.
+type Divert<'a> = Box<dyn FnMut(&[u8]) -> bool + 'a>;
+
+impl<'a> GuestDevice<'a> {
+    /// A device on `guest`. `verify_rx_checksums`: check received checksums — only possible
+    /// when the TAP has no checksum offload (the kernel may hand over partial checksums).
+    pub fn new(guest: &'a TapGuest, verify_rx_checksums: bool) -> Self {
+        Self { guest, mtu: 1514, verify_rx_checksums, divert: None }
+    }
+
+    /// Frames for which `f` returns true are consumed by `f` and never reach smoltcp (e.g.
+    /// ICMP echo replies counted by a test; smoltcp has no ICMP socket here).
+    pub fn with_divert(mut self, f: impl FnMut(&[u8]) -> bool + 'a) -> Self {
+        self.divert = Some(Box::new(f));
+        self
+    }
+}
+
+/// A received frame (smoltcp receive token).
+pub struct Rx(Vec<u8>);
+/// A transmit slot on the guest fd (smoltcp transmit token).
+pub struct Tx<'a>(&'a TapGuest);
 
 impl phy::RxToken for Rx {
     fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
@@ -40,7 +61,7 @@ impl phy::TxToken for Tx<'_> {
     }
 }
 
-impl phy::Device for TapDevice<'_> {
+impl phy::Device for GuestDevice<'_> {
     type RxToken<'b>
         = Rx
     where
@@ -51,7 +72,15 @@ impl phy::Device for TapDevice<'_> {
         Self: 'b;
 
     fn receive(&mut self, _t: Instant) -> Option<(Rx, Tx<'_>)> {
-        self.guest.recv(Duration::ZERO).map(|f| (Rx(f), Tx(self.guest)))
+        loop {
+            let f = self.guest.recv(Duration::ZERO)?;
+            if let Some(d) = self.divert.as_mut()
+                && d(&f)
+            {
+                continue;
+            }
+            return Some((Rx(f), Tx(self.guest)));
+        }
     }
 
     fn transmit(&mut self, _t: Instant) -> Option<Tx<'_>> {
@@ -87,6 +116,19 @@ pub struct TcpOutcome {
     pub reset: bool,
 }
 
+/// A smoltcp interface configured like a microVM NIC (169.254.68.6/30, guest MAC, default
+/// route via 169.254.68.5) on `dev`.
+pub fn guest_interface(dev: &mut GuestDevice<'_>, seed: u64) -> Interface {
+    let mut cfg = Config::new(EthernetAddress(packet::GUEST_MAC).into());
+    cfg.random_seed = seed;
+    let mut iface = Interface::new(cfg, dev, Instant::now());
+    iface.update_ip_addrs(|a| {
+        a.push(IpCidr::new(IpAddress::from(Ipv4Address::from(packet::GUEST_IP)), 30)).expect("addr");
+    });
+    iface.routes_mut().add_default_ipv4_route(Ipv4Address::from(packet::GATEWAY_IP)).expect("route");
+    iface
+}
+
 /// Connects from the guest (169.254.68.6:`sport`) to `dst:dport`, sends `request`, and reads
 /// until the peer closes or `timeout` passes. Received checksums are verified (the TAP must
 /// have no checksum offload, as the harness's TAPs do).
@@ -98,14 +140,20 @@ pub fn tcp_exchange(
     request: &[u8],
     timeout: Duration,
 ) -> TcpOutcome {
-    let mut dev = TapDevice { guest, mtu: 1514, verify_rx_checksums: true };
-    let mut cfg = Config::new(EthernetAddress(packet::GUEST_MAC).into());
-    cfg.random_seed = u64::from(sport);
-    let mut iface = Interface::new(cfg, &mut dev, Instant::now());
-    iface.update_ip_addrs(|a| {
-        a.push(IpCidr::new(IpAddress::from(Ipv4Address::from(packet::GUEST_IP)), 30)).expect("addr");
-    });
-    iface.routes_mut().add_default_ipv4_route(Ipv4Address::from(packet::GATEWAY_IP)).expect("route");
+    tcp_exchange_with(&mut GuestDevice::new(guest, true), dst, dport, sport, request, timeout)
+}
+
+/// [`tcp_exchange`] on a caller-configured device.
+pub fn tcp_exchange_with(
+    dev: &mut GuestDevice<'_>,
+    dst: [u8; 4],
+    dport: u16,
+    sport: u16,
+    request: &[u8],
+    timeout: Duration,
+) -> TcpOutcome {
+    let guest = dev.guest;
+    let mut iface = guest_interface(dev, u64::from(sport));
 
     let sock = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; 65535]), tcp::SocketBuffer::new(vec![0; 65535]));
     let mut sockets = SocketSet::new(vec![]);
@@ -120,7 +168,7 @@ pub fn tcp_exchange(
     let mut sent = false;
     let mut was_open = false;
     while StdInstant::now() < deadline {
-        iface.poll(Instant::now(), &mut dev, &mut sockets);
+        iface.poll(Instant::now(), &mut *dev, &mut sockets);
         let s = sockets.get_mut::<tcp::Socket>(h);
         if s.state() == tcp::State::Established {
             out.connected = true;
@@ -151,7 +199,7 @@ pub fn tcp_exchange(
         if s.state() == tcp::State::TimeWait {
             break;
         }
-        let wait = iface.poll_delay(Instant::now(), &sockets).map(|d| d.into()).unwrap_or(Duration::from_millis(5));
+        let wait = iface.poll_delay(Instant::now(), &sockets).map(Into::into).unwrap_or(Duration::from_millis(5));
         let wait = wait.min(Duration::from_millis(5));
         let mut fds = [nix::poll::PollFd::new(std::os::fd::AsFd::as_fd(guest.fd()), nix::poll::PollFlags::POLLIN)];
         let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(wait.as_millis() as u16));

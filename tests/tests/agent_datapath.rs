@@ -19,15 +19,14 @@ use cubenet_tests::{
     agent::{AgentUnderTest, tap_fd},
     guest::TapGuest,
     packet::{self, Transport},
-    require_root, servers,
+    require_root, servers, smol,
     topology::{NODE_IP, WORLD_IP},
 };
 use smoltcp::{
-    iface::{Config, Interface, SocketSet},
-    phy::{self, Checksum, ChecksumCapabilities, DeviceCapabilities, Medium},
+    iface::SocketSet,
     socket::tcp,
     time::Instant,
-    wire::{EthernetAddress, IpAddress, IpCidr, Ipv4Address},
+    wire::{IpAddress, Ipv4Address},
 };
 
 fn rt() -> tokio::runtime::Runtime {
@@ -129,106 +128,18 @@ fn guest_on_agent_tap_reaches_world_and_host_port_reaches_guest() {
     );
 }
 
-/// smoltcp device over the TAP guest that diverts ICMP echo replies to a counter (smoltcp
-/// has no ICMP socket here) and does not verify received checksums (the pool TAPs offload).
-struct Dev<'a> {
-    g: &'a TapGuest,
-    replies: &'a Mutex<Vec<u16>>,
-}
-struct Rx(Vec<u8>);
-struct Tx<'a>(&'a TapGuest);
-impl phy::RxToken for Rx {
-    fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
-        f(&self.0)
-    }
-}
-impl phy::TxToken for Tx<'_> {
-    fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
-        let mut buf = vec![0u8; len];
-        let r = f(&mut buf);
-        self.0.send(&buf);
-        r
-    }
-}
-impl phy::Device for Dev<'_> {
-    type RxToken<'b>
-        = Rx
-    where
-        Self: 'b;
-    type TxToken<'b>
-        = Tx<'b>
-    where
-        Self: 'b;
-    fn receive(&mut self, _t: Instant) -> Option<(Rx, Tx<'_>)> {
-        loop {
-            let f = self.g.recv(Duration::ZERO)?;
-            if let Some(s) = packet::parse_ipv4(&f)
-                && let Transport::EchoReply(0x55, seq) = s.transport
-            {
-                self.replies.lock().unwrap().push(seq);
-                continue;
-            }
-            return Some((Rx(f), Tx(self.g)));
-        }
-    }
-    fn transmit(&mut self, _t: Instant) -> Option<Tx<'_>> {
-        Some(Tx(self.g))
-    }
-    fn capabilities(&self) -> DeviceCapabilities {
-        let mut caps = DeviceCapabilities::default();
-        caps.medium = Medium::Ethernet;
-        caps.max_transmission_unit = 1514;
-        let mut cs = ChecksumCapabilities::default();
-        cs.ipv4 = Checksum::Tx;
-        cs.tcp = Checksum::Tx;
-        cs.udp = Checksum::Tx;
-        cs.icmpv4 = Checksum::Tx;
-        caps.checksum = cs;
-        caps
-    }
-}
-
-fn guest_iface(dev: &mut Dev<'_>) -> Interface {
-    let mut iface = Interface::new(Config::new(EthernetAddress(packet::GUEST_MAC).into()), dev, Instant::now());
-    iface.update_ip_addrs(|a| {
-        a.push(IpCidr::new(IpAddress::from(Ipv4Address::from(packet::GUEST_IP)), 30)).unwrap();
-    });
-    iface.routes_mut().add_default_ipv4_route(Ipv4Address::from(packet::GATEWAY_IP)).unwrap();
-    iface
-}
-
 /// One TCP request from the guest to `world:port`; returns what came back before the close.
+/// Pool TAPs offload checksums, so received checksums are not verified.
 fn tcp_request(g: &TapGuest, port: u16, req: &[u8]) -> String {
-    let replies = Mutex::new(Vec::new());
-    let mut dev = Dev { g, replies: &replies };
-    let mut iface = guest_iface(&mut dev);
-    let mut set = SocketSet::new(vec![]);
-    let h = set.add(tcp::Socket::new(tcp::SocketBuffer::new(vec![0; 65535]), tcp::SocketBuffer::new(vec![0; 65535])));
-    set.get_mut::<tcp::Socket>(h)
-        .connect(iface.context(), (IpAddress::from(Ipv4Address::from(WORLD_IP)), port), 40001)
-        .unwrap();
-    let (mut out, mut sent) = (Vec::new(), false);
-    let end = StdInstant::now() + Duration::from_secs(5);
-    while StdInstant::now() < end {
-        iface.poll(Instant::now(), &mut dev, &mut set);
-        let s = set.get_mut::<tcp::Socket>(h);
-        if s.can_send() && !sent {
-            s.send_slice(req).unwrap();
-            sent = true;
-        }
-        if s.can_recv() {
-            s.recv(|d| {
-                out.extend_from_slice(d);
-                (d.len(), ())
-            })
-            .unwrap();
-        }
-        if sent && !s.may_recv() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    let out = smol::tcp_exchange_with(
+        &mut smol::GuestDevice::new(g, false),
+        WORLD_IP,
+        port,
+        40001,
+        req,
+        Duration::from_secs(5),
+    );
+    String::from_utf8_lossy(&out.received).into_owned()
 }
 
 #[derive(Debug, Default)]
@@ -244,8 +155,18 @@ struct Traffic {
 /// pings world every 50 ms, until `stop`.
 fn drive(g: TapGuest, stop: Arc<AtomicBool>) -> Traffic {
     let replies = Mutex::new(Vec::new());
-    let mut dev = Dev { g: &g, replies: &replies };
-    let mut iface = guest_iface(&mut dev);
+    // Echo replies of our pings are counted here; smoltcp never sees them.
+    let mut dev = smol::GuestDevice::new(&g, false).with_divert(|f| match packet::parse_ipv4(f) {
+        Some(s) => match s.transport {
+            Transport::EchoReply(0x55, seq) => {
+                replies.lock().unwrap().push(seq);
+                true
+            }
+            _ => false,
+        },
+        None => false,
+    });
+    let mut iface = smol::guest_interface(&mut dev, 41000);
     let sock = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; 65535]), tcp::SocketBuffer::new(vec![0; 65535]));
     let mut set = SocketSet::new(vec![]);
     let h = set.add(sock);
@@ -299,6 +220,8 @@ fn drive(g: TapGuest, stop: Arc<AtomicBool>) -> Traffic {
     if !established {
         t.broke = Some("never established".into());
     }
+    drop(iface);
+    drop(dev);
     t.pings_back = replies.into_inner().unwrap();
     t
 }
