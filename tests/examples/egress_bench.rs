@@ -21,68 +21,15 @@ use std::{
 };
 
 use bytes::Bytes;
-use cubenet_tests::{netns::TestNetns, require_root, topology::Topology};
+use cubenet_tests::{netns::TestNetns, require_root, tls, topology::Topology};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::{Request, Response, body::Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 
 const SANDBOX_IP: &str = "192.168.0.2";
 const GATEWAY: &str = "192.168.0.1";
 const WORLD: &str = "198.51.100.1";
 const NAME: &str = "api.example.test";
-
-struct TestCa {
-    pem: String,
-    key_pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-fn make_ca(cn: &str) -> TestCa {
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::default();
-    p.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    p.distinguished_name.push(DnType::CommonName, cn);
-    let now = time::OffsetDateTime::now_utc();
-    p.not_before = now - time::Duration::days(1);
-    p.not_after = now + time::Duration::days(365);
-    let cert = p.self_signed(&key).unwrap();
-    let key_pem = key.serialize_pem();
-    TestCa { pem: cert.pem(), key_pem, issuer: Issuer::new(p, key) }
-}
-
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-fn world_tls(ca: &TestCa) -> rustls::ServerConfig {
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::new(vec![NAME.to_string()]).unwrap();
-    p.distinguished_name.push(DnType::CommonName, NAME);
-    let cert = p.signed_by(&key, &ca.issuer).unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.der().clone()], rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
-        .unwrap();
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    cfg
-}
-
-fn client_tls(ca_pem: &str) -> Arc<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    use rustls::pki_types::{CertificateDer, pem::PemObject};
-    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
-    let mut c = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    c.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Arc::new(c)
-}
 
 fn serve_world(rt: &tokio::runtime::Runtime, world: &TestNetns, cfg: rustls::ServerConfig) {
     let addr: SocketAddr = format!("{WORLD}:443").parse().unwrap();
@@ -172,7 +119,7 @@ async fn worker(tls: Arc<rustls::ClientConfig>, deadline: Instant) -> (u64, u64,
 
 /// Runs the load generator on threads inside the sandbox namespace.
 fn load(sb: &TestNetns, ca_pem: &str, conc: usize, secs: u64) -> Stats {
-    let tls = client_tls(ca_pem);
+    let tls = tls::client_config(ca_pem);
     sb.run(move || {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         rt.block_on(async move {
@@ -259,13 +206,13 @@ fn main() {
     // Only inside our node namespace: lets the direct baseline be routed.
     sh(node, "sysctl", &["-q", "-w", "net.ipv4.ip_forward=1"]);
 
-    let gw_ca = make_ca("bench gateway CA");
-    let world_ca = make_ca("bench world CA");
+    let gw_ca = tls::make_ca("bench gateway CA");
+    let world_ca = tls::make_ca("bench world CA");
     std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
     std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
     std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
     std::fs::write(dir.join("mitmproxy-ca.pem"), format!("{}{}", gw_ca.key_pem, gw_ca.pem)).unwrap();
-    serve_world(&rt, world, world_tls(&world_ca));
+    serve_world(&rt, world, tls::server_config(&world_ca, NAME));
 
     println!("egress benchmark: {conc} keep-alive HTTP/1.1+TLS connections x {secs} s per phase, 2-core host");
 

@@ -15,6 +15,7 @@
 //! - [`bpffs::BpfFs`]: a private bpffs instance mounted in a temporary directory.
 //! - [`agent::AgentUnderTest`]: the network-agent started by its start script in its own
 //!   namespace, programming the topology's node namespace.
+//! - [`tls`]: a throwaway CA, leaves and client configs for TLS tests.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
 //! - [`vm`]: real Linux guests under QEMU on a TAP fd, configured and checked from the kernel
@@ -30,6 +31,7 @@ pub mod packet;
 pub mod rig;
 pub mod servers;
 pub mod smol;
+pub mod tls;
 pub mod topology;
 pub mod vm;
 

@@ -25,13 +25,12 @@ use std::{
 use bytes::Bytes;
 use cubenet_tests::{
     netns::{ChildGuard, TestNetns},
-    require_root,
+    require_root, tls,
     topology::Topology,
 };
 use http_body_util::Full;
 use hyper::{Request, Response, body::Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use serde_json::{Value, json};
 
 const SANDBOX_IP: &str = "192.168.0.2";
@@ -40,42 +39,6 @@ const GATEWAY: &str = "192.168.0.1";
 const WORLD: &str = "198.51.100.1";
 const WORLD_BAD: &str = "198.51.100.3";
 const SECRET: &str = "sk-live-TOPSECRET-0123456789";
-
-/// A CA made with rcgen: PEM cert, and an issuer for leaves.
-struct TestCa {
-    pem: String,
-    key_pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-fn make_ca(cn: &str) -> TestCa {
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::default();
-    p.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    p.distinguished_name.push(DnType::CommonName, cn);
-    let now = time::OffsetDateTime::now_utc();
-    p.not_before = now - time::Duration::days(1);
-    p.not_after = now + time::Duration::days(365);
-    let cert = p.self_signed(&key).unwrap();
-    let key_pem = key.serialize_pem();
-    TestCa { pem: cert.pem(), key_pem, issuer: Issuer::new(p, key) }
-}
-
-fn leaf(ca: &TestCa, name: &str) -> rustls::ServerConfig {
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::new(vec![name.to_string()]).unwrap();
-    p.distinguished_name.push(DnType::CommonName, name);
-    let cert = p.signed_by(&key, &ca.issuer).unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.der().clone()], rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()))
-        .unwrap();
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    cfg
-}
 
 /// One request as the world server saw it.
 #[derive(Debug, Clone)]
@@ -339,22 +302,26 @@ fn egress_gateway_end_to_end() {
 
     // Certificates: the gateway CA (sandbox trusts it), the world CA (gateway trusts it via
     // --upstream-extra-ca), and a rogue CA nobody trusts.
-    let gw_ca = make_ca("CubeSandbox Egress test CA");
-    let world_ca = make_ca("world test CA");
-    let rogue_ca = make_ca("rogue CA");
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    let world_ca = tls::make_ca("world test CA");
+    let rogue_ca = tls::make_ca("rogue CA");
     std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
     std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
     std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
     let gw_ca_pem = dir.join("ca/cube-root-ca.crt");
 
-    let seen =
-        world_server(&rt, world, format!("{WORLD}:443").parse().unwrap(), Some(leaf(&world_ca, "api.example.test")));
+    let seen = world_server(
+        &rt,
+        world,
+        format!("{WORLD}:443").parse().unwrap(),
+        Some(tls::server_config(&world_ca, "api.example.test")),
+    );
     let seen_http = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
     let seen_bad = world_server(
         &rt,
         world,
         format!("{WORLD_BAD}:443").parse().unwrap(),
-        Some(leaf(&rogue_ca, "bad.example.test")),
+        Some(tls::server_config(&rogue_ca, "bad.example.test")),
     );
     let ready = Arc::new(AtomicBool::new(false));
     let dump = dump_server(&rt, node, ready.clone(), json!({"policies": {SANDBOX_IP: policy()}}));
