@@ -99,29 +99,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         return unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32;
     }
 
-    if ip.proto != proto::ICMP {
-        let mp = MvmPort { ifindex, listen_port: l4.sport, _pad: 0 };
-        // SAFETY: plain map lookups; values are copied out.
-        let host_port = unsafe {
-            if ip.proto == proto::TCP { LOCAL_PORT_MAPPING.get(&mp) } else { LOCAL_PORT_MAPPING_UDP.get(&mp) }
-        }
-        .copied();
-        if let Some(host_port) = host_port {
-            if ip.proto == proto::TCP && syn_only(l4.tcp_flags) {
-                return drop(counter::CUBE_DROP_PORTMAP_SYN);
-            }
-            if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
-                return drop(counter::CUBE_DENY);
-            }
-            if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, node.uplink_ip).is_err()
-                || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
-            {
-                return drop(counter::CUBE_DROP_MALFORMED);
-            }
-            count(counter::CUBE_PORTMAP_REPLY);
-            return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
-        }
-    } else if l4.icmp_type != ICMP_ECHO_REQUEST {
+    if ip.proto == proto::ICMP && l4.icmp_type != ICMP_ECHO_REQUEST {
         return drop(counter::CUBE_DROP_PROTO);
     }
 
@@ -169,6 +147,32 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         nat::touch(s);
         count(counter::CUBE_ESTABLISHED);
         return snat_out(ctx, &ip, &l4, guest_ip, &sess);
+    }
+
+    // No session: a reply from a port-mapped guest port? (Checked after the session lookup, so
+    // established flows skip this lookup; sessions are never created from mapped ports.)
+    if ip.proto != proto::ICMP {
+        let mp = MvmPort { ifindex, listen_port: l4.sport, _pad: 0 };
+        // SAFETY: plain map lookups; values are copied out.
+        let host_port = unsafe {
+            if ip.proto == proto::TCP { LOCAL_PORT_MAPPING.get(&mp) } else { LOCAL_PORT_MAPPING_UDP.get(&mp) }
+        }
+        .copied();
+        if let Some(host_port) = host_port {
+            if ip.proto == proto::TCP && syn_only(l4.tcp_flags) {
+                return drop(counter::CUBE_DROP_PORTMAP_SYN);
+            }
+            if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
+                return drop(counter::CUBE_DENY);
+            }
+            if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, node.uplink_ip).is_err()
+                || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
+            {
+                return drop(counter::CUBE_DROP_MALFORMED);
+            }
+            count(counter::CUBE_PORTMAP_REPLY);
+            return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
+        }
     }
 
     if ip.proto == proto::TCP && !syn_only(l4.tcp_flags) {
