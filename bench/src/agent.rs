@@ -86,6 +86,78 @@ fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize) -> (Vec<f64>, 
     })
 }
 
+/// Registers `n` sandboxes (warm pool of `n + extra`), then measures Ensure+fd for `extra`
+/// more at concurrency 50, and the agent's RSS with everything registered.
+pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
+    let mut a = AgentUnderTest::prepare("bench-scale", n + extra, "cidr = \"192.168.0.0/18\"\n");
+    let t = Instant::now();
+    let child = a.spawn_script();
+    a.child = Some(child);
+    a.wait_ready(Duration::from_secs(900));
+    let warm_s = t.elapsed().as_secs_f64();
+    let pid = agent_pid(&mut a);
+    let rss_pool = rss_mib(pid);
+    // Register n sandboxes, 50 at a time, and keep them.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = a.grpc_endpoint();
+    let t = Instant::now();
+    rt.block_on(async {
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(50));
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let (endpoint, sem) = (endpoint.clone(), sem.clone());
+            tasks.push(tokio::spawn(async move {
+                let _p = sem.acquire().await.expect("semaphore");
+                let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+                c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: format!("reg-{i}"), ..Default::default() })
+                    .await
+                    .expect("EnsureNetwork");
+            }));
+        }
+        for t in tasks {
+            t.await.expect("ensure task");
+        }
+    });
+    let register_s = t.elapsed().as_secs_f64();
+    let rss_n = rss_mib(pid);
+    let rate = n as f64 / register_s;
+    let (mut e, _) = create_latency(&a, 50, (extra / 50).max(1));
+    let mut rows = vec![
+        Row {
+            bench: "agent-scale".into(),
+            case: format!("agent RSS with {n} registered sandboxes"),
+            value: rss_n,
+            spread: (rss_n, rss_n),
+            unit: "MiB".into(),
+            baseline: Some((format!("RSS with {} pooled TAPs, none registered", n + extra), rss_pool)),
+            target: Some("<= 50 MB".into()),
+        },
+        Row {
+            bench: "agent-scale".into(),
+            case: format!("Ensure rate registering {n} sandboxes (concurrency 50)"),
+            value: rate,
+            spread: (rate, rate),
+            unit: "Ensure/s".into(),
+            baseline: None,
+            target: None,
+        },
+    ];
+    for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+        let v = pct(&mut e, q);
+        rows.push(Row {
+            bench: "agent-scale".into(),
+            case: format!("Ensure+fd {name}, concurrency 50, with {n} registered"),
+            value: v,
+            spread: (pct(&mut e, 0.1), pct(&mut e, 0.9)),
+            unit: "ms".into(),
+            baseline: None,
+            target: None,
+        });
+    }
+    eprintln!("  pool of {} warmed in {warm_s:.1} s; {n} registered in {register_s:.1} s", n + extra);
+    rows
+}
+
 fn pct(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     v[((v.len() - 1) as f64 * q).round() as usize]

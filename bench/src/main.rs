@@ -15,7 +15,8 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale, agent (default: all).
+    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-scale (default: the first
+    /// four; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -46,6 +47,7 @@ fn main() -> anyhow::Result<()> {
             "throughput" => rows.extend(throughput::run(cli.rounds)),
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
+            "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
