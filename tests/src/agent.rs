@@ -22,7 +22,12 @@ pub const HEALTH: &str = "127.0.0.1:19090";
 
 /// Path of a workspace binary built by cargo (debug profile of this test build).
 pub fn workspace_bin(name: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug").join(name);
+    profile_bin("debug", name)
+}
+
+/// Path of a workspace binary of cargo profile `profile` (`debug`, `release`).
+pub fn profile_bin(profile: &str, name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target").join(profile).join(name);
     assert!(p.exists(), "{} missing: build the workspace (cargo build) first", p.display());
     p
 }
@@ -40,6 +45,8 @@ pub struct AgentUnderTest {
     pub dir: PathBuf,
     /// The node/world topology whose node namespace is the dataplane.
     pub topo: Topology,
+    /// The agent binary the start script execs (default: the debug build's `network-agent`).
+    pub agent_bin: Option<PathBuf>,
 }
 
 impl AgentUnderTest {
@@ -72,7 +79,7 @@ impl AgentUnderTest {
             obj = crate::ebpf_object().display(),
         );
         std::fs::write(dir.join("agent.toml"), cfg).unwrap();
-        Self { child: None, ns, bpffs, dir, topo }
+        Self { child: None, ns, bpffs, dir, topo, agent_bin: None }
     }
 
     /// Starts the agent through the start script and waits for `/readyz`.
@@ -88,7 +95,7 @@ impl AgentUnderTest {
         let mut cmd = self.ns.command("bash");
         cmd.arg(script)
             .env("NETWORK_AGENT_CONFIG", self.dir.join("agent.toml"))
-            .env("NETWORK_AGENT_BIN", workspace_bin("network-agent"))
+            .env("NETWORK_AGENT_BIN", self.agent_bin.clone().unwrap_or_else(|| workspace_bin("network-agent")))
             .env("NETWORK_AGENT_LOG_DIR", self.dir.join("log"))
             .env("NETWORK_AGENT_LOG_FILE", self.dir.join("log/agent.log"))
             .env("NETWORK_AGENT_WAIT_SECS", "5")

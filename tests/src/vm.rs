@@ -136,6 +136,9 @@ pub enum Check {
     Send(SocketAddrV4, u64),
     /// `refused:IP:PORT`: a TCP connect is refused with a RST.
     Refused(SocketAddrV4),
+    /// `dns:NAME@SERVER`: busybox `nslookup -type=a NAME SERVER` answers; detail is the first
+    /// address.
+    Dns(String, Ipv4Addr),
 }
 
 impl Check {
@@ -149,6 +152,7 @@ impl Check {
             Check::Fetch(a, p) => format!("fetch:{a}{}", path(p)),
             Check::Send(a, n) => format!("send:{a}:{n}"),
             Check::Refused(a) => format!("refused:{a}"),
+            Check::Dns(name, server) => format!("dns:{name}@{server}"),
         }
     }
 }
@@ -466,6 +470,7 @@ mod tests {
         assert_eq!(Check::Fetch(a, "big".into()).spec(), "fetch:198.51.100.1:80/big");
         assert_eq!(Check::Send(a, 5).spec(), "send:198.51.100.1:80:5");
         assert_eq!(Check::Refused(a).spec(), "refused:198.51.100.1:80");
+        assert_eq!(Check::Dns("a.test".into(), *a.ip()).spec(), "dns:a.test@198.51.100.1");
         let r = CheckResult::parse("http:198.51.100.1:80/ PASS 40 you are 198.51.100.2:30001").unwrap();
         assert_eq!((r.pass, r.ms, r.detail.as_str()), (true, 40, "you are 198.51.100.2:30001"));
         assert!(!CheckResult::parse("ping:1.2.3.4 FAIL 10 ").unwrap().pass);
