@@ -443,14 +443,14 @@ pub fn run(opts: &Options) -> Result<Report> {
             format!("private {PRIVATE} saw nothing"),
             private.is_empty(),
             0,
-            format!("{} connections", private.len()),
+            count(private.len(), "connection"),
         ));
         let dns_peers = dns.peers();
         rows.push(sb.row(
             "world DNS saw the node address",
             dns_peers.iter().any(|s| s.ip() == std::net::IpAddr::V4(node)),
             0,
-            format!("{} queries", dns_peers.len()),
+            count(dns_peers.len(), "query"),
         ));
     }
     if let Some(sb) = sbs.get(1) {
@@ -480,7 +480,7 @@ pub fn run(opts: &Options) -> Result<Report> {
             format!("{OTHER} saw only sandbox 1"),
             other.iter().all(|s| s.ip() == std::net::IpAddr::V4(node)) && other.len() <= 1,
             0,
-            format!("{} connections", other.len()),
+            count(other.len(), "connection"),
         ));
     }
     let node_peers = node_web.peers();
@@ -491,7 +491,7 @@ pub fn run(opts: &Options) -> Result<Report> {
         check: format!("cube-dev {cube_dev}:{NODE_PORT} saw no guest"),
         pass: node_peers.is_empty(),
         ms: 0,
-        detail: format!("{} connections", node_peers.len()),
+        detail: count(node_peers.len(), "connection"),
     });
 
     if opts.keep {
@@ -533,6 +533,14 @@ pub fn run(opts: &Options) -> Result<Report> {
 fn by_sandbox(mut rows: Vec<Row>, plan: &[Plan]) -> Vec<Row> {
     rows.sort_by_key(|r| plan.iter().position(|p| p.id == r.sandbox).unwrap_or(plan.len()));
     rows
+}
+
+fn count(n: usize, what: &str) -> String {
+    match (n, what) {
+        (1, _) => format!("1 {what}"),
+        (_, "query") => format!("{n} queries"),
+        _ => format!("{n} {what}s"),
+    }
 }
 
 fn mac(m: &[u8; 6]) -> String {
