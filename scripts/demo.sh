@@ -9,7 +9,7 @@
 # table, releases everything and removes what it created. Nothing touches the machine's own
 # interfaces, routes, sysctls or /sys/fs/bpf.
 #
-# Usage: bash scripts/demo.sh [--keep] [--guests 1|2|3]    (root; arguments go to cubenet-demo)
+# Usage: bash scripts/demo.sh [--keep] [--guests 1|2|3] [--accel tcg|kvm]   (root; arguments go to cubenet-demo)
 # Exit status: 0 all checks passed, 1 a check failed (or the run failed), 2 not root.
 set -euo pipefail
 cd "$(dirname "$0")/.."

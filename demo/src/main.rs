@@ -22,6 +22,10 @@ struct Args {
     /// Number of sandboxes (1 = default, 2 = + port mapping, 3 = + allow-list).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=3))]
     guests: u8,
+    /// QEMU accelerator (`tcg`, or `kvm` where KVM runs stock guest kernels); sets
+    /// CUBENET_ACCEL. Default: $CUBENET_ACCEL, else tcg.
+    #[arg(long)]
+    accel: Option<String>,
     /// Cargo profile whose network-agent to start (default: this binary's).
     #[arg(long)]
     profile: Option<String>,
@@ -69,6 +73,10 @@ fn main() {
     // not remove what `--keep` leaves running.
     cubenet_tests::netns::use_prefix("cubedemo");
     on_signal_remove_everything();
+    if let Some(a) = &args.accel {
+        // SAFETY: no other thread reads the environment yet (only the signal thread exists).
+        unsafe { std::env::set_var("CUBENET_ACCEL", a) };
+    }
     let profile = args.profile.unwrap_or_else(|| if cfg!(debug_assertions) { "debug" } else { "release" }.to_string());
     let opts = cubenet_demo::Options { guests: args.guests.into(), profile, keep: args.keep, verbose: true };
     match cubenet_demo::run(&opts) {

@@ -61,6 +61,12 @@ pub fn qemu_binary() -> String {
     std::env::var("CUBENET_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into())
 }
 
+/// The QEMU accelerator: `$CUBENET_ACCEL` (e.g. `kvm` on hosts where KVM runs stock kernels),
+/// else `tcg` (this development machine's KVM is PVM, on which stock kernels hang).
+pub fn accel() -> String {
+    std::env::var("CUBENET_ACCEL").ok().filter(|a| !a.is_empty()).unwrap_or_else(|| "tcg".into())
+}
+
 impl GuestImage {
     /// Runs `scripts/guest-image.sh` once per process (it is itself cached and idempotent) and
     /// returns the image. The error is an [`Unavailable`] (downcast to tell) only for a proven
@@ -307,7 +313,7 @@ impl Vm {
         drop(tap);
         let qemu = qemu_binary();
         let mut cmd = Command::new(&qemu);
-        cmd.args(["-accel", "tcg", "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
+        cmd.args(["-accel", &accel(), "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
             .args(["-display", "none", "-nodefaults", "-no-user-config", "-no-reboot", "-serial", "stdio"])
             .arg("-kernel")
             .arg(&image.kernel)
