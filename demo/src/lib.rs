@@ -421,7 +421,22 @@ pub fn run(opts: &Options) -> Result<Report> {
     }
     for sb in &sbs {
         let Some(vm) = &sb.vm else { continue };
-        let results = vm.wait_done(CHECKS_TIMEOUT).unwrap_or_default();
+        let results = match vm.wait_done(CHECKS_TIMEOUT) {
+            Ok(r) => r,
+            Err(e) => {
+                p.say(format!("{}: {e:#}", sb.id));
+                Vec::new()
+            }
+        };
+        if results.len() != sb.checks.len() || results.iter().any(|r| !r.pass) {
+            // The evidence for a failure: the guest's console, last lines.
+            let console = vm.console();
+            let tail: Vec<&str> = console.lines().rev().take(40).collect();
+            eprintln!("--- {} console (last {} lines) ---", sb.id, tail.len());
+            for l in tail.iter().rev() {
+                eprintln!("{l}");
+            }
+        }
         for (label, check) in &sb.checks {
             match results.iter().find(|r| r.spec == check.spec()) {
                 Some(r) => rows.push(sb.row(label.clone(), r.pass, r.ms, r.detail.clone())),
@@ -514,10 +529,11 @@ pub fn run(opts: &Options) -> Result<Report> {
             .http("/v1/network/taps")
             .and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok())
             .and_then(|v| {
-                v["taps"].as_array()?.iter().find(|t| t["tapName"] == sb.tap.as_str()).map(|t| t["state"].to_string())
+                let t = v["taps"].as_array()?.iter().find(|t| t["tapName"] == sb.tap.as_str())?;
+                t["state"].as_str().map(str::to_string)
             })
             .unwrap_or_default();
-        let pass = released.as_ref().is_ok_and(|r| r.get_ref().released) && state == "\"Ready\"";
+        let pass = released.as_ref().is_ok_and(|r| r.get_ref().released) && state == "Ready";
         rows.push(sb.row("ReleaseNetwork (TAP back to Ready)", pass, ms(t), format!("TAP state {state}")));
     }
     p.say("released; removing the agent, namespaces, bpffs and temp dir");
@@ -637,4 +653,43 @@ pub fn require_root() -> Result<()> {
 pub fn check(report: &Report) -> Result<()> {
     ensure!(report.passed(), "some checks failed:\n{}", report.table());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(sandbox: &str, pass: bool) -> Row {
+        Row {
+            sandbox: sandbox.into(),
+            tap: "z192.168.0.2".into(),
+            mvm_ip: "192.168.0.2".into(),
+            check: "HTTP world".into(),
+            pass,
+            ms: 1234,
+            detail: "you are 198.51.100.2:30000".into(),
+        }
+    }
+
+    #[test]
+    fn table_counts_failures_and_passed_needs_rows() {
+        assert!(!Report::default().passed());
+        let ok = Report { rows: vec![row("sb-1-default", true)], ..Default::default() };
+        assert!(ok.passed());
+        let bad = Report { rows: vec![row("sb-1-default", true), row("sb-2-portmap", false)], ..Default::default() };
+        assert!(!bad.passed());
+        let t = bad.table();
+        assert!(t.starts_with("sandbox ") && t.contains("FAIL") && t.contains("1.23 s"), "{t}");
+        assert!(t.contains("2 checks, 1 passed, 1 failed"), "{t}");
+    }
+
+    #[test]
+    fn rows_grouped_by_plan_order() {
+        let plan = plans(3);
+        let rows = vec![row("(all)", true), row("sb-3-allowlist", true), row("sb-1-default", true)];
+        let order: Vec<String> = by_sandbox(rows, &plan).into_iter().map(|r| r.sandbox).collect();
+        assert_eq!(order, ["sb-1-default", "sb-3-allowlist", "(all)"]);
+        assert_eq!(plans(9).len(), 3);
+        assert_eq!(plans(0).len(), 1);
+    }
 }
