@@ -593,6 +593,7 @@ fn keep(
     let script_path = PathBuf::from(format!("/tmp/cubenet-demo-{}-cleanup.sh", std::process::id()));
     std::fs::write(&script_path, res.script())?;
     let bin = profile_bin(&opts.profile, "cubenet-cli");
+    let bin = bin.canonicalize().unwrap_or(bin);
     let ag = a.ns.name().to_string();
     let mut text = String::new();
     text += "Left running (--keep):\n";
