@@ -7,6 +7,7 @@
 #   cubenet.gw=A.B.C.D         default gateway                  (required)
 #   cubenet.gwmac=MAC          static ARP entry for the gateway (optional)
 #   cubenet.mac=MAC            eth0 MAC                         (optional; QEMU sets it too)
+#   cubenet.mtu=N              eth0 MTU                         (optional)
 #   cubenet.serve=PORT         run busybox httpd on PORT: / is index.html, /cgi-bin/whoami
 #                              answers "you are <client ip>:<client port>"
 #   cubenet.timeout=SECONDS    per-check timeout (default 5)
@@ -17,6 +18,7 @@
 #       fetch:IP:PORT[/PATH]   HTTP GET succeeds                           (detail: "bytes <body size>")
 #       send:IP:PORT:BYTES     BYTES zero bytes sent over TCP, then EOF    (detail: first reply line)
 #       refused:IP:PORT        a TCP connect is actively refused (RST)     (detail: the error)
+#       dns:NAME@SERVER        nslookup -type=a NAME SERVER answers        (detail: first address)
 # and prints to the console (ttyS0), one line each:
 #   CUBENET-INFO <key> <value>              diagnostics (virtio-net-features: negotiated bits)
 #   CUBENET-READY <ip> <ms since boot>      eth0 is configured (and httpd started)
@@ -51,7 +53,7 @@ now_ms() {
   awk '{ printf "%d", $1 * 1000 }' /proc/uptime
 }
 
-IP='' GW='' GWMAC='' MAC='' SERVE='' TIMEOUT=5 CHECKS=''
+IP='' GW='' GWMAC='' MAC='' MTU='' SERVE='' TIMEOUT=5 CHECKS=''
 read -r cmdline </proc/cmdline
 set -f
 for arg in $cmdline; do
@@ -60,6 +62,7 @@ for arg in $cmdline; do
     cubenet.gw=*) GW=${arg#*=} ;;
     cubenet.gwmac=*) GWMAC=${arg#*=} ;;
     cubenet.mac=*) MAC=${arg#*=} ;;
+    cubenet.mtu=*) MTU=${arg#*=} ;;
     cubenet.serve=*) SERVE=${arg#*=} ;;
     cubenet.timeout=*) TIMEOUT=${arg#*=} ;;
     cubenet.check=*) CHECKS="$CHECKS ${arg#*=}" ;;
@@ -82,6 +85,9 @@ done
 ip link set lo up
 if [ -n "$MAC" ]; then
   ip link set eth0 address "$MAC" || fatal "set MAC $MAC"
+fi
+if [ -n "$MTU" ]; then
+  ip link set eth0 mtu "$MTU" || fatal "set MTU $MTU"
 fi
 ip addr add "$IP" dev eth0 || fatal "address $IP"
 ip link set eth0 up || fatal "eth0 up"
@@ -164,6 +170,14 @@ run_check() {
         *"Connection refused"*) RESULT=PASS DETAIL="connection refused" ;;
         *) DETAIL="not refused (exit $rc): $out" ;;
       esac
+      ;;
+    dns)
+      name=${args%@*}
+      server=${args##*@}
+      out=$(timeout "$((TIMEOUT + 1))" nslookup -type=a "$name" "$server" 2>&1)
+      rc=$?
+      addr=$(printf '%s\n' "$out" | sed -n '/^Name:/,$ s/^Address: *\([0-9.]*\).*/\1/p' | head -n 1)
+      if [ "$rc" -eq 0 ] && [ -n "$addr" ]; then RESULT=PASS DETAIL=$addr; else DETAIL="no answer (exit $rc): $out"; fi
       ;;
     *) DETAIL="unknown check kind '$kind'" ;;
   esac

@@ -23,10 +23,19 @@ pub const HEALTH: &str = "127.0.0.1:19090";
 /// Path of a workspace binary built by cargo: `$CUBENET_BIN_DIR/<name>` when set (benchmarks
 /// and the demo use release builds), else the debug profile of this test build.
 pub fn workspace_bin(name: &str) -> PathBuf {
-    let dir = std::env::var_os("CUBENET_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug"));
-    let p = dir.join(name);
+    match std::env::var_os("CUBENET_BIN_DIR") {
+        Some(dir) => {
+            let p = PathBuf::from(dir).join(name);
+            assert!(p.exists(), "{} missing: build it first", p.display());
+            p
+        }
+        None => profile_bin("debug", name),
+    }
+}
+
+/// Path of a workspace binary of cargo profile `profile` (`debug`, `release`).
+pub fn profile_bin(profile: &str, name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target").join(profile).join(name);
     assert!(p.exists(), "{} missing: build the workspace (cargo build) first", p.display());
     p
 }
@@ -44,6 +53,8 @@ pub struct AgentUnderTest {
     pub dir: PathBuf,
     /// The node/world topology whose node namespace is the dataplane.
     pub topo: Topology,
+    /// The agent binary the start script execs (default: the debug build's `network-agent`).
+    pub agent_bin: Option<PathBuf>,
 }
 
 impl AgentUnderTest {
@@ -79,7 +90,7 @@ impl AgentUnderTest {
             cidr = if extra.contains("cidr =") { "" } else { "cidr = \"192.168.0.0/24\"\n" },
         );
         std::fs::write(dir.join("agent.toml"), cfg).unwrap();
-        Self { child: None, ns, bpffs, dir, topo }
+        Self { child: None, ns, bpffs, dir, topo, agent_bin: None }
     }
 
     /// Starts the agent through the start script and waits for `/readyz`.
@@ -95,7 +106,7 @@ impl AgentUnderTest {
         let mut cmd = self.ns.command("bash");
         cmd.arg(script)
             .env("NETWORK_AGENT_CONFIG", self.dir.join("agent.toml"))
-            .env("NETWORK_AGENT_BIN", workspace_bin("network-agent"))
+            .env("NETWORK_AGENT_BIN", self.agent_bin.clone().unwrap_or_else(|| workspace_bin("network-agent")))
             .env("NETWORK_AGENT_LOG_DIR", self.dir.join("log"))
             .env("NETWORK_AGENT_LOG_FILE", self.dir.join("log/agent.log"))
             .env("NETWORK_AGENT_WAIT_SECS", "5")

@@ -14,6 +14,20 @@ pub const PREFIX: &str = "cnt";
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 static SWEEP: std::sync::Once = std::sync::Once::new();
+static CUSTOM_PREFIX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Makes this process name its namespaces `<prefix><pid>x<n><role>` instead of
+/// `cnt<pid>x<n><role>`, and skips the sweep of stale namespaces. For programs whose
+/// namespaces may outlive them on purpose (`cubenet-demo --keep`): the tests' sweep deletes
+/// `cnt` namespaces of dead PIDs. Call it before the first [`TestNetns::new`]; later calls
+/// are ignored.
+pub fn use_prefix(prefix: &str) {
+    let _ = CUSTOM_PREFIX.set(prefix.to_string());
+}
+
+fn prefix() -> &'static str {
+    CUSTOM_PREFIX.get().map_or(PREFIX, String::as_str)
+}
 
 /// Runs `ip` with `args`, panicking with the command and its stderr on failure.
 pub fn ip(args: &[&str]) -> String {
@@ -58,11 +72,13 @@ pub struct TestNetns {
 }
 
 impl TestNetns {
-    /// Creates `cnt<pid>x<n><role>` with `lo` up.
+    /// Creates `cnt<pid>x<n><role>` (or the [`use_prefix`] name) with `lo` up.
     pub fn new(role: &str) -> Self {
-        SWEEP.call_once(sweep_stale);
+        if CUSTOM_PREFIX.get().is_none() {
+            SWEEP.call_once(sweep_stale);
+        }
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{PREFIX}{}x{n}{role}", std::process::id());
+        let name = format!("{}{}x{n}{role}", prefix(), std::process::id());
         ip(&["netns", "add", &name]);
         let ns = Self { name };
         ns.ip(&["link", "set", "lo", "up"]);
@@ -179,7 +195,7 @@ impl Drop for ChildGuard {
 
 /// Names of namespaces created by this process that still exist (for leak checks).
 pub fn leftover_namespaces() -> Vec<String> {
-    let mine = format!("{PREFIX}{}x", std::process::id());
+    let mine = format!("{}{}x", prefix(), std::process::id());
     std::fs::read_dir("/run/netns")
         .map(|d| {
             d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&mine)).collect()

@@ -61,6 +61,12 @@ pub fn qemu_binary() -> String {
     std::env::var("CUBENET_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into())
 }
 
+/// The QEMU accelerator: `$CUBENET_ACCEL` (e.g. `kvm` on hosts where KVM runs stock kernels),
+/// else `tcg` (this development machine's KVM is PVM, on which stock kernels hang).
+pub fn accel() -> String {
+    std::env::var("CUBENET_ACCEL").ok().filter(|a| !a.is_empty()).unwrap_or_else(|| "tcg".into())
+}
+
 impl GuestImage {
     /// Runs `scripts/guest-image.sh` once per process (it is itself cached and idempotent) and
     /// returns the image. The error is an [`Unavailable`] (downcast to tell) only for a proven
@@ -136,6 +142,9 @@ pub enum Check {
     Send(SocketAddrV4, u64),
     /// `refused:IP:PORT`: a TCP connect is refused with a RST.
     Refused(SocketAddrV4),
+    /// `dns:NAME@SERVER`: busybox `nslookup -type=a NAME SERVER` answers; detail is the first
+    /// address.
+    Dns(String, Ipv4Addr),
 }
 
 impl Check {
@@ -149,6 +158,7 @@ impl Check {
             Check::Fetch(a, p) => format!("fetch:{a}{}", path(p)),
             Check::Send(a, n) => format!("send:{a}:{n}"),
             Check::Refused(a) => format!("refused:{a}"),
+            Check::Dns(name, server) => format!("dns:{name}@{server}"),
         }
     }
 }
@@ -303,7 +313,7 @@ impl Vm {
         drop(tap);
         let qemu = qemu_binary();
         let mut cmd = Command::new(&qemu);
-        cmd.args(["-accel", "tcg", "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
+        cmd.args(["-accel", &accel(), "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
             .args(["-display", "none", "-nodefaults", "-no-user-config", "-no-reboot", "-serial", "stdio"])
             .arg("-kernel")
             .arg(&image.kernel)
@@ -466,6 +476,7 @@ mod tests {
         assert_eq!(Check::Fetch(a, "big".into()).spec(), "fetch:198.51.100.1:80/big");
         assert_eq!(Check::Send(a, 5).spec(), "send:198.51.100.1:80:5");
         assert_eq!(Check::Refused(a).spec(), "refused:198.51.100.1:80");
+        assert_eq!(Check::Dns("a.test".into(), *a.ip()).spec(), "dns:a.test@198.51.100.1");
         let r = CheckResult::parse("http:198.51.100.1:80/ PASS 40 you are 198.51.100.2:30001").unwrap();
         assert_eq!((r.pass, r.ms, r.detail.as_str()), (true, 40, "you are 198.51.100.2:30001"));
         assert!(!CheckResult::parse("ping:1.2.3.4 FAIL 10 ").unwrap().pass);
