@@ -31,7 +31,7 @@ cargo xtask build-ebpf --release
 step "build release binaries (network-agent, cubenet-cli, cubenet-demo)"
 cargo build --release --locked -p network-agent -p cubenet-demo --bins
 
-step "guest image (cached)"
+step "guest image (built on first use, then cached)"
 bash scripts/guest-image.sh >/dev/null
 
 step "demo"

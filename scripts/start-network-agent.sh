@@ -71,7 +71,9 @@ grpc_listen="$(cfg grpc_listen)"
 wait_secs="${NETWORK_AGENT_WAIT_SECS:-60}"
 volumes=("$(dirname "$tap_sock")" "$state_dir" "${NETWORK_AGENT_LOG_DIR:-/data/log/network-agent}")
 if [[ "$grpc_listen" == unix://* ]]; then
-  volumes+=("$(dirname "${grpc_listen#unix://}")")
+  grpc_dir="$(dirname "${grpc_listen#unix://}")"
+  # Usually the same directory as the fd socket's: list it once.
+  [[ "$grpc_dir" == "${volumes[0]}" ]] || volumes+=("$grpc_dir")
 fi
 if [[ -n "${NETWORK_AGENT_VOLUMES:-}" ]]; then
   read -r -a more <<<"$NETWORK_AGENT_VOLUMES"

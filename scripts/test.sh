@@ -33,7 +33,12 @@ step "tests"
 if [[ $(id -u) -ne 0 ]]; then
   echo "!!! not root: root-only tests will print SKIPPED and pass vacuously !!!"
 fi
-cargo test --workspace --exclude cubevs-ebpf --locked
+test_log="$(mktemp)"
+trap 'rm -f "$test_log"' EXIT
+cargo test --workspace --exclude cubevs-ebpf --locked 2>&1 | tee "$test_log"
+# One total over every test binary (cargo prints one result line per binary).
+totals=$(awk '/^test result:/ {p += $4; f += $6; i += $8} END {printf "%d %d %d", p, f, i}' "$test_log")
+read -r n_passed n_failed n_ignored <<<"$totals"
 
 step "leak check"
 # Names carry the creating test process's PID (cnt<pid>x…, cubenet-bpffs-<pid>-…). Every test
@@ -61,4 +66,6 @@ fi
 echo "no namespaces or bpffs mounts left"
 
 echo
+echo "(${n_ignored} ignored: report-only tests, run with -- --ignored)"
+echo "tests: ${n_passed} passed, ${n_failed} failed"
 echo "all checks passed in $(( $(date +%s) - start ))s"
