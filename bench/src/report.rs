@@ -3,10 +3,10 @@
 
 use std::{fmt::Write as _, path::Path};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One measured figure.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Row {
     /// Benchmark family (`per-packet`, `throughput`, `scale`).
     pub bench: String,
@@ -58,6 +58,19 @@ pub fn print_table(rows: &[Row]) {
             ratio
         );
     }
+}
+
+/// The report as read back from JSON (`--render`).
+#[derive(Deserialize)]
+pub struct OwnedReport {
+    /// UTC date of the run.
+    pub date: String,
+    /// Machine description.
+    pub machine: String,
+    /// Command that produced it.
+    pub command: String,
+    /// Rows.
+    pub rows: Vec<Row>,
 }
 
 /// The whole report as written to JSON.
