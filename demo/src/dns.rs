@@ -2,65 +2,18 @@
 //! for that name get one address, other types of that name get an empty answer, any other
 //! name gets NXDOMAIN. Messages are parsed and built with `simple-dns`.
 
-use std::{
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread,
-    time::Duration,
-};
+use std::net::Ipv4Addr;
 
 use anyhow::{Context, Result};
-use cubenet_tests::netns::TestNetns;
+use cubenet_tests::{netns::TestNetns, servers};
 use simple_dns::{CLASS, Packet, PacketFlag, QTYPE, RCODE, ResourceRecord, TYPE, rdata::RData};
 
-/// A running responder; stopped and joined on drop.
-#[derive(Debug)]
-pub struct DnsServer {
-    /// Where it listens.
-    pub addr: SocketAddr,
-    /// Clients whose queries it answered, in order.
-    pub peers: Arc<Mutex<Vec<SocketAddr>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
-}
-
-impl DnsServer {
-    /// Serves `name` → `answer` on UDP `ip:53` inside `ns`.
-    pub fn start(ns: &TestNetns, ip: Ipv4Addr, name: &str, answer: Ipv4Addr) -> Result<Self> {
-        let bind = SocketAddr::from((ip, 53));
-        let sock = ns.run(move || UdpSocket::bind(bind)).with_context(|| format!("bind udp {bind}"))?;
-        sock.set_read_timeout(Some(Duration::from_millis(50)))?;
-        let (stop, peers) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
-        let (s, p, name) = (stop.clone(), peers.clone(), name.trim_end_matches('.').to_ascii_lowercase());
-        let thread = thread::spawn(move || {
-            let mut buf = [0u8; 1500];
-            while !s.load(Ordering::Relaxed) {
-                let Ok((n, peer)) = sock.recv_from(&mut buf) else { continue };
-                if let Some(reply) = answer_query(&buf[..n], &name, answer) {
-                    p.lock().expect("peers").push(peer);
-                    let _ = sock.send_to(&reply, peer);
-                }
-            }
-        });
-        Ok(Self { addr: bind, peers, stop, thread: Some(thread) })
-    }
-
-    /// Clients answered so far.
-    pub fn peers(&self) -> Vec<SocketAddr> {
-        self.peers.lock().expect("peers").clone()
-    }
-}
-
-impl Drop for DnsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// Serves `name` → `answer` on UDP `ip:53` inside `ns`; the returned server records the clients
+/// it answered and stops on drop.
+pub fn start(ns: &TestNetns, ip: Ipv4Addr, name: &str, answer: Ipv4Addr) -> Result<servers::Server> {
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    servers::udp_responder(ns, ip.octets(), 53, move |query, _| answer_query(query, &name, answer))
+        .with_context(|| format!("bind udp {ip}:53"))
 }
 
 /// The reply to one query message, or `None` when it is not a parseable query.

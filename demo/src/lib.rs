@@ -321,7 +321,7 @@ pub fn run(opts: &Options) -> Result<Report> {
     let mut web = Some(servers::http(&a.topo.world, WORLD_IP, 80));
     let private_web = servers::http(&a.topo.world, PRIVATE.octets(), 80);
     let other_web = servers::http(&a.topo.world, OTHER.octets(), 80);
-    let dns = dns::DnsServer::start(&a.topo.world, WORLD, DNS_NAME, WORLD)?;
+    let dns = dns::start(&a.topo.world, WORLD, DNS_NAME, WORLD)?;
     // Node: a server on cube-dev's address (the agent gave cube-dev the CIDR's .1).
     let node_web = servers::http(&a.topo.node, CUBE_DEV_IP, NODE_PORT);
     p.say(format!("world serves HTTP on {WORLD}:80, {PRIVATE}:80, {OTHER}:80 and DNS {DNS_NAME} on {WORLD}:53"));

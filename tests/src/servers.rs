@@ -81,24 +81,40 @@ pub fn http(ns: &TestNetns, ip: [u8; 4], port: u16) -> Server {
     Server { addr, peers, stop, thread: Some(thread) }
 }
 
-/// A UDP echo on `ip:port` inside `ns`: replies `<client ip>:<port>|<payload>`.
-pub fn udp_echo(ns: &TestNetns, ip: [u8; 4], port: u16) -> Server {
+/// A UDP responder on `ip:port` inside `ns`: every datagram goes to `handler(payload, peer)`;
+/// a `Some(reply)` is sent back and the peer recorded in [`Server::peers`], `None` is ignored.
+pub fn udp_responder(
+    ns: &TestNetns,
+    ip: [u8; 4],
+    port: u16,
+    mut handler: impl FnMut(&[u8], SocketAddr) -> Option<Vec<u8>> + Send + 'static,
+) -> std::io::Result<Server> {
     let addr = SocketAddr::from((ip, port));
-    let sock = ns.run(move || UdpSocket::bind(addr)).unwrap_or_else(|e| panic!("bind udp {addr}: {e}"));
-    sock.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
-    let addr = sock.local_addr().expect("local addr");
+    let sock = ns.run(move || UdpSocket::bind(addr))?;
+    sock.set_read_timeout(Some(Duration::from_millis(20)))?;
+    let addr = sock.local_addr()?;
     let (stop, peers) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
     let (s, p) = (stop.clone(), peers.clone());
     let thread = thread::spawn(move || {
         let mut buf = [0u8; 2048];
         while !s.load(Ordering::Relaxed) {
-            if let Ok((n, peer)) = sock.recv_from(&mut buf) {
+            if let Ok((n, peer)) = sock.recv_from(&mut buf)
+                && let Some(reply) = handler(&buf[..n], peer)
+            {
                 p.lock().expect("peers").push(peer);
-                let mut reply = format!("{peer}|").into_bytes();
-                reply.extend_from_slice(&buf[..n]);
                 let _ = sock.send_to(&reply, peer);
             }
         }
     });
-    Server { addr, peers, stop, thread: Some(thread) }
+    Ok(Server { addr, peers, stop, thread: Some(thread) })
+}
+
+/// A UDP echo on `ip:port` inside `ns`: replies `<client ip>:<port>|<payload>`.
+pub fn udp_echo(ns: &TestNetns, ip: [u8; 4], port: u16) -> Server {
+    udp_responder(ns, ip, port, |payload, peer| {
+        let mut reply = format!("{peer}|").into_bytes();
+        reply.extend_from_slice(payload);
+        Some(reply)
+    })
+    .unwrap_or_else(|e| panic!("bind udp {}:{port}: {e}", std::net::Ipv4Addr::from(ip)))
 }
