@@ -17,10 +17,7 @@ use cubevs_common::{
     map, proto,
 };
 
-use crate::{
-    Error, batch,
-    sessions::{Sessions, reverse_key},
-};
+use crate::{Error, batch, sessions::Sessions};
 
 /// Upstream's sweep interval: 5 s.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(5);
@@ -145,7 +142,7 @@ pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStat
             if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
                 stats.removed_open_tcp += 1;
             }
-            ingress_keys.push(reverse_key(k, s));
+            ingress_keys.push(k.reverse(s.node_ip, s.node_port));
             egress_keys.push(*k);
         }
     }

@@ -72,20 +72,6 @@ impl SessionView {
     }
 }
 
-/// The world-side key of egress entry `k` → `s` (mirror of the datapath's `reverse_key`).
-pub fn reverse_key(k: &SessionKey, s: &NatSession) -> SessionKey {
-    let remote_port = if k.proto == proto::ICMP { 0 } else { k.dport };
-    SessionKey {
-        src_ip: k.dst_ip,
-        dst_ip: s.node_ip,
-        sport: remote_port,
-        dport: s.node_port,
-        version: 0,
-        proto: k.proto,
-        _pad: [0; 3],
-    }
-}
-
 pub(crate) struct SessionMaps {
     pub(crate) egress: HashMap<MapData, SessionKey, NatSession>,
     pub(crate) ingress: HashMap<MapData, SessionKey, IngressValue>,
@@ -163,6 +149,6 @@ pub(crate) fn delete_locked(g: &mut SessionMaps, k: &SessionKey, s: &NatSession)
         Err(e) if is_not_found(&e) => Ok(()),
         Err(e) => Err(e),
     };
-    ok(g.ingress.remove(&reverse_key(k, s))).map_err(Error::map(map::INGRESS_SESSIONS, "delete"))?;
+    ok(g.ingress.remove(&k.reverse(s.node_ip, s.node_port))).map_err(Error::map(map::INGRESS_SESSIONS, "delete"))?;
     ok(g.egress.remove(k)).map_err(Error::map(map::EGRESS_SESSIONS, "delete"))
 }

@@ -52,26 +52,15 @@ pub fn parse_arp(frame: &[u8]) -> Option<(Ethernet2Header, ArpEthIpv4Packet)> {
     Some((eth, arp))
 }
 
-/// An ICMP echo request from the guest (guest MAC/IP) to `dst` via the gateway MAC.
-pub fn icmp_echo_request(dst: [u8; 4], id: u16, seq: u16, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(GUEST_MAC, GATEWAY_MAC)
-        .ipv4(GUEST_IP, dst, 64)
-        .icmpv4_echo_request(id, seq)
-        .write(&mut out, payload)
-        .expect("write ICMP echo");
-    out
+/// An ICMP echo request from the guest (guest MAC/IP) to `dst` via the gateway MAC, with
+/// the 8-byte payload of [`crate::frames::icmp`].
+pub fn icmp_echo_request(dst: [u8; 4], id: u16, seq: u16) -> Vec<u8> {
+    crate::frames::icmp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, dst, true, id, seq)
 }
 
 /// A UDP datagram from the guest (guest MAC/IP, `sport`) to `dst:dport` via the gateway MAC.
 pub fn udp(dst: [u8; 4], sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(GUEST_MAC, GATEWAY_MAC)
-        .ipv4(GUEST_IP, dst, 64)
-        .udp(sport, dport)
-        .write(&mut out, payload)
-        .expect("write UDP");
-    out
+    crate::frames::udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, dst, sport, dport, payload)
 }
 
 /// Summary of an IPv4 frame for assertions.

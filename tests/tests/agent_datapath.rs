@@ -61,7 +61,7 @@ fn guest_for(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
 }
 
 fn ping_world(g: &TapGuest, seq: u16) -> bool {
-    g.send(&packet::icmp_echo_request(WORLD_IP, 0x99, seq, b"cubenet"));
+    g.send(&packet::icmp_echo_request(WORLD_IP, 0x99, seq));
     g.recv_matching(Duration::from_secs(2), |f| {
         packet::parse_ipv4(f).is_some_and(|s| s.transport == Transport::EchoReply(0x99, seq))
     })
@@ -205,7 +205,7 @@ fn drive(g: TapGuest, stop: Arc<AtomicBool>) -> Traffic {
         }
         if StdInstant::now() >= next_ping {
             t.pings_sent += 1;
-            g.send(&packet::icmp_echo_request(WORLD_IP, 0x55, t.pings_sent, b"long"));
+            g.send(&packet::icmp_echo_request(WORLD_IP, 0x55, t.pings_sent));
             next_ping = StdInstant::now() + Duration::from_millis(50);
         }
         let mut fds = [nix::poll::PollFd::new(std::os::fd::AsFd::as_fd(g.fd()), nix::poll::PollFlags::POLLIN)];

@@ -126,7 +126,7 @@ fn sandbox_paths_end_to_end() {
     // Ping world from the veth guest (kernel stack) and the TAP guest (raw ICMP).
     assert!(ping(gns, "198.51.100.1", 2), "veth guest cannot ping world");
     n.tap.drain();
-    n.tap.send(&packet::icmp_echo_request(WORLD_IP, 0x77, 1, b"cubenet"));
+    n.tap.send(&packet::icmp_echo_request(WORLD_IP, 0x77, 1));
     let reply = n
         .tap
         .recv_matching(Duration::from_secs(2), |f| {

@@ -248,6 +248,26 @@ pub struct SessionKey {
 }
 const _: () = assert!(core::mem::size_of::<SessionKey>() == 20);
 
+impl SessionKey {
+    /// The world-side (`ingress_sessions`) key of this egress key once SNATed to
+    /// `snat_ip:snat_port` (both NBO): `{remote ip, SNAT ip, remote port, SNAT port, 0, proto}`.
+    /// For ICMP echo the SNAT port is the echo id and the remote "port" is 0. Used by the
+    /// datapath to reserve and release ports and by userspace to delete both directions.
+    #[inline(always)]
+    pub fn reverse(&self, snat_ip: u32, snat_port: u16) -> SessionKey {
+        let remote_port = if self.proto == proto::ICMP { 0 } else { self.dport };
+        SessionKey {
+            src_ip: self.dst_ip,
+            dst_ip: snat_ip,
+            sport: remote_port,
+            dport: snat_port,
+            version: 0,
+            proto: self.proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
 /// Egress session (`egress_sessions` value, upstream `nat_session`, 64 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -459,4 +479,18 @@ pub mod proto {
     pub const TCP: u8 = 6;
     /// UDP.
     pub const UDP: u8 = 17;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reverse_key_swaps_sides_and_zeroes_version() {
+        let k = SessionKey { src_ip: 1, dst_ip: 2, sport: 3, dport: 4, version: 9, proto: proto::TCP, _pad: [0; 3] };
+        let r = k.reverse(5, 6);
+        assert_eq!((r.src_ip, r.dst_ip, r.sport, r.dport, r.version, r.proto), (2, 5, 4, 6, 0, proto::TCP));
+        let icmp = SessionKey { proto: proto::ICMP, dport: 0, ..k };
+        assert_eq!(icmp.reverse(5, 6).sport, 0, "ICMP: remote port 0, SNAT id in dport");
+    }
 }

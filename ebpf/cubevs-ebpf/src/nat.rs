@@ -66,7 +66,7 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8) -> Option<Na
             c
         };
         let port = ((snat::PORT_MIN as u64 + c % snat::PORT_SPAN as u64) as u16).to_be();
-        let rev = reverse_key(key, snat_ip, port);
+        let rev = key.reverse(snat_ip, port);
         if INGRESS_SESSIONS.insert(&rev, &rev_value, BPF_NOEXIST as u64).is_err() {
             continue;
         }
@@ -95,37 +95,10 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8) -> Option<Na
     None
 }
 
-/// The world-side key of an egress `key` SNATed to `snat_ip:snat_port`.
-#[inline(always)]
-pub fn reverse_key(key: &SessionKey, snat_ip: u32, snat_port: u16) -> SessionKey {
-    if key.proto == cubevs_common::proto::ICMP {
-        // Echo replies carry our SNAT id; the remote "port" is 0.
-        SessionKey {
-            src_ip: key.dst_ip,
-            dst_ip: snat_ip,
-            sport: 0,
-            dport: snat_port,
-            version: 0,
-            proto: key.proto,
-            _pad: [0; 3],
-        }
-    } else {
-        SessionKey {
-            src_ip: key.dst_ip,
-            dst_ip: snat_ip,
-            sport: key.dport,
-            dport: snat_port,
-            version: 0,
-            proto: key.proto,
-            _pad: [0; 3],
-        }
-    }
-}
-
 /// Deletes both directions of the session `key` → `s`.
 #[inline(always)]
 pub fn delete_session(key: &SessionKey, s: &NatSession) {
-    let _ = INGRESS_SESSIONS.remove(&reverse_key(key, s.node_ip, s.node_port));
+    let _ = INGRESS_SESSIONS.remove(&key.reverse(s.node_ip, s.node_port));
     let _ = EGRESS_SESSIONS.remove(key);
 }
 
