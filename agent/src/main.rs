@@ -19,9 +19,10 @@ use network_agent::{
     host::{HostParams, NetnsHost},
     http,
     state::StateStore,
+    uds_authority::NormalizeAuthority,
 };
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
 
 /// Command line: `--config PATH`; every other flag overrides the config key of the same name.
 #[derive(Parser, Debug)]
@@ -251,7 +252,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                 let _ = std::fs::remove_file(&p);
                 UnixListener::bind(&p).with_context(|| format!("bind {}", p.display()))
             })?;
-            tokio::spawn(async move { router.serve_with_incoming_shutdown(UnixListenerStream::new(l), shutdown).await })
+            // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
+            let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
         Endpoint::Tcp(addr) => {
             let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("bind {addr}"))?;
