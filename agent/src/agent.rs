@@ -1067,14 +1067,6 @@ impl Agent {
         let target = self.cfg.raw.tap_init_num;
         self.trim(target);
         self.warm(target, self.cfg.raw.warm_parallelism);
-        if let Ok(c) = self.dp.counters() {
-            for (k, v) in &c {
-                self.metrics.datapath.with_label_values(&[k.as_str()]).set(*v as i64);
-            }
-            if let Some(r) = c.get("reaper_runs") {
-                self.metrics.reaper_runs.set(*r as i64);
-            }
-        }
         if let Ok(s) = self.dp.sessions() {
             self.metrics.sessions.set(s.len() as i64);
         }

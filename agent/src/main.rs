@@ -214,6 +214,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let store =
             StateStore::open(&raw.state_dir).with_context(|| format!("state dir {}", raw.state_dir.display()))?;
         let agent = Arc::new(Agent::new(cfg.clone(), host.clone(), dp.clone() as Arc<dyn Dataplane>, store));
+        agent.metrics.register_datapath(dp.clone() as Arc<dyn Dataplane>)?;
         let s = agent.recover()?;
         tracing::info!(?s, "recovered");
         match dp.gc_link_pins() {
