@@ -476,6 +476,102 @@ mod tests {
         assert!(Rewriter::new().feed(&input, &mut Vec::new()).is_err());
     }
 
+    /// Two gRPC Health/Check calls on one connection, written frame by frame as grpc-java
+    /// writes them on a Unix socket (`:authority` = the socket path, HPACK indexing on).
+    /// Returns per call `Ok(grpc-status)` or `Err(RST_STREAM error code)`.
+    async fn raw_calls(sock: &std::path::Path) -> Vec<Result<String, u32>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::UnixStream::connect(sock).await.unwrap();
+        let mut enc = loona_hpack::Encoder::new();
+        let mut w = PREFACE.to_vec();
+        frame_header(0, 0x4, 0, 0, &mut w); // SETTINGS
+        for stream in [1u32, 3] {
+            let auth = sock.to_str().unwrap().as_bytes();
+            let hs: [(&[u8], &[u8]); 6] = [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", b"/grpc.health.v1.Health/Check"),
+                (b":authority", auth),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ];
+            let block = enc.encode(hs);
+            frame_header(block.len(), HEADERS, END_HEADERS, stream, &mut w);
+            w.extend(block);
+            frame_header(5, 0x0, END_STREAM, stream, &mut w); // DATA: empty HealthCheckRequest
+            w.extend([0u8; 5]);
+        }
+        c.write_all(&w).await.unwrap();
+        let mut dec = loona_hpack::Decoder::new();
+        let mut res: std::collections::BTreeMap<u32, Result<String, u32>> = Default::default();
+        let mut buf = Vec::new();
+        while res.len() < 2 {
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(std::time::Duration::from_secs(5), c.read(&mut chunk))
+                .await
+                .expect("server answered within 5 s")
+                .unwrap();
+            assert!(n > 0, "server closed the connection: {res:?}");
+            buf.extend_from_slice(&chunk[..n]);
+            while buf.len() >= 9 {
+                let len = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
+                if buf.len() < 9 + len {
+                    break;
+                }
+                let (ty, flags) = (buf[3], buf[4]);
+                let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]);
+                let payload: Vec<u8> = buf.drain(..9 + len).skip(9).collect();
+                match ty {
+                    0x4 if flags & 1 == 0 => {
+                        let mut ack = Vec::new();
+                        frame_header(0, 0x4, 1, 0, &mut ack);
+                        c.write_all(&ack).await.unwrap();
+                    }
+                    0x3 => {
+                        res.insert(stream, Err(u32::from_be_bytes(payload[..4].try_into().unwrap())));
+                    }
+                    HEADERS => {
+                        for (n, v) in dec.decode(&payload).unwrap() {
+                            if n == b"grpc-status" {
+                                res.insert(stream, Ok(String::from_utf8(v).unwrap()));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        res.into_values().collect()
+    }
+
+    async fn serve(sock: &std::path::Path, normalise: bool) {
+        use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
+        let _ = std::fs::remove_file(sock);
+        let l = tokio::net::UnixListener::bind(sock).unwrap();
+        let (_, health) = tonic_health::server::health_reporter();
+        let router = tonic::transport::Server::builder().add_service(health);
+        if normalise {
+            let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            tokio::spawn(router.serve_with_incoming(incoming));
+        } else {
+            tokio::spawn(router.serve_with_incoming(UnixListenerStream::new(l)));
+        }
+    }
+
+    #[tokio::test]
+    async fn tonic_serves_a_socket_path_authority_only_through_the_normaliser() {
+        let dir = std::env::temp_dir().join(format!("cubenet-uds-authority-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (bare, fixed) = (dir.join("bare.sock"), dir.join("fixed.sock"));
+        serve(&bare, false).await;
+        serve(&fixed, true).await;
+        // The cause: h2 resets the stream (PROTOCOL_ERROR = 1). Should h2 ever accept any
+        // authority, this fails and the normaliser can go.
+        assert_eq!(raw_calls(&bare).await, vec![Err(1), Err(1)]);
+        assert_eq!(raw_calls(&fixed).await, vec![Ok("0".to_string()), Ok("0".to_string())]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn non_http2_streams_pass_unchanged() {
         let mut out = Vec::new();
