@@ -256,7 +256,9 @@ fn drain(fd: &OwnedFd) -> usize {
 impl Agent {
     /// An agent with an empty pool. Call [`Agent::recover`] before serving.
     pub fn new(cfg: Arc<Validated>, host: Arc<dyn Host>, dp: Arc<dyn Dataplane>, store: StateStore) -> Self {
-        let reserved = std::fs::read_to_string(&cfg.raw.reserved_ports_file)
+        // Read on a dataplane-netns thread: the sysctl is per namespace (issue 10 item 14).
+        let reserved = host
+            .read_netns_file(&cfg.raw.reserved_ports_file)
             .map(|s| crate::ports::parse_reserved(&s))
             .unwrap_or_default();
         let inner = Inner {
@@ -1067,14 +1069,6 @@ impl Agent {
         let target = self.cfg.raw.tap_init_num;
         self.trim(target);
         self.warm(target, self.cfg.raw.warm_parallelism);
-        if let Ok(c) = self.dp.counters() {
-            for (k, v) in &c {
-                self.metrics.datapath.with_label_values(&[k.as_str()]).set(*v as i64);
-            }
-            if let Some(r) = c.get("reaper_runs") {
-                self.metrics.reaper_runs.set(*r as i64);
-            }
-        }
         if let Ok(s) = self.dp.sessions() {
             self.metrics.sessions.set(s.len() as i64);
         }

@@ -70,7 +70,8 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Host-port range `"first-last"` for port mappings (default `20000-29999`).
     pub host_port_range: String,
-    /// Path of the reserved-ports list (default `/proc/sys/net/ipv4/ip_local_reserved_ports`).
+    /// Path of the reserved-ports list (default `/proc/sys/net/ipv4/ip_local_reserved_ports`),
+    /// read from a dataplane-netns thread so the per-namespace sysctl is the dataplane's.
     pub reserved_ports_file: PathBuf,
     /// Guest inner IP (default 169.254.68.6).
     pub mvm_inner_ip: Ipv4Addr,
@@ -172,6 +173,16 @@ impl std::fmt::Display for Cidr {
     }
 }
 
+/// Longest interface name Linux accepts (`IFNAMSIZ` − 1).
+pub const MAX_IFNAME: usize = 15;
+
+/// The longest TAP name (`z<ip>`, `reference/upstream.md §2.3`) among the sandbox addresses of
+/// `cidr` (all but the network, gateway `.1` and broadcast addresses); `None` when it has none.
+pub fn longest_tap_name(cidr: Cidr) -> Option<String> {
+    let n = u32::try_from(cidr.size()).ok()?;
+    (2..n.saturating_sub(1)).map(|i| crate::host::tap_name(cidr.nth(i))).max_by_key(|s| s.len())
+}
+
 /// Parses `aa:bb:cc:dd:ee:ff`.
 pub fn parse_mac(s: &str) -> Result<[u8; 6], String> {
     let parts: Vec<&str> = s.split(':').collect();
@@ -237,6 +248,18 @@ impl Config {
         let cidr = Cidr::parse(&self.cidr).map_err(|r| invalid("cidr", r))?;
         if !(16..=24).contains(&cidr.prefix) {
             return Err(invalid("cidr", format!("prefix /{} outside /16../24", cidr.prefix)));
+        }
+        if let Some(long) = longest_tap_name(cidr).filter(|n| n.len() > MAX_IFNAME) {
+            return Err(invalid(
+                "cidr",
+                format!(
+                    "TAP names are z<sandbox ip> and {cidr} needs {long:?} ({} bytes), but Linux interface \
+                     names hold at most {MAX_IFNAME} bytes; choose a range whose addresses have at most {} \
+                     characters (e.g. 192.168.0.0/18 or 10.x.0.0/16)",
+                    long.len(),
+                    MAX_IFNAME - 1
+                ),
+            ));
         }
         if !(576..=65535).contains(&self.mtu) {
             return Err(invalid("mtu", format!("{} outside 576..65535", self.mtu)));
@@ -338,6 +361,23 @@ mod tests {
         assert!(e.contains("bogus"), "{e}");
         let e = Config::parse("mtu = \"x\"").unwrap_err();
         assert!(e.contains("mtu"), "{e}");
+    }
+
+    #[test]
+    fn cidrs_whose_tap_names_do_not_fit_are_refused() {
+        // z192.168.100.254 is 16 bytes.
+        let e = Config::parse("cidr = \"192.168.100.0/24\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`cidr`") && e.contains("z192.168.100.254") && e.contains("15 bytes"), "{e}");
+        let e = Config::parse("cidr = \"192.168.128.0/17\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("z192.168.255.254"), "{e}");
+        // The defaults (upstream's and the Kubernetes chart's) fit: z192.168.63.254 is 15 bytes.
+        assert_eq!(longest_tap_name(Cidr::parse("192.168.0.0/18").unwrap()).unwrap(), "z192.168.63.254");
+        for ok in ["192.168.0.0/18", "172.16.0.0/18", "10.244.0.0/16", "192.168.99.0/24"] {
+            Config::parse(&format!("cidr = \"{ok}\"\ntap_init_num = 10"))
+                .unwrap()
+                .validate()
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
     }
 
     #[test]

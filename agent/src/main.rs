@@ -19,9 +19,10 @@ use network_agent::{
     host::{HostParams, NetnsHost},
     http,
     state::StateStore,
+    uds_authority::NormalizeAuthority,
 };
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
 
 /// Command line: `--config PATH`; every other flag overrides the config key of the same name.
 #[derive(Parser, Debug)]
@@ -213,6 +214,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let store =
             StateStore::open(&raw.state_dir).with_context(|| format!("state dir {}", raw.state_dir.display()))?;
         let agent = Arc::new(Agent::new(cfg.clone(), host.clone(), dp.clone() as Arc<dyn Dataplane>, store));
+        agent.metrics.register_datapath(dp.clone() as Arc<dyn Dataplane>)?;
         let s = agent.recover()?;
         tracing::info!(?s, "recovered");
         match dp.gc_link_pins() {
@@ -251,7 +253,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                 let _ = std::fs::remove_file(&p);
                 UnixListener::bind(&p).with_context(|| format!("bind {}", p.display()))
             })?;
-            tokio::spawn(async move { router.serve_with_incoming_shutdown(UnixListenerStream::new(l), shutdown).await })
+            // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
+            let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
         Endpoint::Tcp(addr) => {
             let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("bind {addr}"))?;

@@ -2,7 +2,7 @@
 //! `scripts/start-network-agent.sh` in its own namespace, programming the harness node
 //! namespace. Pool, Ensure, fd handoff + TAP guest ARP, Release/reuse, kill -9 recovery,
 //! 50 concurrent Ensure/Release back to baseline, fd-socket bad input, gRPC validation,
-//! config errors, and a Python grpcio-tools client for wire compatibility.
+//! config errors. Standard gRPC clients (grpcio, tonic defaults) are in `agent_clients.rs`.
 //! Tests needing SNAT/conntrack/port-map DNAT live in `agent_datapath.rs`.
 
 use std::{
@@ -649,71 +649,4 @@ fn invalid_config_and_conflicting_state_refuse_to_start() {
     assert!(!st.success());
     assert!(a.log().contains("conflicting identity"), "{}", a.log());
     a.child = None;
-}
-
-#[test]
-fn python_grpcio_client_is_wire_compatible() {
-    if !require_root("python_grpcio_client_is_wire_compatible") {
-        return;
-    }
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    let venv = target.join("py-grpc-venv");
-    let py = venv.join("bin/python");
-    if !py.exists() || !venv.join(".grpcio-ok").exists() {
-        let st = std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
-        assert!(st.success(), "python3 -m venv failed");
-        let st =
-            std::process::Command::new(&py).args(["-m", "pip", "install", "--quiet", "grpcio-tools"]).status().unwrap();
-        assert!(st.success(), "pip install grpcio-tools failed");
-        std::fs::write(venv.join(".grpcio-ok"), b"").unwrap();
-    }
-    let mut a = AgentUnderTest::prepare("python", 1, "");
-    a.start();
-    let pydir = a.dir.join("py");
-    std::fs::create_dir_all(&pydir).unwrap();
-    let proto_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto");
-    let st = std::process::Command::new(&py)
-        .args(["-m", "grpc_tools.protoc", "-I"])
-        .arg(&proto_dir)
-        .arg(format!("--python_out={}", pydir.display()))
-        .arg(format!("--grpc_python_out={}", pydir.display()))
-        .arg(proto_dir.join("network_agent.proto"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "grpc_tools.protoc failed");
-    let script = r#"
-import sys, grpc
-sys.path.insert(0, sys.argv[1])
-import network_agent_pb2 as pb, network_agent_pb2_grpc as rpc
-# The default :authority of a unix: target is the socket path, which is not a valid
-# authority for the Rust HTTP/2 server; name a host as any TCP client would.
-ch = grpc.insecure_channel(sys.argv[2], options=[("grpc.default_authority", "localhost")])
-s = rpc.NetworkAgentStub(ch)
-r = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-1",
-    port_mappings=[pb.PortMapping(protocol="tcp", container_port=8080)],
-    cubevs_context=pb.CubeVSContext(allow_internet_access=True, deny_out=["10.0.0.0/8"])))
-assert r.sandbox_id == "py-1" and r.network_handle == "py-1", r
-assert r.interfaces[0].ip_cidrs[0] == "169.254.68.6/30", r
-assert r.interfaces[0].mtu == 1500
-assert r.port_mappings[0].host_port >= 20000
-assert r.persist_metadata["host_tap_name"] == r.interfaces[0].name
-g = s.GetNetwork(pb.GetNetworkRequest(sandbox_id="py-1"))
-assert g.interfaces == r.interfaces and g.port_mappings == r.port_mappings
-l = s.ListNetworks(pb.ListNetworksRequest())
-assert [n.sandbox_id for n in l.networks] == ["py-1"], l
-assert l.networks[0].tap_ifindex > 0 and l.networks[0].sandbox_ip.startswith("192.168.0.")
-try:
-    s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id=""))
-    raise SystemExit("empty sandbox_id accepted")
-except grpc.RpcError as e:
-    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
-rel = s.ReleaseNetwork(pb.ReleaseNetworkRequest(sandbox_id="py-1"))
-assert rel.released
-print("PYTHON-OK", r.interfaces[0].name)
-"#;
-    let endpoint = format!("unix://{}", a.dir.join("cube/grpc.sock").display());
-    let out = std::process::Command::new(&py).arg("-c").arg(script).arg(&pydir).arg(&endpoint).output().unwrap();
-    let so = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && so.contains("PYTHON-OK"), "{so}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(state_counts(&a), (1, 0, 0));
 }
