@@ -5,7 +5,8 @@
 //! sandbox's policy ([`policy`]), HTTPS is intercepted with leaves minted from the node CA
 //! ([`certs`]), credentials are injected under gates, and every request and security event is
 //! written to a JSON Lines audit log ([`audit`]). Policies are managed through the admin API
-//! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]). Behaviour follows
+//! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]). The original destination
+//! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). Behaviour follows
 //! `reference/upstream.md §4` unless a decision in `docs/decisions.md` (E-entries) says otherwise.
 
 pub mod admin;
