@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::{
     config::{Validated, mac_string},
-    dataplane::{Dataplane, DataplaneError, EgressPolicy, PortMapping, Proto, SandboxEntry, validate_policy},
+    dataplane::{Dataplane, DataplaneError, EgressPolicy, PortMapping, Proto, SandboxEntry, compile_policy},
     host::{Host, LiveTap, tap_name},
     ipam::Ipam,
     metrics::Metrics,
@@ -67,6 +67,7 @@ impl From<DataplaneError> for AgentError {
     fn from(e: DataplaneError) -> Self {
         match e {
             DataplaneError::Invalid { field, reason } => AgentError::Invalid { field, reason },
+            DataplaneError::Exhausted(m) => AgentError::Exhausted(m),
             other => AgentError::Internal(other.to_string()),
         }
     }
@@ -495,8 +496,8 @@ impl Agent {
                 ));
             }
         }
-        let policy = req.policy.clone().unwrap_or(EgressPolicy { allow_internet_access: true, ..Default::default() });
-        validate_policy("cubevs_context.", &policy)?;
+        let policy = req.policy.clone().unwrap_or_default();
+        compile_policy(&policy, self.cfg.raw.policy_entries_per_sandbox)?;
 
         let id = req.sandbox_id.clone();
         let guard = self.sandbox_lock(&id);
@@ -759,12 +760,19 @@ impl Agent {
     }
 
     /// ReconcileNetwork: re-asserts attachment, registration, port maps and (when given) the
-    /// policy of a live sandbox.
-    pub fn reconcile(&self, sandbox_id: &str, policy: Option<EgressPolicy>) -> Result<NetworkView, AgentError> {
+    /// policy of a live sandbox. When the new policy denies a destination the old one allowed
+    /// and `flush` (default: `flush_sessions_on_policy_tighten`) is on, the sandbox gets a new
+    /// version after the new policy is in force: its established flows no longer match a
+    /// session, and every new flow is classified by the new policy.
+    pub fn reconcile(
+        &self,
+        sandbox_id: &str,
+        policy: Option<EgressPolicy>,
+        flush: Option<bool>,
+    ) -> Result<NetworkView, AgentError> {
         validate_sandbox_id(sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
-        if let Some(p) = &policy {
-            validate_policy("cubevs_context.", p)?;
-        }
+        let limit = self.cfg.raw.policy_entries_per_sandbox;
+        let compiled = policy.as_ref().map(|p| compile_policy(p, limit)).transpose()?;
         let guard = self.sandbox_lock(sandbox_id);
         let _g = lock(&guard);
         let mut rec = lock(&self.inner)
@@ -772,10 +780,23 @@ impl Agent {
             .get(sandbox_id)
             .cloned()
             .ok_or_else(|| AgentError::NotFound(sandbox_id.to_string()))?;
-        if let Some(p) = policy {
-            self.dp.replace_policy(rec.tap_ifindex, &p)?;
+        if let (Some(p), Some(new)) = (policy, compiled) {
+            // The stored policy was accepted under the limit of its day: compile it unlimited.
+            let old = compile_policy(&rec.policy, u32::MAX)?;
+            let tightened = new.tightens(&old);
+            let flush = flush.unwrap_or(self.cfg.raw.flush_sessions_on_policy_tighten) && tightened.is_some();
             rec.policy = p;
+            if flush {
+                rec.version = self.next_version();
+            }
+            // Intent first: a restart converges to the record.
             self.store.write(&rec, Phase::Success).map_err(internal)?;
+            self.dp.replace_policy(rec.tap_ifindex, &rec.policy)?;
+            if let Some(ip) = tightened {
+                tracing::info!(sandbox = %sandbox_id, denied = %ip, flush, "policy tightened");
+            }
+            // With a new version, converge re-registers the sandbox (after the replace: a flow
+            // opened in between is classified by the new policy).
         }
         self.converge(&rec)?;
         lock(&self.inner).sandboxes.insert(sandbox_id.to_string(), rec.clone());
@@ -816,7 +837,8 @@ impl Agent {
                 self.dp.add_port_mapping(m)?;
             }
         }
-        if self.dp.policy(ifindex)?.is_none() {
+        let want = compile_policy(&rec.policy, u32::MAX)?;
+        if !self.dp.policy(ifindex)?.is_some_and(|d| d.allow == want.allow && d.deny == want.deny) {
             self.dp.replace_policy(ifindex, &rec.policy)?;
         }
         Ok(())
@@ -1180,8 +1202,9 @@ mod tests {
         assert!(f.agent.release("sb-1").unwrap(), "release is idempotent");
         assert!(f.dp.sandbox(r.tap_ifindex).unwrap().is_none());
         assert!(f.dp.port_mappings().unwrap().is_empty());
+        // Back to what the datapath gives a Ready TAP: the baseline deny only.
         let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
-        assert!(p.allow.is_empty() && p.deny.contains(&"0.0.0.0/0".to_string()), "baseline deny back: {p:?}");
+        assert!(p.allow.is_empty() && p.deny == cubevs::policy::BASELINE_DENY.to_vec(), "baseline deny back: {p:?}");
         assert_eq!(f.agent.store.count(), 0);
         assert_eq!(f.agent.host_ports_in_use(), 0);
         assert!(matches!(f.agent.get("sb-1"), Err(AgentError::NotFound(_))));
@@ -1191,7 +1214,7 @@ mod tests {
         assert_eq!(v2.record.tap_name, r.tap_name);
         assert!(v2.record.version > r.version);
         let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
-        assert!(p.allow.is_empty() && !p.deny.contains(&"0.0.0.0/0".to_string()), "{p:?}");
+        assert!(p.allow.is_empty() && p.deny == cubevs::policy::BASELINE_DENY.to_vec(), "{p:?}");
     }
 
     #[test]
