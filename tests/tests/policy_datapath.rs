@@ -54,7 +54,7 @@ fn policy_replace_never_lets_a_denied_flow_through() {
     let replacer = std::thread::spawn(move || {
         let mut i = 0u64;
         while !st.load(Ordering::Relaxed) {
-            maps.policy.replace(SB_IFINDEX, if i % 2 == 0 { &b } else { &a }).expect("replace");
+            maps.policy.replace(SB_IFINDEX, if i.is_multiple_of(2) { &b } else { &a }).expect("replace");
             i += 1;
         }
         n.store(i, Ordering::Relaxed);

@@ -112,12 +112,16 @@ impl PrefixSet {
     }
 }
 
+/// The datapath's verdict: allowed when an allow entry covers `ip` or no deny entry does.
+fn verdict(allow: &PrefixSet, deny: &PrefixSet, ip: u32) -> bool {
+    allow.covers(ip) || !deny.covers(ip)
+}
+
 impl CompiledPolicy {
     /// The datapath's verdict for a new flow to `ip`: allowed when an allow entry covers it
     /// or no deny entry does.
     pub fn allows(&self, ip: Ipv4Addr) -> bool {
-        let ip = u32::from(ip);
-        PrefixSet::new(&self.allow).covers(ip) || !PrefixSet::new(&self.deny).covers(ip)
+        verdict(&PrefixSet::new(&self.allow), &PrefixSet::new(&self.deny), u32::from(ip))
     }
 
     /// The lowest address `old` allows and `self` denies, if any: `Some` means replacing
@@ -136,10 +140,7 @@ impl CompiledPolicy {
         points.dedup();
         let (na, nd) = (PrefixSet::new(&self.allow), PrefixSet::new(&self.deny));
         let (oa, od) = (PrefixSet::new(&old.allow), PrefixSet::new(&old.deny));
-        points
-            .into_iter()
-            .find(|&ip| (oa.covers(ip) || !od.covers(ip)) && !(na.covers(ip) || !nd.covers(ip)))
-            .map(Ipv4Addr::from)
+        points.into_iter().find(|&ip| verdict(&oa, &od, ip) && !verdict(&na, &nd, ip)).map(Ipv4Addr::from)
     }
 }
 
