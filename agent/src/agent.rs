@@ -1274,6 +1274,42 @@ mod tests {
     }
 
     #[test]
+    fn reconcile_flushes_only_when_the_policy_tightens() {
+        let f = fixture("tighten");
+        f.agent.recover().unwrap();
+        f.agent.warm(1, 1);
+        let open = EgressPolicy::default();
+        let v0 = f.agent.ensure(EnsureRequest { sandbox_id: "sb-t".into(), ..Default::default() }).unwrap();
+        let version = |f: &Fixture| f.dp.sandbox(v0.record.tap_ifindex).unwrap().unwrap().version;
+        let base = version(&f);
+        assert_eq!(base, v0.record.version);
+        // The same policy again, and a looser one: no flush.
+        f.agent.reconcile("sb-t", Some(open.clone()), None).unwrap();
+        let looser = EgressPolicy { allow_out: vec!["10.1.0.0/16".into()], ..Default::default() };
+        f.agent.reconcile("sb-t", Some(looser.clone()), None).unwrap();
+        assert_eq!(version(&f), base, "a non-tightening Reconcile flushed");
+        // Tightening with the override off keeps the version; with the default it changes,
+        // in the datapath and in the record.
+        let tight = EgressPolicy { deny_out: vec!["198.51.100.1".into()], ..looser.clone() };
+        f.agent.reconcile("sb-t", Some(tight.clone()), Some(false)).unwrap();
+        assert_eq!(version(&f), base);
+        let v = f.agent.reconcile("sb-t", Some(looser), None).unwrap();
+        assert_eq!(version(&f), base, "loosening again");
+        assert_eq!(v.record.version, base);
+        let v = f.agent.reconcile("sb-t", Some(tight), None).unwrap();
+        assert!(version(&f) > base, "tightening did not flush");
+        assert_eq!(v.record.version, version(&f));
+        assert_eq!(f.agent.get("sb-t").unwrap().record.version, version(&f));
+        // Over the limit: refused naming the list and the limit, nothing changes.
+        let many: Vec<String> = (0..1025u32).map(|i| Ipv4Addr::from(0x0b00_0000 + i).to_string()).collect();
+        let before = f.dp.policy(v0.record.tap_ifindex).unwrap();
+        let e = f.agent.reconcile("sb-t", Some(EgressPolicy { allow_out: many, ..Default::default() }), None);
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("cubevs_context.allow_out") && e.contains("1024"), "{e}");
+        assert_eq!(f.dp.policy(v0.record.tap_ifindex).unwrap(), before);
+    }
+
+    #[test]
     fn recovery_adopts_and_cleans() {
         let f = fixture("recover");
         f.agent.recover().unwrap();
