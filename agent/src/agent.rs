@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::{
     config::{Validated, mac_string},
-    dataplane::{Dataplane, DataplaneError, EgressPolicy, PortMapping, Proto, SandboxEntry, validate_policy},
+    dataplane::{Dataplane, DataplaneError, EgressPolicy, PortMapping, Proto, SandboxEntry, compile_policy},
     host::{Host, LiveTap, tap_name},
     ipam::Ipam,
     metrics::Metrics,
@@ -67,6 +67,7 @@ impl From<DataplaneError> for AgentError {
     fn from(e: DataplaneError) -> Self {
         match e {
             DataplaneError::Invalid { field, reason } => AgentError::Invalid { field, reason },
+            DataplaneError::Exhausted(m) => AgentError::Exhausted(m),
             other => AgentError::Internal(other.to_string()),
         }
     }
@@ -497,8 +498,8 @@ impl Agent {
                 ));
             }
         }
-        let policy = req.policy.clone().unwrap_or(EgressPolicy { allow_internet_access: true, ..Default::default() });
-        validate_policy("cubevs_context.", &policy)?;
+        let policy = req.policy.clone().unwrap_or_default();
+        compile_policy(&policy, self.cfg.raw.policy_entries_per_sandbox)?;
 
         let id = req.sandbox_id.clone();
         let guard = self.sandbox_lock(&id);
@@ -761,12 +762,19 @@ impl Agent {
     }
 
     /// ReconcileNetwork: re-asserts attachment, registration, port maps and (when given) the
-    /// policy of a live sandbox.
-    pub fn reconcile(&self, sandbox_id: &str, policy: Option<EgressPolicy>) -> Result<NetworkView, AgentError> {
+    /// policy of a live sandbox. When the new policy denies a destination the old one allowed
+    /// and `flush` (default: `flush_sessions_on_policy_tighten`) is on, the sandbox gets a new
+    /// version after the new policy is in force: its established flows no longer match a
+    /// session, and every new flow is classified by the new policy.
+    pub fn reconcile(
+        &self,
+        sandbox_id: &str,
+        policy: Option<EgressPolicy>,
+        flush: Option<bool>,
+    ) -> Result<NetworkView, AgentError> {
         validate_sandbox_id(sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
-        if let Some(p) = &policy {
-            validate_policy("cubevs_context.", p)?;
-        }
+        let limit = self.cfg.raw.policy_entries_per_sandbox;
+        let compiled = policy.as_ref().map(|p| compile_policy(p, limit)).transpose()?;
         let guard = self.sandbox_lock(sandbox_id);
         let _g = lock(&guard);
         let mut rec = lock(&self.inner)
@@ -774,10 +782,23 @@ impl Agent {
             .get(sandbox_id)
             .cloned()
             .ok_or_else(|| AgentError::NotFound(sandbox_id.to_string()))?;
-        if let Some(p) = policy {
-            self.dp.replace_policy(rec.tap_ifindex, &p)?;
+        if let (Some(p), Some(new)) = (policy, compiled) {
+            // The stored policy was accepted under the limit of its day: compile it unlimited.
+            let old = compile_policy(&rec.policy, u32::MAX)?;
+            let tightened = new.tightens(&old);
+            let flush = flush.unwrap_or(self.cfg.raw.flush_sessions_on_policy_tighten) && tightened.is_some();
             rec.policy = p;
+            if flush {
+                rec.version = self.next_version();
+            }
+            // Intent first: a restart converges to the record.
             self.store.write(&rec, Phase::Success).map_err(internal)?;
+            self.dp.replace_policy(rec.tap_ifindex, &rec.policy)?;
+            if let Some(ip) = tightened {
+                tracing::info!(sandbox = %sandbox_id, denied = %ip, flush, "policy tightened");
+            }
+            // With a new version, converge re-registers the sandbox (after the replace: a flow
+            // opened in between is classified by the new policy).
         }
         self.converge(&rec)?;
         lock(&self.inner).sandboxes.insert(sandbox_id.to_string(), rec.clone());
@@ -818,7 +839,8 @@ impl Agent {
                 self.dp.add_port_mapping(m)?;
             }
         }
-        if self.dp.policy(ifindex)?.is_none() {
+        let want = compile_policy(&rec.policy, u32::MAX)?;
+        if !self.dp.policy(ifindex)?.is_some_and(|d| d.allow == want.allow && d.deny == want.deny) {
             self.dp.replace_policy(ifindex, &rec.policy)?;
         }
         Ok(())
@@ -1174,8 +1196,9 @@ mod tests {
         assert!(f.agent.release("sb-1").unwrap(), "release is idempotent");
         assert!(f.dp.sandbox(r.tap_ifindex).unwrap().is_none());
         assert!(f.dp.port_mappings().unwrap().is_empty());
+        // Back to what the datapath gives a Ready TAP: the baseline deny only.
         let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
-        assert!(p.allow.is_empty() && p.deny.contains(&"0.0.0.0/0".to_string()), "baseline deny back: {p:?}");
+        assert!(p.allow.is_empty() && p.deny == cubevs::policy::BASELINE_DENY.to_vec(), "baseline deny back: {p:?}");
         assert_eq!(f.agent.store.count(), 0);
         assert_eq!(f.agent.host_ports_in_use(), 0);
         assert!(matches!(f.agent.get("sb-1"), Err(AgentError::NotFound(_))));
@@ -1185,7 +1208,7 @@ mod tests {
         assert_eq!(v2.record.tap_name, r.tap_name);
         assert!(v2.record.version > r.version);
         let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
-        assert!(p.allow.is_empty() && !p.deny.contains(&"0.0.0.0/0".to_string()), "{p:?}");
+        assert!(p.allow.is_empty() && p.deny == cubevs::policy::BASELINE_DENY.to_vec(), "{p:?}");
     }
 
     #[test]
@@ -1242,6 +1265,42 @@ mod tests {
         r.ports = vec![parse_port_request(0, "tcp", 80, 80, "").unwrap()];
         let e = f.agent.ensure(r).unwrap_err();
         assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[0].host_port"), "{e}");
+    }
+
+    #[test]
+    fn reconcile_flushes_only_when_the_policy_tightens() {
+        let f = fixture("tighten");
+        f.agent.recover().unwrap();
+        f.agent.warm(1, 1);
+        let open = EgressPolicy::default();
+        let v0 = f.agent.ensure(EnsureRequest { sandbox_id: "sb-t".into(), ..Default::default() }).unwrap();
+        let version = |f: &Fixture| f.dp.sandbox(v0.record.tap_ifindex).unwrap().unwrap().version;
+        let base = version(&f);
+        assert_eq!(base, v0.record.version);
+        // The same policy again, and a looser one: no flush.
+        f.agent.reconcile("sb-t", Some(open.clone()), None).unwrap();
+        let looser = EgressPolicy { allow_out: vec!["10.1.0.0/16".into()], ..Default::default() };
+        f.agent.reconcile("sb-t", Some(looser.clone()), None).unwrap();
+        assert_eq!(version(&f), base, "a non-tightening Reconcile flushed");
+        // Tightening with the override off keeps the version; with the default it changes,
+        // in the datapath and in the record.
+        let tight = EgressPolicy { deny_out: vec!["198.51.100.1".into()], ..looser.clone() };
+        f.agent.reconcile("sb-t", Some(tight.clone()), Some(false)).unwrap();
+        assert_eq!(version(&f), base);
+        let v = f.agent.reconcile("sb-t", Some(looser), None).unwrap();
+        assert_eq!(version(&f), base, "loosening again");
+        assert_eq!(v.record.version, base);
+        let v = f.agent.reconcile("sb-t", Some(tight), None).unwrap();
+        assert!(version(&f) > base, "tightening did not flush");
+        assert_eq!(v.record.version, version(&f));
+        assert_eq!(f.agent.get("sb-t").unwrap().record.version, version(&f));
+        // Over the limit: refused naming the list and the limit, nothing changes.
+        let many: Vec<String> = (0..1025u32).map(|i| Ipv4Addr::from(0x0b00_0000 + i).to_string()).collect();
+        let before = f.dp.policy(v0.record.tap_ifindex).unwrap();
+        let e = f.agent.reconcile("sb-t", Some(EgressPolicy { allow_out: many, ..Default::default() }), None);
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("cubevs_context.allow_out") && e.contains("1024"), "{e}");
+        assert_eq!(f.dp.policy(v0.record.tap_ifindex).unwrap(), before);
     }
 
     #[test]
