@@ -1,0 +1,314 @@
+//! The service operations: Ensure, Release, Reconcile, Get, List and the fd handoff lookup.
+
+use std::{os::fd::OwnedFd, sync::Arc, time::Instant};
+
+use super::{Agent, AgentError, EnsureRequest, NetworkView, TapState, internal, invalid, lock};
+use crate::{
+    dataplane::{EgressPolicy, PortMapping, SandboxEntry, validate_policy},
+    ports::PortError,
+    state::{Phase, PortRecord, SandboxRecord, validate_sandbox_id},
+};
+
+impl Agent {
+    /// EnsureNetwork: idempotent per sandbox id; on failure nothing is left behind.
+    pub fn ensure(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
+        let t0 = Instant::now();
+        let r = self.ensure_inner(req);
+        self.kick.notify_one();
+        self.metrics.ensure_seconds.observe(t0.elapsed().as_secs_f64());
+        self.metrics.ensure.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
+        r
+    }
+
+    fn ensure_inner(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(&req.sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in req.ports.iter().enumerate() {
+            if p.host_port != 0 && !seen.insert((p.proto, p.host_port)) {
+                return Err(invalid(
+                    format!("port_mappings[{i}].host_port"),
+                    format!("{} requested twice", p.host_port),
+                ));
+            }
+            if p.host_port != 0 && (p.host_port < self.cfg.port_range.0 || p.host_port > self.cfg.port_range.1) {
+                return Err(invalid(
+                    format!("port_mappings[{i}].host_port"),
+                    format!("{} is outside host_port_range {}", p.host_port, self.cfg.raw.host_port_range),
+                ));
+            }
+        }
+        let policy = req.policy.clone().unwrap_or(EgressPolicy { allow_internet_access: true, ..Default::default() });
+        validate_policy("cubevs_context.", &policy)?;
+
+        let id = req.sandbox_id.clone();
+        let guard = self.sandbox_lock(&id);
+        let _g = lock(&guard);
+        {
+            let inner = lock(&self.inner);
+            if let Some(rec) = inner.sandboxes.get(&id) {
+                return Ok(self.view(rec));
+            }
+            if let Some(t) = inner.taps.values().find(|t| t.owner.as_deref() == Some(id.as_str())) {
+                return Err(AgentError::Busy(format!(
+                    "the previous network of {id:?} ({}) is still being cleaned; retry later",
+                    t.name
+                )));
+            }
+        }
+
+        // 1. A TAP: first Ready one, else on demand.
+        let picked = {
+            let mut inner = lock(&self.inner);
+            let name = inner.taps.values().find(|t| t.state == TapState::Ready).map(|t| t.name.clone());
+            if let Some(n) = &name {
+                let t = inner.taps.get_mut(n).expect("found");
+                t.state = TapState::Active;
+                t.owner = Some(id.clone());
+                self.update_pool_gauges(&inner);
+            }
+            name
+        };
+        let name = match picked {
+            Some(n) => n,
+            None => self.create_tap(Some(&id))?,
+        };
+        let (ip, ifindex) = {
+            let inner = lock(&self.inner);
+            let t = &inner.taps[&name];
+            (t.ip, t.ifindex)
+        };
+
+        // 2. Host ports.
+        let mut records = Vec::new();
+        {
+            let mut inner = lock(&self.inner);
+            for (i, p) in req.ports.iter().enumerate() {
+                match inner.ports.claim(&id, p.host_port) {
+                    Ok(hp) => records.push(PortRecord {
+                        proto: p.proto,
+                        container_port: p.container_port,
+                        host_port: hp,
+                        host_ip: p.host_ip.clone(),
+                    }),
+                    Err(e) => {
+                        inner.ports.release_owner(&id);
+                        drop(inner);
+                        self.return_unprogrammed(&name);
+                        return Err(match e {
+                            PortError::Exhausted(..) => AgentError::Exhausted(e.to_string()),
+                            _ => invalid(format!("port_mappings[{i}].host_port"), e.to_string()),
+                        });
+                    }
+                }
+            }
+        }
+
+        // 3. Intent, then datapath, then commit.
+        let mut meta = req.persist_metadata.clone();
+        meta.insert("sandbox_ip".into(), ip.to_string());
+        meta.insert("host_tap_name".into(), name.clone());
+        meta.insert("mvm_inner_ip".into(), self.cfg.raw.mvm_inner_ip.to_string());
+        meta.insert("gateway_ip".into(), self.cfg.gateway_ip().to_string());
+        let rec = SandboxRecord {
+            sandbox_id: id.clone(),
+            tap_name: name.clone(),
+            tap_ifindex: ifindex,
+            sandbox_ip: ip,
+            version: self.next_version(),
+            port_mappings: records,
+            policy,
+            persist_metadata: meta,
+        };
+        if let Err(e) = self.store.write(&rec, Phase::Creating) {
+            lock(&self.inner).ports.release_owner(&id);
+            self.return_unprogrammed(&name);
+            return Err(internal(format!("write state of {id}: {e}")));
+        }
+        let programmed = (|| -> Result<(), AgentError> {
+            for p in &rec.port_mappings {
+                self.dp.add_port_mapping(&PortMapping {
+                    proto: p.proto,
+                    host_port: p.host_port,
+                    ifindex,
+                    guest_port: p.container_port,
+                })?;
+            }
+            self.dp.replace_policy(ifindex, &rec.policy)?;
+            self.dp.register_sandbox(&SandboxEntry { ifindex, ip, version: rec.version, id: id.clone() })?;
+            self.store.advance(&id, Phase::Creating, Phase::Success).map_err(|e| internal(format!("commit {id}: {e}")))
+        })();
+        if let Err(e) = programmed {
+            tracing::warn!(sandbox = %id, "ensure failed, rolling back: {e}");
+            if let Some(t) = lock(&self.inner).taps.get_mut(&name) {
+                t.state = TapState::Cleaning;
+            }
+            self.cleanup_tap(&name);
+            return Err(e);
+        }
+        lock(&self.inner).sandboxes.insert(id.clone(), rec.clone());
+        Ok(self.view(&rec))
+    }
+
+    /// Puts a TAP that was taken for `owner` but never programmed back to Ready.
+    fn return_unprogrammed(&self, name: &str) {
+        let mut inner = lock(&self.inner);
+        if let Some(t) = inner.taps.get_mut(name) {
+            t.state = TapState::Ready;
+            t.owner = None;
+        }
+        self.update_pool_gauges(&inner);
+    }
+
+    // ---------------------------------------------------------------- Release / cleanup
+
+    /// ReleaseNetwork: idempotent (unknown ids report released). The TAP goes through
+    /// Cleaning back to Ready; a failed cleanup stays Cleaning for the maintenance loop.
+    pub fn release(&self, sandbox_id: &str) -> Result<bool, AgentError> {
+        let t0 = Instant::now();
+        let r = self.release_inner(sandbox_id);
+        self.kick.notify_one();
+        self.metrics.release_seconds.observe(t0.elapsed().as_secs_f64());
+        self.metrics.release.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
+        r
+    }
+
+    fn release_inner(&self, id: &str) -> Result<bool, AgentError> {
+        validate_sandbox_id(id).map_err(|r| invalid("sandbox_id", r))?;
+        let guard = self.sandbox_lock(id);
+        let _g = lock(&guard);
+        let rec = lock(&self.inner).sandboxes.remove(id);
+        let Some(rec) = rec else {
+            // Durable leftovers only (e.g. an earlier failure): clean the state.
+            let _ = self.store.remove(id);
+            drop(_g);
+            self.forget_lock(id);
+            return Ok(true);
+        };
+        self.store.write(&rec, Phase::Deleting).map_err(|e| internal(format!("mark {id} deleting: {e}")))?;
+        {
+            let mut inner = lock(&self.inner);
+            if let Some(t) = inner.taps.get_mut(&rec.tap_name) {
+                t.state = TapState::Cleaning;
+            }
+            self.update_pool_gauges(&inner);
+        }
+        self.cleanup_tap(&rec.tap_name);
+        drop(_g);
+        self.forget_lock(id);
+        Ok(true)
+    }
+
+    /// GetNetwork.
+    pub fn get(&self, sandbox_id: &str) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        lock(&self.inner)
+            .sandboxes
+            .get(sandbox_id)
+            .map(|r| self.view(r))
+            .ok_or_else(|| AgentError::NotFound(sandbox_id.to_string()))
+    }
+
+    /// ListNetworks, sorted by sandbox id.
+    pub fn list(&self) -> Vec<SandboxRecord> {
+        let mut v: Vec<_> = lock(&self.inner).sandboxes.values().cloned().collect();
+        v.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
+        v
+    }
+
+    /// ReconcileNetwork: re-asserts attachment, registration, port maps and (when given) the
+    /// policy of a live sandbox.
+    pub fn reconcile(&self, sandbox_id: &str, policy: Option<EgressPolicy>) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        if let Some(p) = &policy {
+            validate_policy("cubevs_context.", p)?;
+        }
+        let guard = self.sandbox_lock(sandbox_id);
+        let _g = lock(&guard);
+        let mut rec = lock(&self.inner)
+            .sandboxes
+            .get(sandbox_id)
+            .cloned()
+            .ok_or_else(|| AgentError::NotFound(sandbox_id.to_string()))?;
+        if let Some(p) = policy {
+            self.dp.replace_policy(rec.tap_ifindex, &p)?;
+            rec.policy = p;
+            self.store.write(&rec, Phase::Success).map_err(internal)?;
+        }
+        self.converge(&rec)?;
+        lock(&self.inner).sandboxes.insert(sandbox_id.to_string(), rec.clone());
+        Ok(self.view(&rec))
+    }
+
+    /// Makes the datapath match a committed record without disturbing what already matches.
+    pub(super) fn converge(&self, rec: &SandboxRecord) -> Result<(), AgentError> {
+        let ifindex = self.dp.attach_sandbox(&rec.tap_name)?;
+        if ifindex != rec.tap_ifindex {
+            return Err(internal(format!("{}: ifindex {} != recorded {}", rec.tap_name, ifindex, rec.tap_ifindex)));
+        }
+        let want = SandboxEntry { ifindex, ip: rec.sandbox_ip, version: rec.version, id: rec.sandbox_id.clone() };
+        match self.dp.sandbox(ifindex)? {
+            Some(e) if e == want => {}
+            Some(e) if e.id != rec.sandbox_id => {
+                return Err(internal(format!(
+                    "{}: datapath registers sandbox {:?}, state says {:?}",
+                    rec.tap_name, e.id, rec.sandbox_id
+                )));
+            }
+            _ => {
+                self.dp.replace_policy(ifindex, &rec.policy)?;
+                self.dp.register_sandbox(&want)?;
+            }
+        }
+        let mut have: Vec<_> = self.dp.port_mappings()?.into_iter().filter(|m| m.ifindex == ifindex).collect();
+        let mut wanted: Vec<_> = rec
+            .port_mappings
+            .iter()
+            .map(|p| PortMapping { proto: p.proto, host_port: p.host_port, ifindex, guest_port: p.container_port })
+            .collect();
+        have.sort_by_key(|m| (m.proto, m.host_port));
+        wanted.sort_by_key(|m| (m.proto, m.host_port));
+        if have != wanted {
+            self.dp.delete_port_mappings_of(ifindex)?;
+            for m in &wanted {
+                self.dp.add_port_mapping(m)?;
+            }
+        }
+        if self.dp.policy(ifindex)?.is_none() {
+            self.dp.replace_policy(ifindex, &rec.policy)?;
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- fd handoff
+
+    /// A duplicate of the queue fd of `tap_name` for `sandbox_id` (`reference/upstream.md
+    /// §1.3`): only an Active TAP owned by a committed sandbox. `Ok(None)` = no such TAP or
+    /// not this sandbox's (errCode 1002); `Err` = anything else (errCode -1). An empty name
+    /// means "the sandbox's TAP".
+    pub fn tap_fd(&self, tap_name: &str, sandbox_id: &str) -> Result<Option<OwnedFd>, String> {
+        let (name, fd) = {
+            let inner = lock(&self.inner);
+            let Some(rec) = inner.sandboxes.get(sandbox_id) else { return Ok(None) };
+            if !tap_name.is_empty() && rec.tap_name != tap_name {
+                return Ok(None);
+            }
+            let Some(t) = inner.taps.get(&rec.tap_name) else { return Ok(None) };
+            if t.state != TapState::Active || t.owner.as_deref() != Some(sandbox_id) {
+                return Ok(None);
+            }
+            (t.name.clone(), t.fd.clone())
+        };
+        let fd = match fd {
+            Some(fd) => fd,
+            None => {
+                // Adopted after a restart: open lazily; EBUSY means a VMM holds it (no reopen).
+                let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| format!("open {name}: {e}"))?);
+                if let Some(t) = lock(&self.inner).taps.get_mut(&name) {
+                    t.fd = Some(fd.clone());
+                }
+                fd
+            }
+        };
+        fd.try_clone().map(Some).map_err(|e| format!("dup fd of {name}: {e}"))
+    }
+}

@@ -1,0 +1,178 @@
+//! Unit tests of the service core over the fake host and dataplane.
+
+use super::*;
+use crate::{config::Config, dataplane::FakeDataplane, host::FakeHost, state::Phase};
+
+struct Fixture {
+    agent: Agent,
+    dp: Arc<FakeDataplane>,
+    host: Arc<FakeHost>,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn fixture(tag: &str) -> Fixture {
+    let dir = std::env::temp_dir().join(format!("cubenet-agent-unit-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = Config {
+        cidr: "10.9.0.0/24".into(),
+        tap_init_num: 2,
+        state_dir: dir.clone(),
+        reserved_ports_file: "/nonexistent".into(),
+        ..Config::default()
+    };
+    let cfg = Arc::new(cfg.validate().unwrap());
+    let dp = Arc::new(FakeDataplane::default());
+    let host = Arc::new(FakeHost::default());
+    let h = host.clone();
+    *dp.resolver.lock().unwrap() = Some(Box::new(move |n| h.taps.lock().unwrap().get(n).map(|t| t.ifindex)));
+    let store = StateStore::open(&dir).unwrap();
+    let agent = Agent::new(cfg, host.clone(), dp.clone(), store);
+    Fixture { agent, dp, host, dir }
+}
+
+fn req(id: &str) -> EnsureRequest {
+    EnsureRequest {
+        sandbox_id: id.into(),
+        ports: vec![parse_port_request(0, "", 80, 0, "").unwrap()],
+        policy: Some(EgressPolicy {
+            allow_internet_access: false,
+            allow_out: vec!["1.1.1.1/32".into()],
+            deny_out: vec![],
+        }),
+        persist_metadata: BTreeMap::new(),
+    }
+}
+
+#[test]
+fn ensure_release_reuse() {
+    let f = fixture("reuse");
+    f.agent.recover().unwrap();
+    assert_eq!(f.agent.warm(2, 2), 2);
+    assert!(f.agent.readiness().is_err(), "not started yet");
+    f.agent.set_started();
+    f.agent.readiness().unwrap();
+
+    let v = f.agent.ensure(req("sb-1")).unwrap();
+    let r = &v.record;
+    assert_eq!(r.tap_name, "z10.9.0.2");
+    assert_eq!(r.port_mappings[0].host_port, 20000);
+    assert_eq!(r.persist_metadata["sandbox_ip"], "10.9.0.2");
+    assert_eq!(r.persist_metadata["gateway_ip"], "10.9.0.1");
+    assert_eq!(v.ip_cidr, "169.254.68.6/30");
+    // Idempotent.
+    assert_eq!(f.agent.ensure(req("sb-1")).unwrap(), v);
+    assert_eq!(f.dp.sandbox(r.tap_ifindex).unwrap().unwrap().id, "sb-1");
+    assert_eq!(f.dp.port_mappings().unwrap().len(), 1);
+    assert!(f.agent.tap_fd(&r.tap_name, "sb-1").unwrap().is_some());
+    assert!(f.agent.tap_fd(&r.tap_name, "other").unwrap().is_none());
+    assert!(f.agent.tap_fd("z10.9.0.3", "sb-1").unwrap().is_none());
+
+    // A stray cleanup (e.g. a maintenance pass that raced a Release) never scrubs an
+    // Active TAP or touches its owner's state.
+    assert!(!f.agent.cleanup_tap(&r.tap_name));
+    assert_eq!(f.agent.store.count(), 1);
+    assert_eq!(f.agent.pool_counts()[&TapState::Active], 1);
+    assert!(f.agent.release("sb-1").unwrap());
+    assert!(f.agent.release("sb-1").unwrap(), "release is idempotent");
+    assert!(f.dp.sandbox(r.tap_ifindex).unwrap().is_none());
+    assert!(f.dp.port_mappings().unwrap().is_empty());
+    let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
+    assert!(p.allow.is_empty() && p.deny.contains(&"0.0.0.0/0".to_string()), "baseline deny back: {p:?}");
+    assert_eq!(f.agent.store.count(), 0);
+    assert_eq!(f.agent.host_ports_in_use(), 0);
+    assert!(matches!(f.agent.get("sb-1"), Err(AgentError::NotFound(_))));
+
+    // Reuse: same TAP, new version, none of the old policy.
+    let v2 = f.agent.ensure(EnsureRequest { sandbox_id: "sb-2".into(), ..Default::default() }).unwrap();
+    assert_eq!(v2.record.tap_name, r.tap_name);
+    assert!(v2.record.version > r.version);
+    let p = f.dp.policy(r.tap_ifindex).unwrap().unwrap();
+    assert!(p.allow.is_empty() && !p.deny.contains(&"0.0.0.0/0".to_string()), "{p:?}");
+}
+
+#[test]
+fn failed_ensure_leaves_nothing() {
+    let f = fixture("rollback");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    f.dp.fail_register.store(true, Ordering::Relaxed);
+    assert!(f.agent.ensure(req("sb-x")).is_err());
+    assert_eq!(f.agent.store.count(), 0);
+    assert!(f.dp.port_mappings().unwrap().is_empty());
+    assert_eq!(f.agent.host_ports_in_use(), 0);
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
+    assert!(f.agent.list().is_empty());
+}
+
+#[test]
+fn failed_cleanup_stays_cleaning_and_is_retried() {
+    let f = fixture("retry");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let v = f.agent.ensure(req("sb-r")).unwrap();
+    f.dp.fail_delete_ports.store(true, Ordering::Relaxed);
+    assert!(f.agent.release("sb-r").unwrap());
+    assert_eq!(f.agent.pool_counts()[&TapState::Cleaning], 1);
+    let t = f.agent.taps().into_iter().find(|t| t.tap_name == v.record.tap_name).unwrap();
+    assert_eq!((t.retry_count, t.last_error.contains("injected")), (1, true), "{t:?}");
+    assert_eq!(f.agent.store.count(), 1, "the deleting record stays until cleanup succeeds");
+    // The same id cannot be ensured while its old network is still being cleaned.
+    assert!(matches!(f.agent.ensure(req("sb-r")), Err(AgentError::Busy(_))));
+    f.dp.fail_delete_ports.store(false, Ordering::Relaxed);
+    f.agent.maintain();
+    assert_eq!(f.agent.pool_counts()[&TapState::Cleaning], 0);
+    assert_eq!(f.agent.store.count(), 0);
+    assert_eq!(f.agent.host_ports_in_use(), 0);
+    assert!(f.dp.port_mappings().unwrap().is_empty());
+    f.agent.ensure(req("sb-r")).unwrap();
+}
+
+#[test]
+fn invalid_fields_are_named() {
+    let f = fixture("invalid");
+    let e = f.agent.ensure(EnsureRequest { sandbox_id: "a/b".into(), ..Default::default() }).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "sandbox_id"), "{e}");
+    let mut r = req("ok");
+    r.policy = Some(EgressPolicy { allow_out: vec!["nope".into()], ..Default::default() });
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "cubevs_context.allow_out[0]"), "{e}");
+    let e = parse_port_request(3, "sctp", 80, 0, "").unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[3].protocol"), "{e}");
+    let e = parse_port_request(0, "tcp", 0, 0, "").unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[0].container_port"), "{e}");
+    let mut r = req("ok2");
+    r.ports = vec![parse_port_request(0, "tcp", 80, 80, "").unwrap()];
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[0].host_port"), "{e}");
+}
+
+#[test]
+fn recovery_adopts_and_cleans() {
+    let f = fixture("recover");
+    f.agent.recover().unwrap();
+    f.agent.warm(2, 1);
+    let v = f.agent.ensure(req("sb-1")).unwrap();
+    // A second agent over the same host, datapath and state directory.
+    let store = StateStore::open(&f.dir).unwrap();
+    let cfg = f.agent.cfg.clone();
+    let a2 = Agent::new(cfg, f.host.clone(), f.dp.clone(), store);
+    let s = a2.recover().unwrap();
+    assert_eq!(s.adopted, 1);
+    assert_eq!(s.cleaned, 1);
+    assert_eq!(a2.get("sb-1").unwrap(), v);
+    assert_eq!(a2.pool_counts()[&TapState::Active], 1);
+    assert_eq!(a2.host_ports_in_use(), 1);
+    // A conflicting record makes recovery refuse.
+    let mut bad = v.record.clone();
+    bad.sandbox_id = "sb-evil".into();
+    a2.store.write(&bad, Phase::Success).unwrap();
+    let a3 = Agent::new(f.agent.cfg.clone(), f.host.clone(), f.dp.clone(), StateStore::open(&f.dir).unwrap());
+    let e = a3.recover().unwrap_err().to_string();
+    assert!(e.contains("conflicting identity"), "{e}");
+}
