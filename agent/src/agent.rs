@@ -40,8 +40,8 @@ pub mod pool;
 mod recovery;
 mod service;
 
-use pool::TapEntry;
 pub use pool::TapState;
+use pool::{Pool, PoolError, TapEntry, Transition};
 pub use recovery::RecoverySummary;
 
 /// Errors of the service, mapped to gRPC codes by the front end.
@@ -188,7 +188,7 @@ pub struct NetworkView {
 
 #[derive(Debug)]
 struct Inner {
-    taps: BTreeMap<String, TapEntry>,
+    pool: Pool,
     sandboxes: HashMap<String, SandboxRecord>,
     ipam: Ipam,
     ports: PortAllocator,
@@ -228,7 +228,7 @@ impl Agent {
             .map(|s| crate::ports::parse_reserved(&s))
             .unwrap_or_default();
         let inner = Inner {
-            taps: BTreeMap::new(),
+            pool: Pool::default(),
             sandboxes: HashMap::new(),
             ipam: Ipam::new(cfg.cidr),
             ports: PortAllocator::new(cfg.port_range.0, cfg.port_range.1, &reserved),
@@ -276,24 +276,22 @@ impl Agent {
         }
     }
 
-    fn update_pool_gauges(&self, inner: &Inner) {
-        let mut c = [0i64; 3];
-        for t in inner.taps.values() {
-            c[t.state as usize] += 1;
+    /// Applies one pool transition (the only way a TAP changes state or owner) and refreshes
+    /// the pool gauges.
+    fn transit(&self, inner: &mut Inner, name: &str, t: Transition<'_>) -> Result<Option<TapEntry>, PoolError> {
+        let r = inner.pool.transition(name, t);
+        if r.is_ok() {
+            for s in TapState::ALL {
+                self.metrics.pool.with_label_values(&[&format!("{s:?}")]).set(inner.pool.count(s) as i64);
+            }
         }
-        self.metrics.pool.with_label_values(&["Ready"]).set(c[0]);
-        self.metrics.pool.with_label_values(&["Active"]).set(c[1]);
-        self.metrics.pool.with_label_values(&["Cleaning"]).set(c[2]);
+        r
     }
 
     /// Counts by state.
     pub fn pool_counts(&self) -> BTreeMap<TapState, usize> {
         let inner = lock(&self.inner);
-        let mut m = BTreeMap::from([(TapState::Ready, 0), (TapState::Active, 0), (TapState::Cleaning, 0)]);
-        for t in inner.taps.values() {
-            *m.entry(t.state).or_default() += 1;
-        }
-        m
+        TapState::ALL.into_iter().map(|s| (s, inner.pool.count(s))).collect()
     }
 
     /// Readiness: recovered, warmed once and the pool at its target. `Err` says why not.
@@ -319,21 +317,22 @@ impl Agent {
     pub fn taps(&self) -> Vec<TapInfo> {
         let inner = lock(&self.inner);
         let mut v: Vec<_> = inner
-            .taps
-            .values()
+            .pool
+            .iter()
             .map(|t| {
-                let owner = t.owner.clone().unwrap_or_default();
-                let rec = t.owner.as_ref().and_then(|o| inner.sandboxes.get(o));
+                let owner = t.owner().unwrap_or_default().to_string();
+                let rec = t.owner().and_then(|o| inner.sandboxes.get(o));
+                let active = t.state() == TapState::Active;
                 TapInfo {
-                    sandbox_id: if t.state == TapState::Active { owner.clone() } else { String::new() },
-                    network_handle: if t.state == TapState::Active { owner.clone() } else { String::new() },
+                    sandbox_id: if active { owner.clone() } else { String::new() },
+                    network_handle: if active { owner.clone() } else { String::new() },
                     tap_name: t.name.clone(),
                     tap_ifindex: t.ifindex,
                     sandbox_ip: t.ip.to_string(),
-                    state: t.state,
+                    state: t.state(),
                     owner_sandbox_id: owner,
-                    retry_count: t.retry_count,
-                    last_error: t.last_error.clone().unwrap_or_default(),
+                    retry_count: t.retry_count(),
+                    last_error: t.last_error().unwrap_or_default().to_string(),
                     port_mappings: rec.map(|r| r.port_mappings.clone()).unwrap_or_default(),
                 }
             })

@@ -5,7 +5,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{Agent, TapState, lock};
+use super::{Agent, Transition, lock};
 
 /// Reads queued frames off a TAP fd without blocking (at most 1024), so a reused TAP starts
 /// empty. Uses `poll(…, 0)` so the shared file status flags are not changed.
@@ -39,14 +39,11 @@ impl Agent {
     pub fn cleanup_tap(&self, name: &str) -> bool {
         let (ifindex, owner, fd) = {
             let mut inner = lock(&self.inner);
-            let Some(t) = inner.taps.get_mut(name) else { return false };
-            if t.state != TapState::Cleaning || t.scrubbing {
+            if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
                 return false;
             }
-            t.scrubbing = true;
-            let r = (t.ifindex, t.owner.clone(), t.fd.clone());
-            self.update_pool_gauges(&inner);
-            r
+            let t = inner.pool.get(name).expect("just transitioned");
+            (t.ifindex, t.owner().map(str::to_string), t.fd.clone())
         };
         let res = (|| -> Result<(), String> {
             let fd = match fd {
@@ -57,9 +54,7 @@ impl Agent {
                             .reopen_tap(name)
                             .map_err(|e| format!("reopen {name}: {e} (a process still holds it; left untouched)"))?,
                     );
-                    if let Some(t) = lock(&self.inner).taps.get_mut(name) {
-                        t.fd = Some(fd.clone());
-                    }
+                    lock(&self.inner).pool.set_fd(name, Some(fd.clone()));
                     fd
                 }
             };
@@ -81,30 +76,17 @@ impl Agent {
             Ok(())
         })();
         let mut inner = lock(&self.inner);
-        if let Some(t) = inner.taps.get_mut(name) {
-            t.scrubbing = false;
-        }
         match res {
             Ok(()) => {
                 if let Some(o) = &owner {
                     inner.ports.release_owner(o);
                     inner.sandboxes.remove(o);
                 }
-                if let Some(t) = inner.taps.get_mut(name) {
-                    t.state = TapState::Ready;
-                    t.owner = None;
-                    t.retry_count = 0;
-                    t.last_error = None;
-                }
-                self.update_pool_gauges(&inner);
-                true
+                self.transit(&mut inner, name, Transition::Cleaned).is_ok()
             }
             Err(e) => {
                 tracing::warn!("cleanup of {name} failed (stays Cleaning): {e}");
-                if let Some(t) = inner.taps.get_mut(name) {
-                    t.retry_count += 1;
-                    t.last_error = Some(e);
-                }
+                let _ = self.transit(&mut inner, name, Transition::ScrubFailed(e));
                 false
             }
         }

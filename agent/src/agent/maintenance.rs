@@ -10,7 +10,7 @@ use std::{
     },
 };
 
-use super::{Agent, AgentError, TapEntry, TapState, internal, lock};
+use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
 use crate::host::tap_name;
 
 impl Agent {
@@ -36,26 +36,13 @@ impl Agent {
             self.dp.install_default_deny(ifindex)?;
             Ok((ifindex, fd))
         })();
+        let made = made.and_then(|(ifindex, fd)| {
+            let state = if owner.is_some() { TapState::Active } else { TapState::Ready };
+            let e = TapEntry::new(name.clone(), ip, ifindex, Some(Arc::new(fd)), state, owner.map(str::to_string));
+            self.transit(&mut lock(&self.inner), &name, Transition::Join(e)).map(drop).map_err(internal)
+        });
         match made {
-            Ok((ifindex, fd)) => {
-                let mut inner = lock(&self.inner);
-                inner.taps.insert(
-                    name.clone(),
-                    TapEntry {
-                        name: name.clone(),
-                        ip,
-                        ifindex,
-                        state: if owner.is_some() { TapState::Active } else { TapState::Ready },
-                        owner: owner.map(str::to_string),
-                        fd: Some(Arc::new(fd)),
-                        retry_count: 0,
-                        last_error: None,
-                        scrubbing: false,
-                    },
-                );
-                self.update_pool_gauges(&inner);
-                Ok(name)
-            }
+            Ok(()) => Ok(name),
             Err(e) => {
                 let _ = self.dp.detach_sandbox(&name);
                 let _ = self.host.delete_tap(&name);
@@ -109,14 +96,14 @@ impl Agent {
     pub fn trim(&self, target: usize) -> usize {
         let victims: Vec<(String, Ipv4Addr, u32)> = {
             let mut inner = lock(&self.inner);
-            let ready: Vec<_> =
-                inner.taps.values().filter(|t| t.state == TapState::Ready).map(|t| t.name.clone()).collect();
-            let extra = ready.len().saturating_sub(target);
-            // Newest (highest address) first, so the warm set stays stable.
+            let extra = inner.pool.count(TapState::Ready).saturating_sub(target);
+            // Last in name order first, so the warm set stays stable.
+            let names: Vec<String> = inner.pool.names(TapState::Ready).rev().take(extra).cloned().collect();
             let mut out = Vec::new();
-            for n in ready.into_iter().rev().take(extra) {
-                let t = inner.taps.remove(&n).expect("listed");
-                out.push((t.name, t.ip, t.ifindex));
+            for n in names {
+                if let Ok(Some(t)) = self.transit(&mut inner, &n, Transition::Retire) {
+                    out.push((t.name, t.ip, t.ifindex));
+                }
             }
             out
         };
@@ -129,15 +116,13 @@ impl Agent {
             }
             lock(&self.inner).ipam.release(ip);
         }
-        self.update_pool_gauges(&lock(&self.inner));
         n
     }
 
     /// One maintenance pass: retry Cleaning TAPs (those held by a process are only retried
     /// once free), then trim the pool to `tap_init_num` Ready TAPs and refill it.
     pub fn maintain(&self) {
-        let cleaning: Vec<String> =
-            lock(&self.inner).taps.values().filter(|t| t.state == TapState::Cleaning).map(|t| t.name.clone()).collect();
+        let cleaning: Vec<String> = lock(&self.inner).pool.names(TapState::Cleaning).cloned().collect();
         if !cleaning.is_empty() {
             let held: std::collections::HashSet<String> = self
                 .host
@@ -145,7 +130,7 @@ impl Agent {
                 .map(|l| l.into_iter().filter(|t| t.lower_up).map(|t| t.name).collect())
                 .unwrap_or_default();
             for n in cleaning {
-                let has_fd = lock(&self.inner).taps.get(&n).is_some_and(|t| t.fd.is_some());
+                let has_fd = lock(&self.inner).pool.get(&n).is_some_and(|t| t.fd.is_some());
                 if !has_fd && held.contains(&n) {
                     continue;
                 }

@@ -4,7 +4,7 @@ use std::{collections::HashMap, net::Ipv4Addr, sync::atomic::Ordering};
 
 use serde::Serialize;
 
-use super::{Agent, AgentError, TapEntry, TapState, internal, lock};
+use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
 use crate::{
     host::{LiveTap, tap_name},
     state::{Phase, SandboxRecord},
@@ -97,42 +97,34 @@ impl Agent {
             let rec = records.iter().find(|(_, r)| r.tap_name == t.name);
             let mut inner = lock(&self.inner);
             inner.ipam.assign(t.ip);
-            let mut entry = TapEntry {
-                name: t.name.clone(),
-                ip: t.ip,
-                ifindex: t.ifindex,
-                state: TapState::Cleaning,
-                owner: None,
-                fd: None,
-                retry_count: 0,
-                last_error: None,
-                scrubbing: false,
+            let entry = |state, owner: Option<&str>| {
+                Transition::Join(TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, state, owner.map(str::to_string)))
             };
             match rec {
                 Some((Phase::Success, r)) => {
-                    entry.state = TapState::Active;
-                    entry.owner = Some(r.sandbox_id.clone());
+                    self.transit(&mut inner, &t.name, entry(TapState::Active, Some(&r.sandbox_id)))
+                        .map_err(internal)?;
                     for p in &r.port_mappings {
                         inner.ports.reclaim(&r.sandbox_id, p.host_port);
                     }
                     inner.sandboxes.insert(r.sandbox_id.clone(), r.clone());
-                    inner.taps.insert(t.name.clone(), entry);
                     drop(inner);
                     self.converge(r)?;
                     summary.adopted += 1;
                 }
                 Some((_, r)) => {
-                    entry.owner = Some(r.sandbox_id.clone());
-                    inner.taps.insert(t.name.clone(), entry);
+                    self.transit(&mut inner, &t.name, entry(TapState::Cleaning, Some(&r.sandbox_id)))
+                        .map_err(internal)?;
                     to_clean.push(t.name.clone());
                 }
                 None if t.lower_up => {
-                    entry.last_error = Some("held by another process and no state: left untouched".into());
-                    inner.taps.insert(t.name.clone(), entry);
+                    let e = TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, TapState::Cleaning, None)
+                        .with_note("held by another process and no state: left untouched");
+                    self.transit(&mut inner, &t.name, Transition::Join(e)).map_err(internal)?;
                     summary.held += 1;
                 }
                 None => {
-                    inner.taps.insert(t.name.clone(), entry);
+                    self.transit(&mut inner, &t.name, entry(TapState::Cleaning, None)).map_err(internal)?;
                     to_clean.push(t.name.clone());
                 }
             }
@@ -156,7 +148,6 @@ impl Agent {
                 summary.stale_records += 1;
             }
         }
-        self.update_pool_gauges(&lock(&self.inner));
         Ok(summary)
     }
 }

@@ -2,7 +2,7 @@
 
 use std::{os::fd::OwnedFd, sync::Arc, time::Instant};
 
-use super::{Agent, AgentError, EnsureRequest, NetworkView, TapState, internal, invalid, lock};
+use super::{Agent, AgentError, EnsureRequest, NetworkView, TapState, Transition, internal, invalid, lock};
 use crate::{
     dataplane::{EgressPolicy, PortMapping, SandboxEntry, validate_policy},
     ports::PortError,
@@ -48,7 +48,7 @@ impl Agent {
             if let Some(rec) = inner.sandboxes.get(&id) {
                 return Ok(self.view(rec));
             }
-            if let Some(t) = inner.taps.values().find(|t| t.owner.as_deref() == Some(id.as_str())) {
+            if let Some(t) = inner.pool.owned_by(&id) {
                 return Err(AgentError::Busy(format!(
                     "the previous network of {id:?} ({}) is still being cleaned; retry later",
                     t.name
@@ -59,12 +59,9 @@ impl Agent {
         // 1. A TAP: first Ready one, else on demand.
         let picked = {
             let mut inner = lock(&self.inner);
-            let name = inner.taps.values().find(|t| t.state == TapState::Ready).map(|t| t.name.clone());
+            let name = inner.pool.first_ready().map(str::to_string);
             if let Some(n) = &name {
-                let t = inner.taps.get_mut(n).expect("found");
-                t.state = TapState::Active;
-                t.owner = Some(id.clone());
-                self.update_pool_gauges(&inner);
+                self.transit(&mut inner, n, Transition::Acquire(&id)).map_err(internal)?;
             }
             name
         };
@@ -74,7 +71,7 @@ impl Agent {
         };
         let (ip, ifindex) = {
             let inner = lock(&self.inner);
-            let t = &inner.taps[&name];
+            let t = inner.pool.get(&name).ok_or_else(|| internal(format!("{name} left the pool")))?;
             (t.ip, t.ifindex)
         };
 
@@ -139,8 +136,8 @@ impl Agent {
         })();
         if let Err(e) = programmed {
             tracing::warn!(sandbox = %id, "ensure failed, rolling back: {e}");
-            if let Some(t) = lock(&self.inner).taps.get_mut(&name) {
-                t.state = TapState::Cleaning;
+            if let Err(pe) = self.transit(&mut lock(&self.inner), &name, Transition::Release) {
+                tracing::error!("{pe}");
             }
             self.cleanup_tap(&name);
             return Err(e);
@@ -151,12 +148,9 @@ impl Agent {
 
     /// Puts a TAP that was taken for `owner` but never programmed back to Ready.
     fn return_unprogrammed(&self, name: &str) {
-        let mut inner = lock(&self.inner);
-        if let Some(t) = inner.taps.get_mut(name) {
-            t.state = TapState::Ready;
-            t.owner = None;
+        if let Err(e) = self.transit(&mut lock(&self.inner), name, Transition::Unacquire) {
+            tracing::error!("{e}");
         }
-        self.update_pool_gauges(&inner);
     }
 
     // ---------------------------------------------------------------- Release / cleanup
@@ -185,12 +179,8 @@ impl Agent {
             return Ok(true);
         };
         self.store.write(&rec, Phase::Deleting).map_err(|e| internal(format!("mark {id} deleting: {e}")))?;
-        {
-            let mut inner = lock(&self.inner);
-            if let Some(t) = inner.taps.get_mut(&rec.tap_name) {
-                t.state = TapState::Cleaning;
-            }
-            self.update_pool_gauges(&inner);
+        if let Err(e) = self.transit(&mut lock(&self.inner), &rec.tap_name, Transition::Release) {
+            tracing::error!("{e}");
         }
         self.cleanup_tap(&rec.tap_name);
         drop(_g);
@@ -292,8 +282,8 @@ impl Agent {
             if !tap_name.is_empty() && rec.tap_name != tap_name {
                 return Ok(None);
             }
-            let Some(t) = inner.taps.get(&rec.tap_name) else { return Ok(None) };
-            if t.state != TapState::Active || t.owner.as_deref() != Some(sandbox_id) {
+            let Some(t) = inner.pool.get(&rec.tap_name) else { return Ok(None) };
+            if t.state() != TapState::Active || t.owner() != Some(sandbox_id) {
                 return Ok(None);
             }
             (t.name.clone(), t.fd.clone())
@@ -303,9 +293,7 @@ impl Agent {
             None => {
                 // Adopted after a restart: open lazily; EBUSY means a VMM holds it (no reopen).
                 let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| format!("open {name}: {e}"))?);
-                if let Some(t) = lock(&self.inner).taps.get_mut(&name) {
-                    t.fd = Some(fd.clone());
-                }
+                lock(&self.inner).pool.set_fd(&name, Some(fd.clone()));
                 fd
             }
         };
