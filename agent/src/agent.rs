@@ -18,7 +18,7 @@ use std::{
     net::Ipv4Addr,
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering},
     },
 };
 
@@ -35,11 +35,13 @@ use crate::{
 };
 
 mod cleanup;
+mod locks;
 mod maintenance;
 pub mod pool;
 mod recovery;
 mod service;
 
+use locks::SandboxLocks;
 pub use pool::TapState;
 use pool::{Pool, PoolError, TapEntry, Transition};
 pub use recovery::RecoverySummary;
@@ -201,8 +203,14 @@ pub struct Agent {
     dp: Arc<dyn Dataplane>,
     store: StateStore,
     inner: Mutex<Inner>,
-    locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    locks: SandboxLocks,
     version: AtomicU32,
+    /// Why the last TAP creation failed; `None` once one succeeds (readiness).
+    refill_error: Mutex<Option<String>>,
+    /// Ready TAPs (mirrors the pool count, read without the pool lock).
+    ready_taps: AtomicUsize,
+    /// Readiness as last computed; pushed on every change (gRPC health follows it).
+    ready_tx: tokio::sync::watch::Sender<bool>,
     /// Metrics.
     pub metrics: Metrics,
     warmed: AtomicBool,
@@ -239,8 +247,11 @@ impl Agent {
             dp,
             store,
             inner: Mutex::new(inner),
-            locks: Mutex::new(HashMap::new()),
+            locks: SandboxLocks::default(),
             version: AtomicU32::new(1),
+            refill_error: Mutex::new(None),
+            ready_taps: AtomicUsize::new(0),
+            ready_tx: tokio::sync::watch::Sender::new(false),
             metrics: Metrics::new(),
             warmed: AtomicBool::new(false),
             started: AtomicBool::new(false),
@@ -248,15 +259,9 @@ impl Agent {
         }
     }
 
-    fn sandbox_lock(&self, id: &str) -> Arc<Mutex<()>> {
-        lock(&self.locks).entry(id.to_string()).or_default().clone()
-    }
-
-    fn forget_lock(&self, id: &str) {
-        let mut l = lock(&self.locks);
-        if l.get(id).is_some_and(|a| Arc::strong_count(a) == 1) {
-            l.remove(id);
-        }
+    /// Entries in the per-sandbox lock map (0 when no call is running).
+    pub fn lock_entries(&self) -> usize {
+        self.locks.len()
     }
 
     fn next_version(&self) -> u32 {
@@ -282,8 +287,10 @@ impl Agent {
         let r = inner.pool.transition(name, t);
         if r.is_ok() {
             for s in TapState::ALL {
-                self.metrics.pool.with_label_values(&[&format!("{s:?}")]).set(inner.pool.count(s) as i64);
+                self.metrics.pool.with_label_values(&[s.as_str()]).set(inner.pool.count(s) as i64);
             }
+            self.ready_taps.store(inner.pool.count(TapState::Ready), Ordering::Relaxed);
+            self.publish_readiness();
         }
         r
     }
@@ -294,21 +301,61 @@ impl Agent {
         TapState::ALL.into_iter().map(|s| (s, inner.pool.count(s))).collect()
     }
 
-    /// Readiness: recovered, warmed once and the pool at its target. `Err` says why not.
+    /// Readiness: whether an Ensure can succeed now. `Err` says why not.
+    ///
+    /// Not ready until recovery is done, the servers are up and the pool first reached
+    /// `tap_init_num`. After that: ready while a TAP is Ready; with none Ready, ready only if the
+    /// pool can refill, i.e. the last TAP creation did not fail (an Ensure then creates its TAP
+    /// on demand); else not ready, with the creation error, until a TAP is Ready again.
     pub fn readiness(&self) -> Result<(), String> {
         if !self.started.load(Ordering::Relaxed) {
             return Err("recovery not finished".into());
         }
+        let ready = self.ready_taps.load(Ordering::Relaxed);
+        let refill = lock(&self.refill_error).clone();
         if !self.warmed.load(Ordering::Relaxed) {
-            let ready = self.pool_counts()[&TapState::Ready];
-            return Err(format!("warming TAP pool: {ready}/{} ready", self.cfg.raw.tap_init_num));
+            let why = refill.map(|e| format!("; last TAP creation failed: {e}")).unwrap_or_default();
+            return Err(format!("warming TAP pool: {ready}/{} ready{why}", self.cfg.raw.tap_init_num));
         }
-        Ok(())
+        match refill {
+            Some(e) if ready == 0 => Err(format!("no Ready TAP and the pool cannot refill: {e}")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Readiness as a watch channel: `true` while [`Agent::readiness`] is `Ok`, updated the
+    /// moment it changes.
+    pub fn watch_readiness(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.ready_tx.subscribe()
+    }
+
+    /// Recomputes readiness and pushes it when it changed. Takes no pool lock (callers may
+    /// hold it).
+    fn publish_readiness(&self) {
+        let ready = self.readiness().is_ok();
+        self.ready_tx.send_if_modified(|v| std::mem::replace(v, ready) != ready);
+    }
+
+    /// Refreshes the datapath metrics (counters, reaper, sessions) from cheap reads: the
+    /// counter array and the reaper's own statistics, never a walk of the session map. Called
+    /// when `/metrics` is scraped.
+    pub fn refresh_datapath_metrics(&self) {
+        let Ok(c) = self.dp.counters() else { return };
+        for (k, v) in &c {
+            self.metrics.datapath.with_label_values(&[k.as_str()]).set(*v as i64);
+        }
+        if let Some(r) = c.get("reaper_runs") {
+            self.metrics.reaper_runs.set(*r as i64);
+        }
+        if let Some(s) = c.get("reaper_last_scanned") {
+            self.metrics.sessions.set(*s as i64);
+        }
     }
 
     /// Marks startup complete (servers up).
     pub fn set_started(&self) {
         self.started.store(true, Ordering::Relaxed);
+        self.publish_readiness();
     }
 
     // ---------------------------------------------------------------- listing

@@ -1,94 +1,107 @@
-//! Scrubbing a TAP for reuse (Cleaning → Ready).
+//! Cleaning a TAP for reuse (Cleaning → Ready).
 
-use std::{
-    os::fd::{AsFd, OwnedFd},
-    sync::Arc,
-};
+use std::{os::fd::OwnedFd, sync::Arc};
 
 use super::{Agent, Transition, lock};
 
-/// Reads queued frames off a TAP fd without blocking (at most 1024), so a reused TAP starts
-/// empty. Uses `poll(…, 0)` so the shared file status flags are not changed.
-fn drain(fd: &OwnedFd) -> usize {
-    let mut buf = vec![0u8; 65536 + 12];
-    let mut n = 0;
-    while n < 1024 {
-        let mut pfd = [nix::poll::PollFd::new(fd.as_fd(), nix::poll::PollFlags::POLLIN)];
-        match nix::poll::poll(&mut pfd, nix::poll::PollTimeout::ZERO) {
-            Ok(1) => {}
-            _ => break,
-        }
-        if nix::unistd::read(fd, &mut buf).is_err() {
-            break;
-        }
-        n += 1;
-    }
-    n
-}
-
 impl Agent {
-    /// Scrubs a TAP for reuse (`reference/upstream.md §2.4` order): drain queued frames,
-    /// remove port maps, sandbox entry (verified gone) and policy, make sure the agent holds a
-    /// usable fd (never reopening one a VMM still holds), install the baseline deny, delete the
-    /// owner's state, free its ports, mark Ready. On error the TAP stays Cleaning with the
-    /// error recorded. Returns whether it reached Ready.
+    /// Cleans a Cleaning TAP for reuse (`reference/upstream.md §2.4`). Two parts, each retried
+    /// by the maintenance loop until it succeeds:
     ///
-    /// Only a TAP in Cleaning is scrubbed, and only by one caller at a time: a maintenance pass
+    /// 1. **Scrub** (once): delete the TAP's port maps and sessions, unregister its sandbox
+    ///    (verified gone), replace its policy by the baseline deny, delete the owner's state
+    ///    file, free the owner's host ports and forget the owner (its id may be ensured again).
+    ///    Policy writes never block this: when the baseline cannot be written (the policy
+    ///    tries are full), the TAP's entries are removed instead — `from_cube` drops everything
+    ///    an unregistered TAP sends, and an Ensure installs its policy before registering.
+    /// 2. **Free check**: the agent closes its own queue fd and opens a new one. A single-queue
+    ///    TAP that another process still holds (a VMM that was handed the fd and has not
+    ///    exited) refuses that with `EBUSY`: the TAP stays Cleaning, ownerless, and is retried.
+    ///    Only a TAP nobody else holds goes Ready, with a fresh, empty queue.
+    ///
+    /// A TAP that recovery found held by an unknown process is not scrubbed until it is free.
+    /// Only a TAP in Cleaning is cleaned, and only by one caller at a time: a maintenance pass
     /// racing a Release must not scrub the TAP again after it went Ready and was handed to the
-    /// next sandbox.
+    /// next sandbox. Returns whether the TAP reached Ready; failures are recorded on the TAP.
     pub fn cleanup_tap(&self, name: &str) -> bool {
-        let (ifindex, owner, fd) = {
+        let (ifindex, owner, scrubbed, hands_off) = {
             let mut inner = lock(&self.inner);
             if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
                 return false;
             }
             let t = inner.pool.get(name).expect("just transitioned");
-            (t.ifindex, t.owner().map(str::to_string), t.fd.clone())
+            (t.ifindex, t.owner().map(str::to_string), t.scrubbed(), t.is_hands_off())
         };
         let res = (|| -> Result<(), String> {
-            let fd = match fd {
-                Some(fd) => fd,
-                None => {
-                    let fd = Arc::new(
-                        self.host
-                            .reopen_tap(name)
-                            .map_err(|e| format!("reopen {name}: {e} (a process still holds it; left untouched)"))?,
-                    );
-                    lock(&self.inner).pool.set_fd(name, Some(fd.clone()));
-                    fd
-                }
-            };
-            drain(&fd);
-            self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
-            self.dp.delete_sessions_of(ifindex).map_err(|e| e.to_string())?;
-            self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
-            if self.dp.sandbox(ifindex).map_err(|e| e.to_string())?.is_some() {
-                return Err(format!("{name}: sandbox entry still present after unregister"));
+            if hands_off {
+                self.reopen_if_free(name)?;
             }
-            if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
-                return Err(format!("{name}: port mappings still present after delete"));
-            }
-            // One atomic replace by the baseline deny (no window without policy).
-            self.dp.install_default_deny(ifindex).map_err(|e| e.to_string())?;
-            if let Some(o) = &owner {
-                self.store.remove(o).map_err(|e| format!("remove state of {o}: {e}"))?;
-            }
-            Ok(())
-        })();
-        let mut inner = lock(&self.inner);
-        match res {
-            Ok(()) => {
+            if !scrubbed {
+                self.scrub(name, ifindex, owner.as_deref())?;
+                let mut inner = lock(&self.inner);
                 if let Some(o) = &owner {
                     inner.ports.release_owner(o);
                     inner.sandboxes.remove(o);
                 }
-                self.transit(&mut inner, name, Transition::Cleaned).is_ok()
+                self.transit(&mut inner, name, Transition::Scrubbed).map_err(|e| e.to_string())?;
             }
+            self.reopen_if_free(name).map(drop)
+        })();
+        let mut inner = lock(&self.inner);
+        match res {
+            Ok(()) => self.transit(&mut inner, name, Transition::Cleaned).is_ok(),
             Err(e) => {
-                tracing::warn!("cleanup of {name} failed (stays Cleaning): {e}");
+                tracing::warn!("cleanup of {name} not finished (stays Cleaning): {e}");
                 let _ = self.transit(&mut inner, name, Transition::ScrubFailed(e));
                 false
             }
+        }
+    }
+
+    /// Part 1 of [`Agent::cleanup_tap`] in the datapath and the state store.
+    fn scrub(&self, name: &str, ifindex: u32, owner: Option<&str>) -> Result<(), String> {
+        self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
+        self.dp.delete_sessions_of(ifindex).map_err(|e| e.to_string())?;
+        self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
+        if self.dp.sandbox(ifindex).map_err(|e| e.to_string())?.is_some() {
+            return Err(format!("{name}: sandbox entry still present after unregister"));
+        }
+        if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
+            return Err(format!("{name}: port mappings still present after delete"));
+        }
+        // One atomic replace by the baseline deny when the tries have room for it.
+        if let Err(e) = self.dp.install_default_deny(ifindex) {
+            self.dp
+                .remove_policy(ifindex)
+                .map_err(|e2| format!("{name}: baseline deny: {e}; removing the policy: {e2}"))?;
+            if let Err(e) = self.dp.install_default_deny(ifindex) {
+                tracing::warn!("{name}: no baseline deny ({e}); its policy entries are removed and it is unregistered");
+            }
+        }
+        if let Some(o) = owner {
+            self.store.remove(o).map_err(|e| format!("remove state of {o}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Part 2 of [`Agent::cleanup_tap`]: closes the agent's queue fd of `name` and opens a new
+    /// one, which succeeds only when no other process holds the TAP (a single-queue TAP takes
+    /// one attached queue; `EBUSY` otherwise). The new fd is kept.
+    fn reopen_if_free(&self, name: &str) -> Result<Arc<OwnedFd>, String> {
+        let old = lock(&self.inner).pool.get(name).and_then(|t| t.fd.clone());
+        lock(&self.inner).pool.set_fd(name, None);
+        // The last reference closes the fd; the queue detaches only if nobody else holds it.
+        drop(old);
+        match self.host.reopen_tap(name) {
+            Ok(fd) => {
+                let fd = Arc::new(fd);
+                lock(&self.inner).pool.set_fd(name, Some(fd.clone()));
+                Ok(fd)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+                Err(format!("{name} is still held by another process (a VMM?); waiting until it is closed"))
+            }
+            Err(e) => Err(format!("reopen {name}: {e}")),
         }
     }
 }

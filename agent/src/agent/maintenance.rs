@@ -15,7 +15,15 @@ use crate::host::tap_name;
 
 impl Agent {
     /// Creates one pooled TAP: address, TAP, `from_cube`, baseline deny. Returns its name.
+    /// The outcome is remembered for [`Agent::readiness`] (can the pool refill?).
     pub(super) fn create_tap(&self, owner: Option<&str>) -> Result<String, AgentError> {
+        let r = self.create_tap_inner(owner);
+        *lock(&self.refill_error) = r.as_ref().err().map(ToString::to_string);
+        self.publish_readiness();
+        r
+    }
+
+    fn create_tap_inner(&self, owner: Option<&str>) -> Result<String, AgentError> {
         let ip = lock(&self.inner)
             .ipam
             .allocate()
@@ -87,6 +95,7 @@ impl Agent {
         });
         if self.pool_counts()[&TapState::Ready] >= target {
             self.warmed.store(true, Ordering::Relaxed);
+            self.publish_readiness();
         }
         created.load(Ordering::Relaxed) as usize
     }
@@ -119,37 +128,25 @@ impl Agent {
         n
     }
 
-    /// One maintenance pass: retry Cleaning TAPs (those held by a process are only retried
-    /// once free), then trim the pool to `tap_init_num` Ready TAPs and refill it.
+    /// One maintenance pass, costing only the work there is: retry the Cleaning TAPs (for a
+    /// TAP another process holds, that is one reopen attempt), then trim the pool to
+    /// `tap_init_num` Ready TAPs and refill it. It walks no session or link table; datapath
+    /// metrics are read when `/metrics` is scraped ([`Agent::refresh_datapath_metrics`]).
     pub fn maintain(&self) {
-        let cleaning: Vec<String> = lock(&self.inner).pool.names(TapState::Cleaning).cloned().collect();
-        if !cleaning.is_empty() {
-            let held: std::collections::HashSet<String> = self
-                .host
-                .list_taps()
-                .map(|l| l.into_iter().filter(|t| t.lower_up).map(|t| t.name).collect())
-                .unwrap_or_default();
-            for n in cleaning {
-                let has_fd = lock(&self.inner).pool.get(&n).is_some_and(|t| t.fd.is_some());
-                if !has_fd && held.contains(&n) {
-                    continue;
-                }
-                self.cleanup_tap(&n);
-            }
+        let cleaning: Vec<String> = {
+            let inner = lock(&self.inner);
+            inner
+                .pool
+                .names(TapState::Cleaning)
+                .filter(|n| inner.pool.get(n).is_some_and(|t| !t.scrubbing()))
+                .cloned()
+                .collect()
+        };
+        for n in cleaning {
+            self.cleanup_tap(&n);
         }
         let target = self.cfg.raw.tap_init_num;
         self.trim(target);
         self.warm(target, self.cfg.raw.warm_parallelism);
-        if let Ok(c) = self.dp.counters() {
-            for (k, v) in &c {
-                self.metrics.datapath.with_label_values(&[k.as_str()]).set(*v as i64);
-            }
-            if let Some(r) = c.get("reaper_runs") {
-                self.metrics.reaper_runs.set(*r as i64);
-            }
-        }
-        if let Ok(s) = self.dp.sessions() {
-            self.metrics.sessions.set(s.len() as i64);
-        }
     }
 }

@@ -6,7 +6,10 @@
 //!
 //! - **Ready** ⇔ no owner and no cleanup running;
 //! - **Active** ⇒ an owner, no cleanup running;
-//! - **Cleaning**: the owner is kept until the owner's state is gone;
+//! - **Cleaning**: the owner is kept until the TAP's datapath state is scrubbed and the owner's
+//!   state is gone ([`Transition::Scrubbed`]); after that the TAP waits, ownerless, until no
+//!   other process holds it;
+//! - a TAP becomes Ready only after that scrub;
 //! - a sandbox owns at most one TAP.
 //!
 //! The pool also keeps a name set per state and an owner index, so counts, "the first Ready
@@ -28,13 +31,23 @@ pub enum TapState {
     Ready,
     /// Owned by a sandbox.
     Active,
-    /// Being scrubbed for reuse; failures stay here and the maintenance loop retries.
+    /// Being scrubbed for reuse, or scrubbed and waiting until no other process (a VMM)
+    /// holds it; failures stay here and the maintenance loop retries.
     Cleaning,
 }
 
 impl TapState {
     /// Every state, in index order.
     pub const ALL: [TapState; 3] = [TapState::Ready, TapState::Active, TapState::Cleaning];
+
+    /// The name as upstream spells it (`Ready`, `Active`, `Cleaning`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TapState::Ready => "Ready",
+            TapState::Active => "Active",
+            TapState::Cleaning => "Cleaning",
+        }
+    }
 
     fn index(self) -> usize {
         self as usize
@@ -61,6 +74,10 @@ pub struct TapEntry {
     /// A cleanup of this TAP is running (only one at a time: a second one could capture the
     /// next owner and delete its state).
     scrubbing: bool,
+    /// Cleaning: the datapath state is scrubbed and the owner's state is gone.
+    scrubbed: bool,
+    /// Found held by an unknown process at recovery: nothing is touched until it is free.
+    hands_off: bool,
 }
 
 impl TapEntry {
@@ -73,11 +90,25 @@ impl TapEntry {
         state: TapState,
         owner: Option<String>,
     ) -> Self {
-        Self { name, ip, ifindex, fd, state, owner, retry_count: 0, last_error: None, scrubbing: false }
+        Self {
+            name,
+            ip,
+            ifindex,
+            fd,
+            state,
+            owner,
+            retry_count: 0,
+            last_error: None,
+            scrubbing: false,
+            scrubbed: false,
+            hands_off: false,
+        }
     }
 
-    /// Records why the TAP is left alone at join time (recovery).
-    pub fn with_note(mut self, note: impl Into<String>) -> Self {
+    /// Marks a Cleaning TAP that some unknown process holds: cleanups leave it untouched until
+    /// it is free (recovery).
+    pub fn hands_off(mut self, note: impl Into<String>) -> Self {
+        self.hands_off = true;
         self.last_error = Some(note.into());
         self
     }
@@ -107,11 +138,29 @@ impl TapEntry {
         self.scrubbing
     }
 
+    /// Cleaning: the datapath part of the cleanup is done (only the wait for a free TAP is left).
+    pub fn scrubbed(&self) -> bool {
+        self.scrubbed
+    }
+
+    /// Cleaning: left untouched until no unknown process holds it.
+    pub fn is_hands_off(&self) -> bool {
+        self.hands_off
+    }
+
     fn check(&self) -> Result<(), String> {
-        match (self.state, self.owner.is_some(), self.scrubbing) {
-            (TapState::Ready, false, false) | (TapState::Active, true, false) | (TapState::Cleaning, _, _) => Ok(()),
-            (s, owned, scrubbing) => Err(format!("invariant broken: {s:?} with owner={owned} scrubbing={scrubbing}")),
+        let ok = match self.state {
+            TapState::Ready => self.owner.is_none() && !self.scrubbing && !self.scrubbed && !self.hands_off,
+            TapState::Active => self.owner.is_some() && !self.scrubbing && !self.scrubbed && !self.hands_off,
+            TapState::Cleaning => !(self.scrubbed && self.owner.is_some()),
+        };
+        if ok {
+            return Ok(());
         }
+        Err(format!(
+            "invariant broken: {:?} with owner={:?} scrubbing={} scrubbed={} hands_off={}",
+            self.state, self.owner, self.scrubbing, self.scrubbed, self.hands_off
+        ))
     }
 }
 
@@ -129,7 +178,10 @@ pub enum Transition<'a> {
     Release,
     /// Cleaning → Cleaning, scrubbing: a cleanup starts (refused while one runs).
     BeginScrub,
-    /// Cleaning, scrubbing → Ready: the cleanup succeeded; owner and errors are cleared.
+    /// Cleaning, scrubbing → Cleaning, scrubbing, scrubbed: the datapath state is gone and so
+    /// is the owner's state; the owner is cleared (its id may be ensured again).
+    Scrubbed,
+    /// Cleaning, scrubbing, scrubbed → Ready: nobody else holds the TAP; errors are cleared.
     Cleaned,
     /// Cleaning, scrubbing → Cleaning: the cleanup failed with this error; retry count + 1.
     ScrubFailed(String),
@@ -145,6 +197,7 @@ impl Transition<'_> {
             Transition::Unacquire => "unacquire",
             Transition::Release => "release",
             Transition::BeginScrub => "begin cleanup",
+            Transition::Scrubbed => "scrubbed",
             Transition::Cleaned => "cleaned",
             Transition::ScrubFailed(_) => "cleanup failed",
             Transition::Retire => "retire",
@@ -223,7 +276,7 @@ impl Pool {
                 return Err(refuse("already in the pool".into()));
             }
             entry.check().map_err(refuse)?;
-            if entry.scrubbing {
+            if entry.scrubbing || entry.scrubbed {
                 return Err(refuse("cannot join while being cleaned".into()));
             }
             if let Some(o) = &entry.owner
@@ -273,15 +326,23 @@ impl Pool {
                 }
                 e.scrubbing = true;
             }
-            Transition::Cleaned => {
+            Transition::Scrubbed => {
                 if from != TapState::Cleaning || !e.scrubbing {
+                    return Err(illegal(e));
+                }
+                e.scrubbed = true;
+                e.hands_off = false;
+                new_owner = Some(None);
+            }
+            Transition::Cleaned => {
+                if from != TapState::Cleaning || !e.scrubbing || !e.scrubbed {
                     return Err(illegal(e));
                 }
                 e.state = TapState::Ready;
                 e.scrubbing = false;
+                e.scrubbed = false;
                 e.retry_count = 0;
                 e.last_error = None;
-                new_owner = Some(None);
             }
             Transition::ScrubFailed(err) => {
                 if from != TapState::Cleaning || !e.scrubbing {
@@ -347,6 +408,12 @@ mod tests {
         assert!(p.transition("z1", Transition::BeginScrub).is_err(), "one cleanup at a time");
         p.transition("z1", Transition::ScrubFailed("boom".into())).unwrap();
         assert_eq!((p.get("z1").unwrap().retry_count(), p.get("z1").unwrap().last_error()), (1, Some("boom")));
+        p.transition("z1", Transition::BeginScrub).unwrap();
+        assert!(p.transition("z1", Transition::Cleaned).is_err(), "never Ready before the scrub");
+        p.transition("z1", Transition::Scrubbed).unwrap();
+        assert!(p.owned_by("sb").is_none(), "the owner's id is free once scrubbed");
+        p.transition("z1", Transition::ScrubFailed("held".into())).unwrap();
+        assert_eq!(p.get("z1").unwrap().state(), TapState::Cleaning);
         p.transition("z1", Transition::BeginScrub).unwrap();
         p.transition("z1", Transition::Cleaned).unwrap();
         let t = p.get("z1").unwrap();

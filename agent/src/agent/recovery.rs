@@ -119,7 +119,7 @@ impl Agent {
                 }
                 None if t.lower_up => {
                     let e = TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, TapState::Cleaning, None)
-                        .with_note("held by another process and no state: left untouched");
+                        .hands_off("held by another process and no state: left untouched until it is free");
                     self.transit(&mut inner, &t.name, Transition::Join(e)).map_err(internal)?;
                     summary.held += 1;
                 }

@@ -41,8 +41,7 @@ impl Agent {
         validate_policy("cubevs_context.", &policy)?;
 
         let id = req.sandbox_id.clone();
-        let guard = self.sandbox_lock(&id);
-        let _g = lock(&guard);
+        let _g = self.locks.lock(&id);
         {
             let inner = lock(&self.inner);
             if let Some(rec) = inner.sandboxes.get(&id) {
@@ -155,8 +154,11 @@ impl Agent {
 
     // ---------------------------------------------------------------- Release / cleanup
 
-    /// ReleaseNetwork: idempotent (unknown ids report released). The TAP goes through
-    /// Cleaning back to Ready; a failed cleanup stays Cleaning for the maintenance loop.
+    /// ReleaseNetwork: idempotent (unknown ids report released). The durable `deleting`
+    /// intent is written first: if that fails, the call fails and nothing changes (the
+    /// sandbox stays Active with its ports and registration; a retry works). After it, the
+    /// call succeeds whatever the cleanup meets: the TAP goes through Cleaning back to Ready,
+    /// or stays Cleaning for the maintenance loop (datapath error, or a VMM still holds it).
     pub fn release(&self, sandbox_id: &str) -> Result<bool, AgentError> {
         let t0 = Instant::now();
         let r = self.release_inner(sandbox_id);
@@ -168,23 +170,31 @@ impl Agent {
 
     fn release_inner(&self, id: &str) -> Result<bool, AgentError> {
         validate_sandbox_id(id).map_err(|r| invalid("sandbox_id", r))?;
-        let guard = self.sandbox_lock(id);
-        let _g = lock(&guard);
-        let rec = lock(&self.inner).sandboxes.remove(id);
+        let _g = self.locks.lock(id);
+        let (rec, cleaning) = {
+            let inner = lock(&self.inner);
+            (inner.sandboxes.get(id).cloned(), inner.pool.owned_by(id).is_some())
+        };
         let Some(rec) = rec else {
-            // Durable leftovers only (e.g. an earlier failure): clean the state.
-            let _ = self.store.remove(id);
-            drop(_g);
-            self.forget_lock(id);
+            // Its TAP still being scrubbed: the maintenance loop finishes that, and deletes the
+            // state record last.
+            if cleaning {
+                return Ok(true);
+            }
+            // Durable leftovers only: a stale record would claim a TAP the next owner gets.
+            self.store.remove(id).map_err(|e| internal(format!("remove state of {id}: {e}")))?;
             return Ok(true);
         };
+        // Durable intent first: until it is written, the sandbox stays as it is.
         self.store.write(&rec, Phase::Deleting).map_err(|e| internal(format!("mark {id} deleting: {e}")))?;
-        if let Err(e) = self.transit(&mut lock(&self.inner), &rec.tap_name, Transition::Release) {
-            tracing::error!("{e}");
+        {
+            let mut inner = lock(&self.inner);
+            inner.sandboxes.remove(id);
+            if let Err(e) = self.transit(&mut inner, &rec.tap_name, Transition::Release) {
+                tracing::error!("{e}");
+            }
         }
         self.cleanup_tap(&rec.tap_name);
-        drop(_g);
-        self.forget_lock(id);
         Ok(true)
     }
 
@@ -212,8 +222,7 @@ impl Agent {
         if let Some(p) = &policy {
             validate_policy("cubevs_context.", p)?;
         }
-        let guard = self.sandbox_lock(sandbox_id);
-        let _g = lock(&guard);
+        let _g = self.locks.lock(sandbox_id);
         let mut rec = lock(&self.inner)
             .sandboxes
             .get(sandbox_id)

@@ -176,3 +176,100 @@ fn recovery_adopts_and_cleans() {
     let e = a3.recover().unwrap_err().to_string();
     assert!(e.contains("conflicting identity"), "{e}");
 }
+
+#[test]
+fn release_writes_its_intent_before_forgetting() {
+    let f = fixture("intent");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let v = f.agent.ensure(req("sb-i")).unwrap();
+    let ifindex = v.record.tap_ifindex;
+    // The store cannot write sb-i's records: a directory squats on its temporary file.
+    let squat = f.dir.join("sb-i.tmp.json");
+    std::fs::create_dir(&squat).unwrap();
+    let e = f.agent.release("sb-i").unwrap_err();
+    assert!(matches!(e, AgentError::Internal(_)), "{e}");
+    // Nothing was forgotten: still Active, registered, mapped, with its ports and state file.
+    assert_eq!(f.agent.get("sb-i").unwrap(), v);
+    assert_eq!(f.agent.pool_counts()[&TapState::Active], 1);
+    assert_eq!(f.dp.sandbox(ifindex).unwrap().map(|e| e.id), Some("sb-i".to_string()));
+    assert_eq!(f.dp.port_mappings().unwrap().len(), 1);
+    assert_eq!(f.agent.host_ports_in_use(), 1);
+    assert!(f.dir.join("sb-i.success.json").exists());
+    // Once the store works again, a retry releases for real.
+    std::fs::remove_dir(&squat).unwrap();
+    assert!(f.agent.release("sb-i").unwrap());
+    assert!(matches!(f.agent.get("sb-i"), Err(AgentError::NotFound(_))));
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
+    assert!(f.dp.sandbox(ifindex).unwrap().is_none());
+    assert!(f.dp.port_mappings().unwrap().is_empty());
+    assert_eq!((f.agent.host_ports_in_use(), f.agent.store.count()), (0, 0));
+}
+
+#[test]
+fn sandbox_lock_map_does_not_grow() {
+    let f = fixture("locks");
+    f.agent.recover().unwrap();
+    f.agent.warm(2, 1);
+    for i in 0..20 {
+        f.agent.ensure(req(&format!("sb-{i}"))).unwrap();
+        assert!(matches!(f.agent.reconcile(&format!("ghost-{i}"), None), Err(AgentError::NotFound(_))));
+        assert!(f.agent.release(&format!("never-{i}")).unwrap());
+    }
+    assert_eq!(f.agent.lock_entries(), 0, "live sandboxes and unknown ids keep no lock entry");
+    for i in 0..20 {
+        assert!(f.agent.release(&format!("sb-{i}")).unwrap());
+    }
+    assert_eq!(f.agent.lock_entries(), 0);
+}
+
+#[test]
+fn maintenance_pass_does_not_copy_sessions() {
+    let f = fixture("maint");
+    f.agent.recover().unwrap();
+    f.agent.warm(2, 1);
+    f.agent.ensure(req("sb-m")).unwrap();
+    f.agent.release("sb-m").unwrap();
+    // Recovery reads the sessions once (version seeding); passes must not.
+    f.dp.sessions_calls.store(0, Ordering::Relaxed);
+    f.agent.maintain();
+    f.agent.maintain();
+    assert_eq!(f.dp.sessions_calls.load(Ordering::Relaxed), 0, "a maintenance pass listed every session");
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 2);
+}
+
+#[test]
+fn policy_write_failures_never_strand_a_tap_or_state() {
+    let f = fixture("policyfull");
+    f.agent.recover().unwrap();
+    f.agent.warm(2, 1);
+    let a = f.agent.ensure(req("sb-a")).unwrap();
+    // From here on every policy write fails (the tries are full).
+    f.dp.fail_policy.store(true, Ordering::Relaxed);
+    // A failed Ensure leaves nothing behind: no state file, no ports, its TAP back to Ready.
+    assert!(f.agent.ensure(req("sb-b")).is_err());
+    let files: Vec<_> = std::fs::read_dir(&f.dir).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(files, vec![std::ffi::OsString::from("sb-a.success.json")]);
+    assert_eq!(f.agent.host_ports_in_use(), 1);
+    let counts = f.agent.pool_counts();
+    assert_eq!((counts[&TapState::Ready], counts[&TapState::Active], counts[&TapState::Cleaning]), (1, 1, 0));
+    // Release always succeeds and returns the TAP although no baseline can be written; the
+    // sandbox is unregistered (its TAP drops everything) and its policy entries are gone.
+    assert!(f.agent.release("sb-a").unwrap());
+    let counts = f.agent.pool_counts();
+    assert_eq!((counts[&TapState::Ready], counts[&TapState::Cleaning]), (2, 0));
+    assert!(f.dp.sandbox(a.record.tap_ifindex).unwrap().is_none());
+    assert!(f.dp.policy(a.record.tap_ifindex).unwrap().is_none());
+    assert_eq!((f.agent.host_ports_in_use(), f.agent.store.count()), (0, 0));
+    // A restart over a half-released sandbox recovers while the tries are still full.
+    f.dp.fail_policy.store(false, Ordering::Relaxed);
+    let c = f.agent.ensure(req("sb-c")).unwrap();
+    f.dp.fail_policy.store(true, Ordering::Relaxed);
+    f.agent.store.write(&c.record, Phase::Deleting).unwrap();
+    let a2 = Agent::new(f.agent.cfg.clone(), f.host.clone(), f.dp.clone(), StateStore::open(&f.dir).unwrap());
+    let s = a2.recover().unwrap();
+    assert_eq!(s.cleaned, 2, "{s:?}");
+    assert_eq!(a2.pool_counts()[&TapState::Ready], 2);
+    assert_eq!(a2.store.count(), 0);
+    assert!(f.dp.sandbox(c.record.tap_ifindex).unwrap().is_none());
+}
