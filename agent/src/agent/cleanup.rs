@@ -51,7 +51,12 @@ impl Agent {
         match res {
             Ok(()) => self.transit(&mut inner, name, Transition::Cleaned).is_ok(),
             Err(e) => {
-                tracing::warn!("cleanup of {name} not finished (stays Cleaning): {e}");
+                // Once per distinct error: a TAP a VMM holds fails the same way every pass.
+                if inner.pool.get(name).and_then(|t| t.last_error()) == Some(e.as_str()) {
+                    tracing::debug!("cleanup of {name} not finished (stays Cleaning): {e}");
+                } else {
+                    tracing::warn!("cleanup of {name} not finished (stays Cleaning): {e}");
+                }
                 let _ = self.transit(&mut inner, name, Transition::ScrubFailed(e));
                 false
             }
@@ -69,17 +74,25 @@ impl Agent {
         if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
             return Err(format!("{name}: port mappings still present after delete"));
         }
-        // One atomic replace by the baseline deny when the tries have room for it.
-        if let Err(e) = self.dp.install_default_deny(ifindex) {
-            self.dp
-                .remove_policy(ifindex)
-                .map_err(|e2| format!("{name}: baseline deny: {e}; removing the policy: {e2}"))?;
-            if let Err(e) = self.dp.install_default_deny(ifindex) {
-                tracing::warn!("{name}: no baseline deny ({e}); its policy entries are removed and it is unregistered");
-            }
-        }
+        self.baseline_policy(name, ifindex)?;
         if let Some(o) = owner {
             self.store.remove(o).map_err(|e| format!("remove state of {o}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Gives the unregistered TAP `name` the baseline deny: one atomic replace when the policy
+    /// tries have room for it; else its entries are removed (freeing room) and the baseline is
+    /// tried once more, and if it still does not fit the TAP stays without entries — safe,
+    /// because `from_cube` drops everything an unregistered TAP sends. Fails only when the
+    /// entries cannot be removed.
+    pub(super) fn baseline_policy(&self, name: &str, ifindex: u32) -> Result<(), String> {
+        let Err(e) = self.dp.install_default_deny(ifindex) else { return Ok(()) };
+        self.dp
+            .remove_policy(ifindex)
+            .map_err(|e2| format!("{name}: baseline deny: {e}; removing the policy: {e2}"))?;
+        if let Err(e) = self.dp.install_default_deny(ifindex) {
+            tracing::warn!("{name}: no baseline deny ({e}); its policy entries are removed and it is unregistered");
         }
         Ok(())
     }

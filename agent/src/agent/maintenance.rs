@@ -41,7 +41,7 @@ impl Agent {
                 return Err(internal(format!("{name}: ifindex changed during creation")));
             }
             // A replace: whatever a previous owner of this ifindex left is purged with it.
-            self.dp.install_default_deny(ifindex)?;
+            self.baseline_policy(&name, ifindex).map_err(internal)?;
             Ok((ifindex, fd))
         })();
         let made = made.and_then(|(ifindex, fd)| {

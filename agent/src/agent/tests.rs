@@ -273,3 +273,29 @@ fn policy_write_failures_never_strand_a_tap_or_state() {
     assert_eq!(a2.store.count(), 0);
     assert!(f.dp.sandbox(c.record.tap_ifindex).unwrap().is_none());
 }
+
+#[test]
+fn readiness_says_whether_an_ensure_can_succeed() {
+    let f = fixture("ready");
+    f.agent.recover().unwrap();
+    let ready = f.agent.watch_readiness();
+    f.agent.warm(1, 1);
+    f.agent.set_started();
+    f.agent.readiness().unwrap();
+    assert!(*ready.borrow());
+    // No Ready TAP, but the pool can refill: an Ensure would create one on demand.
+    f.agent.ensure(req("sb-1")).unwrap();
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 0);
+    f.agent.readiness().unwrap();
+    // TAP creation fails from now on: no interface can be attached.
+    *f.dp.resolver.lock().unwrap() = Some(Box::new(|_| None));
+    f.agent.maintain();
+    let e = f.agent.readiness().unwrap_err();
+    assert!(e.contains("no Ready TAP and the pool cannot refill") && e.contains("no interface"), "{e}");
+    assert!(!*ready.borrow(), "the watch follows");
+    assert!(f.agent.ensure(req("sb-2")).is_err(), "readiness told the truth");
+    // A TAP back in Ready makes it ready again, although creation still fails.
+    f.agent.release("sb-1").unwrap();
+    f.agent.readiness().unwrap();
+    assert!(*ready.borrow());
+}
