@@ -3,7 +3,8 @@
 //!
 //! - [`pool`]: the TAP pool state (Ready / Active / Cleaning);
 //! - `service`: Ensure / Release / Reconcile / Get / List and the fd handoff lookup;
-//! - `cleanup`: scrubbing a TAP for reuse;
+//! - `cleanup`: scrubbing a TAP for reuse and waiting until nobody else holds it;
+//! - `locks`: the per-sandbox lock map;
 //! - `recovery`: startup reconciliation of state files, TAPs and maps;
 //! - `maintenance`: TAP creation, pool refill and trim, the maintenance pass;
 //! - this file: the types, the [`Agent`] and its read-only views.

@@ -27,7 +27,8 @@ use serde::Serialize;
 /// Pool state of a TAP (`reference/upstream.md §2.4`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum TapState {
-    /// Unowned, baseline deny installed, no sandbox state.
+    /// Unowned, unregistered, no sandbox state, nobody else holds it; baseline deny installed
+    /// when the policy tries have room for it.
     Ready,
     /// Owned by a sandbox.
     Active,
