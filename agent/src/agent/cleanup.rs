@@ -101,8 +101,12 @@ impl Agent {
     /// one, which succeeds only when no other process holds the TAP (a single-queue TAP takes
     /// one attached queue; `EBUSY` otherwise). The new fd is kept.
     fn reopen_if_free(&self, name: &str) -> Result<Arc<OwnedFd>, String> {
-        let old = lock(&self.inner).pool.get(name).and_then(|t| t.fd.clone());
-        lock(&self.inner).pool.set_fd(name, None);
+        let old = {
+            let mut inner = lock(&self.inner);
+            let old = inner.pool.get(name).and_then(|t| t.fd.clone());
+            inner.pool.set_fd(name, None);
+            old
+        };
         // The last reference closes the fd; the queue detaches only if nobody else holds it.
         drop(old);
         match self.host.reopen_tap(name) {
