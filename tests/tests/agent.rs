@@ -338,6 +338,7 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
 
     // Ensure + fd latency at concurrency 1.
     let mut serial = Vec::new();
+    let mut releases = Vec::new();
     {
         let mut c = rt.block_on(client(&a));
         for k in 0..10 {
@@ -357,7 +358,9 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
             serial.push(t.elapsed());
             assert_eq!(reply["errCode"], "0");
             drop(fd);
+            let t = Instant::now();
             rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id, ..Default::default() })).unwrap();
+            releases.push(t.elapsed());
         }
     }
 
@@ -464,9 +467,12 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
     assert_eq!(neigh.lines().count(), 4, "{neigh}");
 
     eprintln!(
-        "FIGURES: Ensure+fd at concurrency 1: p50 {:?} p99 {:?}; at concurrency {N}: p50 {:?} p99 {:?}",
+        "FIGURES: Ensure+fd at concurrency 1: p50 {:?} p99 {:?}; Release at concurrency 1: p50 {:?} p99 {:?}; \
+         Ensure+fd at concurrency {N}: p50 {:?} p99 {:?}",
         percentile(&mut serial, 0.5),
         percentile(&mut serial, 0.99),
+        percentile(&mut releases, 0.5),
+        percentile(&mut releases, 0.99),
         percentile(&mut conc, 0.5),
         percentile(&mut conc, 0.99)
     );
