@@ -219,6 +219,7 @@ impl Dataplane for CubeVsDataplane {
         let st = self.reaper.stats();
         c.insert("reaper_runs".into(), st.runs.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("reaper_removed".into(), st.removed.load(std::sync::atomic::Ordering::Relaxed));
+        c.insert("reaper_last_scanned".into(), st.last_scanned.load(std::sync::atomic::Ordering::Relaxed));
         Ok(c)
     }
 }

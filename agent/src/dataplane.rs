@@ -300,6 +300,11 @@ pub struct FakeDataplane {
     pub fail_register: std::sync::atomic::AtomicBool,
     /// When set, `delete_port_mappings_of` fails (to test cleanup retries).
     pub fail_delete_ports: std::sync::atomic::AtomicBool,
+    /// When set, policy writes (`replace_policy`, `install_default_deny`) fail as they do when
+    /// the policy tries are full; `remove_policy` still works.
+    pub fail_policy: std::sync::atomic::AtomicBool,
+    /// How many times `sessions()` was called (maintenance must not copy the session map).
+    pub sessions_calls: std::sync::atomic::AtomicUsize,
     /// Resolves interface names to ifindexes (a fake host's table); unset: a counter.
     pub resolver: Mutex<Option<Resolver>>,
 }
@@ -375,9 +380,15 @@ impl Dataplane for FakeDataplane {
         Ok(self.tables.lock().unwrap().ports())
     }
     fn replace_policy(&self, ifindex: u32, policy: &EgressPolicy) -> Result<(), DataplaneError> {
+        if self.fail_policy.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected policy failure: deny_out is full".into()));
+        }
         self.tables.lock().unwrap().replace_policy(ifindex, policy)
     }
     fn install_default_deny(&self, ifindex: u32) -> Result<(), DataplaneError> {
+        if self.fail_policy.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected policy failure: deny_out is full".into()));
+        }
         self.tables.lock().unwrap().default_deny(ifindex)
     }
     fn remove_policy(&self, ifindex: u32) -> Result<(), DataplaneError> {
@@ -388,6 +399,7 @@ impl Dataplane for FakeDataplane {
         Ok(self.tables.lock().unwrap().policy(ifindex))
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
+        self.sessions_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Vec::new())
     }
     fn delete_sessions_of(&self, _ifindex: u32) -> Result<usize, DataplaneError> {
