@@ -102,6 +102,10 @@ pub struct Config {
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
     /// `"false"` overrides it. `false` is upstream's behaviour (flows outlive the change).
     pub flush_sessions_on_policy_tighten: bool,
+    /// Unix socket of the live upgrade hand-over (`handover.rs`; default empty = off). The
+    /// agent listens there (0600, peer uid checked); a new agent started with the same key
+    /// first asks the running one for its listeners and TAP fds instead of binding afresh.
+    pub handover_socket: PathBuf,
 }
 
 impl Default for Config {
@@ -132,6 +136,7 @@ impl Default for Config {
             maintenance_interval_secs: 5,
             policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             flush_sessions_on_policy_tighten: true,
+            handover_socket: PathBuf::new(),
         }
     }
 }

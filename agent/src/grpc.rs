@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::{
     agent::{Agent, AgentError, EnsureRequest, NetworkView, parse_port_request},
     dataplane::EgressPolicy,
+    handover::{Entry, MutationGate},
     state::SandboxRecord,
 };
 
@@ -20,13 +21,37 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct Service {
     agent: Arc<Agent>,
+    /// Mutations (Ensure, Release, Reconcile) enter it; see `handover.rs`.
+    gate: Arc<MutationGate>,
 }
 
 impl Service {
     /// A tonic server for `agent`.
     pub fn server(agent: Arc<Agent>) -> NetworkAgentServer<Self> {
-        NetworkAgentServer::new(Self { agent })
+        Self::server_with_gate(agent, Arc::default())
     }
+
+    /// A tonic server for `agent` whose mutations pass `gate` (live upgrade hand-over).
+    pub fn server_with_gate(agent: Arc<Agent>, gate: Arc<MutationGate>) -> NetworkAgentServer<Self> {
+        NetworkAgentServer::new(Self { agent, gate })
+    }
+}
+
+/// Runs `$call` on the successor's client when the gate says the state moved there; else
+/// yields the gate guard to hold while mutating here.
+macro_rules! gate_or_forward {
+    ($self:ident, $req:ident, $call:ident) => {
+        match $self.gate.enter().await {
+            Entry::Here(g) => g,
+            Entry::Forward(ep) => {
+                let mut c = crate::client::connect(&ep)
+                    .await
+                    .map_err(|e| Status::unavailable(format!("forward to the successor agent: {e:#}")))?;
+                return c.$call(Request::new($req.into_inner())).await;
+            }
+            Entry::Gone => return Err(Status::unavailable("this agent handed over to its successor")),
+        }
+    };
 }
 
 /// gRPC status of an agent error: the field is named in the message of INVALID_ARGUMENT.
@@ -150,6 +175,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::EnsureNetworkRequest>,
     ) -> Result<Response<pb::EnsureNetworkResponse>, Status> {
+        let _gate = gate_or_forward!(self, req, ensure_network);
         let r = req.into_inner();
         let er = EnsureRequest {
             sandbox_id: r.sandbox_id,
@@ -166,6 +192,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::ReleaseNetworkRequest>,
     ) -> Result<Response<pb::ReleaseNetworkResponse>, Status> {
+        let _gate = gate_or_forward!(self, req, release_network);
         let r = req.into_inner();
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();
@@ -178,6 +205,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::ReconcileNetworkRequest>,
     ) -> Result<Response<pb::ReconcileNetworkResponse>, Status> {
+        let _gate = gate_or_forward!(self, req, reconcile_network);
         let r = req.into_inner();
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();

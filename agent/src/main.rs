@@ -1,6 +1,8 @@
 //! `network-agent`: the per-node CubeNet daemon. See the README's network-agent section.
 
 use std::{
+    collections::HashMap,
+    os::fd::OwnedFd,
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant},
@@ -16,12 +18,13 @@ use network_agent::{
     cubevs_dp::CubeVsDataplane,
     dataplane::{Dataplane, SnatIp},
     fdserver, grpc,
+    handover::{self, Entry, MutationGate},
     host::{HostParams, NetnsHost},
     http,
+    listeners::{Endpoint, GrpcListener, Listeners, parse_endpoint},
     state::StateStore,
     uds_authority::NormalizeAuthority,
 };
-use tokio::net::UnixListener;
 use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
 
 /// Command line: `--config PATH`; every other flag overrides the config key of the same name.
@@ -67,6 +70,9 @@ struct Args {
     /// Overrides `host_port_range`.
     #[arg(long)]
     host_port_range: Option<String>,
+    /// Overrides `handover_socket`.
+    #[arg(long)]
+    handover_socket: Option<PathBuf>,
     /// Check the configuration and exit.
     #[arg(long)]
     check_config: bool,
@@ -89,7 +95,8 @@ fn apply(mut c: Config, a: &Args) -> Config {
         bpffs_dir,
         bpf_object,
         state_dir,
-        host_port_range
+        host_port_range,
+        handover_socket
     );
     if let Some(v) = a.mtu {
         c.mtu = v;
@@ -210,13 +217,37 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         Ok(())
     })?;
 
+    // Live upgrade: ask a running agent for its listeners and TAP fds (handover.rs). Any
+    // failure before READY leaves the old agent serving; this process exits.
+    let mut handover_conn = None;
+    let mut adopted_listeners = None;
+    let mut received = HashMap::new();
+    if !raw.handover_socket.as_os_str().is_empty() {
+        let sock = &raw.handover_socket;
+        match handover::begin(sock).with_context(|| format!("hand-over socket {}", sock.display()))? {
+            None => tracing::info!(socket = %sock.display(), "no running agent to take over from: fresh start"),
+            Some(conn) => {
+                let (listeners, taps) = step("receive hand-over", || {
+                    let (m, fds) = handover::recv_offer(&conn)?;
+                    let (l, taps) = split_offer(m, fds)?;
+                    // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
+                    Ok((Listeners::adopt(raw, l)?, taps))
+                })?;
+                tracing::info!(taps = taps.len(), "received listeners and TAP fds from the running agent");
+                adopted_listeners = Some(listeners);
+                received = taps;
+                handover_conn = Some(conn);
+            }
+        }
+    }
+
     // 4. State and recovery.
     let agent = step("recover", || {
         let store =
             StateStore::open(&raw.state_dir).with_context(|| format!("state dir {}", raw.state_dir.display()))?;
         let agent = Arc::new(Agent::new(cfg.clone(), host.clone(), dp.clone() as Arc<dyn Dataplane>, store));
         agent.metrics.register_datapath(dp.clone() as Arc<dyn Dataplane>)?;
-        let s = agent.recover()?;
+        let s = agent.recover_with(received)?;
         tracing::info!(?s, "recovered");
         match dp.gc_link_pins() {
             Ok(gone) if !gone.is_empty() => tracing::info!(?gone, "removed link pins of vanished interfaces"),
@@ -226,14 +257,14 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         Ok(agent)
     })?;
 
-    // 5. Health first, then gRPC and the fd socket.
-    let health = step("health listener", || {
-        let l = std::net::TcpListener::bind(&raw.health_listen)
-            .with_context(|| format!("bind health_listen {}", raw.health_listen))?;
-        l.set_nonblocking(true)?;
-        Ok(tokio::net::TcpListener::from_std(l)?)
-    })?;
-    let health_task = tokio::spawn(http::serve(health, agent.clone()));
+    // 5. Listeners (bound, or adopted from the previous agent); health first, then gRPC and
+    //    the fd socket.
+    let listeners = match adopted_listeners {
+        Some(l) => l,
+        None => step("bind listeners", || Listeners::bind(raw))?,
+    };
+    let Listeners { grpc: grpc_listener, tap_fd: fd_listener, health, for_handover } = listeners;
+    let mut health_task = tokio::spawn(http::serve(health, agent.clone()));
 
     // grpc.health.v1 ("" and the NetworkAgent service) follows readiness: SERVING only while
     // an Ensure can succeed now (`Agent::readiness`, also `/readyz`).
@@ -255,34 +286,25 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             }
         }
     });
-    let router =
-        tonic::transport::Server::builder().add_service(health_svc).add_service(grpc::Service::server(agent.clone()));
+    let gate = Arc::new(MutationGate::default());
+    let router = tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(grpc::Service::server_with_gate(agent.clone(), gate.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop = stop_rx.clone();
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let grpc_task = match parse_endpoint(&raw.grpc_listen)? {
-        Endpoint::Unix(p) => {
-            let l = step("grpc listener", || {
-                if let Some(d) = p.parent() {
-                    std::fs::create_dir_all(d)?;
-                }
-                let _ = std::fs::remove_file(&p);
-                UnixListener::bind(&p).with_context(|| format!("bind {}", p.display()))
-            })?;
+    let grpc_task = match grpc_listener {
+        GrpcListener::Unix(l) => {
             // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
             let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
             tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
-        Endpoint::Tcp(addr) => {
-            let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("bind {addr}"))?;
-            tokio::spawn(async move {
-                router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown).await
-            })
-        }
+        GrpcListener::Tcp(l) => tokio::spawn(async move {
+            router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown).await
+        }),
     };
-    let fd_listener = step("fd listener", || Ok(fdserver::bind(&raw.tap_fd_listen)?))?;
     let fd_agent = agent.clone();
     let fd_task = tokio::spawn(async move {
         loop {
@@ -300,22 +322,57 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         }
     });
     agent.set_started();
+    if let Some(conn) = handover_conn.take() {
+        // Serving on the shared sockets; the old agent stops accepting once it reads this. If
+        // it cannot be told, it keeps serving and this one must not: exit.
+        handover::ready(&conn).context("tell the previous agent READY")?;
+        tracing::info!("hand-over complete: the previous agent stops accepting and exits");
+    }
     tracing::info!(ms = t_all.elapsed().as_secs_f64() * 1e3, "serving; warming the TAP pool in the background");
 
-    // 6. Pool warm-up and maintenance, off the async workers.
+    // The hand-over socket for the next upgrade (replaces the previous agent's path).
+    let (handed_tx, mut handed_rx) = tokio::sync::oneshot::channel::<()>();
+    if !raw.handover_socket.as_os_str().is_empty() {
+        let l = step("hand-over listener", || {
+            let l = handover::bind(&raw.handover_socket)
+                .with_context(|| format!("bind handover_socket {}", raw.handover_socket.display()))?;
+            l.set_nonblocking(true)?;
+            Ok(tokio::net::UnixListener::from_std(l)?)
+        })?;
+        let (a, g, fds, ep) = (agent.clone(), gate.clone(), Arc::new(for_handover), raw.grpc_listen.clone());
+        tokio::spawn(async move {
+            handover::serve(l, a, g, fds, ep).await;
+            let _ = handed_tx.send(());
+        });
+    } else {
+        drop(for_handover);
+        std::mem::forget(handed_tx);
+    }
+
+    // 6. Pool warm-up and maintenance, off the async workers; each pass enters the mutation
+    //    gate, and none runs once the state was handed to a successor.
     let m_agent = agent.clone();
     let interval = Duration::from_secs(raw.maintenance_interval_secs);
     let target = raw.tap_init_num;
     let par = raw.warm_parallelism;
+    let m_gate = gate.clone();
     tokio::spawn(async move {
         let a = m_agent.clone();
         let t = Instant::now();
-        let made = tokio::task::spawn_blocking(move || a.warm(target, par)).await.unwrap_or(0);
+        let made = match m_gate.enter().await {
+            Entry::Here(_g) => tokio::task::spawn_blocking(move || a.warm(target, par)).await.unwrap_or(0),
+            _ => return,
+        };
         tracing::info!(created = made, target, ms = t.elapsed().as_secs_f64() * 1e3, "TAP pool warm");
         loop {
             let _ = tokio::time::timeout(interval, m_agent.kick.notified()).await;
             let a = m_agent.clone();
-            let _ = tokio::task::spawn_blocking(move || a.maintain()).await;
+            match m_gate.enter().await {
+                Entry::Here(_g) => {
+                    let _ = tokio::task::spawn_blocking(move || a.maintain()).await;
+                }
+                _ => return,
+            }
         }
     });
 
@@ -324,11 +381,20 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping (datapath, TAPs and pins stay)"),
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping (datapath, TAPs and pins stay)"),
-        r = health_task => bail!("health server stopped: {r:?}"),
+        _ = &mut handed_rx => tracing::info!("handed over: no longer accepting; finishing in-flight requests"),
+        r = &mut health_task => bail!("health server stopped: {r:?}"),
     }
+    // Stop accepting everywhere; gRPC finishes in-flight calls (forwarded ones included).
     let _ = stop_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(5), grpc_task).await;
     fd_task.abort();
+    health_task.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(30), grpc_task).await;
+    if gate.handed_over() {
+        // In-flight fd and HTTP requests finish within their deadlines; the socket files
+        // belong to the successor now.
+        tokio::time::sleep(fdserver::DEADLINE * 2).await;
+        return Ok(());
+    }
     if let Endpoint::Unix(p) = parse_endpoint(&raw.grpc_listen)? {
         let _ = std::fs::remove_file(p);
     }
@@ -336,19 +402,19 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     Ok(())
 }
 
-enum Endpoint {
-    Unix(PathBuf),
-    Tcp(String),
-}
-
-/// `unix://path`, `tcp://host:port` or `host:port` (`reference/upstream.md §1.1`).
-fn parse_endpoint(s: &str) -> anyhow::Result<Endpoint> {
-    if let Some(p) = s.strip_prefix("unix://") {
-        return Ok(Endpoint::Unix(PathBuf::from(p)));
+/// Splits a received hand-over into the listeners and the TAP fds (name → (state, fd)),
+/// checking each TAP fd with `TUNGETIFF`. Any mismatch fails the hand-over.
+fn split_offer(
+    m: handover::Manifest,
+    fds: Vec<OwnedFd>,
+) -> anyhow::Result<(Vec<(handover::ListenerKind, OwnedFd)>, HashMap<String, (String, OwnedFd)>)> {
+    let mut it = fds.into_iter();
+    let listeners: Vec<_> = m.listeners.iter().map(|k| (*k, it.next().expect("fd_count checked"))).collect();
+    let mut taps = HashMap::new();
+    for t in m.taps.into_iter().filter(|t| t.has_fd) {
+        let fd = it.next().expect("fd_count checked");
+        handover::verify_tap(&fd, &t.name).map_err(|e| anyhow::anyhow!("hand-over: {e}"))?;
+        taps.insert(t.name, (t.state, fd));
     }
-    let hp = s.strip_prefix("tcp://").unwrap_or(s);
-    if hp.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()) {
-        return Ok(Endpoint::Tcp(hp.to_string()));
-    }
-    bail!("config key `grpc_listen`: {s:?} is not unix://PATH, tcp://HOST:PORT or HOST:PORT")
+    Ok((listeners, taps))
 }

@@ -1,6 +1,11 @@
 //! Startup recovery: state files × live TAPs × datapath maps.
 
-use std::{collections::HashMap, net::Ipv4Addr, sync::atomic::Ordering};
+use std::{
+    collections::HashMap,
+    net::Ipv4Addr,
+    os::fd::OwnedFd,
+    sync::{Arc, atomic::Ordering},
+};
 
 use serde::Serialize;
 
@@ -24,6 +29,15 @@ impl Agent {
     /// claiming one TAP or address, a record whose TAP name and address disagree, or a TAP
     /// whose ifindex or datapath registration names another sandbox).
     pub fn recover(&self) -> Result<RecoverySummary, AgentError> {
+        self.recover_with(HashMap::new())
+    }
+
+    /// [`Agent::recover`] after a hand-over: `received` maps TAP names to the pool state the
+    /// previous agent reported and the queue fd it passed (already checked with `TUNGETIFF`).
+    /// A TAP with a received fd keeps it (no `TUNSETIFF`): an Active one answers fd requests at
+    /// once, also while its VMM holds the same queue; a Ready one without state rejoins Ready
+    /// (the previous agent scrubbed it; the fd we hold is what makes it look held).
+    pub fn recover_with(&self, mut received: HashMap<String, (String, OwnedFd)>) -> Result<RecoverySummary, AgentError> {
         let (records, bad) =
             self.store.scan().map_err(|e| internal(format!("scan {}: {e}", self.store.dir().display())))?;
         if !bad.is_empty() {
@@ -95,10 +109,24 @@ impl Agent {
                 continue;
             }
             let rec = records.iter().find(|(_, r)| r.tap_name == t.name);
+            let (got_state, fd) = match received.remove(&t.name) {
+                Some((st, fd)) => (Some(st), Some(Arc::new(fd))),
+                None => (None, None),
+            };
+            if fd.is_some() {
+                summary.handed_over_fds += 1;
+            }
             let mut inner = lock(&self.inner);
             inner.ipam.assign(t.ip);
             let entry = |state, owner: Option<&str>| {
-                Transition::Join(TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, state, owner.map(str::to_string)))
+                Transition::Join(TapEntry::new(
+                    t.name.clone(),
+                    t.ip,
+                    t.ifindex,
+                    fd.clone(),
+                    state,
+                    owner.map(str::to_string),
+                ))
             };
             match rec {
                 Some((Phase::Success, r)) => {
@@ -117,7 +145,10 @@ impl Agent {
                         .map_err(internal)?;
                     to_clean.push(t.name.clone());
                 }
-                None if t.lower_up => {
+                None if fd.is_some() && got_state.as_deref() == Some("Ready") => {
+                    self.transit(&mut inner, &t.name, entry(TapState::Ready, None)).map_err(internal)?;
+                }
+                None if t.lower_up && fd.is_none() => {
                     let e = TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, TapState::Cleaning, None)
                         .hands_off("held by another process and no state: left untouched until it is free");
                     self.transit(&mut inner, &t.name, Transition::Join(e)).map_err(internal)?;
@@ -148,7 +179,32 @@ impl Agent {
                 summary.stale_records += 1;
             }
         }
+        if !received.is_empty() {
+            let names: Vec<_> = received.keys().cloned().collect();
+            tracing::warn!(?names, "handed-over TAP fds without a live TAP in the dataplane netns: closed");
+        }
         Ok(summary)
+    }
+
+    /// The pool as a hand-over manifest: every TAP with its state, owner and ifindex, and the
+    /// agent's queue fd where it holds one (in manifest order).
+    pub fn handover_taps(&self) -> (Vec<crate::handover::TapRecord>, Vec<Arc<OwnedFd>>) {
+        let inner = lock(&self.inner);
+        let mut recs = Vec::new();
+        let mut fds = Vec::new();
+        for t in inner.pool.iter() {
+            recs.push(crate::handover::TapRecord {
+                name: t.name.clone(),
+                state: t.state().as_str().to_string(),
+                owner: t.owner().map(str::to_string),
+                ifindex: t.ifindex,
+                has_fd: t.fd.is_some(),
+            });
+            if let Some(fd) = &t.fd {
+                fds.push(fd.clone());
+            }
+        }
+        (recs, fds)
     }
 }
 
@@ -165,4 +221,6 @@ pub struct RecoverySummary {
     pub stale_records: usize,
     /// TAPs outside the CIDR, ignored.
     pub foreign: usize,
+    /// TAPs whose queue fd came from the previous agent (hand-over), not reopened.
+    pub handed_over_fds: usize,
 }
