@@ -37,19 +37,34 @@ impl Service {
     }
 }
 
-/// Runs `$call` on the successor's client when the gate says the state moved there; else
-/// yields the gate guard to hold while mutating here.
+/// Sends `$req` to the successor agent at `$ep` (`$call` of its client) and returns its answer.
+macro_rules! forward {
+    ($ep:expr, $req:ident, $call:ident) => {{
+        let mut c = crate::client::connect(&$ep)
+            .await
+            .map_err(|e| Status::unavailable(format!("forward to the successor agent: {e:#}")))?;
+        return c.$call(Request::new($req.into_inner())).await;
+    }};
+}
+
+/// Mutations: runs `$call` on the successor when the gate says the state moved there; else
+/// yields the gate guard to hold while mutating here (waits while a hand-over is running).
 macro_rules! gate_or_forward {
     ($self:ident, $req:ident, $call:ident) => {
         match $self.gate.enter().await {
             Entry::Here(g) => g,
-            Entry::Forward(ep) => {
-                let mut c = crate::client::connect(&ep)
-                    .await
-                    .map_err(|e| Status::unavailable(format!("forward to the successor agent: {e:#}")))?;
-                return c.$call(Request::new($req.into_inner())).await;
-            }
+            Entry::Forward(ep) => forward!(ep, $req, $call),
             Entry::Gone => return Err(Status::unavailable("this agent handed over to its successor")),
+        }
+    };
+}
+
+/// Reads: answered here (also while a hand-over runs: nothing mutates then) unless the state
+/// already belongs to the successor, which then answers.
+macro_rules! read_or_forward {
+    ($self:ident, $req:ident, $call:ident) => {
+        if let Some(ep) = $self.gate.successor() {
+            forward!(ep, $req, $call)
         }
     };
 }
@@ -230,6 +245,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::GetNetworkRequest>,
     ) -> Result<Response<pb::GetNetworkResponse>, Status> {
+        read_or_forward!(self, req, get_network);
         let r = req.into_inner();
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();
@@ -248,8 +264,9 @@ impl NetworkAgent for Service {
 
     async fn list_networks(
         &self,
-        _req: Request<pb::ListNetworksRequest>,
+        req: Request<pb::ListNetworksRequest>,
     ) -> Result<Response<pb::ListNetworksResponse>, Status> {
+        read_or_forward!(self, req, list_networks);
         let agent = self.agent.clone();
         let list = blocking(move || Ok(agent.list())).await?;
         Ok(Response::new(pb::ListNetworksResponse {
@@ -267,7 +284,8 @@ impl NetworkAgent for Service {
         }))
     }
 
-    async fn health(&self, _req: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+    async fn health(&self, req: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        read_or_forward!(self, req, health);
         let (ok, status) = match self.agent.readiness() {
             Ok(()) => (true, "ok".to_string()),
             Err(e) => (false, e),

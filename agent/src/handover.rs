@@ -1,30 +1,46 @@
 //! Live upgrade hand-over: a new agent takes the running agent's listening sockets and TAP
 //! queue fds over a Unix socket (`handover_socket`, mode 0600, peer uid checked with
-//! SO_PEERCRED), so no listener is rebound, no TAP is reopened (`TUNSETIFF`) and requests that
-//! arrive meanwhile wait in the shared kernel backlog instead of being refused.
+//! SO_PEERCRED on both sides), so no listener is rebound, no TAP is reopened (`TUNSETIFF`) and
+//! requests that arrive meanwhile wait in the shared kernel backlog instead of being refused.
+//! The pattern is CubeEgress's listener handoff (`egress/src/net.rs`, decision E9) plus the
+//! TAP fds and a mutation gate.
 //!
-//! Protocol (version [`PROTOCOL_VERSION`]), on one `SOCK_STREAM` connection:
+//! Protocol (version [`PROTOCOL_VERSION`]), on one `SOCK_STREAM` connection, lines end in `\n`:
 //!
-//! 1. successor → old: `BEGIN <version>\n`.
+//! 1. successor → old: `BEGIN <version>`. Another version: old answers `REFUSE <why>` and
+//!    closes; nothing changed.
 //! 2. old: closes its [`MutationGate`] (waits for running Ensure/Release/Reconcile calls and the
-//!    maintenance pass; later ones queue), then sends a 4-byte little-endian length and the
-//!    [`Manifest`] JSON, then the fds in manifest order (listeners, then TAPs) in messages of
-//!    one byte `F` carrying at most [`MAX_FDS_PER_MESSAGE`] fds each (SCM_RIGHTS limit 253).
-//! 3. successor: checks every fd (listener address matches its config, `TUNGETIFF` name of each
-//!    TAP fd matches the manifest), recovers from the state files with the received fds and
-//!    starts serving on the received listeners, then sends `READY\n`. Any failure, or closing
-//!    the connection, is an abort: the old agent opens the gate and keeps serving.
-//! 4. old, on `READY`: marks the gate handed over (queued and later mutations are forwarded to
-//!    the successor over `grpc_listen`), stops accepting, finishes in-flight requests and exits
+//!    maintenance pass; later ones queue), then sends `OFFER <version>`, a 4-byte little-endian
+//!    length and the [`Manifest`] JSON, then the fds in manifest order (listeners, then TAPs)
+//!    in messages of one byte `F` carrying at most [`MAX_FDS_PER_MESSAGE`] fds each
+//!    (SCM_RIGHTS limit 253).
+//! 3. successor: checks every fd (each listener is bound where its configuration says, the
+//!    `TUNGETIFF` name of each TAP fd and the TAP's ifindex match the manifest), recovers from
+//!    the state files with the received fds, then sends `READY`. Any failure, or closing the
+//!    connection, is an abort: the old agent answers `ABORT <why>` if it can, opens the gate
+//!    and keeps serving; the successor exits.
+//! 4. old, on `READY`: stops accepting on every listener (waits until no accept loop is left),
+//!    marks the gate handed over (queued and later mutations, and reads on connections it still
+//!    serves, are forwarded to the successor over `grpc_listen`) and sends `STOPPED`. Existing
+//!    gRPC connections get an HTTP/2 GOAWAY; in-flight requests finish; the process exits
 //!    without removing the socket files.
+//! 5. successor, on `STOPPED` (or the old agent's end of the connection closing): starts
+//!    accepting. Until then connections wait in the listen backlog.
+//!
+//! Between steps 1 and 5 reads (GetNetwork, ListNetworks, fd requests, health) are answered by
+//! the old agent from its state, which no mutation changes while the gate is closed; fd
+//! requests are only ever accepted by one agent at a time, so none sees a stale pool.
 
 use std::{
+    collections::HashMap,
+    future::Future,
     io::{self, Read, Write},
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
         unix::net::{UnixListener, UnixStream},
     },
     path::Path,
+    pin::Pin,
     sync::{
         Arc, OnceLock,
         atomic::{AtomicBool, Ordering},
@@ -146,6 +162,11 @@ impl MutationGate {
         self.handed_over.store(true, Ordering::Release);
     }
 
+    /// The successor's gRPC endpoint once the state was handed to it (reads forward there).
+    pub fn successor(&self) -> Option<String> {
+        if self.handed_over() { self.successor.get().cloned() } else { None }
+    }
+
     /// Whether the state was handed to a successor.
     pub fn handed_over(&self) -> bool {
         self.handed_over.load(Ordering::Acquire)
@@ -182,6 +203,7 @@ pub fn peer_allowed(conn: &UnixStream) -> bool {
 
 /// Successor side, step 1: connects to a running agent and asks for the hand-over. `Ok(None)`
 /// when no agent listens there (no socket file, or nobody accepting: a crash left it).
+/// Errors: the peer runs as another uid (`PermissionDenied`), I/O.
 pub fn begin(path: &Path) -> io::Result<Option<UnixStream>> {
     let s = match UnixStream::connect(path) {
         Ok(s) => s,
@@ -197,7 +219,8 @@ pub fn begin(path: &Path) -> io::Result<Option<UnixStream>> {
     Ok(Some(s))
 }
 
-/// Reads one `\n`-terminated line of at most 64 bytes.
+/// Reads one `\n`-terminated line of at most 256 bytes (byte by byte: nothing after the line,
+/// such as the manifest length, is consumed).
 pub fn read_line(s: &UnixStream) -> io::Result<String> {
     let mut out = Vec::new();
     let mut b = [0u8; 1];
@@ -209,19 +232,21 @@ pub fn read_line(s: &UnixStream) -> io::Result<String> {
             return String::from_utf8(out).map_err(|_| proto_err("non-UTF-8 line"));
         }
         out.push(b[0]);
-        if out.len() > 64 {
+        if out.len() > 256 {
             return Err(proto_err("line too long"));
         }
     }
 }
 
-/// Old side, step 2: sends the manifest and `fds` (exactly [`Manifest::fd_count`], in order).
+/// Old side, step 2: sends `OFFER`, the manifest and `fds` (exactly [`Manifest::fd_count`],
+/// in order).
 pub fn send_offer(s: &UnixStream, manifest: &Manifest, fds: &[RawFd]) -> io::Result<()> {
     if fds.len() != manifest.fd_count() {
         return Err(proto_err(format!("{} fds for a manifest of {}", fds.len(), manifest.fd_count())));
     }
     let json = serde_json::to_vec(manifest).map_err(|e| proto_err(e.to_string()))?;
     let mut w = s;
+    w.write_all(format!("OFFER {}\n", manifest.version).as_bytes())?;
     w.write_all(&(json.len() as u32).to_le_bytes())?;
     w.write_all(&json)?;
     for chunk in fds.chunks(MAX_FDS_PER_MESSAGE) {
@@ -232,8 +257,18 @@ pub fn send_offer(s: &UnixStream, manifest: &Manifest, fds: &[RawFd]) -> io::Res
     Ok(())
 }
 
-/// Successor side, step 2: receives the manifest and its fds (close-on-exec).
+/// Successor side, step 2: receives the offer (its `OFFER` line, the manifest and its fds,
+/// close-on-exec). Errors name what was wrong: a `REFUSE` from the old agent, another protocol
+/// version, a manifest over [`MAX_MANIFEST`], a missing or truncated fd message.
 pub fn recv_offer(s: &UnixStream) -> io::Result<(Manifest, Vec<OwnedFd>)> {
+    let line = read_line(s)?;
+    match line.split_once(' ') {
+        Some(("OFFER", v)) if v == PROTOCOL_VERSION.to_string() => {}
+        Some(("OFFER", v)) => {
+            return Err(proto_err(format!("protocol version {v} offered (this agent speaks {PROTOCOL_VERSION})")));
+        }
+        _ => return Err(proto_err(format!("the running agent answered {line:?}"))),
+    }
     let mut len = [0u8; 4];
     (&*s).read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
@@ -277,6 +312,41 @@ pub fn recv_offer(s: &UnixStream) -> io::Result<(Manifest, Vec<OwnedFd>)> {
     Ok((m, fds))
 }
 
+/// A TAP queue fd received from the previous agent, with what its manifest said.
+#[derive(Debug)]
+pub struct ReceivedTap {
+    /// Pool state in the previous agent (`Ready`, `Active`, `Cleaning`).
+    pub state: String,
+    /// ifindex in the dataplane netns (recovery checks it against the live TAP).
+    pub ifindex: u32,
+    /// The queue fd (checked with `TUNGETIFF`).
+    pub fd: OwnedFd,
+}
+
+/// A checked offer: the listeners and the TAP fds by TAP name.
+pub type Offer = (Vec<(ListenerKind, OwnedFd)>, HashMap<String, ReceivedTap>);
+
+/// Splits a received offer into the listeners and the TAP fds by name, checking each TAP fd
+/// with `TUNGETIFF` (its TAP's name) without reopening anything. Errors: an fd that is not a
+/// queue of the TAP the manifest names, a TAP named twice.
+pub fn split_offer(m: Manifest, fds: Vec<OwnedFd>) -> io::Result<Offer> {
+    if fds.len() != m.fd_count() {
+        return Err(proto_err(format!("{} fds for a manifest of {}", fds.len(), m.fd_count())));
+    }
+    let mut it = fds.into_iter();
+    let listeners: Vec<_> = m.listeners.iter().zip(it.by_ref()).map(|(k, f)| (*k, f)).collect();
+    let mut taps = HashMap::new();
+    for t in m.taps.into_iter().filter(|t| t.has_fd) {
+        let fd = it.next().ok_or_else(|| proto_err("fewer fds than the manifest"))?;
+        verify_tap(&fd, &t.name).map_err(proto_err)?;
+        let name = t.name.clone();
+        if taps.insert(t.name, ReceivedTap { state: t.state, ifindex: t.ifindex, fd }).is_some() {
+            return Err(proto_err(format!("TAP {name} is in the manifest twice")));
+        }
+    }
+    Ok((listeners, taps))
+}
+
 /// Checks that a received TAP fd is a queue of `name` (`TUNGETIFF`), without reopening it.
 pub fn verify_tap(fd: &OwnedFd, name: &str) -> Result<(), String> {
     use std::os::fd::AsFd;
@@ -287,17 +357,45 @@ pub fn verify_tap(fd: &OwnedFd, name: &str) -> Result<(), String> {
     }
 }
 
+/// Successor side, steps 3 and 5: tells the old agent `READY` and waits for `STOPPED` (it no
+/// longer accepts). Errors: the old agent cannot be told (it aborted and keeps serving: this
+/// process must exit), or it answered `ABORT`. If the old agent's end closes or stays silent
+/// for [`STOP_TIMEOUT`] after `READY` was sent, it crashed or hangs after committing: the
+/// successor serves anyway (`Ok(false)`).
+pub fn commit(s: &UnixStream) -> io::Result<bool> {
+    (&*s).write_all(b"READY\n")?;
+    s.set_read_timeout(Some(STOP_TIMEOUT))?;
+    match read_line(s) {
+        Ok(l) if l == "STOPPED" => Ok(true),
+        Ok(l) => Err(proto_err(format!("the running agent answered {l:?} to READY"))),
+        Err(e) => {
+            tracing::warn!("hand-over: no STOPPED from the previous agent ({e}); serving anyway");
+            Ok(false)
+        }
+    }
+}
+
+/// How long the successor waits for `STOPPED` after `READY` (the old agent only has to stop
+/// its accept loops).
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Stops the caller's accept loops; resolves when none is left (see `listeners::Acceptors`).
+pub type StopAccepting = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
 /// Old side: answers hand-over requests on `listener` until one completes, then returns (the
-/// caller stops accepting and exits). A failed or aborted hand-over reopens the gate and the
-/// agent keeps serving. `listeners` are the duplicates to pass; `grpc_endpoint` is where
-/// mutations are forwarded once the successor is ready.
+/// caller finishes in-flight requests and exits). A refused, failed or aborted hand-over
+/// reopens the gate and the agent keeps serving. `listeners` are the duplicates to pass;
+/// `grpc_endpoint` is where mutations are forwarded once the successor is ready;
+/// `stop_accepting` is called once, on `READY`.
 pub async fn serve(
     listener: tokio::net::UnixListener,
     agent: Arc<Agent>,
     gate: Arc<MutationGate>,
     listeners: Arc<Vec<(ListenerKind, OwnedFd)>>,
     grpc_endpoint: String,
+    stop_accepting: StopAccepting,
 ) {
+    let mut stop_accepting = Some(stop_accepting);
     loop {
         let conn = match listener.accept().await {
             Ok((s, _)) => s,
@@ -315,11 +413,12 @@ pub async fn serve(
             }
         };
         if !peer_allowed(&conn) {
-            tracing::warn!("hand-over request from another user refused");
+            let uid = nix::sys::socket::getsockopt(&conn, nix::sys::socket::sockopt::PeerCredentials).map(|c| c.uid());
+            tracing::warn!(?uid, "hand-over request from another user refused");
             continue;
         }
         let t = std::time::Instant::now();
-        match offer(conn, &agent, &gate, &listeners, &grpc_endpoint).await {
+        match offer(conn, &agent, &gate, &listeners, &grpc_endpoint, &mut stop_accepting).await {
             Ok(n) => {
                 tracing::info!(taps = n, ms = t.elapsed().as_secs_f64() * 1e3, "handed over to the successor");
                 return;
@@ -329,53 +428,73 @@ pub async fn serve(
     }
 }
 
+async fn blocking<R: Send + 'static>(f: impl FnOnce() -> io::Result<R> + Send + 'static) -> io::Result<R> {
+    tokio::task::spawn_blocking(f).await.map_err(io::Error::other)?
+}
+
 async fn offer(
     conn: UnixStream,
     agent: &Arc<Agent>,
     gate: &MutationGate,
     listeners: &Arc<Vec<(ListenerKind, OwnedFd)>>,
     grpc_endpoint: &str,
+    stop_accepting: &mut Option<StopAccepting>,
 ) -> io::Result<usize> {
     conn.set_read_timeout(Some(STEP_TIMEOUT))?;
     conn.set_write_timeout(Some(STEP_TIMEOUT))?;
     let conn = Arc::new(conn);
     let c = conn.clone();
-    let line = tokio::task::spawn_blocking(move || read_line(&c)).await.map_err(io::Error::other)??;
+    let line = blocking(move || read_line(&c)).await?;
     if line != format!("BEGIN {PROTOCOL_VERSION}") {
-        return Err(proto_err(format!("expected BEGIN {PROTOCOL_VERSION}, got {line:?}")));
+        let c = conn.clone();
+        let _ = blocking(move || {
+            (&*c).write_all(format!("REFUSE this agent speaks BEGIN {PROTOCOL_VERSION}\n").as_bytes())
+        })
+        .await;
+        return Err(proto_err(format!("expected BEGIN {PROTOCOL_VERSION}, got {line:?}: refused")));
     }
     // From here no mutation runs in this agent until the successor is ready or gave up.
     let guard = gate.close().await;
     tracing::info!("hand-over: mutations paused, sending listeners and TAP fds");
     let (taps, tap_fds) = agent.handover_taps();
     let n = taps.len();
-    let manifest =
-        Manifest { version: PROTOCOL_VERSION, listeners: listeners.iter().map(|(k, _)| *k).collect(), taps };
+    let manifest = Manifest { version: PROTOCOL_VERSION, listeners: listeners.iter().map(|(k, _)| *k).collect(), taps };
     let mut raw: Vec<RawFd> = listeners.iter().map(|(_, f)| f.as_raw_fd()).collect();
     raw.extend(tap_fds.iter().map(|f| f.as_raw_fd()));
     let c = conn.clone();
-    let reply = tokio::task::spawn_blocking(move || {
+    let reply = blocking(move || {
         send_offer(&c, &manifest, &raw)?;
         // The fds stay open (the Arcs live here) until the successor has them.
         drop(tap_fds);
         read_line(&c)
     })
-    .await
-    .map_err(io::Error::other)?;
+    .await;
     match reply {
         Ok(r) if r == "READY" => {
+            // Commit: no accept here from now on, then mutations move to the successor.
+            if let Some(stop) = stop_accepting.take() {
+                stop().await;
+            }
             gate.hand_over(Some(grpc_endpoint.to_string()));
             drop(guard);
+            let c = conn.clone();
+            if let Err(e) = blocking(move || (&*c).write_all(b"STOPPED\n")).await {
+                tracing::warn!("hand-over: could not send STOPPED ({e}); the successor serves after its timeout");
+            }
             Ok(n)
         }
-        Ok(r) => Err(proto_err(format!("successor said {r:?}"))),
-        Err(e) => Err(e),
+        other => {
+            let why = match other {
+                Ok(r) => format!("successor said {r:?}"),
+                Err(e) => e.to_string(),
+            };
+            let c = conn.clone();
+            let msg = format!("ABORT {why}\n");
+            let _ = blocking(move || (&*c).write_all(msg.as_bytes())).await;
+            drop(guard);
+            Err(proto_err(why))
+        }
     }
-}
-
-/// Successor side, last step: tells the old agent to stop accepting and exit.
-pub fn ready(s: &UnixStream) -> io::Result<()> {
-    (&*s).write_all(b"READY\n")
 }
 
 #[cfg(test)]
@@ -412,11 +531,64 @@ mod tests {
 
     #[test]
     fn other_versions_are_refused() {
+        // A manifest claiming another version behind a correct OFFER line.
         let (a, b) = UnixStream::pair().unwrap();
         let json = br#"{"version":2,"listeners":[],"taps":[]}"#;
+        (&a).write_all(b"OFFER 1\n").unwrap();
         (&a).write_all(&(json.len() as u32).to_le_bytes()).unwrap();
         (&a).write_all(json).unwrap();
         let e = recv_offer(&b).unwrap_err();
         assert!(e.to_string().contains("protocol version 2"), "{e}");
+        // An OFFER of another version.
+        let (a, b) = UnixStream::pair().unwrap();
+        (&a).write_all(b"OFFER 7\n").unwrap();
+        let e = recv_offer(&b).unwrap_err();
+        assert!(e.to_string().contains("protocol version 7 offered"), "{e}");
+        // A refusal is reported with its reason.
+        let (a, b) = UnixStream::pair().unwrap();
+        (&a).write_all(b"REFUSE this agent speaks BEGIN 1\n").unwrap();
+        let e = recv_offer(&b).unwrap_err();
+        assert!(e.to_string().contains("REFUSE this agent speaks BEGIN 1"), "{e}");
+    }
+
+    #[test]
+    fn split_offer_checks_tap_fds() {
+        // /dev/null is no TAP queue: TUNGETIFF fails and the offer is refused.
+        let m = Manifest {
+            version: PROTOCOL_VERSION,
+            listeners: vec![ListenerKind::Health],
+            taps: vec![TapRecord {
+                name: "z10.0.0.2".into(),
+                state: "Active".into(),
+                owner: Some("sb".into()),
+                ifindex: 7,
+                has_fd: true,
+            }],
+        };
+        let fds: Vec<OwnedFd> = (0..2).map(|_| std::fs::File::open("/dev/null").unwrap().into()).collect();
+        let e = split_offer(m.clone(), fds).unwrap_err();
+        assert!(e.to_string().contains("fd for z10.0.0.2"), "{e}");
+        let one: Vec<OwnedFd> = vec![std::fs::File::open("/dev/null").unwrap().into()];
+        assert!(split_offer(m, one).is_err(), "fd count must match the manifest");
+    }
+
+    #[tokio::test]
+    async fn gate_waits_for_mutations_and_forwards_after_hand_over() {
+        let gate = Arc::new(MutationGate::default());
+        let Entry::Here(running) = gate.enter().await else { panic!("open gate") };
+        let g = gate.clone();
+        let closing = tokio::spawn(async move { g.close().await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!closing.is_finished(), "close must wait for the running mutation");
+        drop(running);
+        let closed = closing.await.unwrap();
+        let g = gate.clone();
+        let queued = tokio::spawn(async move { matches!(g.enter().await, Entry::Forward(e) if e == "unix:///s") });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!queued.is_finished(), "a mutation must queue while the gate is closed");
+        gate.hand_over(Some("unix:///s".into()));
+        drop(closed);
+        assert!(queued.await.unwrap(), "a queued mutation is forwarded after the hand-over");
+        assert!(gate.handed_over());
     }
 }

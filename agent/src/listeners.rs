@@ -3,12 +3,14 @@
 //! which case each handed-over socket must be the one the configuration names.
 
 use std::{
+    future::Future,
     net::SocketAddr,
     os::fd::OwnedFd,
     path::{Path, PathBuf},
 };
 
 use anyhow::{Context, bail};
+use futures::{Stream, StreamExt};
 
 use crate::{config::Config, handover::ListenerKind};
 
@@ -157,4 +159,92 @@ impl Listeners {
 enum Either {
     Unix(std::os::unix::net::UnixListener),
     Tcp(std::net::TcpListener),
+}
+
+/// Stops the accept loops of the listeners and tells when none is left (a hand-over commits
+/// only then, so no connection is accepted by the old agent after the successor serves).
+/// Each loop holds an [`AcceptToken`]; [`Acceptors::stop`] signals them and waits until every
+/// token is dropped. Dropping `Acceptors` without `stop` leaves the loops running.
+#[derive(Debug)]
+pub struct Acceptors {
+    stop: tokio::sync::watch::Sender<bool>,
+    alive: Option<tokio::sync::mpsc::Sender<()>>,
+    done: tokio::sync::mpsc::Receiver<()>,
+}
+
+/// Held by one accept loop; see [`Acceptors`].
+#[derive(Debug)]
+pub struct AcceptToken {
+    stop: tokio::sync::watch::Receiver<bool>,
+    _alive: tokio::sync::mpsc::Sender<()>,
+}
+
+impl Default for Acceptors {
+    fn default() -> Self {
+        let (alive, done) = tokio::sync::mpsc::channel(1);
+        Self { stop: tokio::sync::watch::Sender::new(false), alive: Some(alive), done }
+    }
+}
+
+impl Acceptors {
+    /// A token for one more accept loop.
+    pub fn token(&self) -> AcceptToken {
+        AcceptToken {
+            stop: self.stop.subscribe(),
+            _alive: self.alive.clone().expect("tokens are handed out before stop"),
+        }
+    }
+
+    /// Signals every loop to stop and resolves once all of them dropped their token.
+    pub async fn stop(mut self) {
+        self.stop.send_replace(true);
+        self.alive.take();
+        // `None` once every sender (token) is gone.
+        let _ = self.done.recv().await;
+    }
+}
+
+impl AcceptToken {
+    /// Resolves when the loops are told to stop (never, if the [`Acceptors`] is dropped).
+    pub async fn stopped(&mut self) {
+        if self.stop.wait_for(|s| *s).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Runs the accept loop `fut` until it ends or `token` says stop (then `None`; `fut`, with its
+/// listener, is dropped before the token).
+pub async fn until_stopped<F: Future>(mut token: AcceptToken, fut: F) -> Option<F::Output> {
+    let r = tokio::select! {
+        biased;
+        _ = token.stopped() => None,
+        r = fut => Some(r),
+    };
+    drop(token);
+    r
+}
+
+/// A stream of accepted connections (for tonic's `serve_with_incoming`) that ends when
+/// `token` says stop; the listener stream is dropped before the token.
+pub fn incoming<S>(stream: S, token: AcceptToken) -> impl Stream<Item = S::Item>
+where
+    S: Stream + Unpin,
+{
+    futures::stream::unfold(Some((stream, token)), |state| async move {
+        let (mut s, mut token) = state?;
+        let item = tokio::select! {
+            biased;
+            _ = token.stopped() => None,
+            i = s.next() => i,
+        };
+        match item {
+            Some(i) => Some((i, Some((s, token)))),
+            None => {
+                drop(s);
+                drop(token);
+                None
+            }
+        }
+    })
 }

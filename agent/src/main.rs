@@ -2,7 +2,6 @@
 
 use std::{
     collections::HashMap,
-    os::fd::OwnedFd,
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant},
@@ -21,7 +20,7 @@ use network_agent::{
     handover::{self, Entry, MutationGate},
     host::{HostParams, NetnsHost},
     http,
-    listeners::{Endpoint, GrpcListener, Listeners, parse_endpoint},
+    listeners::{self, Acceptors, Endpoint, GrpcListener, Listeners, parse_endpoint, until_stopped},
     state::StateStore,
     uds_authority::NormalizeAuthority,
 };
@@ -229,7 +228,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             Some(conn) => {
                 let (listeners, taps) = step("receive hand-over", || {
                     let (m, fds) = handover::recv_offer(&conn)?;
-                    let (l, taps) = split_offer(m, fds)?;
+                    let (l, taps) = handover::split_offer(m, fds)?;
                     // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
                     Ok((Listeners::adopt(raw, l)?, taps))
                 })?;
@@ -256,6 +255,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         }
         Ok(agent)
     })?;
+    if let Some(conn) = handover_conn.take() {
+        // The state is ours once the previous agent reads READY; it stops accepting and says
+        // STOPPED, then this one starts accepting (connections wait in the shared backlog).
+        step("hand-over commit", || Ok(handover::commit(&conn)?))?;
+        tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
+    }
 
     // 5. Listeners (bound, or adopted from the previous agent); health first, then gRPC and
     //    the fd socket.
@@ -264,7 +269,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         None => step("bind listeners", || Listeners::bind(raw))?,
     };
     let Listeners { grpc: grpc_listener, tap_fd: fd_listener, health, for_handover } = listeners;
-    let mut health_task = tokio::spawn(http::serve(health, agent.clone()));
+    // Every accept loop can be stopped for a hand-over (listeners.rs).
+    let acceptors = Acceptors::default();
+    let mut health_task = tokio::spawn(until_stopped(acceptors.token(), http::serve(health, agent.clone())));
 
     // grpc.health.v1 ("" and the NetworkAgent service) follows readiness: SERVING only while
     // an Ensure can succeed now (`Agent::readiness`, also `/readyz`).
@@ -299,14 +306,17 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         GrpcListener::Unix(l) => {
             // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
             let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            let incoming = listeners::incoming(incoming, acceptors.token());
             tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
-        GrpcListener::Tcp(l) => tokio::spawn(async move {
-            router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown).await
-        }),
+        GrpcListener::Tcp(l) => {
+            let incoming = listeners::incoming(tokio_stream::wrappers::TcpListenerStream::new(l), acceptors.token());
+            tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
+        }
     };
     let fd_agent = agent.clone();
-    let fd_task = tokio::spawn(async move {
+    let fd_token = acceptors.token();
+    let fd_task = tokio::spawn(until_stopped(fd_token, async move {
         loop {
             let stream = match fd_listener.accept().await {
                 Ok((s, _)) => s,
@@ -320,14 +330,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             let a = fd_agent.clone();
             tokio::spawn(fdserver::handle_conn(stream, a));
         }
-    });
+    }));
     agent.set_started();
-    if let Some(conn) = handover_conn.take() {
-        // Serving on the shared sockets; the old agent stops accepting once it reads this. If
-        // it cannot be told, it keeps serving and this one must not: exit.
-        handover::ready(&conn).context("tell the previous agent READY")?;
-        tracing::info!("hand-over complete: the previous agent stops accepting and exits");
-    }
     tracing::info!(ms = t_all.elapsed().as_secs_f64() * 1e3, "serving; warming the TAP pool in the background");
 
     // The hand-over socket for the next upgrade (replaces the previous agent's path).
@@ -340,8 +344,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             Ok(tokio::net::UnixListener::from_std(l)?)
         })?;
         let (a, g, fds, ep) = (agent.clone(), gate.clone(), Arc::new(for_handover), raw.grpc_listen.clone());
+        let stop: handover::StopAccepting = Box::new(move || Box::pin(acceptors.stop()));
         tokio::spawn(async move {
-            handover::serve(l, a, g, fds, ep).await;
+            handover::serve(l, a, g, fds, ep, stop).await;
             let _ = handed_tx.send(());
         });
     } else {
@@ -382,7 +387,14 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         _ = term.recv() => tracing::info!("SIGTERM: stopping (datapath, TAPs and pins stay)"),
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping (datapath, TAPs and pins stay)"),
         _ = &mut handed_rx => tracing::info!("handed over: no longer accepting; finishing in-flight requests"),
-        r = &mut health_task => bail!("health server stopped: {r:?}"),
+        r = &mut health_task => match r {
+            // Stopped for a hand-over that is committing.
+            Ok(None) => {
+                let _ = (&mut handed_rx).await;
+                tracing::info!("handed over: no longer accepting; finishing in-flight requests");
+            }
+            r => bail!("health server stopped: {r:?}"),
+        },
     }
     // Stop accepting everywhere; gRPC finishes in-flight calls (forwarded ones included).
     let _ = stop_tx.send(true);
@@ -400,21 +412,4 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_file(&raw.tap_fd_listen);
     Ok(())
-}
-
-/// Splits a received hand-over into the listeners and the TAP fds (name → (state, fd)),
-/// checking each TAP fd with `TUNGETIFF`. Any mismatch fails the hand-over.
-fn split_offer(
-    m: handover::Manifest,
-    fds: Vec<OwnedFd>,
-) -> anyhow::Result<(Vec<(handover::ListenerKind, OwnedFd)>, HashMap<String, (String, OwnedFd)>)> {
-    let mut it = fds.into_iter();
-    let listeners: Vec<_> = m.listeners.iter().map(|k| (*k, it.next().expect("fd_count checked"))).collect();
-    let mut taps = HashMap::new();
-    for t in m.taps.into_iter().filter(|t| t.has_fd) {
-        let fd = it.next().expect("fd_count checked");
-        handover::verify_tap(&fd, &t.name).map_err(|e| anyhow::anyhow!("hand-over: {e}"))?;
-        taps.insert(t.name, (t.state, fd));
-    }
-    Ok((listeners, taps))
 }

@@ -3,7 +3,6 @@
 use std::{
     collections::HashMap,
     net::Ipv4Addr,
-    os::fd::OwnedFd,
     sync::{Arc, atomic::Ordering},
 };
 
@@ -11,6 +10,7 @@ use serde::Serialize;
 
 use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
 use crate::{
+    handover::ReceivedTap,
     host::{LiveTap, tap_name},
     state::{Phase, SandboxRecord},
 };
@@ -32,12 +32,14 @@ impl Agent {
         self.recover_with(HashMap::new())
     }
 
-    /// [`Agent::recover`] after a hand-over: `received` maps TAP names to the pool state the
-    /// previous agent reported and the queue fd it passed (already checked with `TUNGETIFF`).
-    /// A TAP with a received fd keeps it (no `TUNSETIFF`): an Active one answers fd requests at
-    /// once, also while its VMM holds the same queue; a Ready one without state rejoins Ready
-    /// (the previous agent scrubbed it; the fd we hold is what makes it look held).
-    pub fn recover_with(&self, mut received: HashMap<String, (String, OwnedFd)>) -> Result<RecoverySummary, AgentError> {
+    /// [`Agent::recover`] after a hand-over (`crate::handover`): `received` maps TAP names to
+    /// the pool state and ifindex the previous agent reported and the queue fd it passed
+    /// (already checked with `TUNGETIFF`). A TAP with a received fd keeps it (no `TUNSETIFF`):
+    /// an Active one answers fd requests at once, also while its VMM holds the same queue; a
+    /// Ready one without state rejoins Ready (the previous agent scrubbed it; the fd we hold is
+    /// what makes it look held). Refuses (error, the hand-over aborts) a received TAP whose
+    /// ifindex is not the live TAP's, or one the previous agent had Active without a record.
+    pub fn recover_with(&self, mut received: HashMap<String, ReceivedTap>) -> Result<RecoverySummary, AgentError> {
         let (records, bad) =
             self.store.scan().map_err(|e| internal(format!("scan {}: {e}", self.store.dir().display())))?;
         if !bad.is_empty() {
@@ -110,7 +112,19 @@ impl Agent {
             }
             let rec = records.iter().find(|(_, r)| r.tap_name == t.name);
             let (got_state, fd) = match received.remove(&t.name) {
-                Some((st, fd)) => (Some(st), Some(Arc::new(fd))),
+                Some(r) if r.ifindex != t.ifindex => {
+                    return Err(internal(format!(
+                        "hand-over: {} has ifindex {} but the previous agent reported {}",
+                        t.name, t.ifindex, r.ifindex
+                    )));
+                }
+                Some(r) if r.state == "Active" && !matches!(rec, Some((Phase::Success, _))) => {
+                    return Err(internal(format!(
+                        "hand-over: {} is Active in the previous agent but has no committed state here",
+                        t.name
+                    )));
+                }
+                Some(r) => (Some(r.state), Some(Arc::new(r.fd))),
                 None => (None, None),
             };
             if fd.is_some() {
@@ -184,27 +198,6 @@ impl Agent {
             tracing::warn!(?names, "handed-over TAP fds without a live TAP in the dataplane netns: closed");
         }
         Ok(summary)
-    }
-
-    /// The pool as a hand-over manifest: every TAP with its state, owner and ifindex, and the
-    /// agent's queue fd where it holds one (in manifest order).
-    pub fn handover_taps(&self) -> (Vec<crate::handover::TapRecord>, Vec<Arc<OwnedFd>>) {
-        let inner = lock(&self.inner);
-        let mut recs = Vec::new();
-        let mut fds = Vec::new();
-        for t in inner.pool.iter() {
-            recs.push(crate::handover::TapRecord {
-                name: t.name.clone(),
-                state: t.state().as_str().to_string(),
-                owner: t.owner().map(str::to_string),
-                ifindex: t.ifindex,
-                has_fd: t.fd.is_some(),
-            });
-            if let Some(fd) = &t.fd {
-                fds.push(fd.clone());
-            }
-        }
-        (recs, fds)
     }
 }
 
