@@ -1,0 +1,619 @@
+//! Issue 12, agent upgrade with live sandboxes: a new agent binary, started by
+//! `scripts/start-network-agent.sh` with `NETWORK_AGENT_HANDOVER_SOCKET`, takes the running
+//! agent's listeners and TAP fds over (`agent/src/handover.rs`).
+//!
+//! 1. N Active sandboxes, one of them a kernel TCP stack in a guest netns whose frames a relay
+//!    (playing the VMM) carries to and from the agent's TAP fd: no reset, no stall; afterwards
+//!    the fd socket answers every Active sandbox with the same TAP (name and ifindex), the one
+//!    the VMM holds included (it was not reopened), and Ensure/Release work.
+//! 2. Continuous gRPC Ensure/Release, fd requests and new gRPC connections during the
+//!    hand-over: zero refused or failed.
+//! 3. Attacks on the hand-over socket: mode 0600; another uid is refused by the mode and, with
+//!    the mode widened, by SO_PEERCRED; a bad protocol version is refused; a hand-over aborted
+//!    after the offer, and a successor whose configuration does not fit, leave the old agent
+//!    serving.
+//! 4. Crash path: after `kill -9` there is nothing to hand over; the restarted agent answers
+//!    `-1` for a TAP a VMM holds (documented) and `0` for one nobody holds.
+
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    os::{
+        fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+        unix::{fs::MetadataExt, fs::PermissionsExt, net::UnixStream, process::CommandExt},
+    },
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use cubenet_proto::v1::{self as pb, network_agent_client::NetworkAgentClient};
+use cubenet_sys::tap::{Tap, TapOptions, VNET_HDR_LEN};
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd, workspace_bin},
+    guest::TapGuest,
+    netns::{ChildGuard, TestNetns},
+    packet::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+    require_root,
+    topology::WORLD_IP,
+};
+use network_agent::handover;
+use tonic::transport::Channel;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn client(a: &AgentUnderTest) -> NetworkAgentClient<Channel> {
+    network_agent::client::connect(&a.grpc_endpoint()).await.expect("connect gRPC")
+}
+
+fn ensure_req(id: &str) -> pb::EnsureNetworkRequest {
+    pb::EnsureNetworkRequest {
+        sandbox_id: id.into(),
+        cubevs_context: Some(pb::CubeVsContext { allow_internet_access: Some(true), ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+fn release_req(id: &str) -> pb::ReleaseNetworkRequest {
+    pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }
+}
+
+fn ensure(a: &AgentUnderTest, id: &str) -> pb::EnsureNetworkResponse {
+    rt().block_on(async { client(a).await.ensure_network(ensure_req(id)).await.expect("ensure").into_inner() })
+}
+
+fn release(a: &AgentUnderTest, id: &str) {
+    rt().block_on(async { client(a).await.release_network(release_req(id)).await.expect("release") });
+}
+
+fn handover_socket(a: &AgentUnderTest) -> PathBuf {
+    a.dir.join("cube/handover.sock")
+}
+
+/// The start script with the hand-over socket set, as an operator starts every agent
+/// generation; `args` go to `NETWORK_AGENT_ARGS`.
+fn spawn_agent(a: &AgentUnderTest, args: &str) -> ChildGuard {
+    let mut cmd = a.script_command();
+    cmd.env("NETWORK_AGENT_HANDOVER_SOCKET", handover_socket(a));
+    if !args.is_empty() {
+        cmd.env("NETWORK_AGENT_ARGS", args);
+    }
+    ChildGuard::from_child(cmd.spawn().expect("spawn start-network-agent.sh"))
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "{what} not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `n` agent generations have bound their hand-over socket (a file left by a
+/// killed agent does not count).
+fn wait_handover_listening(a: &AgentUnderTest, n: usize) {
+    wait_until("hand-over socket", Duration::from_secs(10), || a.log().matches(r#""hand-over listener""#).count() >= n);
+}
+
+fn start(a: &mut AgentUnderTest) {
+    a.child = Some(spawn_agent(a, ""));
+    a.wait_ready(Duration::from_secs(30));
+    wait_handover_listening(a, 1);
+}
+
+fn wait_exit(c: &mut ChildGuard, timeout: Duration, log: impl Fn() -> String) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = c.child().try_wait().expect("try_wait") {
+            return st;
+        }
+        assert!(t.elapsed() < timeout, "agent {} did not exit within {timeout:?}:\n{}", c.id(), log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Upgrades to a copy of the agent binary (a "new version" at another path): the successor is
+/// started while the old agent runs; returns once the old one exited (status 0) and the
+/// successor is ready. Returns the time from the successor's start to the old one's exit.
+fn upgrade(a: &mut AgentUnderTest) -> Duration {
+    static GENERATION: AtomicUsize = AtomicUsize::new(0);
+    let next = a.dir.join(format!("network-agent-next-{}", GENERATION.fetch_add(1, Ordering::Relaxed)));
+    std::fs::copy(workspace_bin("network-agent"), &next).expect("copy the agent binary");
+    a.agent_bin = Some(next);
+    let mut old = a.child.take().expect("agent running");
+    let t = Instant::now();
+    a.child = Some(spawn_agent(a, ""));
+    let st = wait_exit(&mut old, Duration::from_secs(60), || a.log());
+    let took = t.elapsed();
+    assert!(st.success(), "old agent exit {st}:\n{}", a.log());
+    a.wait_ready(Duration::from_secs(30));
+    let log = a.log();
+    assert!(log.contains("handed over to the successor"), "{log}");
+    assert!(log.contains("hand-over complete"), "{log}");
+    took
+}
+
+/// An fd request that reports failures instead of panicking (for the loops).
+fn try_tap_fd(socket: &Path, tap: &str, sandbox: &str) -> Result<(String, Option<OwnedFd>), String> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let s = UnixStream::connect(socket).map_err(|e| format!("connect fd socket: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req = serde_json::json!({"name": tap, "sandboxId": sandbox}).to_string();
+    (&s).write_all(req.as_bytes()).map_err(|e| format!("write: {e}"))?;
+    let mut buf = [0u8; 256];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(|e| format!("recvmsg: {e}"))?;
+    let mut fd = None;
+    for c in msg.cmsgs().map_err(|e| e.to_string())? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            // SAFETY: the kernel installed these fds in our table for us (SCM_RIGHTS).
+            fd = fds.first().map(|&f| unsafe { OwnedFd::from_raw_fd(f) });
+        }
+    }
+    let n = msg.bytes;
+    let v: serde_json::Value = serde_json::from_slice(&buf[..n])
+        .map_err(|e| format!("reply {:?}: {e}", String::from_utf8_lossy(&buf[..n])))?;
+    Ok((v["errCode"].as_str().unwrap_or_default().to_string(), fd))
+}
+
+/// The TAP a queue fd belongs to (`TUNGETIFF`).
+fn attached(fd: &OwnedFd) -> String {
+    cubenet_sys::tap::attached_name(fd.as_fd()).expect("TUNGETIFF")
+}
+
+fn node_ifindex(a: &AgentUnderTest, tap: &str) -> u32 {
+    let t = tap.to_string();
+    a.topo.node.run(move || cubenet_sys::ifindex(&t).unwrap())
+}
+
+/// A guest whose network stack is a kernel's: a TAP `eth0` in a namespace of its own,
+/// configured from the Ensure response, and a relay (playing the VMM) that copies frames,
+/// vnet header included, between it and the TAP fd the agent handed out.
+struct KernelGuest {
+    ns: TestNetns,
+    stop: Arc<AtomicBool>,
+    relays: Vec<JoinHandle<()>>,
+}
+
+impl KernelGuest {
+    fn new(vmm_fd: OwnedFd, r: &pb::EnsureNetworkResponse) -> Self {
+        let ns = TestNetns::new("guest");
+        let opts = TapOptions { vnet_hdr: true, vnet_hdr_len: VNET_HDR_LEN, offload: 0, persist: false };
+        let guest_fd = ns.run(move || {
+            let t = Tap::open("eth0", opts).expect("guest TAP");
+            let _ = std::fs::write("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1");
+            t.into_fd()
+        });
+        let ifc = &r.interfaces[0];
+        ns.ip(&["link", "set", "eth0", "address", &ifc.mac_address, "mtu", &ifc.mtu.to_string()]);
+        ns.ip(&["addr", "add", &ifc.ip_cidrs[0], "dev", "eth0"]);
+        ns.ip(&["link", "set", "eth0", "up"]);
+        ns.ip(&["route", "add", "default", "via", &ifc.gateway]);
+        let (vmm, guest) = (Arc::new(vmm_fd), Arc::new(guest_fd));
+        let stop = Arc::new(AtomicBool::new(false));
+        let relays = vec![Self::relay(vmm.clone(), guest.clone(), stop.clone()), Self::relay(guest, vmm, stop.clone())];
+        Self { ns, stop, relays }
+    }
+
+    fn relay(from: Arc<OwnedFd>, to: Arc<OwnedFd>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65536 + VNET_HDR_LEN];
+            while !stop.load(Ordering::Relaxed) {
+                let mut fds = [nix::poll::PollFd::new(from.as_fd(), nix::poll::PollFlags::POLLIN)];
+                if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(20u16)).unwrap_or(0) == 0 {
+                    continue;
+                }
+                match nix::unistd::read(&*from, &mut buf) {
+                    Ok(n) if n > 0 => {
+                        let _ = nix::unistd::write(&*to, &buf[..n]);
+                    }
+                    Ok(_) | Err(nix::errno::Errno::EAGAIN) => {}
+                    Err(e) => panic!("relay read: {e}"),
+                }
+            }
+        })
+    }
+}
+
+impl Drop for KernelGuest {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for r in self.relays.drain(..) {
+            let _ = r.join();
+        }
+    }
+}
+
+/// What a long TCP connection saw.
+#[derive(Debug, Default)]
+struct Stream {
+    echoes: usize,
+    max_gap: Duration,
+    error: Option<String>,
+}
+
+/// World's echo server on 7000; counts connections that ended with an error (a reset).
+fn echo_server(a: &AgentUnderTest, resets: Arc<AtomicUsize>) -> JoinHandle<()> {
+    let l = a.topo.world.run(|| TcpListener::bind((std::net::Ipv4Addr::from(WORLD_IP), 7000)).unwrap());
+    std::thread::spawn(move || {
+        if let Ok((mut c, _)) = l.accept() {
+            let mut buf = [0u8; 4096];
+            loop {
+                match c.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if c.write_all(&buf[..n]).is_err() {
+                            resets.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                    Err(_) => {
+                        resets.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// From the guest's kernel: one TCP connection to world:7000, 16 bytes echoed every 10 ms
+/// until `stop`.
+fn drive(ns: &TestNetns, stop: Arc<AtomicBool>) -> JoinHandle<Stream> {
+    let mut c = ns.run(|| {
+        TcpStream::connect_timeout(&(std::net::Ipv4Addr::from(WORLD_IP), 7000).into(), Duration::from_secs(5))
+            .expect("guest connects to world:7000")
+    });
+    std::thread::spawn(move || {
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut s = Stream::default();
+        let mut last = Instant::now();
+        let mut buf = [0u8; 16];
+        while !stop.load(Ordering::Relaxed) {
+            let r = c.write_all(b"0123456789abcdef").and_then(|()| c.read_exact(&mut buf));
+            if let Err(e) = r {
+                s.error = Some(format!("after {} echoes: {e}", s.echoes));
+                break;
+            }
+            s.echoes += 1;
+            s.max_gap = s.max_gap.max(last.elapsed());
+            last = Instant::now();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s
+    })
+}
+
+#[test]
+fn upgrade_keeps_tcp_and_every_active_tap() {
+    if !require_root("upgrade_keeps_tcp_and_every_active_tap") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("ho-up", 4, "");
+    start(&mut a);
+    let resets = Arc::new(AtomicUsize::new(0));
+    let _srv = echo_server(&a, resets.clone());
+    // Three Active sandboxes: one with a kernel guest on a relay, one with a raw-frame guest
+    // (both hold their TAP like a VMM), one whose TAP nobody holds.
+    let ids = ["sb-tcp", "sb-arp", "sb-idle"];
+    let rs: Vec<_> = ids.iter().map(|id| ensure(&a, id)).collect();
+    let taps: Vec<String> = rs.iter().map(|r| r.interfaces[0].name.clone()).collect();
+    let ifindexes: Vec<u32> = taps.iter().map(|t| node_ifindex(&a, t)).collect();
+    let (c, fd) = tap_fd(&a.tap_socket(), &taps[0], ids[0]);
+    assert_eq!(c["errCode"], "0", "{c}");
+    let kg = KernelGuest::new(fd.unwrap(), &rs[0]);
+    let (c, fd) = tap_fd(&a.tap_socket(), &taps[1], ids[1]);
+    assert_eq!(c["errCode"], "0", "{c}");
+    let arp_guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    arp_guest.drain();
+    let arp_ok = |g: &TapGuest| {
+        g.arp(GATEWAY_IP, Duration::from_secs(2))
+            == Some(packet::arp_reply(GATEWAY_MAC, GATEWAY_IP, GUEST_MAC, GUEST_IP))
+    };
+    assert!(arp_ok(&arp_guest));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let driver = drive(&kg.ns, stop.clone());
+    std::thread::sleep(Duration::from_millis(500));
+    let took = upgrade(&mut a);
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let s = driver.join().unwrap();
+    eprintln!("hand-over: old agent gone {took:?} after the successor started; guest stream {s:?}");
+    assert!(s.error.is_none(), "guest TCP broke across the hand-over: {s:?}\n{}", a.log());
+    assert!(s.echoes > 50, "{s:?}");
+    assert!(s.max_gap < Duration::from_millis(500), "guest TCP stalled: {s:?}");
+    assert_eq!(resets.load(Ordering::Relaxed), 0, "world saw a reset");
+    assert!(arp_ok(&arp_guest), "raw guest no longer answered");
+
+    // Every Active sandbox is answered with its own TAP, same name and ifindex; the two a
+    // VMM holds were not reopened (a reopen of a held single-queue TAP fails: errCode -1).
+    for (i, id) in ids.iter().enumerate() {
+        let (code, fd) = try_tap_fd(&a.tap_socket(), &taps[i], id).unwrap();
+        assert_eq!(code, "0", "{id} after the hand-over:\n{}", a.log());
+        assert_eq!(attached(&fd.unwrap()), taps[i]);
+        assert_eq!(node_ifindex(&a, &taps[i]), ifindexes[i], "{id}: TAP recreated");
+    }
+    // The successor took every pool TAP's fd from the old agent (3 Active + the Ready ones).
+    let n = a.node_taps().len();
+    let log = a.log();
+    assert!(n >= 7, "{n} TAPs");
+    assert!(log.contains(&format!("handed_over_fds: {n}")), "the successor must hold all {n} TAP fds:\n{log}");
+    // Ensure and Release work after the hand-over.
+    let r = ensure(&a, "sb-after");
+    let (code, fd) = try_tap_fd(&a.tap_socket(), &r.interfaces[0].name, "sb-after").unwrap();
+    assert_eq!(code, "0");
+    assert_eq!(attached(&fd.unwrap()), r.interfaces[0].name);
+    drop(kg);
+    drop(arp_guest);
+    for id in ids.iter().chain(["sb-after"].iter()) {
+        release(&a, id);
+    }
+    let left: Vec<_> = std::fs::read_dir(a.state_dir()).unwrap().flatten().collect();
+    assert!(left.is_empty(), "state left: {left:?}");
+}
+
+/// Failures seen by one client loop, and when its operations completed.
+#[derive(Debug, Default)]
+struct Loop {
+    ok: usize,
+    failed: Vec<String>,
+    done_at: Vec<Instant>,
+}
+
+fn spawn_loop(
+    stop: Arc<AtomicBool>,
+    mut op: impl FnMut(usize) -> Result<(), String> + Send + 'static,
+) -> JoinHandle<Loop> {
+    std::thread::spawn(move || {
+        let mut l = Loop::default();
+        let mut i = 0;
+        while !stop.load(Ordering::Relaxed) {
+            match op(i) {
+                Ok(()) => l.ok += 1,
+                Err(e) => l.failed.push(e),
+            }
+            l.done_at.push(Instant::now());
+            i += 1;
+        }
+        l
+    })
+}
+
+#[test]
+fn requests_during_the_handover_are_all_served() {
+    if !require_root("requests_during_the_handover_are_all_served") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("ho-loop", 4, "");
+    start(&mut a);
+    let stable = ensure(&a, "sb-stable");
+    let stable_tap = stable.interfaces[0].name.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let ep = a.grpc_endpoint();
+    let sock = a.tap_socket();
+
+    // One long-lived default tonic channel: Ensure → fd request → Release, again and again.
+    let (e2, s2) = (ep.clone(), sock.clone());
+    let mut conn = None::<(tokio::runtime::Runtime, NetworkAgentClient<Channel>)>;
+    let cycle = spawn_loop(stop.clone(), move |i| {
+        let (rt, c) = conn.get_or_insert_with(|| {
+            let rt = rt();
+            let c = rt.block_on(network_agent::client::connect(&e2)).expect("connect");
+            (rt, c)
+        });
+        let id = format!("sb-loop-{i}");
+        let r = rt.block_on(c.ensure_network(ensure_req(&id))).map_err(|e| format!("ensure {id}: {e}"))?.into_inner();
+        let (code, fd) = try_tap_fd(&s2, &r.interfaces[0].name, &id)?;
+        if code != "0" || fd.is_none() {
+            return Err(format!("fd for {id}: errCode {code}"));
+        }
+        rt.block_on(c.release_network(release_req(&id))).map_err(|e| format!("release {id}: {e}"))?;
+        Ok(())
+    });
+    // fd requests for a sandbox that stays Active.
+    let (s3, t3) = (sock.clone(), stable_tap.clone());
+    let fds = spawn_loop(stop.clone(), move |_| {
+        let (code, fd) = try_tap_fd(&s3, &t3, "sb-stable")?;
+        if code != "0" || fd.as_ref().map(attached).as_deref() != Some(t3.as_str()) {
+            return Err(format!("fd for sb-stable: errCode {code}"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        Ok(())
+    });
+    // A new gRPC connection per call (GetNetwork).
+    let e4 = ep.clone();
+    let fresh = spawn_loop(stop.clone(), move |_| {
+        rt().block_on(async {
+            let mut c = network_agent::client::connect(&e4).await.map_err(|e| format!("connect: {e:#}"))?;
+            let g = c
+                .get_network(pb::GetNetworkRequest { sandbox_id: "sb-stable".into(), ..Default::default() })
+                .await
+                .map_err(|e| format!("get: {e}"))?;
+            if g.into_inner().interfaces.first().map(|i| i.name.as_str()) != Some(stable_tap.as_str()) {
+                return Err("GetNetwork answered another TAP".to_string());
+            }
+            Ok(())
+        })
+    });
+
+    std::thread::sleep(Duration::from_millis(700));
+    let t_up = Instant::now();
+    let took = upgrade(&mut a);
+    let t_done = Instant::now();
+    std::thread::sleep(Duration::from_millis(700));
+    stop.store(true, Ordering::Relaxed);
+    for (name, h) in [("ensure/fd/release", cycle), ("fd requests", fds), ("new connections", fresh)] {
+        let l = h.join().unwrap();
+        let during = l.done_at.iter().filter(|t| **t > t_up && **t < t_done).count();
+        let after = l.done_at.iter().filter(|t| **t > t_done).count();
+        eprintln!(
+            "{name}: {} ok, {} failed, {during} during the hand-over ({took:?}), {after} after",
+            l.ok,
+            l.failed.len()
+        );
+        assert!(l.failed.is_empty(), "{name}: {:?}\n{}", l.failed, a.log());
+        assert!(during > 0 && after > 0, "{name}: {during} during, {after} after");
+    }
+    release(&a, "sb-stable");
+    let left: Vec<_> = std::fs::read_dir(a.state_dir()).unwrap().flatten().collect();
+    assert!(left.is_empty(), "state left: {left:?}");
+}
+
+/// Connects to `sock` as uid/gid 65534 and sends `BEGIN 1`; prints what happened.
+fn as_nobody(sock: &Path) -> String {
+    const SCRIPT: &str = "import socket, sys\n\
+s = socket.socket(socket.AF_UNIX)\n\
+try:\n    s.connect(sys.argv[1])\n\
+except OSError as e:\n    print('connect-errno', e.errno); sys.exit(0)\n\
+try:\n    s.sendall(b'BEGIN 1\\n'); s.settimeout(10); print('received', len(s.recv(4096)))\n\
+except OSError as e:\n    print('closed', e.errno)\n";
+    let out = std::process::Command::new("/usr/bin/python3")
+        .args(["-c", SCRIPT])
+        .arg(sock)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("python3 as nobody");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn serves(a: &AgentUnderTest, id: &str) {
+    let r = ensure(a, id);
+    let (code, fd) = try_tap_fd(&a.tap_socket(), &r.interfaces[0].name, id).unwrap();
+    assert_eq!(code, "0", "{}", a.log());
+    assert_eq!(attached(&fd.unwrap()), r.interfaces[0].name);
+    release(a, id);
+}
+
+#[test]
+fn handover_socket_refuses_strangers_bad_versions_and_failed_successors() {
+    if !require_root("handover_socket_refuses_strangers_bad_versions_and_failed_successors") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("ho-attack", 2, "");
+    start(&mut a);
+    let sock = handover_socket(&a);
+    let held = ensure(&a, "sb-held");
+    let held_tap = held.interfaces[0].name.clone();
+    let md = std::fs::metadata(&sock).unwrap();
+    assert_eq!(md.mode() & 0o777, 0o600, "hand-over socket mode");
+    assert_eq!(md.uid(), nix::unistd::geteuid().as_raw());
+
+    // Another uid: refused by the mode, and with the mode widened, by SO_PEERCRED.
+    assert_eq!(as_nobody(&sock), format!("connect-errno {}", libc::EACCES));
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let got = as_nobody(&sock);
+    assert!(got == "received 0" || got.starts_with("closed "), "a stranger must get nothing: {got}");
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let log = a.log();
+    assert!(log.contains("hand-over request from another user refused"), "{log}");
+    serves(&a, "sb-a");
+
+    // A bad protocol version is refused with a reason; nothing changes.
+    let s = UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    (&s).write_all(b"BEGIN 99\n").unwrap();
+    let line = handover::read_line(&s).unwrap();
+    assert!(line.starts_with("REFUSE "), "{line}");
+    drop(s);
+    serves(&a, "sb-b");
+
+    // A hand-over aborted after the offer: mutations wait meanwhile (reads and fd requests
+    // are answered), then the old agent keeps serving and runs the queued Ensure itself.
+    let s = handover::begin(&sock).unwrap().expect("agent listening");
+    let (m, fds) = handover::recv_offer(&s).unwrap();
+    assert_eq!(fds.len(), m.fd_count());
+    assert_eq!(m.listeners.len(), 3);
+    let t = m.taps.iter().find(|t| t.name == held_tap).expect("Active TAP in the manifest");
+    assert_eq!((t.state.as_str(), t.owner.as_deref(), t.has_fd), ("Active", Some("sb-held"), true));
+    let ep = a.grpc_endpoint();
+    let queued = std::thread::spawn(move || {
+        rt().block_on(async {
+            let mut c = network_agent::client::connect(&ep).await.unwrap();
+            c.ensure_network(ensure_req("sb-queued")).await.map(|r| r.into_inner())
+        })
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!queued.is_finished(), "an Ensure ran while the hand-over held the gate");
+    let (code, _) = try_tap_fd(&a.tap_socket(), &held_tap, "sb-held").unwrap();
+    assert_eq!(code, "0", "fd requests are answered during a hand-over");
+    (&s).write_all(b"NOT-READY\n").unwrap();
+    let line = handover::read_line(&s).unwrap();
+    assert!(line.starts_with("ABORT "), "{line}");
+    drop((s, fds));
+    let r = queued.join().unwrap().expect("queued Ensure after the abort");
+    assert_eq!(r.sandbox_id, "sb-queued");
+    release(&a, "sb-queued");
+    serves(&a, "sb-c");
+
+    // A real successor whose configuration does not fit the handed-over sockets exits; the old
+    // agent keeps serving.
+    let other = a.dir.join("cube/other-tap.sock");
+    let mut bad = spawn_agent(&a, &format!("--tap-fd-listen {}", other.display()));
+    let st = wait_exit(&mut bad, Duration::from_secs(60), || a.log());
+    assert!(!st.success());
+    let log = a.log();
+    assert!(log.contains("handed-over tap_fd_listen socket is bound to"), "{log}");
+    assert!(log.contains("hand-over aborted, this agent keeps serving"), "{log}");
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "old agent exited");
+    serves(&a, "sb-d");
+    let (code, _) = try_tap_fd(&a.tap_socket(), &held_tap, "sb-held").unwrap();
+    assert_eq!(code, "0");
+    // And a proper hand-over still works afterwards.
+    upgrade(&mut a);
+    serves(&a, "sb-e");
+    release(&a, "sb-held");
+}
+
+#[test]
+fn crash_restart_answers_minus_one_for_a_held_tap() {
+    if !require_root("crash_restart_answers_minus_one_for_a_held_tap") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("ho-crash", 2, "");
+    start(&mut a);
+    let held = ensure(&a, "sb-held");
+    let idle = ensure(&a, "sb-idle");
+    let (c, fd) = tap_fd(&a.tap_socket(), &held.interfaces[0].name, "sb-held");
+    assert_eq!(c["errCode"], "0");
+    let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    guest.drain();
+    let arp_ok = |g: &TapGuest| {
+        g.arp(GATEWAY_IP, Duration::from_secs(2))
+            == Some(packet::arp_reply(GATEWAY_MAC, GATEWAY_IP, GUEST_MAC, GUEST_IP))
+    };
+    assert!(arp_ok(&guest));
+
+    let st = a.kill(nix::sys::signal::Signal::SIGKILL);
+    assert!(!st.success());
+    assert!(handover_socket(&a).exists(), "kill -9 leaves the socket file");
+    a.child = Some(spawn_agent(&a, ""));
+    a.wait_ready(Duration::from_secs(30));
+    let log = a.log();
+    assert!(log.contains("no running agent to take over from: fresh start"), "{log}");
+    // Documented: the TAP a VMM holds cannot be reopened, so its fd request answers -1...
+    let (code, fd) = try_tap_fd(&a.tap_socket(), &held.interfaces[0].name, "sb-held").unwrap();
+    assert_eq!(code, "-1");
+    assert!(fd.is_none());
+    // ...while the guest keeps its network, and a TAP nobody holds is opened and answered.
+    assert!(arp_ok(&guest));
+    let (code, fd) = try_tap_fd(&a.tap_socket(), &idle.interfaces[0].name, "sb-idle").unwrap();
+    assert_eq!(code, "0");
+    assert_eq!(attached(&fd.unwrap()), idle.interfaces[0].name);
+    drop(guest);
+    release(&a, "sb-held");
+    release(&a, "sb-idle");
+    // The restarted agent serves the next hand-over.
+    wait_handover_listening(&a, 2);
+    upgrade(&mut a);
+}
