@@ -1,6 +1,6 @@
 //! Conntrack/NAT sessions: `egress_sessions` (guest side) and `ingress_sessions` (world side).
 
-use std::{net::Ipv4Addr, sync::Mutex};
+use std::{net::Ipv4Addr, os::fd::OwnedFd, sync::Mutex};
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{IngressValue, NatSession, SessionKey, conntrack, map, proto};
@@ -75,6 +75,9 @@ impl SessionView {
 pub(crate) struct SessionMaps {
     pub(crate) egress: HashMap<MapData, SessionKey, NatSession>,
     pub(crate) ingress: HashMap<MapData, SessionKey, IngressValue>,
+    /// A second fd of `ifindex_to_mvmmeta`: the reaper reads the registrations once per pass
+    /// to purge sessions of released or reused interfaces (decision D19).
+    pub(crate) registrations: Option<OwnedFd>,
 }
 
 /// Typed access to the two session maps.
@@ -86,8 +89,9 @@ impl Sessions {
     pub(crate) fn new(
         egress: HashMap<MapData, SessionKey, NatSession>,
         ingress: HashMap<MapData, SessionKey, IngressValue>,
+        registrations: Option<OwnedFd>,
     ) -> Self {
-        Self { inner: Mutex::new(SessionMaps { egress, ingress }) }
+        Self { inner: Mutex::new(SessionMaps { egress, ingress, registrations }) }
     }
 
     /// Every egress session with its entry (batched reads).
@@ -132,14 +136,29 @@ impl Sessions {
         delete_locked(&mut g, k, s)
     }
 
-    /// Deletes every session of the sandbox interface `ifindex`; returns how many.
+    /// Deletes every session of the sandbox interface `ifindex` (one batched read of the egress
+    /// map, batched deletes); returns how many. Release does not need it: unregistering makes
+    /// the sessions dead in both directions and the reaper purges them (decision D19).
     pub fn delete_of(&self, ifindex: u32) -> Result<usize, Error> {
-        let mut g = self.inner.lock().expect("sessions lock");
-        let victims: Vec<_> = g.egress.iter().filter_map(Result::ok).filter(|(_, s)| s.vm_ifindex == ifindex).collect();
-        for (k, s) in &victims {
-            delete_locked(&mut g, k, s)?;
-        }
-        Ok(victims.len())
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
+        let g = self.inner.lock().expect("sessions lock");
+        let all: Vec<(SessionKey, NatSession)> = crate::batch::lookup_all(g.egress.map().fd().as_fd(), 4096)
+            .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
+        let victims: Vec<_> = all.into_iter().filter(|(_, s)| s.vm_ifindex == ifindex).collect();
+        let rev: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+        let keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
+        crate::batch::delete(g.ingress.map().fd().as_fd(), &rev, 4096).map_err(|source| Error::MapSyscall {
+            map: map::INGRESS_SESSIONS,
+            op: "batch delete",
+            source,
+        })?;
+        crate::batch::delete(g.egress.map().fd().as_fd(), &keys, 4096).map_err(|source| Error::MapSyscall {
+            map: map::EGRESS_SESSIONS,
+            op: "batch delete",
+            source,
+        })
     }
 }
 
