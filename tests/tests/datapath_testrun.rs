@@ -694,9 +694,7 @@ fn icmp_error(
     dmac: [u8; 6],
     src: [u8; 4],
     dst: [u8; 4],
-    typ: u8,
-    code: u8,
-    rest: [u8; 4],
+    (typ, code, rest): (u8, u8, [u8; 4]),
     inner: &[u8],
 ) -> Vec<u8> {
     let mut f = Vec::new();
@@ -755,16 +753,16 @@ fn icmp_errors_are_reverse_translated() {
         let out = r.cube(g.clone());
         assert_eq!(out.verdict, TC_ACT_REDIRECT);
         let (typ, code, rest) = if i == 0 { (3, 4, [0, 0, 0x05, 0x78]) } else { (11, 0, [0; 4]) };
-        let err = icmp_error(r.world_mac, r.up_mac, router, NODE_IP, typ, code, rest, &out.data[14..42]);
+        let err = icmp_error(r.world_mac, r.up_mac, router, NODE_IP, (typ, code, rest), &out.data[14..42]);
         let got = r.world(err);
         assert_eq!(got.verdict, TC_ACT_REDIRECT, "case {i}");
-        let want = icmp_error(GATEWAY_MAC, GUEST_MAC, router, GUEST_IP, typ, code, rest, &g[14..42]);
+        let want = icmp_error(GATEWAY_MAC, GUEST_MAC, router, GUEST_IP, (typ, code, rest), &g[14..42]);
         assert_eq!(got.data, want, "case {i}");
     }
     assert_eq!(r.maps.counters.get(counter::WORLD_ICMP_ERROR).unwrap(), 3);
     // An error about a flow we do not track continues to the host stack untouched.
     let stray = udp(r.up_mac, r.world_mac, NODE_IP, WORLD_IP, 31000, 9, b"x");
-    let err = icmp_error(r.world_mac, r.up_mac, router, NODE_IP, 3, 3, [0; 4], &stray[14..42]);
+    let err = icmp_error(r.world_mac, r.up_mac, router, NODE_IP, (3, 3, [0; 4]), &stray[14..42]);
     let got = r.world(err.clone());
     assert_eq!((got.verdict, got.data), (TC_ACT_OK, err));
 }

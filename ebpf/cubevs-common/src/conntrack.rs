@@ -318,8 +318,8 @@ mod tests {
     fn rst_window() {
         // Sender sent up to 1000, receiver advertised 100 (x128 = 12,800).
         assert!(rst_in_window(1000, None, true, 1000, true, 5, 100));
-        assert!(rst_in_window(1000 - 12_800, None, true, 1000, true, 5, 100));
-        assert!(!rst_in_window(1000 - 12_801, None, true, 1000, true, 5, 100));
+        assert!(rst_in_window(1000u32.wrapping_sub(12_800), None, true, 1000, true, 5, 100));
+        assert!(!rst_in_window(1000u32.wrapping_sub(12_801), None, true, 1000, true, 5, 100));
         assert!(!rst_in_window(1001, None, true, 1000, true, 5, 100), "beyond what was sent");
         assert!(!rst_in_window(0x8000_0000, None, true, 1000, true, 5, 100));
         // Wrap-around.

@@ -180,7 +180,7 @@ pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
 pub fn tcp_seg_len(ip: &Ipv4, l4: &L4) -> u32 {
     let hdrs = ip.ihl as u32 + l4.tcp_hlen as u32;
     let tot = ip.tot_len as u32;
-    let mut n = if tot > hdrs { tot - hdrs } else { 0 };
+    let mut n = tot.saturating_sub(hdrs);
     if l4.tcp_flags & 0x02 != 0 {
         n += 1;
     }

@@ -66,5 +66,5 @@ pub fn tcp_segment(s: *mut NatSession, dir: Dir, ip: &Ipv4, l4: &L4, reopen: boo
 /// the same 5-tuple: any state past the handshake (decisions D15, D24).
 #[inline(always)]
 pub fn is_reopen(state: u8) -> bool {
-    state >= tcp::ESTABLISHED && state <= tcp::CLOSE
+    (tcp::ESTABLISHED..=tcp::CLOSE).contains(&state)
 }
