@@ -136,6 +136,33 @@ impl Sessions {
         delete_locked(&mut g, k, s)
     }
 
+    /// Inserts (or overwrites) the egress sessions `entries` and their reverse entries with
+    /// batched updates (4096 per syscall); returns how many sessions were written. For restores
+    /// and benchmarks that need maps full of sessions quickly.
+    ///
+    /// Errors: [`Error::MapSyscall`] (e.g. `E2BIG` once `max_entries` is reached; the entries
+    /// written before stay).
+    pub fn insert_batch(&self, entries: &[(SessionKey, NatSession)]) -> Result<usize, Error> {
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
+        let g = self.inner.lock().expect("sessions lock");
+        let rev_keys: Vec<SessionKey> = entries.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+        let rev_values: Vec<IngressValue> = entries
+            .iter()
+            .map(|(k, _)| IngressValue { version: k.version, vm_ip: k.src_ip, vm_port: k.sport, _pad: [0; 3] })
+            .collect();
+        crate::batch::update(g.ingress.map().fd().as_fd(), &rev_keys, &rev_values, 4096)
+            .map_err(|source| Error::MapSyscall { map: map::INGRESS_SESSIONS, op: "batch update", source })?;
+        let keys: Vec<SessionKey> = entries.iter().map(|(k, _)| *k).collect();
+        let values: Vec<NatSession> = entries.iter().map(|(_, s)| *s).collect();
+        crate::batch::update(g.egress.map().fd().as_fd(), &keys, &values, 4096).map_err(|source| Error::MapSyscall {
+            map: map::EGRESS_SESSIONS,
+            op: "batch update",
+            source,
+        })
+    }
+
     /// Deletes every session of the sandbox interface `ifindex` (one batched read of the egress
     /// map, batched deletes); returns how many. Release does not need it: unregistering makes
     /// the sessions dead in both directions and the reaper purges them (decision D19).
