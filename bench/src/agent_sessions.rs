@@ -77,7 +77,7 @@ fn make_sessions(sandboxes: &[SandboxEntry], snat_ip: Ipv4Addr, sessions: usize)
 
 /// Label of a session count in case names (`1M` for 1,000,000).
 fn label(n: usize) -> String {
-    if n % 1_000_000 == 0 { format!("{}M", n / 1_000_000) } else { n.to_string() }
+    if n.is_multiple_of(1_000_000) { format!("{}M", n / 1_000_000) } else { n.to_string() }
 }
 
 /// Releases `ids` one at a time; returns each Release's latency (ms).
