@@ -797,3 +797,77 @@ fn fragmented_udp_replies_are_delivered() {
         .unwrap();
     assert_eq!(r.world(f2).verdict, TC_ACT_SHOT);
 }
+
+/// Issue 10 item 6: CPUs racing to create the same session. Several loaded copies of the
+/// programs share one set of pinned maps and run the same new SYN at the same moment (a
+/// barrier per 5-tuple); the loser of the insert race must follow the winner's session, never
+/// drop the packet (`drop_no_snat`). Races are timing-dependent: the test reports how many
+/// occurred, and asserts no drop in any case.
+#[test]
+fn session_insert_race_never_drops() {
+    if !require_root("session_insert_race_never_drops") {
+        return;
+    }
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+
+    use cubenet_tests::{bpffs::BpfFs, topology::Topology};
+    use cubevs::{
+        MapLimits, SnatAddr,
+        testrun::{self, SkBuffCtx},
+    };
+    const THREADS: usize = 2;
+    const FLOWS: u16 = 5000;
+    let topo = Topology::new();
+    let bpffs = BpfFs::new();
+    let pin = bpffs.path().join("cubevs");
+    let opts = LoadOptions {
+        object: ebpf_object(),
+        pin_dir: Some(pin.clone()),
+        limits: MapLimits::default(),
+        ..LoadOptions::new()
+    };
+    let dp = Datapath::load(opts.clone()).expect("load");
+    let maps = dp.maps();
+    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: 1 }]).unwrap();
+    maps.sandboxes
+        .register(&SandboxEntry { ifindex: SB_IFINDEX, ip: Ipv4Addr::from(SB_IP), version: VERSION, id: "sb".into() })
+        .unwrap();
+    maps.policy.install_default_deny(SB_IFINDEX).unwrap();
+    // A spinning barrier: the threads leave it within ~100 ns of each other (a futex barrier's
+    // wake-ups are microseconds apart, longer than the program runs).
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (opts, arrived) = (opts.clone(), arrived.clone());
+            topo.node.spawn_thread(move || {
+                let mut dp = Datapath::load(opts).expect("load a second copy on the same pins");
+                let p = dp.program(prog::FROM_CUBE).unwrap();
+                for i in 0..FLOWS {
+                    // One new 5-tuple per round, the same in every thread; each to its own remote
+                    // port, so SNAT ports never run short.
+                    let t = T { sport: 20000 + i, dport: 1000 + i, seq: 1, syn: true, win: 1000, ..Default::default() };
+                    let f = tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, t, b"");
+                    let target = (i as usize + 1) * THREADS;
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    while arrived.load(Ordering::SeqCst) < target {
+                        std::hint::spin_loop();
+                    }
+                    testrun::run(p, &f, SkBuffCtx { ingress_ifindex: SB_IFINDEX, ..Default::default() }, 1)
+                        .expect("test run");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("worker");
+    }
+    let races = maps.counters.get(counter::CUBE_INSERT_RACE).unwrap();
+    let drops = maps.counters.get(counter::CUBE_DROP_NO_SNAT).unwrap();
+    eprintln!("insert races: {races}, drop_no_snat: {drops}");
+    assert_eq!(drops, 0, "{drops} packets dropped after losing the insert race ({races} races)");
+    assert_eq!(maps.sessions.counts(), (FLOWS as usize, FLOWS as usize));
+    drop(dp);
+}

@@ -145,8 +145,10 @@ pub mod snat {
     pub const PORT_MIN: u16 = 30000;
     /// Number of SNAT ports per SNAT IP.
     pub const PORT_SPAN: u32 = 65536 - PORT_MIN as u32;
-    /// Insert-if-absent attempts before a new flow is dropped.
-    pub const MAX_TRIES: u32 = 10;
+    /// Insert-if-absent attempts (each a fresh random port) before a new flow is dropped;
+    /// upstream makes 10 sequential ones. With a fraction `u` of one remote endpoint's ports in
+    /// use, a new flow to it is dropped with probability `u^32` (decision D22).
+    pub const MAX_TRIES: u32 = 32;
     /// Seed of the SNAT slot hash (`HASH_SEED`).
     pub const HASH_SEED: u32 = 0xebcf_0700;
 }
@@ -405,9 +407,9 @@ const _: () = assert!(core::mem::size_of::<IngressValue>() == 16);
 /// One SNAT address (`snat_iplist` value, 16 bytes).
 ///
 /// Upstream keeps a `bpf_spin_lock` and a `u16` watermark in its 16 bytes; we keep the size.
-/// A new flow's first SNAT port is `PORT_MIN + bpf_get_prandom_u32() % PORT_SPAN` (then the
-/// following ports, at most `MAX_TRIES`), and insert-if-absent on the reverse key is what
-/// guarantees uniqueness; `port_cursor` only counts attempts.
+/// Each attempt at a new flow's SNAT port is `PORT_MIN + bpf_get_prandom_u32() % PORT_SPAN`
+/// (at most `MAX_TRIES`), and insert-if-absent on the reverse key is what guarantees
+/// uniqueness; `port_cursor` only counts attempts.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SnatIp {

@@ -1,9 +1,9 @@
 //! SNAT port allocation and session creation (`reference/upstream.md §3.5`).
 //!
-//! The SNAT slot is `jhash_1word(sandbox ip, HASH_SEED) % 4`. A new flow's first port is drawn
-//! with `bpf_get_prandom_u32` (an off-path host cannot guess live ports, and a guest resolver's
-//! source-port randomisation survives SNAT); on collision the following ports are tried, at
-//! most `MAX_TRIES`. A port is reserved by inserting the reverse (world-side) key with
+//! The SNAT slot is `jhash_1word(sandbox ip, HASH_SEED) % 4`. Every attempt draws a port with
+//! `bpf_get_prandom_u32` (an off-path host cannot guess live ports, and a guest resolver's
+//! source-port randomisation survives SNAT), at most `MAX_TRIES` attempts (independent draws:
+//! no clustering, unlike probing the following ports). A port is reserved by inserting the reverse (world-side) key with
 //! `BPF_NOEXIST`. The egress session is then inserted with `BPF_NOEXIST`; if another CPU won
 //! that race, the reserved reverse key is released and the winner's session is used.
 
@@ -70,15 +70,14 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: Optio
     // SAFETY: valid map value pointer.
     let (snat_ip, snat_ifindex) = unsafe { ((*slot).ip, (*slot).ifindex) };
     let rev_value = IngressValue { version: key.version, vm_ip: key.src_ip, vm_port: key.sport, _pad: [0; 3] };
-    // SAFETY: helper without arguments.
-    let start = unsafe { bpf_get_prandom_u32() } % snat::PORT_SPAN;
     let mut i = 0;
     while i < snat::MAX_TRIES {
         // The bpfel target has no atomic read-modify-write in Rust's core; the counter is
         // statistics only, a lost increment costs nothing.
         // SAFETY: valid map value pointer.
         unsafe { (*slot).port_cursor = (*slot).port_cursor.wrapping_add(1) };
-        let port = ((snat::PORT_MIN as u32 + (start + i) % snat::PORT_SPAN) as u16).to_be();
+        // SAFETY: helper without arguments.
+        let port = ((snat::PORT_MIN as u32 + unsafe { bpf_get_prandom_u32() } % snat::PORT_SPAN) as u16).to_be();
         i += 1;
         let rev = key.reverse(snat_ip, port);
         if INGRESS_SESSIONS.insert(&rev, &rev_value, BPF_NOEXIST as u64).is_err() {
