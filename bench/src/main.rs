@@ -100,6 +100,9 @@ path in a fresh topology, 3 rounds.\n\
 - agent: the release network-agent started by scripts/start-network-agent.sh in its own namespace, dataplane in \
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \
 warm pool = tap_init_num above the concurrency, empty pool = tap_init_num 0 (every Ensure creates its TAP).\n\
+- agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
+1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
+BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
 - egress (`cargo xtask bench egress`, not in this table): cube-egress vs mitmproxy with the same client, upstream \
 and CA; it prints its own table (see the CubeEgress section of the README).\n\n\
 ## Targets and misses (causes)\n\n\
