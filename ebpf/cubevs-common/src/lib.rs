@@ -515,6 +515,9 @@ pub mod counter {
     pub const CUBE_RST_OUT_OF_WINDOW: u32 = 17;
     /// from_cube: session insert lost a race with another CPU; the winner's session was used.
     pub const CUBE_INSERT_RACE: u32 = 18;
+    /// from_cube: dropped, TCP from a port-mapped guest port that is not part of a connection
+    /// the world opened to the host port (nor of a session).
+    pub const CUBE_DROP_PORTMAP_UNTRACKED: u32 = 19;
     /// from_world: host-port DNAT to a sandbox.
     pub const WORLD_PORTMAP: u32 = 20;
     /// from_world: reverse NAT of a session.
@@ -562,6 +565,7 @@ pub mod counter {
         (CUBE_DROP_PORTMAP_STALE, "from_cube", "drop_portmap_stale"),
         (CUBE_RST_OUT_OF_WINDOW, "from_cube", "rst_out_of_window"),
         (CUBE_INSERT_RACE, "from_cube", "insert_race"),
+        (CUBE_DROP_PORTMAP_UNTRACKED, "from_cube", "drop_portmap_untracked"),
         (WORLD_PORTMAP, "from_world", "portmap"),
         (WORLD_REVERSE_NAT, "from_world", "reverse_nat"),
         (WORLD_PASS, "from_world", "pass"),

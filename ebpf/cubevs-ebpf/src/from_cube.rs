@@ -7,10 +7,10 @@
 //!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
 //! 4. To the gateway (169.254.68.5): ICMP and TCP non-SYN are DNATed to cube-dev and
 //!    redirected into cube-dev ingress (replies to host-originated flows); the rest dropped.
-//! 5. From a port-mapped guest port: SYN dropped; packets of a connection the world opened to
-//!    that host port (`portmap_sessions`, same sandbox version) are SNATed to the node address
-//!    and host port (TCP fast path; UDP checks policy first); anything else from that port is
-//!    classified like any new flow (decision D20).
+//! 5. From a port-mapped guest port (no session): SYN dropped; packets of a connection the world
+//!    opened to that host port (`portmap_sessions`, same sandbox version) are SNATed to the node
+//!    address and host port (TCP fast path; UDP checks policy first); other TCP is dropped,
+//!    other UDP classified like any new flow (decision D20).
 //! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop.
 //! 7. To the node address: policy, then delivered to the host through cube-dev.
 //! 8. Sessions: established flows follow their session; new flows are classified once
@@ -195,8 +195,12 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
                     return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
                 }
             }
-            // Not a connection the world opened to this host port: classified like any new
-            // flow below (a TCP non-SYN gets a RST, anything else goes through policy).
+            // Not a connection the world opened to this host port. TCP: dropped, not answered
+            // with a RST, so a live connection whose entry was evicted (LRU) survives: the
+            // client's next segment re-records it. UDP: classified like any new flow below.
+            if ip.proto == proto::TCP {
+                return drop(counter::CUBE_DROP_PORTMAP_UNTRACKED);
+            }
         }
     }
 
