@@ -3,11 +3,14 @@
 //! `bpf_ktime_get_ns`) and of sessions whose sandbox version is no longer registered on their
 //! interface (released or reused TAPs, decision D19) in the same batched pass.
 //!
-//! Deletes are compare-and-delete (decision D23): a victim is re-read just before it is
-//! deleted and kept when its value changed since the scan (a guest reopened it in place, a
-//! packet advanced its state or refreshed it). The residual race is the time between that
-//! re-read and the batched delete of its chunk ([`CONFIRM_CHUNK`] lookups, ~0.1 ms here): a
-//! packet landing on the session in that window can still lose it.
+//! Deletes of expired sessions are compare-and-delete (decision D23): a victim is re-read just
+//! before it is deleted and kept when its value changed since the scan (a guest reopened it in
+//! place, a packet advanced its state or refreshed it). The residual race is the time between
+//! that re-read and the batched delete of its chunk ([`CONFIRM_CHUNK`] lookups, ~0.1 ms idle):
+//! a packet landing on the session in that window can still lose it. Stale-version sessions
+//! are deleted as read, without the re-read: no packet can change them any more (the datapath
+//! drops their packets in both directions), unless the very same (interface, version) is
+//! registered again between the scan and the delete.
 
 use std::{
     sync::{
@@ -132,11 +135,13 @@ pub struct SweepStats {
 /// Sessions a sweep decided to remove, as they were read.
 #[derive(Clone, Debug, Default)]
 pub struct Victims {
-    /// (key, value as read) of each victim.
+    /// (key, value as read) of each expired victim: removed by [`remove_unchanged`].
     pub entries: Vec<(SessionKey, NatSession)>,
+    /// (key, value as read) of each stale-version victim: removed by [`remove_stale`].
+    pub stale_entries: Vec<(SessionKey, NatSession)>,
     /// Egress sessions examined.
     pub scanned: usize,
-    /// How many victims are stale-version (the rest expired).
+    /// How many victims are stale-version (`stale_entries.len()`).
     pub stale: usize,
     /// Expired TCP sessions that were not CLOSE/TIME_WAIT.
     pub open_tcp: usize,
@@ -176,6 +181,8 @@ pub fn victims(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<Victims
         let expired = now_ns > s.access_ns.saturating_add(t.of(k.proto, &s));
         if stale {
             v.stale += 1;
+            v.stale_entries.push((k, s));
+            continue;
         } else if !expired {
             continue;
         } else if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
@@ -224,11 +231,35 @@ pub fn remove_unchanged(sessions: &Sessions, victims: &[(SessionKey, NatSession)
     Ok((removed, changed))
 }
 
-/// One pass: [`victims`] then [`remove_unchanged`].
+/// Deletes both directions of the stale-version `victims` with batched deletes, without
+/// re-reading them (see the module docs); returns how many were removed.
+pub fn remove_stale(sessions: &Sessions, victims: &[(SessionKey, NatSession)]) -> Result<usize, Error> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+
+    let g = sessions.inner.lock().expect("sessions lock");
+    let ingress_keys: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+    let egress_keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
+    batch::delete(g.ingress.map().fd().as_fd(), &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
+        map: map::INGRESS_SESSIONS,
+        op: "batch delete",
+        source,
+    })?;
+    batch::delete(g.egress.map().fd().as_fd(), &egress_keys, BATCH).map_err(|source| Error::MapSyscall {
+        map: map::EGRESS_SESSIONS,
+        op: "batch delete",
+        source,
+    })
+}
+
+/// One pass: [`victims`], then [`remove_stale`] and [`remove_unchanged`].
 pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStats, Error> {
     let start = Instant::now();
     let v = victims(sessions, t, now_ns)?;
+    let stale_removed = remove_stale(sessions, &v.stale_entries)?;
     let (removed, changed) = remove_unchanged(sessions, &v.entries)?;
+    let removed = removed + stale_removed;
     Ok(SweepStats {
         scanned: v.scanned,
         removed,
