@@ -39,6 +39,15 @@ fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
 /// Errors: the kernel's (`EINVAL` on kernels or map types without batch support, < 5.6).
 pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize) -> std::io::Result<Vec<(K, V)>> {
     let mut out = Vec::new();
+    for_each(fd, chunk, |k: &K, v: &V| out.push((*k, *v)))?;
+    Ok(out)
+}
+
+/// Calls `f` on every (key, value) of the hash map `fd`, reading `chunk` entries per syscall
+/// into one reused buffer (memory: one chunk, whatever the map's size).
+///
+/// Errors: as [`lookup_all`].
+pub fn for_each<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize, mut f: impl FnMut(&K, &V)) -> std::io::Result<()> {
     // SAFETY: Pod types are valid for all-zero bytes.
     let (zk, zv): (K, V) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
     let mut keys = vec![zk; chunk];
@@ -58,10 +67,12 @@ pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize) -> std::io::
         };
         let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut a);
         let n = a.count as usize;
-        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        for (k, v) in keys[..n].iter().zip(values[..n].iter()) {
+            f(k, v);
+        }
         match r {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
             Err(e) => return Err(e),
         }
         in_tok = out_tok;

@@ -152,44 +152,54 @@ const BATCH: usize = 4096;
 /// Victims re-read before each batched delete: bounds the compare-and-delete race window.
 pub const CONFIRM_CHUNK: usize = 256;
 
-/// Scans the sessions (one batched read) and then the registrations (one batched read, after
-/// the sessions so a sandbox registered meanwhile cannot make its new sessions look stale):
-/// victims are sessions idle longer than their timeout at `now_ns`, and sessions whose
-/// (interface, version) is not registered.
+/// Reads the registrations `{ifindex → version}` (one batched read), or `None` when the
+/// sessions were built without access to them.
+fn registrations(g: &crate::sessions::SessionMaps) -> Result<Option<std::collections::HashMap<u32, u32>>, Error> {
+    use std::os::fd::AsFd;
+    let Some(fd) = &g.registrations else { return Ok(None) };
+    let mut m = std::collections::HashMap::new();
+    batch::for_each(fd.as_fd(), 1024, |i: &u32, meta: &MvmMeta| {
+        m.insert(*i, meta.version);
+    })
+    .map_err(|source| Error::MapSyscall { map: map::IFINDEX_TO_MVMMETA, op: "batch lookup", source })?;
+    Ok(Some(m))
+}
+
+/// Scans the sessions (batched reads, keeping only candidates: memory is O(victims), not
+/// O(sessions)): victims are sessions idle longer than their timeout at `now_ns`, and sessions
+/// whose (interface, version) is registered neither before nor after the scan (so a sandbox
+/// registered during the scan cannot make its new sessions look stale).
 pub fn victims(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<Victims, Error> {
     use std::os::fd::AsFd;
 
     use aya::maps::IterableMap;
 
     let g = sessions.inner.lock().expect("sessions lock");
-    let all: Vec<(SessionKey, NatSession)> = batch::lookup_all(g.egress.map().fd().as_fd(), BATCH)
-        .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
-    let registered: Option<std::collections::HashMap<u32, u32>> = match &g.registrations {
-        Some(fd) => Some(
-            batch::lookup_all::<u32, MvmMeta>(fd.as_fd(), 1024)
-                .map_err(|source| Error::MapSyscall { map: map::IFINDEX_TO_MVMMETA, op: "batch lookup", source })?
-                .into_iter()
-                .map(|(i, m)| (i, m.version))
-                .collect(),
-        ),
-        None => None,
-    };
-    drop(g);
-    let mut v = Victims { scanned: all.len(), ..Default::default() };
-    for (k, s) in all {
-        let stale = registered.as_ref().is_some_and(|r| r.get(&s.vm_ifindex) != Some(&k.version));
-        let expired = now_ns > s.access_ns.saturating_add(t.of(k.proto, &s));
-        if stale {
-            v.stale += 1;
-            v.stale_entries.push((k, s));
-            continue;
-        } else if !expired {
-            continue;
-        } else if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
-            v.open_tcp += 1;
+    let before = registrations(&g)?;
+    let mut v = Victims::default();
+    let mut maybe_stale = Vec::new();
+    batch::for_each(g.egress.map().fd().as_fd(), BATCH, |k: &SessionKey, s: &NatSession| {
+        v.scanned += 1;
+        if before.as_ref().is_some_and(|r| r.get(&s.vm_ifindex) != Some(&k.version)) {
+            maybe_stale.push((*k, *s));
+        } else if now_ns > s.access_ns.saturating_add(t.of(k.proto, s)) {
+            if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
+                v.open_tcp += 1;
+            }
+            v.entries.push((*k, *s));
         }
-        v.entries.push((k, s));
+    })
+    .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
+    let after = registrations(&g)?;
+    drop(g);
+    for (k, s) in maybe_stale {
+        if after.as_ref().is_some_and(|r| r.get(&s.vm_ifindex) != Some(&k.version)) {
+            v.stale_entries.push((k, s));
+        } else if now_ns > s.access_ns.saturating_add(t.of(k.proto, &s)) {
+            v.entries.push((k, s));
+        }
     }
+    v.stale = v.stale_entries.len();
     Ok(v)
 }
 

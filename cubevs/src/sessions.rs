@@ -72,6 +72,7 @@ impl SessionView {
     }
 }
 
+/// The session maps and a registrations fd, behind [`Sessions`]' lock.
 pub(crate) struct SessionMaps {
     pub(crate) egress: HashMap<MapData, SessionKey, NatSession>,
     pub(crate) ingress: HashMap<MapData, SessionKey, IngressValue>,
