@@ -196,6 +196,9 @@ pub fn victims(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<Victims
         if after.as_ref().is_some_and(|r| r.get(&s.vm_ifindex) != Some(&k.version)) {
             v.stale_entries.push((k, s));
         } else if now_ns > s.access_ns.saturating_add(t.of(k.proto, &s)) {
+            if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
+                v.open_tcp += 1;
+            }
             v.entries.push((k, s));
         }
     }

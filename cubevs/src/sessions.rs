@@ -125,9 +125,12 @@ impl Sessions {
 
         use aya::maps::IterableMap;
         let g = self.inner.lock().expect("sessions lock");
-        let e = crate::batch::lookup_all::<SessionKey, NatSession>(g.egress.map().fd().as_fd(), 4096).map(|v| v.len());
-        let i =
-            crate::batch::lookup_all::<SessionKey, IngressValue>(g.ingress.map().fd().as_fd(), 4096).map(|v| v.len());
+        // Counted chunk by chunk: memory is one chunk, not a copy of the maps.
+        let (mut ne, mut ni) = (0usize, 0usize);
+        let e = crate::batch::for_each(g.egress.map().fd().as_fd(), 4096, |_: &SessionKey, _: &NatSession| ne += 1)
+            .map(|()| ne);
+        let i = crate::batch::for_each(g.ingress.map().fd().as_fd(), 4096, |_: &SessionKey, _: &IngressValue| ni += 1)
+            .map(|()| ni);
         (e.unwrap_or_else(|_| g.egress.keys().count()), i.unwrap_or_else(|_| g.ingress.keys().count()))
     }
 
