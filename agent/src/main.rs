@@ -13,7 +13,7 @@ use cubenet_sys::netns::Netns;
 use cubevs_common::DatapathConfig;
 use network_agent::{
     agent::Agent,
-    config::Config,
+    config::{AfterHandover, Config},
     cubevs_dp::CubeVsDataplane,
     dataplane::{Dataplane, SnatIp},
     fdserver, grpc,
@@ -405,6 +405,15 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         // In-flight fd and HTTP requests finish within their deadlines; the socket files
         // belong to the successor now.
         tokio::time::sleep(fdserver::DEADLINE * 2).await;
+        if raw.after_handover == AfterHandover::Wait {
+            let n = agent.close_tap_fds();
+            tracing::info!(closed = n, "handed over: holding no TAP or listener; idle until SIGTERM/SIGINT");
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        tracing::info!("handed over: exiting");
         return Ok(());
     }
     if let Endpoint::Unix(p) = parse_endpoint(&raw.grpc_listen)? {

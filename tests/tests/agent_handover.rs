@@ -14,6 +14,8 @@
 //!    serving.
 //! 4. Crash path: after `kill -9` there is nothing to hand over; the restarted agent answers
 //!    `-1` for a TAP a VMM holds (documented) and `0` for one nobody holds.
+//! 5. `after_handover = "wait"`: the old agent stays, holding no TAP fd and no listener, until
+//!    SIGTERM (for supervisors that restart an exited process).
 
 use std::{
     io::{Read, Write},
@@ -616,4 +618,59 @@ fn crash_restart_answers_minus_one_for_a_held_tap() {
     // The restarted agent serves the next hand-over.
     wait_handover_listening(&a, 2);
     upgrade(&mut a);
+}
+
+/// Open fds of process `pid` that are TAP queues (`/dev/net/tun`) or sockets.
+fn tun_and_socket_fds(pid: u32) -> (usize, usize) {
+    let mut tun = 0;
+    let mut sock = 0;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        let Ok(l) = std::fs::read_link(e.path()) else { continue };
+        let l = l.to_string_lossy();
+        if l == "/dev/net/tun" {
+            tun += 1;
+        } else if l.starts_with("socket:") {
+            sock += 1;
+        }
+    }
+    (tun, sock)
+}
+
+#[test]
+fn after_handover_wait_holds_nothing_until_sigterm() {
+    if !require_root("after_handover_wait_holds_nothing_until_sigterm") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("ho-wait", 2, "after_handover = \"wait\"\n");
+    start(&mut a);
+    let r = ensure(&a, "sb-held");
+    let tap = r.interfaces[0].name.clone();
+    let (c, fd) = tap_fd(&a.tap_socket(), &tap, "sb-held");
+    assert_eq!(c["errCode"], "0");
+    let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    let mut old = a.child.take().unwrap();
+    let (tun_before, _) = tun_and_socket_fds(old.id());
+    assert!(tun_before >= 3, "the agent holds its pool's queues: {tun_before}");
+    a.child = Some(spawn_agent(&a, ""));
+    wait_until("old agent idle", Duration::from_secs(60), || a.log().contains("idle until SIGTERM/SIGINT"));
+    a.wait_ready(Duration::from_secs(30));
+    assert!(old.child().try_wait().unwrap().is_none(), "old agent must wait for SIGTERM");
+    let (tun, _) = tun_and_socket_fds(old.id());
+    assert_eq!(tun, 0, "an idle old agent must hold no TAP queue");
+    // It no longer makes a held TAP look held twice: the successor answers for it, and a
+    // Release + VMM exit lets the TAP go Ready (the reopen is refused while anyone holds it).
+    let (code, _) = try_tap_fd(&a.tap_socket(), &tap, "sb-held").unwrap();
+    assert_eq!(code, "0");
+    release(&a, "sb-held");
+    drop(guest);
+    wait_until("released TAP back to Ready", Duration::from_secs(15), || {
+        let j = a.http_json("/v1/network/taps");
+        j["taps"].as_array().unwrap().iter().any(|t| t["tapName"] == tap.as_str() && t["state"] == "Ready")
+    });
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let st = wait_exit(&mut old, Duration::from_secs(10), || a.log());
+    assert!(st.success(), "{st}");
+    // Its exit removed none of the successor's sockets.
+    assert!(a.tap_socket().exists() && handover_socket(&a).exists());
+    serves(&a, "sb-after");
 }

@@ -27,4 +27,15 @@ impl Agent {
         }
         (recs, fds)
     }
+
+    /// After a hand-over: closes the agent's TAP queue fds (the successor holds the same
+    /// queues) so they no longer count as held. Returns how many were closed.
+    pub fn close_tap_fds(&self) -> usize {
+        let mut inner = lock(&self.inner);
+        let names: Vec<String> = inner.pool.iter().filter(|t| t.fd.is_some()).map(|t| t.name.clone()).collect();
+        for n in &names {
+            inner.pool.set_fd(n, None);
+        }
+        names.len()
+    }
 }
