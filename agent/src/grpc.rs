@@ -40,6 +40,7 @@ impl Service {
 /// Sends `$req` to the successor agent at `$ep` (`$call` of its client) and returns its answer.
 macro_rules! forward {
     ($ep:expr, $req:ident, $call:ident) => {{
+        tracing::info!(call = stringify!($call), "forwarded to the successor agent");
         let mut c = crate::client::connect(&$ep)
             .await
             .map_err(|e| Status::unavailable(format!("forward to the successor agent: {e:#}")))?;

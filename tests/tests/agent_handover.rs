@@ -465,6 +465,8 @@ fn requests_during_the_handover_are_all_served() {
         assert!(l.failed.is_empty(), "{name}: {:?}\n{}", l.failed, a.log());
         assert!(during > 0 && after > 0, "{name}: {during} during, {after} after");
     }
+    let forwarded = a.log().matches("forwarded to the successor agent").count();
+    eprintln!("calls the old agent forwarded to the successor: {forwarded}");
     release(&a, "sb-stable");
     let left: Vec<_> = std::fs::read_dir(a.state_dir()).unwrap().flatten().collect();
     assert!(left.is_empty(), "state left: {left:?}");
