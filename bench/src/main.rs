@@ -3,6 +3,7 @@
 //! Run through `cargo xtask bench [NAME] [--json FILE]` (builds the eBPF object first). Root.
 
 mod agent;
+mod gateway_swap;
 mod per_packet;
 mod report;
 mod scale;
@@ -16,7 +17,8 @@ use clap::Parser;
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
     /// Benchmarks to run: per-packet, throughput, scale, agent, agent-scale (default: the first
-    /// four; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes).
+    /// four; gateway-swap: the `gateway swap` rows of the upgrade table (CubeEgress slot swap under
+    /// HTTPS load); agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -59,6 +61,7 @@ fn main() -> anyhow::Result<()> {
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
+            "gateway-swap" => rows.extend(gateway_swap::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
