@@ -272,7 +272,8 @@ impl Destinations {
         let now = Instant::now();
         let mut table: HashMap<Ipv4Addr, HashMap<String, AddrSet>> = HashMap::new();
         for (i, e) in entries.iter().enumerate() {
-            let name = normalize_dns_name(&e.name).ok_or_else(|| err(format!("learned[{i}].name"), "invalid host name"))?;
+            let name =
+                normalize_dns_name(&e.name).ok_or_else(|| err(format!("learned[{i}].name"), "invalid host name"))?;
             if e.ttl_ms > LEARNED_TTL_MAX * 1000 {
                 return Err(err(format!("learned[{i}].ttl_ms"), "longer than 86400 s"));
             }

@@ -160,8 +160,7 @@ pub fn take(path: &Path, optional: bool) -> anyhow::Result<Option<Taken>> {
     let conn = match UnixStream::connect(path) {
         Ok(c) => c,
         Err(e)
-            if optional
-                && matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+            if optional && matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
         {
             return Ok(None);
         }

@@ -121,7 +121,8 @@ async fn world_handler(
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let path = req.uri().path().to_string();
-    let cred = req.headers().get("authorization").is_some_and(|v| v.as_bytes() == format!("Bearer {SECRET}").as_bytes());
+    let cred =
+        req.headers().get("authorization").is_some_and(|v| v.as_bytes() == format!("Bearer {SECRET}").as_bytes());
     {
         let mut s = seen.lock().expect("seen lock");
         let e = s.entry(path.clone()).or_default();
@@ -342,7 +343,8 @@ async fn connect(tls: &tokio_rustls::TlsConnector) -> Result<Sender, Box<dyn std
         .map_err(|_| "connect timeout")??;
     tcp.set_nodelay(true)?;
     let name = rustls::pki_types::ServerName::try_from(NAME)?.to_owned();
-    let t = tokio::time::timeout(Duration::from_secs(10), tls.connect(name, tcp)).await.map_err(|_| "TLS timeout")??;
+    let t =
+        tokio::time::timeout(Duration::from_secs(10), tls.connect(name, tcp)).await.map_err(|_| "TLS timeout")??;
     let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(t)).await?;
     tokio::spawn(conn);
     Ok(s)
@@ -352,7 +354,8 @@ async fn connect(tls: &tokio_rustls::TlsConnector) -> Result<Sender, Box<dyn std
 /// to close the connection), `Err` otherwise.
 async fn request(s: &mut Sender, path: &str) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
     let req = Request::get(path).header("host", NAME).body(Empty::<Bytes>::new())?;
-    let resp = tokio::time::timeout(Duration::from_secs(20), s.send_request(req)).await.map_err(|_| "no response")??;
+    let resp =
+        tokio::time::timeout(Duration::from_secs(20), s.send_request(req)).await.map_err(|_| "no response")??;
     let status = resp.status();
     let close = resp.headers().get("connection").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
     let body = resp.into_body().collect().await?.to_bytes();

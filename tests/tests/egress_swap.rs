@@ -112,8 +112,5 @@ fn egress_gateway_swap_under_load() {
     for p in &report.ok_paths {
         assert_eq!(per_path.get(p.as_str()).copied(), Some(1), "audit records of {p}");
     }
-    assert!(
-        lines.iter().any(|l| l["security"]["reason"] == "handoff_aborted"),
-        "the aborted hand-over is audited"
-    );
+    assert!(lines.iter().any(|l| l["security"]["reason"] == "handoff_aborted"), "the aborted hand-over is audited");
 }
