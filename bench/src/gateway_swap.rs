@@ -30,15 +30,18 @@ pub fn run() -> Vec<Row> {
     let mut a = rig.spawn_gateway(&[]);
     rig.configure();
     let _warm = rig.start_load(1, 0, Duration::from_millis(300)).join().expect("warm-up");
+    let t0 = std::time::Instant::now();
     let load = rig.start_load(16, 4, Duration::from_secs(6));
     std::thread::sleep(Duration::from_secs(2));
+    let swap_at = t0.elapsed();
     let sock = rig.handoff_socket();
     let mut b = rig.spawn_gateway(&["--takeover-socket", sock.to_str().expect("utf-8 path")]);
     let exited = wait_exit(&mut a, Duration::from_secs(30));
     let r = load.join().expect("load");
     eprintln!(
-        "gateway swap: {} ok, {} reconnects asked, {} failed requests, old slot exit {:?}; first errors: {:?}",
-        r.ok, r.closes, r.failed_requests, exited, r.errors
+        "gateway swap: {} ok, {} reconnects asked, {} failed requests, old slot exit {:?}, max gap {:?} at {:?} \
+         (successor started at {:?}); first errors: {:?}",
+        r.ok, r.closes, r.failed_requests, exited, r.max_gap, r.max_gap_at, swap_at, r.errors
     );
     drop(b.child().kill());
     vec![

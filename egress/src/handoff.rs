@@ -54,6 +54,9 @@ pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 /// API; 256 MiB leaves room for hundreds of large policies).
 pub const MAX_STATE_BYTES: u32 = 256 << 20;
 
+/// Most leaves a successor mints before READY (about 1 ms each in a release build).
+pub const PREMINT_MAX: usize = 256;
+
 /// Everything a successor needs to decide exactly as the predecessor would.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -64,6 +67,10 @@ pub struct HandoffState {
     pub policies: BTreeMap<Ipv4Addr, PolicySpec>,
     /// The learned-address table with remaining lifetimes.
     pub learned: Vec<LearnedAddr>,
+    /// Names of the predecessor's most recent leaves (no keys): the successor mints them
+    /// before READY, so its first handshakes do not wait for minting.
+    #[serde(default)]
+    pub leaf_names: Vec<String>,
 }
 
 impl HandoffState {
@@ -73,6 +80,7 @@ impl HandoffState {
             bootstrap_status: app.store.status().as_str().to_string(),
             policies: app.store.all().into_iter().map(|(ip, p)| (ip, p.spec.clone())).collect(),
             learned: app.dest.export_learned(),
+            leaf_names: app.certs.recent_names(PREMINT_MAX),
         }
     }
 
@@ -247,6 +255,10 @@ mod tests {
         App::new(&cfg).unwrap()
     }
 
+    fn st_names(t: &Taken) -> Vec<String> {
+        t.state.as_ref().map(|s| s.leaf_names.clone()).unwrap_or_default()
+    }
+
     /// Policies (with secrets), learned addresses (with their lifetimes) and the bootstrap
     /// status arrive intact over a real socket pair, and the successor's READY completes the
     /// predecessor's offer.
@@ -271,7 +283,11 @@ mod tests {
         let sock = dir.join("h.sock");
         let hl = net::handoff_listener(&sock).unwrap();
         hl.set_nonblocking(false).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let sb = "192.168.0.2".parse().unwrap();
+        rt.block_on(old.certs.server_config(sb, crate::certs::CertName::Dns("api.example.test".into()))).unwrap();
         let state = HandoffState::capture(&old);
+        assert_eq!(state.leaf_names, vec!["api.example.test".to_string()]);
         let pred = std::thread::spawn(move || {
             let (c, _) = hl.accept().unwrap();
             let r = offer(&c, &l, &state);
@@ -280,6 +296,7 @@ mod tests {
         let taken = take(&sock, false).unwrap().expect("a predecessor");
         let st = taken.state.clone().expect("version 2 carries state");
         assert_eq!(st.install(&new).unwrap(), BootstrapStatus::Ready);
+        assert_eq!(rt.block_on(new.certs.premint(&st_names(&taken))), 1, "leaf minted before READY");
         taken.ready.send().unwrap();
         assert!(take(&dir.join("none.sock"), true).unwrap().is_none(), "optional: nobody there");
         assert!(take(&dir.join("none.sock"), false).is_err());
@@ -304,7 +321,12 @@ mod tests {
             https: net::bind("127.0.0.1:0".parse().unwrap(), false).unwrap(),
             admin: net::bind("127.0.0.1:0".parse().unwrap(), false).unwrap(),
         };
-        let st = HandoffState { bootstrap_status: "ready".into(), policies: BTreeMap::new(), learned: Vec::new() };
+        let st = HandoffState {
+            bootstrap_status: "ready".into(),
+            policies: BTreeMap::new(),
+            learned: Vec::new(),
+            leaf_names: Vec::new(),
+        };
         let reader = std::thread::spawn(move || {
             let mut buf = vec![0u8; 4096];
             let mut b = b;

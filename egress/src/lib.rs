@@ -186,8 +186,10 @@ async fn listeners(app: &Arc<App>, cfg: &Config) -> anyhow::Result<(Listeners, O
     match state {
         Some(st) => {
             let (policies, learned) = (st.policies.len(), st.learned.len());
+            let leaves = st.leaf_names.clone();
             let status = st.install(app).context("install the predecessor's state")?;
-            tracing::info!(policies, learned, predecessor_status = status.as_str(), "state taken over");
+            let minted = app.certs.premint(&leaves).await;
+            tracing::info!(policies, learned, minted, predecessor_status = status.as_str(), "state taken over");
             if status.serving() {
                 app.store.set_status(status);
             } else {

@@ -298,6 +298,8 @@ pub struct LoadReport {
     pub resets: u64,
     /// Longest interval without any completed request, from the first to the last completion.
     pub max_gap: Duration,
+    /// When that interval began, from the start of the load.
+    pub max_gap_at: Duration,
     /// Paths answered 200 (each exactly once by construction: unique per request).
     pub ok_paths: Vec<String>,
     /// The first failures, for messages.
@@ -373,6 +375,7 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
     let tls = tokio_rustls::TlsConnector::from(tls);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let deadline = tokio::time::Instant::now() + dur;
+    let started = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..keepalive + fresh {
         let (tls, tally) = (tls.clone(), tally.clone());
@@ -423,7 +426,10 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
     }
     let mut t = std::mem::take(&mut *tally.lock().expect("tally"));
     t.done.sort();
-    t.r.max_gap = t.done.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default();
+    if let Some(w) = t.done.windows(2).max_by_key(|w| w[1] - w[0]) {
+        t.r.max_gap = w[1] - w[0];
+        t.r.max_gap_at = w[0] - started;
+    }
     t.r
 }
 
