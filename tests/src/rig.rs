@@ -34,6 +34,8 @@ pub struct Rig {
     pub world_mac: [u8; 6],
     /// MAC of the node uplink.
     pub up_mac: [u8; 6],
+    /// ifindex of the node uplink (recorded in `node_config`; `world` frames arrive on it).
+    pub uplink_ifindex: u32,
     _topo: Topology,
 }
 
@@ -79,7 +81,7 @@ impl Rig {
             .expect("register");
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, _topo: topo }
+        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, _topo: topo }
     }
 
     /// Runs `program` once on `frame` arriving on `ingress_ifindex` (in the node netns).
@@ -90,6 +92,25 @@ impl Rig {
                 let mut dp = dp.lock().expect("datapath lock");
                 let p = dp.program(program).expect("program");
                 testrun::run(p, &frame, SkBuffCtx { ingress_ifindex, ..Default::default() }, 1).expect("test run")
+            })
+            .expect("node thread")
+    }
+
+    /// Runs `program` on `frame` `repeat` times inside one `BPF_PROG_TEST_RUN` (the kernel
+    /// loops; a frame the program rewrites is rerun rewritten). Returns the last run's output.
+    pub fn run_repeat(
+        &self,
+        program: &'static str,
+        frame: Vec<u8>,
+        ingress_ifindex: u32,
+        repeat: u32,
+    ) -> TestRunOutput {
+        let dp = self.dp.clone();
+        self.thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let p = dp.program(program).expect("program");
+                testrun::run(p, &frame, SkBuffCtx { ingress_ifindex, ..Default::default() }, repeat).expect("test run")
             })
             .expect("node thread")
     }
@@ -128,7 +149,7 @@ impl Rig {
 
     /// `from_world` on the uplink.
     pub fn world(&self, frame: Vec<u8>) -> TestRunOutput {
-        self.run(prog::FROM_WORLD, frame, 0)
+        self.run(prog::FROM_WORLD, frame, self.uplink_ifindex)
     }
 }
 
