@@ -332,7 +332,7 @@ impl CertCache {
             .filter(|(_, s)| s.cell.initialized() && s.created.elapsed() < LEAF_CACHE_TTL)
             .map(|(k, s)| (k, s.created))
             .collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1));
+        v.sort_by_key(|e| std::cmp::Reverse(e.1));
         v.into_iter().take(max).map(|(k, _)| k.clone()).collect()
     }
 
