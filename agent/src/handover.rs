@@ -2,7 +2,7 @@
 //! queue fds over a Unix socket (`handover_socket`, mode 0600, peer uid checked with
 //! SO_PEERCRED on both sides), so no listener is rebound, no TAP is reopened (`TUNSETIFF`) and
 //! requests that arrive meanwhile wait in the shared kernel backlog instead of being refused.
-//! The pattern is CubeEgress's listener handoff (`egress/src/net.rs`, decision E9) plus the
+//! The pattern is CubeEgress's listener handoff (`egress/src/handoff.rs`, decisions E9, E18) plus the
 //! TAP fds and a mutation gate.
 //!
 //! Protocol (version [`PROTOCOL_VERSION`]), on one `SOCK_STREAM` connection, lines end in `\n`:
