@@ -61,6 +61,15 @@ fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
     if let Some(d) = p.parent() {
         std::fs::create_dir_all(d)?;
     }
+    // A socket file someone still accepts on belongs to a running agent: never take it away
+    // (only a dead one, left by a crash, is replaced).
+    if std::os::unix::net::UnixStream::connect(p).is_ok() {
+        bail!(
+            "{} is served by a running process (another agent?): stop it, or start this agent with its \
+             handover_socket to take over",
+            p.display()
+        );
+    }
     let _ = std::fs::remove_file(p);
     std::os::unix::net::UnixListener::bind(p).with_context(|| format!("bind {}", p.display()))
 }
@@ -85,7 +94,8 @@ fn tcp_at(fd: OwnedFd, want: &str, key: &str) -> anyhow::Result<std::net::TcpLis
 }
 
 impl Listeners {
-    /// Binds all three afresh (removing stale Unix socket files).
+    /// Binds all three afresh, replacing Unix socket files nobody accepts on. Errors: an address
+    /// in use, a Unix socket a running process accepts on.
     pub fn bind(raw: &Config) -> anyhow::Result<Self> {
         let health = std::net::TcpListener::bind(&raw.health_listen)
             .with_context(|| format!("bind health_listen {}", raw.health_listen))?;

@@ -240,6 +240,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         }
     }
 
+    let listeners = match adopted_listeners {
+        Some(l) => l,
+        None => step("bind listeners", || Listeners::bind(raw))?,
+    };
+
     // 4. State and recovery.
     let agent = step("recover", || {
         let store =
@@ -262,12 +267,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
     }
 
-    // 5. Listeners (bound, or adopted from the previous agent); health first, then gRPC and
-    //    the fd socket.
-    let listeners = match adopted_listeners {
-        Some(l) => l,
-        None => step("bind listeners", || Listeners::bind(raw))?,
-    };
+    // 5. Listeners (adopted from the previous agent, or bound before recovery: a second agent
+    //    on the same sockets stops there, before it changes anything); health first, then
+    //    gRPC and the fd socket.
     let Listeners { grpc: grpc_listener, tap_fd: fd_listener, health, for_handover } = listeners;
     // Every accept loop can be stopped for a hand-over (listeners.rs).
     let acceptors = Acceptors::default();

@@ -10,8 +10,8 @@
 //!    hand-over: zero refused or failed.
 //! 3. Attacks on the hand-over socket: mode 0600; another uid is refused by the mode and, with
 //!    the mode widened, by SO_PEERCRED; a bad protocol version is refused; a hand-over aborted
-//!    after the offer, and a successor whose configuration does not fit, leave the old agent
-//!    serving.
+//!    after the offer, a successor whose configuration does not fit, and an agent started
+//!    without the hand-over socket leave the old agent serving.
 //! 4. Crash path: after `kill -9` there is nothing to hand over; the restarted agent answers
 //!    `-1` for a TAP a VMM holds (documented) and `0` for one nobody holds.
 //! 5. `after_handover = "wait"`: the old agent stays, holding no TAP fd and no listener, until
@@ -573,6 +573,17 @@ fn handover_socket_refuses_strangers_bad_versions_and_failed_successors() {
     serves(&a, "sb-d");
     let (code, _) = try_tap_fd(&a.tap_socket(), &held_tap, "sb-held").unwrap();
     assert_eq!(code, "0");
+    // An agent started without the hand-over socket (e.g. an old start command) must not take
+    // the sockets away from the running agent: it stops before recovery touches anything.
+    let mut cmd = a.script_command();
+    cmd.env("NETWORK_AGENT_ARGS", "--health-listen 127.0.0.1:19091");
+    let mut second = ChildGuard::from_child(cmd.spawn().unwrap());
+    let st = wait_exit(&mut second, Duration::from_secs(60), || a.log());
+    assert!(!st.success());
+    let log = a.log();
+    assert!(log.contains("is served by a running process"), "{log}");
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "old agent exited");
+    serves(&a, "sb-d2");
     // And a proper hand-over still works afterwards.
     upgrade(&mut a);
     serves(&a, "sb-e");
