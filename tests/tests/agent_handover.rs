@@ -24,7 +24,7 @@ use std::{
         fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
         unix::{fs::MetadataExt, fs::PermissionsExt, net::UnixStream, process::CommandExt},
     },
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -34,9 +34,10 @@ use std::{
 };
 
 use cubenet_proto::v1::{self as pb, network_agent_client::NetworkAgentClient};
-use cubenet_sys::tap::{Tap, TapOptions, VNET_HDR_LEN};
+use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
-    agent::{AgentUnderTest, tap_fd, workspace_bin},
+    agent::{AgentUnderTest, tap_fd},
+    agent_upgrade::{self, KernelGuest, handover_socket, spawn_agent, start},
     guest::TapGuest,
     netns::{ChildGuard, TestNetns},
     packet::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
@@ -74,71 +75,22 @@ fn release(a: &AgentUnderTest, id: &str) {
     rt().block_on(async { client(a).await.release_network(release_req(id)).await.expect("release") });
 }
 
-fn handover_socket(a: &AgentUnderTest) -> PathBuf {
-    a.dir.join("cube/handover.sock")
-}
-
-/// The start script with the hand-over socket set, as an operator starts every agent
-/// generation; `args` go to `NETWORK_AGENT_ARGS`.
-fn spawn_agent(a: &AgentUnderTest, args: &str) -> ChildGuard {
-    let mut cmd = a.script_command();
-    cmd.env("NETWORK_AGENT_HANDOVER_SOCKET", handover_socket(a));
-    if !args.is_empty() {
-        cmd.env("NETWORK_AGENT_ARGS", args);
-    }
-    ChildGuard::from_child(cmd.spawn().expect("spawn start-network-agent.sh"))
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < timeout, "{what} not within {timeout:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Waits until `n` agent generations have bound their hand-over socket (a file left by a
-/// killed agent does not count).
-fn wait_handover_listening(a: &AgentUnderTest, n: usize) {
-    wait_until("hand-over socket", Duration::from_secs(10), || a.log().matches(r#""hand-over listener""#).count() >= n);
-}
-
-fn start(a: &mut AgentUnderTest) {
-    a.child = Some(spawn_agent(a, ""));
-    a.wait_ready(Duration::from_secs(30));
-    wait_handover_listening(a, 1);
-}
-
-fn wait_exit(c: &mut ChildGuard, timeout: Duration, log: impl Fn() -> String) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(st) = c.child().try_wait().expect("try_wait") {
-            return st;
-        }
-        assert!(t.elapsed() < timeout, "agent {} did not exit within {timeout:?}:\n{}", c.id(), log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Upgrades to a copy of the agent binary (a "new version" at another path): the successor is
-/// started while the old agent runs; returns once the old one exited (status 0) and the
-/// successor is ready. Returns the time from the successor's start to the old one's exit.
+/// The library's upgrade, asserted: the old agent exits 0 and both logged their side.
 fn upgrade(a: &mut AgentUnderTest) -> Duration {
-    static GENERATION: AtomicUsize = AtomicUsize::new(0);
-    let next = a.dir.join(format!("network-agent-next-{}", GENERATION.fetch_add(1, Ordering::Relaxed)));
-    std::fs::copy(workspace_bin("network-agent"), &next).expect("copy the agent binary");
-    a.agent_bin = Some(next);
-    let mut old = a.child.take().expect("agent running");
-    let t = Instant::now();
-    a.child = Some(spawn_agent(a, ""));
-    let st = wait_exit(&mut old, Duration::from_secs(60), || a.log());
-    let took = t.elapsed();
-    assert!(st.success(), "old agent exit {st}:\n{}", a.log());
+    let took = agent_upgrade::upgrade(a).unwrap_or_else(|e| panic!("{e}:\n{}", a.log()));
     a.wait_ready(Duration::from_secs(30));
     let log = a.log();
     assert!(log.contains("handed over to the successor"), "{log}");
     assert!(log.contains("hand-over complete"), "{log}");
     took
+}
+
+fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {
+    agent_upgrade::wait_until(what, timeout, f).unwrap();
+}
+
+fn wait_exit(c: &mut ChildGuard, timeout: Duration, log: impl Fn() -> String) -> std::process::ExitStatus {
+    agent_upgrade::wait_exit(c, timeout).unwrap_or_else(|e| panic!("{e}:\n{}", log()))
 }
 
 /// An fd request that reports failures instead of panicking (for the loops).
@@ -174,64 +126,6 @@ fn attached(fd: &OwnedFd) -> String {
 fn node_ifindex(a: &AgentUnderTest, tap: &str) -> u32 {
     let t = tap.to_string();
     a.topo.node.run(move || cubenet_sys::ifindex(&t).unwrap())
-}
-
-/// A guest whose network stack is a kernel's: a TAP `eth0` in a namespace of its own,
-/// configured from the Ensure response, and a relay (playing the VMM) that copies frames,
-/// vnet header included, between it and the TAP fd the agent handed out.
-struct KernelGuest {
-    ns: TestNetns,
-    stop: Arc<AtomicBool>,
-    relays: Vec<JoinHandle<()>>,
-}
-
-impl KernelGuest {
-    fn new(vmm_fd: OwnedFd, r: &pb::EnsureNetworkResponse) -> Self {
-        let ns = TestNetns::new("guest");
-        let opts = TapOptions { vnet_hdr: true, vnet_hdr_len: VNET_HDR_LEN, offload: 0, persist: false };
-        let guest_fd = ns.run(move || {
-            let t = Tap::open("eth0", opts).expect("guest TAP");
-            let _ = std::fs::write("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1");
-            t.into_fd()
-        });
-        let ifc = &r.interfaces[0];
-        ns.ip(&["link", "set", "eth0", "address", &ifc.mac_address, "mtu", &ifc.mtu.to_string()]);
-        ns.ip(&["addr", "add", &ifc.ip_cidrs[0], "dev", "eth0"]);
-        ns.ip(&["link", "set", "eth0", "up"]);
-        ns.ip(&["route", "add", "default", "via", &ifc.gateway]);
-        let (vmm, guest) = (Arc::new(vmm_fd), Arc::new(guest_fd));
-        let stop = Arc::new(AtomicBool::new(false));
-        let relays = vec![Self::relay(vmm.clone(), guest.clone(), stop.clone()), Self::relay(guest, vmm, stop.clone())];
-        Self { ns, stop, relays }
-    }
-
-    fn relay(from: Arc<OwnedFd>, to: Arc<OwnedFd>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 65536 + VNET_HDR_LEN];
-            while !stop.load(Ordering::Relaxed) {
-                let mut fds = [nix::poll::PollFd::new(from.as_fd(), nix::poll::PollFlags::POLLIN)];
-                if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(20u16)).unwrap_or(0) == 0 {
-                    continue;
-                }
-                match nix::unistd::read(&*from, &mut buf) {
-                    Ok(n) if n > 0 => {
-                        let _ = nix::unistd::write(&*to, &buf[..n]);
-                    }
-                    Ok(_) | Err(nix::errno::Errno::EAGAIN) => {}
-                    Err(e) => panic!("relay read: {e}"),
-                }
-            }
-        })
-    }
-}
-
-impl Drop for KernelGuest {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for r in self.relays.drain(..) {
-            let _ = r.join();
-        }
-    }
 }
 
 /// What a long TCP connection saw.
@@ -311,7 +205,8 @@ fn upgrade_keeps_tcp_and_every_active_tap() {
     let ifindexes: Vec<u32> = taps.iter().map(|t| node_ifindex(&a, t)).collect();
     let (c, fd) = tap_fd(&a.tap_socket(), &taps[0], ids[0]);
     assert_eq!(c["errCode"], "0", "{c}");
-    let kg = KernelGuest::new(fd.unwrap(), &rs[0]);
+    let ifc = &rs[0].interfaces[0];
+    let kg = KernelGuest::new(fd.unwrap(), &ifc.mac_address, &ifc.ip_cidrs[0], &ifc.gateway, ifc.mtu as u32);
     let (c, fd) = tap_fd(&a.tap_socket(), &taps[1], ids[1]);
     assert_eq!(c["errCode"], "0", "{c}");
     let arp_guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
@@ -629,7 +524,7 @@ fn crash_restart_answers_minus_one_for_a_held_tap() {
     release(&a, "sb-held");
     release(&a, "sb-idle");
     // The restarted agent serves the next hand-over.
-    wait_handover_listening(&a, 2);
+    agent_upgrade::wait_handover_listening(&a, 2).unwrap();
     upgrade(&mut a);
 }
 
