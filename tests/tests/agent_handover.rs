@@ -134,6 +134,16 @@ struct Stream {
     echoes: usize,
     max_gap: Duration,
     error: Option<String>,
+    /// When each echo came back.
+    at: Vec<Instant>,
+}
+
+impl Stream {
+    /// Longest interval between echoes that came back in [`from`, `to`].
+    fn max_gap_in(&self, from: Instant, to: Instant) -> Duration {
+        let v: Vec<_> = self.at.iter().filter(|t| **t >= from && **t <= to).collect();
+        v.windows(2).map(|w| *w[1] - *w[0]).max().unwrap_or_default()
+    }
 }
 
 /// World's echo server on 7000; counts connections that ended with an error (a reset).
@@ -182,6 +192,7 @@ fn drive(ns: &TestNetns, stop: Arc<AtomicBool>) -> JoinHandle<Stream> {
             s.echoes += 1;
             s.max_gap = s.max_gap.max(last.elapsed());
             last = Instant::now();
+            s.at.push(last);
             std::thread::sleep(Duration::from_millis(10));
         }
         s
@@ -219,12 +230,21 @@ fn upgrade_keeps_tcp_and_every_active_tap() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let driver = drive(&kg.ns, stop.clone());
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(1500));
+    let t_up = Instant::now();
     let took = upgrade(&mut a);
+    let t_done = Instant::now();
     std::thread::sleep(Duration::from_millis(500));
     stop.store(true, Ordering::Relaxed);
     let s = driver.join().unwrap();
-    eprintln!("hand-over: old agent gone {took:?} after the successor started; guest stream {s:?}");
+    let control = s.max_gap_in(t_up - (t_done - t_up).min(Duration::from_millis(1400)), t_up);
+    eprintln!(
+        "hand-over: old agent gone {took:?} after the successor started; guest stream: {} echoes, \
+         longest gap {:?} during the hand-over, {control:?} in as long a window before, error {:?}",
+        s.echoes,
+        s.max_gap_in(t_up, t_done),
+        s.error
+    );
     assert!(s.error.is_none(), "guest TCP broke across the hand-over: {s:?}\n{}", a.log());
     assert!(s.echoes > 50, "{s:?}");
     assert!(s.max_gap < Duration::from_millis(500), "guest TCP stalled: {s:?}");
