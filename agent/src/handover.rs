@@ -122,6 +122,8 @@ fn proto_err(msg: impl Into<String>) -> io::Error {
 pub struct MutationGate {
     lock: Arc<RwLock<()>>,
     handed_over: AtomicBool,
+    /// An offer is out (listeners and TAP fds sent), not yet committed or aborted.
+    offering: AtomicBool,
     successor: OnceLock<String>,
 }
 
@@ -165,6 +167,12 @@ impl MutationGate {
     /// The successor's gRPC endpoint once the state was handed to it (reads forward there).
     pub fn successor(&self) -> Option<String> {
         if self.handed_over() { self.successor.get().cloned() } else { None }
+    }
+
+    /// Whether the listening sockets may belong to a successor: an offer is out or was
+    /// committed. A stopping agent then leaves the socket files alone.
+    pub fn sockets_shared(&self) -> bool {
+        self.offering.load(Ordering::Acquire) || self.handed_over()
     }
 
     /// Whether the state was handed to a successor.
@@ -358,13 +366,22 @@ pub fn verify_tap(fd: &OwnedFd, name: &str) -> Result<(), String> {
 }
 
 /// Successor side, steps 3 and 5: tells the old agent `READY` and waits for `STOPPED` (it no
-/// longer accepts). Errors: the old agent cannot be told (it aborted and keeps serving: this
-/// process must exit), or it answered `ABORT`. If the old agent's end closes or stays silent
-/// for [`STOP_TIMEOUT`] after `READY` was sent, it crashed or hangs after committing: the
-/// successor serves anyway (`Ok(false)`).
+/// longer accepts). Errors: the old agent answered `ABORT` (it keeps serving: this process
+/// must exit). If the old agent's end closed without `ABORT`, or stays silent for
+/// [`STOP_TIMEOUT`] after `READY`, it died or hangs after committing: the successor serves
+/// anyway (`Ok(false)`) — it holds the same sockets and TAP queues.
 pub fn commit(s: &UnixStream) -> io::Result<bool> {
-    (&*s).write_all(b"READY\n")?;
     s.set_read_timeout(Some(STOP_TIMEOUT))?;
+    if let Err(e) = (&*s).write_all(b"READY\n") {
+        // An abort is written before the old agent closes: it is still readable here.
+        return match read_line(s) {
+            Ok(l) if l.starts_with("ABORT") => Err(proto_err(format!("the running agent aborted: {l}"))),
+            _ => {
+                tracing::warn!("hand-over: the previous agent is gone ({e}); serving");
+                Ok(false)
+            }
+        };
+    }
     match read_line(s) {
         Ok(l) if l == "STOPPED" => Ok(true),
         Ok(l) => Err(proto_err(format!("the running agent answered {l:?} to READY"))),
@@ -455,6 +472,7 @@ async fn offer(
     }
     // From here no mutation runs in this agent until the successor is ready or gave up.
     let guard = gate.close().await;
+    gate.offering.store(true, Ordering::Release);
     tracing::info!("hand-over: mutations paused, sending listeners and TAP fds");
     let (taps, tap_fds) = agent.handover_taps();
     let n = taps.len();
@@ -491,6 +509,7 @@ async fn offer(
             let c = conn.clone();
             let msg = format!("ABORT {why}\n");
             let _ = blocking(move || (&*c).write_all(msg.as_bytes())).await;
+            gate.offering.store(false, Ordering::Release);
             drop(guard);
             Err(proto_err(why))
         }
@@ -572,6 +591,28 @@ mod tests {
         assert!(split_offer(m, one).is_err(), "fd count must match the manifest");
     }
 
+    #[test]
+    fn commit_tells_abort_from_a_vanished_predecessor() {
+        // STOPPED: committed.
+        let (old, new) = UnixStream::pair().unwrap();
+        let t = std::thread::spawn(move || {
+            assert_eq!(read_line(&old).unwrap(), "READY");
+            (&old).write_all(b"STOPPED\n").unwrap();
+        });
+        assert!(commit(&new).unwrap());
+        t.join().unwrap();
+        // ABORT written before the old agent closed: this successor must exit.
+        let (old, new) = UnixStream::pair().unwrap();
+        (&old).write_all(b"ABORT successor too slow\n").unwrap();
+        drop(old);
+        let e = commit(&new).unwrap_err();
+        assert!(e.to_string().contains("ABORT successor too slow"), "{e}");
+        // Closed without a word: the old agent is gone, serve.
+        let (old, new) = UnixStream::pair().unwrap();
+        drop(old);
+        assert!(!commit(&new).unwrap());
+    }
+
     #[tokio::test]
     async fn gate_waits_for_mutations_and_forwards_after_hand_over() {
         let gate = Arc::new(MutationGate::default());
@@ -586,7 +627,9 @@ mod tests {
         let queued = tokio::spawn(async move { matches!(g.enter().await, Entry::Forward(e) if e == "unix:///s") });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!queued.is_finished(), "a mutation must queue while the gate is closed");
+        assert!(!gate.sockets_shared());
         gate.hand_over(Some("unix:///s".into()));
+        assert!(gate.sockets_shared());
         drop(closed);
         assert!(queued.await.unwrap(), "a queued mutation is forwarded after the hand-over");
         assert!(gate.handed_over());

@@ -403,6 +403,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     fd_task.abort();
     health_task.abort();
     let _ = tokio::time::timeout(Duration::from_secs(30), grpc_task).await;
+    if gate.sockets_shared() && !gate.handed_over() {
+        // Stopped while an offer was out: the successor may already serve on these sockets.
+        tracing::info!("stopped during a hand-over: the socket files are left to the successor");
+        return Ok(());
+    }
     if gate.handed_over() {
         // In-flight fd and HTTP requests finish within their deadlines; the socket files
         // belong to the successor now.

@@ -602,3 +602,27 @@ fn after_handover_wait_holds_nothing_until_sigterm() {
     assert!(a.tap_socket().exists() && handover_socket(&a).exists());
     serves(&a, "sb-after");
 }
+
+#[test]
+fn sigterm_during_a_handover_leaves_the_sockets_to_the_successor() {
+    if !require_root("sigterm_during_a_handover_leaves_the_sockets_to_the_successor") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("ho-term", 1, "");
+    start(&mut a);
+    // A successor that has the offer (and so the listening sockets) when the old agent is
+    // told to stop: the files must stay, or the successor would serve unreachable sockets.
+    let s = handover::begin(&handover_socket(&a)).unwrap().expect("agent listening");
+    let (_m, fds) = handover::recv_offer(&s).unwrap();
+    let mut old = a.child.take().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    wait_until("old agent stopping", Duration::from_secs(10), || a.log().contains("SIGTERM"));
+    drop(s);
+    let st = wait_exit(&mut old, Duration::from_secs(60), || a.log());
+    assert!(st.success(), "{st}");
+    let log = a.log();
+    assert!(log.contains("the socket files are left to the successor"), "{log}");
+    assert!(a.tap_socket().exists(), "tap_fd_listen removed during a hand-over");
+    assert!(a.dir.join("cube/grpc.sock").exists(), "grpc_listen removed during a hand-over");
+    drop(fds);
+}
