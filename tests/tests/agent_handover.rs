@@ -6,8 +6,8 @@
 //!    (playing the VMM) carries to and from the agent's TAP fd: no reset, no stall; afterwards
 //!    the fd socket answers every Active sandbox with the same TAP (name and ifindex), the one
 //!    the VMM holds included (it was not reopened), and Ensure/Release work.
-//! 2. Continuous gRPC Ensure/Release, fd requests and new gRPC connections during the
-//!    hand-over: zero refused or failed.
+//! 2. Continuous gRPC Ensure/Release (tonic and grpcio, default options), fd requests and new
+//!    gRPC connections during the hand-over: zero refused or failed.
 //! 3. Attacks on the hand-over socket: mode 0600; another uid is refused by the mode and, with
 //!    the mode widened, by SO_PEERCRED; a bad protocol version is refused; a hand-over aborted
 //!    after the offer, a successor whose configuration does not fit, and an agent started
@@ -24,7 +24,7 @@ use std::{
         fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
         unix::{fs::MetadataExt, fs::PermissionsExt, net::UnixStream, process::CommandExt},
     },
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -362,12 +362,24 @@ fn requests_during_the_handover_are_all_served() {
         })
     });
 
+    // grpcio (Python) with default channel options on one channel: Ensure/Get/Release.
+    let stop_file = a.dir.join("py-stop");
+    // Killed on drop should the test fail before it is told to stop.
+    let mut py = ChildGuard::from_child(grpcio_loop(&a, &stop_file));
+
     std::thread::sleep(Duration::from_millis(700));
     let t_up = Instant::now();
     let took = upgrade(&mut a);
     let t_done = Instant::now();
     std::thread::sleep(Duration::from_millis(700));
     stop.store(true, Ordering::Relaxed);
+    std::fs::write(&stop_file, b"").unwrap();
+    let (mut so, mut se) = (String::new(), String::new());
+    py.child().stdout.take().unwrap().read_to_string(&mut so).unwrap();
+    py.child().stderr.take().unwrap().read_to_string(&mut se).unwrap();
+    let st = py.child().wait().unwrap();
+    eprintln!("grpcio: {}", so.trim());
+    assert!(st.success() && so.contains("FAILED 0"), "{so}\n{se}");
     for (name, h) in [("ensure/fd/release", cycle), ("fd requests", fds), ("new connections", fresh)] {
         let l = h.join().unwrap();
         let during = l.done_at.iter().filter(|t| **t > t_up && **t < t_done).count();
@@ -385,6 +397,72 @@ fn requests_during_the_handover_are_all_served() {
     release(&a, "sb-stable");
     let left: Vec<_> = std::fs::read_dir(a.state_dir()).unwrap().flatten().collect();
     assert!(left.is_empty(), "state left: {left:?}");
+}
+
+/// A venv under target/ with grpcio-tools (PyPI), created once (shared with
+/// `agent_clients.rs`, which made it first).
+fn python_with_grpcio() -> PathBuf {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/py-grpc-venv");
+    let py = venv.join("bin/python");
+    if !py.exists() || !venv.join(".grpcio-ok").exists() {
+        let st = std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
+        assert!(st.success(), "python3 -m venv failed");
+        let st =
+            std::process::Command::new(&py).args(["-m", "pip", "install", "--quiet", "grpcio-tools"]).status().unwrap();
+        assert!(st.success(), "pip install grpcio-tools failed");
+        std::fs::write(venv.join(".grpcio-ok"), b"").unwrap();
+    }
+    py
+}
+
+/// Starts a grpcio client (default channel options, one channel) that cycles Ensure → Get →
+/// Release until `stop` exists, then prints `OK n FAILED m` and each failure.
+fn grpcio_loop(a: &AgentUnderTest, stop: &Path) -> std::process::Child {
+    let py = python_with_grpcio();
+    let pydir = a.dir.join("py");
+    std::fs::create_dir_all(&pydir).unwrap();
+    let proto_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto");
+    let st = std::process::Command::new(&py)
+        .args(["-m", "grpc_tools.protoc", "-I"])
+        .arg(&proto_dir)
+        .arg(format!("--python_out={}", pydir.display()))
+        .arg(format!("--grpc_python_out={}", pydir.display()))
+        .arg(proto_dir.join("network_agent.proto"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "grpc_tools.protoc failed");
+    let script = r#"
+import os, sys, grpc
+sys.path.insert(0, sys.argv[1])
+import network_agent_pb2 as pb, network_agent_pb2_grpc as rpc
+s = rpc.NetworkAgentStub(grpc.insecure_channel(sys.argv[2]))
+ok, failed, i = 0, [], 0
+while not os.path.exists(sys.argv[3]):
+    sid = "py-%d" % i
+    i += 1
+    try:
+        r = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id=sid,
+            cubevs_context=pb.CubeVSContext(allow_internet_access=True)))
+        assert r.sandbox_id == sid
+        assert s.GetNetwork(pb.GetNetworkRequest(sandbox_id=sid)).interfaces == r.interfaces
+        assert s.ReleaseNetwork(pb.ReleaseNetworkRequest(sandbox_id=sid)).released
+        ok += 1
+    except Exception as e:
+        failed.append("%s: %r" % (sid, e))
+print("OK", ok, "FAILED", len(failed))
+for f in failed:
+    print(f)
+"#;
+    std::process::Command::new(&py)
+        .arg("-c")
+        .arg(script)
+        .arg(&pydir)
+        .arg(a.grpc_endpoint())
+        .arg(stop)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 /// Connects to `sock` as uid/gid 65534 and sends `BEGIN 1`; prints what happened.
