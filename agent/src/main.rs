@@ -402,7 +402,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     fd_task.abort();
     health_task.abort();
-    let _ = tokio::time::timeout(Duration::from_secs(30), grpc_task).await;
+    // After a hand-over, forwarded calls may take longer than a plain stop allows.
+    let grace = Duration::from_secs(if gate.handed_over() { 30 } else { 5 });
+    let _ = tokio::time::timeout(grace, grpc_task).await;
     if gate.sockets_shared() && !gate.handed_over() {
         // Stopped while an offer was out: the successor may already serve on these sockets.
         tracing::info!("stopped during a hand-over: the socket files are left to the successor");
