@@ -102,7 +102,7 @@ pub struct Config {
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
     /// `"false"` overrides it. `false` is upstream's behaviour (flows outlive the change).
     pub flush_sessions_on_policy_tighten: bool,
-    /// Unix socket of the live upgrade hand-over (`handover.rs`; default empty = off). The
+    /// Unix socket of the live upgrade hand-over (`crate::handover`; default empty = off). The
     /// agent listens there (0600, peer uid checked); a new agent started with the same key
     /// first asks the running one for its listeners and TAP fds instead of binding afresh.
     pub handover_socket: PathBuf,

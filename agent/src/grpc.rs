@@ -21,7 +21,7 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct Service {
     agent: Arc<Agent>,
-    /// Mutations (Ensure, Release, Reconcile) enter it; see `handover.rs`.
+    /// Mutations (Ensure, Release, Reconcile) enter it; see `crate::handover`.
     gate: Arc<MutationGate>,
 }
 

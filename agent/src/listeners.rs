@@ -1,5 +1,5 @@
 //! The agent's three listening sockets (`grpc_listen`, `tap_fd_listen`, `health_listen`):
-//! bound afresh, or adopted from the previous agent in a live upgrade (`handover.rs`), in
+//! bound afresh, or adopted from the previous agent in a live upgrade (`crate::handover`), in
 //! which case each handed-over socket must be the one the configuration names.
 
 use std::{

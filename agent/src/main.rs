@@ -216,7 +216,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         Ok(())
     })?;
 
-    // Live upgrade: ask a running agent for its listeners and TAP fds (handover.rs). Any
+    // Live upgrade: ask a running agent for its listeners and TAP fds (handover/). Any
     // failure before READY leaves the old agent serving; this process exits.
     let mut handover_conn = None;
     let mut adopted_listeners = None;
