@@ -223,6 +223,51 @@ impl AcceptToken {
     }
 }
 
+/// Counts requests in flight (each holds a token) so a stopping agent can wait for exactly
+/// those instead of sleeping.
+#[derive(Debug)]
+pub struct InFlight {
+    tx: tokio::sync::mpsc::Sender<()>,
+    rx: tokio::sync::mpsc::Receiver<()>,
+}
+
+impl Default for InFlight {
+    fn default() -> Self {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        Self { tx, rx }
+    }
+}
+
+/// Held by one request in flight; see [`InFlight`].
+#[derive(Debug)]
+pub struct RequestToken(#[allow(dead_code)] tokio::sync::mpsc::Sender<()>);
+
+/// Hands out [`RequestToken`]s (held by an accept loop; counts as in flight until dropped).
+#[derive(Clone, Debug)]
+pub struct TokenSource(tokio::sync::mpsc::Sender<()>);
+
+impl TokenSource {
+    /// A token for one more request.
+    pub fn token(&self) -> RequestToken {
+        RequestToken(self.0.clone())
+    }
+}
+
+impl InFlight {
+    /// A source of tokens for an accept loop.
+    pub fn token_source(&self) -> TokenSource {
+        TokenSource(self.tx.clone())
+    }
+
+    /// Waits until every token and token source is dropped, at most `limit`; returns whether
+    /// they all were.
+    pub async fn drained(self, limit: std::time::Duration) -> bool {
+        let Self { tx, mut rx } = self;
+        drop(tx);
+        tokio::time::timeout(limit, rx.recv()).await.is_ok()
+    }
+}
+
 /// Runs the accept loop `fut` until it ends or `token` says stop (then `None`; `fut`, with its
 /// listener, is dropped before the token).
 pub async fn until_stopped<F: Future>(mut token: AcceptToken, fut: F) -> Option<F::Output> {

@@ -20,7 +20,7 @@ use network_agent::{
     handover::{self, Entry, MutationGate},
     host::{HostParams, NetnsHost},
     http,
-    listeners::{self, Acceptors, Endpoint, GrpcListener, Listeners, parse_endpoint, until_stopped},
+    listeners::{self, Acceptors, Endpoint, GrpcListener, InFlight, Listeners, parse_endpoint, until_stopped},
     state::StateStore,
     uds_authority::NormalizeAuthority,
 };
@@ -317,6 +317,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         }
     };
     let fd_agent = agent.clone();
+    // fd requests in flight, waited for after a hand-over.
+    let fd_inflight = InFlight::default();
+    let fd_token_src = fd_inflight.token_source();
     let fd_token = acceptors.token();
     let fd_task = tokio::spawn(until_stopped(fd_token, async move {
         loop {
@@ -329,8 +332,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                     continue;
                 }
             };
-            let a = fd_agent.clone();
-            tokio::spawn(fdserver::handle_conn(stream, a));
+            let (a, t) = (fd_agent.clone(), fd_token_src.token());
+            tokio::spawn(async move {
+                fdserver::handle_conn(stream, a).await;
+                drop(t);
+            });
         }
     }));
     agent.set_started();
@@ -403,7 +409,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     fd_task.abort();
     health_task.abort();
     // After a hand-over, forwarded calls may take longer than a plain stop allows.
-    let grace = Duration::from_secs(if gate.handed_over() { 30 } else { 5 });
+    let grace = Duration::from_secs(if gate.handed_over() { 10 } else { 5 });
     let _ = tokio::time::timeout(grace, grpc_task).await;
     if gate.sockets_shared() && !gate.handed_over() {
         // Stopped while an offer was out: the successor may already serve on these sockets.
@@ -413,7 +419,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     if gate.handed_over() {
         // In-flight fd and HTTP requests finish within their deadlines; the socket files
         // belong to the successor now.
-        tokio::time::sleep(fdserver::DEADLINE * 2).await;
+        if !fd_inflight.drained(fdserver::DEADLINE * 2).await {
+            tracing::warn!("fd requests still in flight after their deadlines");
+        }
+        // Health requests the old agent accepted take milliseconds (not tracked).
+        tokio::time::sleep(Duration::from_millis(100)).await;
         if raw.after_handover == AfterHandover::Wait {
             let n = agent.close_tap_fds();
             tracing::info!(closed = n, "handed over: holding no TAP or listener; idle until SIGTERM/SIGINT");
