@@ -2,7 +2,8 @@
 //! see [`Agent::readiness`]; 503 with the reason), `/metrics` (Prometheus; datapath figures
 //! are read at scrape time), and, to loopback clients only, `GET /v1/network/taps` (upstream
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
-//! sandboxes,portmaps,policies}`. Other methods get 405 with `Allow: GET`; non-loopback clients of the
+//! sandboxes,portmaps,policies}` and `GET /v1/policies/dump` (CubeEgress bootstrap, with
+//! secrets: [`crate::policy_dump`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
 //! `/v1/` paths get 403.
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
@@ -77,6 +78,7 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
             }))
             .await
         }
+        "/v1/policies/dump" => blocking(Box::new(|a: &Agent| json(&crate::policy_dump::dump(a)))).await,
         "/v1/dataplane/sessions" => {
             blocking(Box::new(|a: &Agent| match a.dataplane().sessions() {
                 Ok(s) => json(&serde_json::json!({"sessions": s})),

@@ -8,7 +8,10 @@
 
 use std::{collections::HashSet, net::Ipv4Addr};
 
-use super::cidr::Cidr;
+use super::{
+    cidr::Cidr,
+    fqdn::{FqdnAllow, FqdnPattern, parse_fqdn},
+};
 use crate::Error;
 
 /// Always-denied destinations of every sandbox: private, loopback and link-local ranges.
@@ -29,7 +32,8 @@ pub const EXTRA_ENTRIES: u32 = BASELINE_DENY.len() as u32 + 1;
 pub const DEFAULT_ENTRIES_PER_SANDBOX: u32 = 1024;
 
 /// What a caller asks for (cubelet's `CubeVSContext`). With the `serde` feature it
-/// (de)serialises as `{allow_internet_access, allow_out, deny_out}`.
+/// (de)serialises as `{allow_internet_access, allow_out, deny_out, allow_fqdn?, rules?}`
+/// (the last two omitted when empty and defaulted when absent: older JSON loads unchanged).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct EgressPolicy {
@@ -40,12 +44,35 @@ pub struct EgressPolicy {
     /// IPv4 addresses or CIDRs denied (ignored when `allow_internet_access` is false, but
     /// validated all the same).
     pub deny_out: Vec<String>,
+    /// DNS names allowed by DNS learning (exact or `*.` subdomains, optional ports).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub allow_fqdn: Vec<FqdnAllow>,
+    /// CubeEgress L7 rules (upstream rule model), pushed to the gateway; secrets inside.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub rules: Vec<egress_policy::RuleSpec>,
 }
 
 impl Default for EgressPolicy {
     fn default() -> Self {
-        Self { allow_internet_access: true, allow_out: Vec::new(), deny_out: Vec::new() }
+        Self {
+            allow_internet_access: true,
+            allow_out: Vec::new(),
+            deny_out: Vec::new(),
+            allow_fqdn: Vec::new(),
+            rules: Vec::new(),
+        }
     }
+}
+
+/// Validates L7 rules with the gateway's own validator (`egress_policy::Policy::compile`),
+/// so what the agent accepts the gateway accepts. Errors name the field (`rules[2].match.path`).
+/// An empty list is valid (no L7 policy).
+pub fn validate_rules(rules: &[egress_policy::RuleSpec]) -> Result<(), Error> {
+    if rules.is_empty() {
+        return Ok(());
+    }
+    let spec = egress_policy::PolicySpec { policy_id: "validate".into(), rules: rules.to_vec() };
+    egress_policy::Policy::compile(spec).map(|_| ()).map_err(|e| Error::invalid(e.field, e.reason))
 }
 
 /// Parses one policy entry (see [`Cidr::parse`]) and clears its host bits, as upstream's
@@ -61,17 +88,21 @@ pub struct CompiledPolicy {
     pub allow: Vec<Cidr>,
     /// `deny_out` entries (baseline included).
     pub deny: Vec<Cidr>,
+    /// Validated FQDN allow entries, sorted and deduplicated (input of DNS learning).
+    pub fqdn: Vec<FqdnPattern>,
 }
 
 /// Validates and expands `p`. `limit` is the per-sandbox maximum of each list as given
 /// (before deduplication). Errors are [`Error::InvalidArgument`] naming the field:
-/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` for a list over `limit`.
+/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` / `allow_fqdn` for a list over
+/// `limit`, `allow_fqdn[1].name`, `rules[2].match.path`.
 pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
-    for (name, list) in [("allow_out", &p.allow_out), ("deny_out", &p.deny_out)] {
-        if list.len() > limit as usize {
+    let lens = [("allow_out", p.allow_out.len()), ("deny_out", p.deny_out.len()), ("allow_fqdn", p.allow_fqdn.len())];
+    for (name, len) in lens {
+        if len > limit as usize {
             return Err(Error::invalid(
                 name,
-                format!("{} entries exceed the limit of {limit} per sandbox", list.len()),
+                format!("{len} entries exceed the limit of {limit} per sandbox"),
             ));
         }
     }
@@ -83,6 +114,11 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     for (i, s) in p.deny_out.iter().enumerate() {
         user_deny.push(parse_cidr(s, &format!("deny_out[{i}]"))?);
     }
+    let mut fqdn = Vec::with_capacity(p.allow_fqdn.len());
+    for (i, e) in p.allow_fqdn.iter().enumerate() {
+        fqdn.push(parse_fqdn(e, &format!("allow_fqdn[{i}]"))?);
+    }
+    validate_rules(&p.rules)?;
     let mut deny = BASELINE_DENY.to_vec();
     if p.allow_internet_access {
         deny.extend(user_deny);
@@ -93,7 +129,9 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     allow.dedup();
     deny.sort();
     deny.dedup();
-    Ok(CompiledPolicy { allow, deny })
+    fqdn.sort();
+    fqdn.dedup();
+    Ok(CompiledPolicy { allow, deny, fqdn })
 }
 
 /// Membership by longest-prefix candidates: 33 hash lookups per address.
@@ -157,6 +195,7 @@ mod tests {
             allow_internet_access: internet,
             allow_out: allow.iter().map(|s| s.to_string()).collect(),
             deny_out: deny.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
         }
     }
 
@@ -184,6 +223,36 @@ mod tests {
         assert!(matches!(&e, Error::InvalidArgument { field, reason } if field == "deny_out" && reason.contains("16")));
         let e = compile(&EgressPolicy { allow_out: many, ..Default::default() }, 16).unwrap_err();
         assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_out"), "{e}");
+    }
+
+    #[test]
+    fn compile_validates_fqdn_and_rules() {
+        let rule = |path: &str| -> egress_policy::RuleSpec {
+            serde_json::from_value(serde_json::json!({
+                "id": "r", "match": {"host": "api.example.com", "path": path}, "action": {"allow": true}
+            }))
+            .unwrap()
+        };
+        let ok = EgressPolicy {
+            allow_fqdn: vec![
+                FqdnAllow { name: "*.example.com".into(), ports: vec![] },
+                FqdnAllow { name: "*.EXAMPLE.com.".into(), ports: vec![] },
+            ],
+            rules: vec![rule("/v1/*")],
+            ..Default::default()
+        };
+        assert_eq!(compile(&ok, 16).unwrap().fqdn.len(), 1, "deduplicated");
+        let bad = EgressPolicy {
+            allow_fqdn: vec![ok.allow_fqdn[0].clone(), FqdnAllow { name: "a.*.com".into(), ports: vec![] }],
+            ..Default::default()
+        };
+        let e = compile(&bad, 16).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_fqdn[1].name"), "{e}");
+        let mut r2 = rule("/a");
+        r2.id = "r2".into();
+        r2.matcher.path = Some("/a*b*".into());
+        let e = compile(&EgressPolicy { rules: vec![rule("/a"), r2], ..Default::default() }, 16).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "rules[1].match.path"), "{e}");
     }
 
     #[test]
