@@ -1,26 +1,36 @@
 //! Pushes each sandbox's L7 rules to the CubeEgress admin API (`reference/upstream.md §4.4`):
 //! `PUT /admin/v1/policies/<sandboxIP>` on Ensure and Reconcile, `DELETE` on Release.
 //!
-//! - Each change bumps a per-IP generation and marks the IP dirty; the caller then makes one
-//!   attempt at once (bounded by `cube_egress_push_timeout_ms`), so the gateway normally has the
-//!   policy before Ensure returns. A push that fails transiently (connect error, timeout, 5xx)
-//!   stays dirty and the background loop retries it with backoff (200 ms doubling to 5 s). A
-//!   push completes an IP only if its generation is still current, so a slow stale push can
-//!   never leave an old policy behind: the IP stays dirty and the current one is re-sent.
+//! - Each change bumps a per-IP generation and marks the IP dirty. While the gateway is
+//!   believed up, the caller then makes one attempt at once (bounded by
+//!   `cube_egress_push_timeout_ms`), so the gateway normally has the policy before Ensure
+//!   returns; while it is down the call returns at once and the background loop sends it. A
+//!   push that fails transiently (connect error, timeout, 5xx) stays dirty and the loop
+//!   retries it with backoff (200 ms doubling to 5 s). A push completes an IP only if its
+//!   generation is still current, so a slow stale push can never leave an old policy behind:
+//!   the IP stays dirty and the current one is re-sent.
 //! - A 4xx is permanent (the gateway refused the body): logged, not retried. The agent
 //!   validates rules with the gateway's own validator (`egress_policy`) first, so this only
 //!   happens across versions (decision L3: it does not fail Ensure).
-//! - The loop polls `GET /admin/v1/health` every second; when the gateway comes back (first
-//!   contact, or after being unreachable) it re-sends the full set (every live sandbox with
-//!   rules), because a restarted gateway holds nothing until its bootstrap or this resync.
+//! - The loop polls `GET /admin/v1/health` every second. When the gateway comes back (first
+//!   contact, after being unreachable, or reporting fewer policies than the agent has pushed:
+//!   a restart between two polls) it runs a full sync: every live sandbox with rules is
+//!   re-sent, and every policy the gateway holds for an address without one (left by a
+//!   sandbox released while the agent was down) is deleted, so a reused address never
+//!   inherits another sandbox's rules or credentials.
+//! - A sandbox without rules that the agent never pushed needs no request (nothing to delete),
+//!   except before the first full sync, when the gateway's contents are unknown.
 //!
-//! Secrets: bodies are never logged; errors carry the status and the gateway's error text
-//! (which names a field, never a value).
+//! Secrets: bodies are never logged; errors carry the method, path, status and the gateway's
+//! error text (which names a field, never a value).
 
 use std::{
     collections::HashMap,
     net::Ipv4Addr,
-    sync::{Arc, Mutex, Weak},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -72,7 +82,12 @@ struct Entry {
 pub struct EgressSync {
     authority: String,
     timeout: Duration,
+    /// Wanted gateway state per sandbox IP. Lock order: this lock, then the agent's state.
     entries: Mutex<HashMap<Ipv4Addr, Entry>>,
+    /// The last health poll succeeded (callers skip the immediate attempt when false).
+    up: AtomicBool,
+    /// A full sync has completed since start (before that, deletes are never skipped).
+    synced: AtomicBool,
     wake: tokio::sync::Notify,
     rt: tokio::runtime::Handle,
 }
@@ -90,6 +105,8 @@ impl EgressSync {
             authority: parse_admin_url(admin_url)?,
             timeout,
             entries: Mutex::new(HashMap::new()),
+            up: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
             rt,
         }))
@@ -99,31 +116,57 @@ impl EgressSync {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records the wanted state of `ip` (`None` = no policy) and makes one attempt now. Blocks
-    /// up to the push timeout; call from a blocking thread, never a tokio worker. Failures
-    /// are left to the background loop.
+    /// Addresses whose gateway copy is not (yet) what the agent wants.
+    pub fn pending(&self) -> usize {
+        self.lock().values().filter(|e| e.dirty).count()
+    }
+
+    /// Records the wanted state of `ip` (`None` = no policy) and, while the gateway is up,
+    /// makes one attempt now. Blocks up to the push timeout; call from a blocking thread,
+    /// never a tokio worker. Failures are left to the background loop.
     pub fn set_blocking(&self, ip: Ipv4Addr, desired: Option<PolicySpec>) {
         let generation = {
             let mut m = self.lock();
+            if desired.is_none() && !m.contains_key(&ip) && self.synced.load(Ordering::Acquire) {
+                // Never pushed and the gateway was cleaned by a full sync: nothing to delete.
+                return;
+            }
             let e = m.entry(ip).or_default();
             e.generation += 1;
             e.desired = desired.clone();
             e.dirty = true;
             e.generation
         };
+        if !self.up.load(Ordering::Acquire) {
+            // Down (or not contacted yet): the loop sends it on the gateway's return.
+            self.wake.notify_one();
+            return;
+        }
         let r = self.rt.block_on(self.push(ip, desired.as_ref()));
         self.complete(ip, generation, r);
     }
 
-    /// Marks every sandbox of `all` dirty with its current policy (full resync).
-    fn resync(&self, all: Vec<(Ipv4Addr, PolicySpec)>) {
+    /// Full sync: every sandbox of the agent with rules is marked for a PUT, every address
+    /// the gateway holds (`on_gateway`) without one for a DELETE. The agent's state is read
+    /// under this client's lock, so a Release or Ensure running meanwhile records its own
+    /// change after this one (generation order) and is never overwritten by the snapshot.
+    fn mark_full_sync(&self, agent: &Agent, on_gateway: &[Ipv4Addr]) -> usize {
         let mut m = self.lock();
-        for (ip, spec) in all {
+        let want: HashMap<Ipv4Addr, PolicySpec> = agent.egress_policies().into_iter().collect();
+        let n = want.len();
+        for ip in on_gateway.iter().filter(|ip| !want.contains_key(ip)) {
+            let e = m.entry(*ip).or_default();
+            e.generation += 1;
+            e.desired = None;
+            e.dirty = true;
+        }
+        for (ip, spec) in want {
             let e = m.entry(ip).or_default();
             e.generation += 1;
             e.desired = Some(spec);
             e.dirty = true;
         }
+        n
     }
 
     fn complete(&self, ip: Ipv4Addr, generation: u64, r: Push) {
@@ -186,6 +229,8 @@ impl EgressSync {
         };
         match self.request(method.clone(), &path, body).await {
             Ok((s, _)) if (200..300).contains(&s) => Push::Done,
+            // Deleting what is not there is done.
+            Ok((404, _)) if method == Method::DELETE => Push::Done,
             Ok((s, b)) if (400..500).contains(&s) => {
                 Push::Permanent(format!("{method} {path}: {s} {}", String::from_utf8_lossy(&b).trim()))
             }
@@ -194,26 +239,56 @@ impl EgressSync {
         }
     }
 
-    async fn healthy(&self) -> bool {
-        matches!(self.request(Method::GET, "/admin/v1/health", Vec::new()).await, Ok((200, _)))
+    /// The gateway's `policy_count` when its health endpoint answers 200.
+    async fn health(&self) -> Option<u64> {
+        match self.request(Method::GET, "/admin/v1/health", Vec::new()).await {
+            Ok((200, b)) => serde_json::from_slice::<serde_json::Value>(&b).ok()?["policy_count"].as_u64(),
+            _ => None,
+        }
     }
 
-    /// The background loop: health poll, full resync when the gateway (re)appears, retries of
+    /// The addresses the gateway holds a policy for (`GET /admin/v1/policies`, redacted).
+    async fn gateway_addresses(&self) -> Result<Vec<Ipv4Addr>, String> {
+        let (s, b) = self.request(Method::GET, "/admin/v1/policies", Vec::new()).await?;
+        if s != 200 {
+            return Err(format!("GET /admin/v1/policies: {s}"));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&b).map_err(|e| format!("GET /admin/v1/policies: {e}"))?;
+        let map = v.as_object().ok_or("GET /admin/v1/policies: not an object")?;
+        Ok(map.keys().filter_map(|k| k.parse().ok()).collect())
+    }
+
+    /// Policies the agent pushed and the gateway acknowledged.
+    fn acknowledged(&self) -> u64 {
+        self.lock().values().filter(|e| e.desired.is_some() && !e.dirty).count() as u64
+    }
+
+    /// The background loop: health poll, full sync when the gateway (re)appears, retries of
     /// dirty IPs with backoff. Ends when the agent is dropped.
     pub async fn run(self: Arc<Self>, agent: Weak<Agent>) {
-        let mut up = false;
         let mut backoff = Duration::from_millis(200);
         loop {
             let Some(a) = agent.upgrade() else { return };
-            let now_up = self.healthy().await;
-            if now_up && !up {
-                tracing::info!(gateway = %self.authority, "cube-egress reachable: full policy resync");
-                self.resync(a.egress_policies());
+            let was_up = self.up.load(Ordering::Acquire);
+            let mut up = false;
+            if let Some(count) = self.health().await {
+                let lost = count < self.acknowledged();
+                if !was_up || lost {
+                    match self.gateway_addresses().await {
+                        Ok(held) => {
+                            let n = self.mark_full_sync(&a, &held);
+                            tracing::info!(gateway = %self.authority, sandboxes = n, gateway_held = held.len(), lost, "cube-egress reachable: full policy sync");
+                            up = true;
+                        }
+                        Err(e) => tracing::warn!(gateway = %self.authority, "cube-egress full sync: {e}"),
+                    }
+                } else {
+                    up = true;
+                }
             }
-            if up && !now_up {
+            if was_up && !up {
                 tracing::warn!(gateway = %self.authority, "cube-egress unreachable");
             }
-            up = now_up;
             drop(a);
             let mut failed = false;
             if up {
@@ -228,7 +303,12 @@ impl EgressSync {
                     failed |= matches!(r, Push::Transient(_));
                     self.complete(ip, generation, r);
                 }
+                if !failed {
+                    self.synced.store(true, Ordering::Release);
+                }
             }
+            // Published after the sync's pushes: a caller that sees `up` pushes on top of them.
+            self.up.store(up, Ordering::Release);
             let pause = if failed || (!up && self.lock().values().any(|e| e.dirty)) {
                 let p = backoff;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -239,7 +319,7 @@ impl EgressSync {
             };
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
-                _ = self.wake.notified(), if !failed => {}
+                _ = self.wake.notified(), if up && !failed => {}
             }
         }
     }
