@@ -470,7 +470,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     a.kill(nix::sys::signal::Signal::SIGTERM);
     start_agent(&mut a);
     wait_for("stale policy deleted", Duration::from_secs(10), || gateway_policy(&a.ns, "192.168.0.200").is_none());
-    assert_eq!(gateway_ips(&a.ns), [ip1.clone()]);
+    assert_eq!(gateway_ips(&a.ns), std::slice::from_ref(&ip1));
 
     // 6. Gateway down: Release and a new Ensure; a fresh gateway gets exactly the live set.
     gw.stop(&a.ns);
