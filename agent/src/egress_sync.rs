@@ -39,7 +39,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, body::Bytes};
 use hyper_util::rt::TokioIo;
 
-use crate::agent::Agent;
+use crate::{agent::Agent, metrics::Metrics};
 
 /// Parses the admin base URL: `http://host:port` (no path, query or TLS). Returns the
 /// `host:port` authority.
@@ -90,6 +90,7 @@ pub struct EgressSync {
     synced: AtomicBool,
     wake: tokio::sync::Notify,
     rt: tokio::runtime::Handle,
+    metrics: Metrics,
 }
 
 /// The gateway body of a sandbox: `{policy_id: "<ip>", rules}` (upstream's Cubelet sets
@@ -99,8 +100,14 @@ pub fn policy_spec(ip: Ipv4Addr, rules: &[egress_policy::RuleSpec]) -> Option<Po
 }
 
 impl EgressSync {
-    /// A client of `admin_url` (validated by [`parse_admin_url`]); `rt` runs the pushes.
-    pub fn new(admin_url: &str, timeout: Duration, rt: tokio::runtime::Handle) -> Result<Arc<Self>, String> {
+    /// A client of `admin_url` (validated by [`parse_admin_url`]); `rt` runs the pushes;
+    /// `metrics` gets `cubenet_egress_{push_total,pending,up}`.
+    pub fn new(
+        admin_url: &str,
+        timeout: Duration,
+        rt: tokio::runtime::Handle,
+        metrics: Metrics,
+    ) -> Result<Arc<Self>, String> {
         Ok(Arc::new(Self {
             authority: parse_admin_url(admin_url)?,
             timeout,
@@ -109,6 +116,7 @@ impl EgressSync {
             synced: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
             rt,
+            metrics,
         }))
     }
 
@@ -170,6 +178,12 @@ impl EgressSync {
     }
 
     fn complete(&self, ip: Ipv4Addr, generation: u64, r: Push) {
+        let result = match &r {
+            Push::Done => "ok",
+            Push::Transient(_) => "retry",
+            Push::Permanent(_) => "refused",
+        };
+        self.metrics.egress_push.with_label_values(&[result]).inc();
         let mut m = self.lock();
         let Some(e) = m.get_mut(&ip) else { return };
         if e.generation != generation {
@@ -309,6 +323,8 @@ impl EgressSync {
             }
             // Published after the sync's pushes: a caller that sees `up` pushes on top of them.
             self.up.store(up, Ordering::Release);
+            self.metrics.egress_up.set(i64::from(up));
+            self.metrics.egress_pending.set(self.pending() as i64);
             let pause = if failed || (!up && self.lock().values().any(|e| e.dirty)) {
                 let p = backoff;
                 backoff = (backoff * 2).min(Duration::from_secs(5));

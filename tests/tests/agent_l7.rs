@@ -430,6 +430,11 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     let r1 = ensure(&a, "sb-1", Some(l7_ctx(vec![inject_rule("api", "api.example.com", SECRET)]))).expect("ensure");
     assert!(t.elapsed() < Duration::from_millis(900), "Ensure waited for a gateway that is down: {:?}", t.elapsed());
     let ip1 = sandbox_ip(&r1);
+    let metrics = |a: &AgentUnderTest| a.http("/metrics").unwrap().1;
+    wait_for("pending push in /metrics", Duration::from_secs(5), || {
+        let m = metrics(&a);
+        m.contains("cubenet_egress_pending 1") && m.contains("cubenet_egress_up 0")
+    });
     let gw = Gateway::start(&a.ns, &tmp.0, "");
     let t = Instant::now();
     wait_for("sb-1's rules on the gateway", Duration::from_secs(10), || gateway_policy(&a.ns, &ip1).is_some());
@@ -439,6 +444,12 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     assert_eq!(rule_ids(&p), ["api"]);
     assert_eq!(p["rules"][0]["match"], json!({"host": "api.example.com", "path": "/v1/*"}));
     assert_eq!(p["rules"][0]["action"]["inject"][0]["header"], "Authorization");
+    wait_for("push done in /metrics", Duration::from_secs(5), || {
+        let m = metrics(&a);
+        m.contains("cubenet_egress_pending 0")
+            && m.contains("cubenet_egress_up 1")
+            && m.contains("cubenet_egress_push_total{result=\"ok\"}")
+    });
 
     // 2. Gateway up: Reconcile's new rules are there when it returns.
     let ctx2 = l7_ctx(vec![inject_rule("api-v2", "api.example.com", SECRET2), {
