@@ -75,6 +75,9 @@ struct Entry {
     /// `Some` = PUT this, `None` = DELETE.
     desired: Option<PolicySpec>,
     dirty: bool,
+    /// A request for this address is on the wire: nobody else sends one (requests for one
+    /// address are strictly sequential, so the gateway applies them in generation order).
+    in_flight: bool,
 }
 
 /// The push client and its pending work.
@@ -133,7 +136,7 @@ impl EgressSync {
     /// makes one attempt now. Blocks up to the push timeout; call from a blocking thread,
     /// never a tokio worker. Failures are left to the background loop.
     pub fn set_blocking(&self, ip: Ipv4Addr, desired: Option<PolicySpec>) {
-        let generation = {
+        {
             let mut m = self.lock();
             if desired.is_none() && !m.contains_key(&ip) && self.synced.load(Ordering::Acquire) {
                 // Never pushed and the gateway was cleaned by a full sync: nothing to delete.
@@ -141,17 +144,29 @@ impl EgressSync {
             }
             let e = m.entry(ip).or_default();
             e.generation += 1;
-            e.desired = desired.clone();
+            e.desired = desired;
             e.dirty = true;
-            e.generation
-        };
+        }
         if !self.up.load(Ordering::Acquire) {
             // Down (or not contacted yet): the loop sends it on the gateway's return.
             self.wake.notify_one();
             return;
         }
-        let r = self.rt.block_on(self.push(ip, desired.as_ref()));
-        self.complete(ip, generation, r);
+        // Another request for this address in flight: its completion sees the new
+        // generation and the loop sends this one.
+        if let Some((generation, desired)) = self.begin(ip) {
+            let r = self.rt.block_on(self.push(ip, desired.as_ref()));
+            self.complete(ip, generation, r);
+        }
+    }
+
+    /// Claims `ip` for one request: its generation and wanted state, unless it is clean or
+    /// already in flight.
+    fn begin(&self, ip: Ipv4Addr) -> Option<(u64, Option<PolicySpec>)> {
+        let mut m = self.lock();
+        let e = m.get_mut(&ip).filter(|e| e.dirty && !e.in_flight)?;
+        e.in_flight = true;
+        Some((e.generation, e.desired.clone()))
     }
 
     /// Full sync: every sandbox of the agent with rules is marked for a PUT, every address
@@ -186,6 +201,7 @@ impl EgressSync {
         self.metrics.egress_push.with_label_values(&[result]).inc();
         let mut m = self.lock();
         let Some(e) = m.get_mut(&ip) else { return };
+        e.in_flight = false;
         if e.generation != generation {
             // Changed meanwhile: the current state still has to go out.
             self.wake.notify_one();
@@ -272,6 +288,19 @@ impl EgressSync {
         Ok(map.keys().filter_map(|k| k.parse().ok()).collect())
     }
 
+    /// One request per dirty address not already in flight; true when one failed transiently.
+    async fn push_dirty(&self) -> bool {
+        let mut failed = false;
+        let work: Vec<Ipv4Addr> = self.lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
+        for ip in work {
+            let Some((generation, desired)) = self.begin(ip) else { continue };
+            let r = self.push(ip, desired.as_ref()).await;
+            failed |= matches!(r, Push::Transient(_));
+            self.complete(ip, generation, r);
+        }
+        failed
+    }
+
     /// Policies the agent pushed and the gateway acknowledged.
     fn acknowledged(&self) -> u64 {
         self.lock().values().filter(|e| e.desired.is_some() && !e.dirty).count() as u64
@@ -306,17 +335,7 @@ impl EgressSync {
             drop(a);
             let mut failed = false;
             if up {
-                let work: Vec<(Ipv4Addr, u64, Option<PolicySpec>)> = self
-                    .lock()
-                    .iter()
-                    .filter(|(_, e)| e.dirty)
-                    .map(|(ip, e)| (*ip, e.generation, e.desired.clone()))
-                    .collect();
-                for (ip, generation, desired) in work {
-                    let r = self.push(ip, desired.as_ref()).await;
-                    failed |= matches!(r, Push::Transient(_));
-                    self.complete(ip, generation, r);
-                }
+                failed = self.push_dirty().await;
                 if !failed {
                     self.synced.store(true, Ordering::Release);
                 }
@@ -344,6 +363,85 @@ impl EgressSync {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::convert::Infallible;
+
+    /// A fake admin API: applies PUT/DELETE to a map when the handler finishes; a PUT whose
+    /// body contains `slow` takes 400 ms first.
+    async fn fake_gateway() -> (String, Arc<Mutex<Vec<(String, String)>>>) {
+        let applied: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let log = applied.clone();
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                        let log = log.clone();
+                        async move {
+                            let m = req.method().to_string();
+                            let body = req.into_body().collect().await.unwrap().to_bytes();
+                            let b = String::from_utf8_lossy(&body).into_owned();
+                            if b.contains("slow") {
+                                tokio::time::sleep(Duration::from_millis(400)).await;
+                            }
+                            log.lock().unwrap().push((m, b));
+                            Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(b"{}"))))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
+                });
+            }
+        });
+        (url, applied)
+    }
+
+    fn spec(id: &str) -> PolicySpec {
+        serde_json::from_value(serde_json::json!({"policy_id": "p", "rules": [{"id": id, "action": {"allow": true}}]}))
+            .unwrap()
+    }
+
+    /// A change made while a request for the same address is on the wire is sent after it,
+    /// never beside it: the gateway ends with the newest state (here: deleted), even though
+    /// the older request is the slower one.
+    #[test]
+    fn requests_for_one_address_are_sequential() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        sync.up.store(true, Ordering::Release);
+        let ip: Ipv4Addr = "192.168.0.2".parse().unwrap();
+        let s2 = sync.clone();
+        let slow = std::thread::spawn(move || s2.set_blocking(ip, Some(spec("slow"))));
+        std::thread::sleep(Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        sync.set_blocking(ip, None);
+        assert!(t.elapsed() < Duration::from_millis(200), "waited for the request in flight");
+        slow.join().unwrap();
+        assert_eq!(sync.pending(), 1, "the delete is still owed");
+        assert!(!rt.block_on(sync.push_dirty()));
+        let log = applied.lock().unwrap().clone();
+        let methods: Vec<&str> = log.iter().map(|(m, _)| m.as_str()).collect();
+        assert_eq!(methods, ["PUT", "DELETE"], "{log:?}");
+        assert_eq!(sync.pending(), 0);
+        assert!(sync.lock().is_empty(), "a completed delete forgets the address");
+    }
+
+    /// Without a full sync yet, a delete for an unknown address is still sent (the gateway
+    /// may hold one from before a restart); after it, it is skipped.
+    #[test]
+    fn deletes_are_skipped_only_after_a_full_sync() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        sync.up.store(true, Ordering::Release);
+        sync.set_blocking("192.168.0.3".parse().unwrap(), None);
+        sync.synced.store(true, Ordering::Release);
+        sync.set_blocking("192.168.0.4".parse().unwrap(), None);
+        assert_eq!(applied.lock().unwrap().len(), 1);
+        assert_eq!(sync.metrics.egress_push.with_label_values(&["ok"]).get(), 1);
+    }
 
     #[test]
     fn admin_url_is_strict() {
