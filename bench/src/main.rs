@@ -4,6 +4,7 @@
 
 mod agent;
 mod agent_sessions;
+mod gateway_swap;
 mod per_packet;
 mod report;
 mod scale;
@@ -18,7 +19,8 @@ use clap::Parser;
 struct Cli {
     /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
-    /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes).
+    /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
+    /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -66,6 +68,7 @@ fn main() -> anyhow::Result<()> {
                 let n = std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
                 rows.extend(agent_sessions::run(100, n))
             }
+            "gateway-swap" => rows.extend(gateway_swap::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
