@@ -58,6 +58,18 @@ pub fn parse_admin_url(url: &str) -> Result<String, String> {
     Ok(auth.as_str().to_string())
 }
 
+/// `text` (a gateway error, logged) with every secret of `spec` replaced by `***`: the
+/// gateway's errors name fields, but a parser's message may quote a value.
+fn scrub(text: &str, spec: Option<&PolicySpec>) -> String {
+    let mut out = text.to_string();
+    for r in spec.map(|s| s.rules.as_slice()).unwrap_or_default() {
+        for i in r.action.inject.iter().flatten().filter(|i| !i.secret.is_empty()) {
+            out = out.replace(&i.secret, "***");
+        }
+    }
+    out
+}
+
 /// Outcome of one push.
 #[derive(Debug, PartialEq, Eq)]
 enum Push {
@@ -262,7 +274,8 @@ impl EgressSync {
             // Deleting what is not there is done.
             Ok((404, _)) if method == Method::DELETE => Push::Done,
             Ok((s, b)) if (400..500).contains(&s) => {
-                Push::Permanent(format!("{method} {path}: {s} {}", String::from_utf8_lossy(&b).trim()))
+                let text = scrub(String::from_utf8_lossy(&b).trim(), desired);
+                Push::Permanent(format!("{method} {path}: {s} {text}"))
             }
             Ok((s, _)) => Push::Transient(format!("{method} {path}: {s}")),
             Err(e) => Push::Transient(format!("{method} {path}: {e}")),
@@ -426,6 +439,16 @@ mod tests {
         assert_eq!(methods, ["PUT", "DELETE"], "{log:?}");
         assert_eq!(sync.pending(), 0);
         assert!(sync.lock().is_empty(), "a completed delete forgets the address");
+    }
+
+    #[test]
+    fn gateway_errors_are_scrubbed_of_secrets() {
+        let spec: PolicySpec = serde_json::from_value(serde_json::json!({"policy_id": "p", "rules": [{"id": "r",
+            "action": {"allow": true, "inject": [{"header": "X-K", "secret": "hunter2-secret"}]}}]}))
+        .unwrap();
+        let t = scrub(r#"{"error":"rules[0]: invalid value \"hunter2-secret\""}"#, Some(&spec));
+        assert!(!t.contains("hunter2") && t.contains("rules[0]"), "{t}");
+        assert_eq!(scrub("plain", None), "plain");
     }
 
     /// Without a full sync yet, a delete for an unknown address is still sent (the gateway
