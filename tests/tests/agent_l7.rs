@@ -499,7 +499,14 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     assert_eq!(admin(&a.ns, "DELETE", &format!("/admin/v1/policies/{ip3}"), "").0, 200);
     wait_for("lost policy re-sent", Duration::from_secs(10), || gateway_policy(&a.ns, &ip3).is_some());
 
-    // 8. Release with the gateway up: gone when Release returns.
+    // 8. Ensure with the gateway up: the rules are there when Ensure returns.
+    let r4 = ensure(&a, "sb-4", Some(l7_ctx(vec![inject_rule("four", "four.example.com", SECRET)]))).unwrap();
+    let ip4 = sandbox_ip(&r4);
+    assert_eq!(rule_ids(&gateway_policy(&a.ns, &ip4).expect("pushed before Ensure returned")), ["four"]);
+    release(&a, "sb-4");
+    assert_eq!(gateway_policy(&a.ns, &ip4), None);
+
+    // 9. Release with the gateway up: gone when Release returns.
     let dump = a.http("/v1/policies/dump").unwrap().1;
     assert!(dump.contains(SECRET), "the loopback dump carries the secret for the gateway");
     release(&a, "sb-3");
