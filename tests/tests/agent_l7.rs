@@ -416,7 +416,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     let tmp = tmpdir("push");
     // Default cube_egress_admin_url (http://127.0.0.1:9091, the gateway's default admin
     // address); debug logging so that every log line the push path has is checked.
-    let mut a = AgentUnderTest::prepare("l7-push", 3, "cube_egress_push_timeout_ms = 1000\n");
+    let mut a = AgentUnderTest::prepare("l7-push", 3, "cube_egress_push_timeout_ms = 5000\n");
     let start_agent = |a: &mut AgentUnderTest| {
         let mut cmd = a.script_command();
         cmd.env("RUST_LOG", "debug");
@@ -425,16 +425,20 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     };
     start_agent(&mut a);
 
-    // 1. Gateway down: Ensure succeeds at once; the rules arrive when the gateway starts.
+    // 1. Gateway down — a black hole on its address (connections are queued, never
+    //    answered), so a push would wait the whole 5 s timeout: Ensure does not wait; the
+    //    rules arrive when the gateway starts.
+    let hole = a.ns.run(|| std::net::TcpListener::bind(ADMIN)).expect("black hole on the admin address");
     let t = Instant::now();
     let r1 = ensure(&a, "sb-1", Some(l7_ctx(vec![inject_rule("api", "api.example.com", SECRET)]))).expect("ensure");
-    assert!(t.elapsed() < Duration::from_millis(900), "Ensure waited for a gateway that is down: {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(4), "Ensure waited for a gateway that is down: {:?}", t.elapsed());
     let ip1 = sandbox_ip(&r1);
     let metrics = |a: &AgentUnderTest| a.http("/metrics").unwrap().1;
-    wait_for("pending push in /metrics", Duration::from_secs(5), || {
+    wait_for("pending push in /metrics", Duration::from_secs(15), || {
         let m = metrics(&a);
         m.contains("cubenet_egress_pending 1") && m.contains("cubenet_egress_up 0")
     });
+    drop(hole);
     let gw = Gateway::start(&a.ns, &tmp.0, "");
     let t = Instant::now();
     wait_for("sb-1's rules on the gateway", Duration::from_secs(10), || gateway_policy(&a.ns, &ip1).is_some());
