@@ -13,8 +13,9 @@
 //!   validates rules with the gateway's own validator (`egress_policy`) first, so this only
 //!   happens across versions (decision L3: it does not fail Ensure).
 //! - The loop polls `GET /admin/v1/health` every second. When the gateway comes back (first
-//!   contact, after being unreachable, or reporting fewer policies than the agent has pushed:
-//!   a restart between two polls) it runs a full sync: every live sandbox with rules is
+//!   contact, after being unreachable) or its `policy_count` cannot match what the agent knows
+//!   (fewer than acknowledged: a restart between two polls; more than acknowledged plus owed:
+//!   a policy the agent does not want) it runs a full sync: every live sandbox with rules is
 //!   re-sent, and every policy the gateway holds for an address without one (left by a
 //!   sandbox released while the agent was down) is deleted, so a reused address never
 //!   inherits another sandbox's rules or credentials.
@@ -87,6 +88,8 @@ struct Entry {
     /// `Some` = PUT this, `None` = DELETE.
     desired: Option<PolicySpec>,
     dirty: bool,
+    /// The gateway acknowledged the current `Some` state (a 2xx for this generation).
+    acked: bool,
     /// A request for this address is on the wire: nobody else sends one (requests for one
     /// address are strictly sequential, so the gateway applies them in generation order).
     in_flight: bool,
@@ -158,6 +161,7 @@ impl EgressSync {
             e.generation += 1;
             e.desired = desired;
             e.dirty = true;
+            e.acked = false;
         }
         if !self.up.load(Ordering::Acquire) {
             // Down (or not contacted yet): the loop sends it on the gateway's return.
@@ -194,12 +198,14 @@ impl EgressSync {
             e.generation += 1;
             e.desired = None;
             e.dirty = true;
+            e.acked = false;
         }
         for (ip, spec) in want {
             let e = m.entry(ip).or_default();
             e.generation += 1;
             e.desired = Some(spec);
             e.dirty = true;
+            e.acked = false;
         }
         n
     }
@@ -222,6 +228,7 @@ impl EgressSync {
         match r {
             Push::Done => {
                 e.dirty = false;
+                e.acked = e.desired.is_some();
                 if e.desired.is_none() {
                     m.remove(&ip);
                 }
@@ -314,9 +321,15 @@ impl EgressSync {
         failed
     }
 
-    /// Policies the agent pushed and the gateway acknowledged.
-    fn acknowledged(&self) -> u64 {
-        self.lock().values().filter(|e| e.desired.is_some() && !e.dirty).count() as u64
+    /// Whether the gateway's `policy_count` proves its contents differ from what the agent
+    /// knows: fewer than acknowledged (it lost some: a restart between two polls), or more
+    /// than acknowledged plus every address with a request owed (it holds one the agent does
+    /// not want: e.g. a PUT that timed out here and was applied after a newer DELETE).
+    fn count_mismatch(&self, count: u64) -> bool {
+        let m = self.lock();
+        let acked = m.values().filter(|e| e.acked).count() as u64;
+        let owed = m.values().filter(|e| e.dirty).count() as u64;
+        count < acked || count > acked + owed
     }
 
     /// The background loop: health poll, full sync when the gateway (re)appears, retries of
@@ -328,12 +341,12 @@ impl EgressSync {
             let was_up = self.up.load(Ordering::Acquire);
             let mut up = false;
             if let Some(count) = self.health().await {
-                let lost = count < self.acknowledged();
-                if !was_up || lost {
+                let mismatch = self.count_mismatch(count);
+                if !was_up || mismatch {
                     match self.gateway_addresses().await {
                         Ok(held) => {
                             let n = self.mark_full_sync(&a, &held);
-                            tracing::info!(gateway = %self.authority, sandboxes = n, gateway_held = held.len(), lost, "cube-egress reachable: full policy sync");
+                            tracing::info!(gateway = %self.authority, sandboxes = n, gateway_held = held.len(), mismatch, "cube-egress reachable: full policy sync");
                             up = true;
                         }
                         Err(e) => tracing::warn!(gateway = %self.authority, "cube-egress full sync: {e}"),
@@ -378,8 +391,8 @@ mod tests {
     use super::*;
     use std::convert::Infallible;
 
-    /// A fake admin API: applies PUT/DELETE to a map when the handler finishes; a PUT whose
-    /// body contains `slow` takes 400 ms first.
+    /// A fake admin API: records each PUT/DELETE when its handler finishes; a PUT whose body
+    /// contains `slow` takes 400 ms first, one containing `refuse` gets a 400 (not recorded).
     async fn fake_gateway() -> (String, Arc<Mutex<Vec<(String, String)>>>) {
         let applied: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -398,6 +411,11 @@ mod tests {
                             let b = String::from_utf8_lossy(&body).into_owned();
                             if b.contains("slow") {
                                 tokio::time::sleep(Duration::from_millis(400)).await;
+                            }
+                            if b.contains("refuse") {
+                                let mut r = hyper::Response::new(Full::new(Bytes::from_static(b"{\"error\":\"x\"}")));
+                                *r.status_mut() = hyper::StatusCode::BAD_REQUEST;
+                                return Ok::<_, Infallible>(r);
                             }
                             log.lock().unwrap().push((m, b));
                             Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(b"{}"))))
@@ -449,6 +467,29 @@ mod tests {
         let t = scrub(r#"{"error":"rules[0]: invalid value \"hunter2-secret\""}"#, Some(&spec));
         assert!(!t.contains("hunter2") && t.contains("rules[0]"), "{t}");
         assert_eq!(scrub("plain", None), "plain");
+    }
+
+    /// A refused policy is not retried and does not count as held by the gateway (no full
+    /// sync every poll); the counts that do prove a difference are recognised.
+    #[test]
+    fn refused_is_final_and_counts_are_exact() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        sync.up.store(true, Ordering::Release);
+        sync.set_blocking("192.168.0.5".parse().unwrap(), Some(spec("refuse")));
+        assert_eq!(sync.metrics.egress_push.with_label_values(&["refused"]).get(), 1);
+        assert_eq!(sync.pending(), 0, "not retried");
+        assert!(!sync.count_mismatch(0));
+        sync.set_blocking("192.168.0.6".parse().unwrap(), Some(spec("ok")));
+        assert_eq!(applied.lock().unwrap().len(), 1);
+        assert!(!sync.count_mismatch(1));
+        assert!(sync.count_mismatch(0), "the gateway lost one");
+        assert!(sync.count_mismatch(2), "the gateway holds one the agent does not want");
+        sync.up.store(false, Ordering::Release);
+        sync.set_blocking("192.168.0.7".parse().unwrap(), Some(spec("owed")));
+        assert!(!sync.count_mismatch(2), "an owed push may already have landed");
+        assert!(sync.count_mismatch(3));
     }
 
     /// Without a full sync yet, a delete for an unknown address is still sent (the gateway

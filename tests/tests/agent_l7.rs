@@ -499,9 +499,13 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     assert_eq!(rule_ids(&gateway_policy(&a.ns, &ip3).unwrap()), ["three"]);
 
     // 7. A restart between two health polls (the gateway lost its policies): the agent
-    //    notices the count and re-sends.
+    //    notices the count and re-sends ...
     assert_eq!(admin(&a.ns, "DELETE", &format!("/admin/v1/policies/{ip3}"), "").0, 200);
     wait_for("lost policy re-sent", Duration::from_secs(10), || gateway_policy(&a.ns, &ip3).is_some());
+    // ... and a policy put there behind its back (an address without a sandbox) is removed.
+    assert_eq!(admin(&a.ns, "PUT", "/admin/v1/policies/192.168.0.201", &stray).0, 200);
+    wait_for("foreign policy deleted", Duration::from_secs(10), || gateway_policy(&a.ns, "192.168.0.201").is_none());
+    assert_eq!(gateway_ips(&a.ns), std::slice::from_ref(&ip3));
 
     // 8. Ensure with the gateway up: the rules are there when Ensure returns.
     let r4 = ensure(&a, "sb-4", Some(l7_ctx(vec![inject_rule("four", "four.example.com", SECRET)]))).unwrap();
