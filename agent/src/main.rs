@@ -274,6 +274,22 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     // Every accept loop can be stopped for a hand-over (listeners.rs).
     let acceptors = Acceptors::default();
     let mut health_task = tokio::spawn(until_stopped(acceptors.token(), http::serve(health, agent.clone())));
+    // CubeEgress push client (egress_sync.rs): before gRPC serves, so no Ensure skips it.
+    // Its loop stops when this agent hands over: a stale full sync must not undo the
+    // successor's pushes (the successor starts with a full sync of its own).
+    let mut egress_loop = None;
+    if !raw.cube_egress_admin_url.is_empty() {
+        let timeout = std::time::Duration::from_millis(raw.cube_egress_push_timeout_ms);
+        let sync = network_agent::egress_sync::EgressSync::new(
+            &raw.cube_egress_admin_url,
+            timeout,
+            tokio::runtime::Handle::current(),
+            agent.metrics.clone(),
+        )
+        .map_err(anyhow::Error::msg)?;
+        agent.set_egress_sync(sync.clone());
+        egress_loop = Some(tokio::spawn(sync.run(Arc::downgrade(&agent))));
+    }
 
     // grpc.health.v1 ("" and the NetworkAgent service) follows readiness: SERVING only while
     // an Ensure can succeed now (`Agent::readiness`, also `/readyz`).
@@ -352,7 +368,15 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             Ok(tokio::net::UnixListener::from_std(l)?)
         })?;
         let (a, g, fds, ep) = (agent.clone(), gate.clone(), Arc::new(for_handover), raw.grpc_listen.clone());
-        let stop: handover::StopAccepting = Box::new(move || Box::pin(acceptors.stop()));
+        let stop: handover::StopAccepting = Box::new(move || {
+            Box::pin(async move {
+                acceptors.stop().await;
+                if let Some(t) = egress_loop {
+                    t.abort();
+                    let _ = t.await;
+                }
+            })
+        });
         tokio::spawn(async move {
             handover::serve(l, a, g, fds, ep, stop).await;
             let _ = handed_tx.send(());
