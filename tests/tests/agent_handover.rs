@@ -15,7 +15,8 @@
 //! 4. Crash path: after `kill -9` there is nothing to hand over; the restarted agent answers
 //!    `-1` for a TAP a VMM holds (documented) and `0` for one nobody holds.
 //! 5. `after_handover = "wait"`: the old agent stays, holding no TAP fd and no listener, until
-//!    SIGTERM (for supervisors that restart an exited process).
+//!    SIGTERM (for supervisors that restart an exited process); SIGTERM while an offer is out
+//!    leaves the socket files; the old agent never pushes to CubeEgress after the hand-over.
 
 use std::{
     io::{Read, Write},
@@ -703,4 +704,173 @@ fn sigterm_during_a_handover_leaves_the_sockets_to_the_successor() {
     assert!(a.tap_socket().exists(), "tap_fd_listen removed during a hand-over");
     assert!(a.dir.join("cube/grpc.sock").exists(), "grpc_listen removed during a hand-over");
     drop(fds);
+}
+
+/// A stand-in for the CubeEgress admin API on the agent namespace's 127.0.0.1:9091 (the
+/// agent's default `cube_egress_admin_url`): keeps what is PUT, records every DELETE, and
+/// reports `policy_count` = held + `inflate` (a count the agents cannot explain makes them
+/// run a full sync, which deletes every address they do not know).
+struct FakeGateway {
+    held: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    deleted: Arc<std::sync::Mutex<Vec<String>>>,
+    inflate: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FakeGateway {
+    fn start(ns: &TestNetns) -> Self {
+        let l = ns.run(|| TcpListener::bind("127.0.0.1:9091").expect("bind 127.0.0.1:9091 in the agent netns"));
+        l.set_nonblocking(true).unwrap();
+        let held: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>> = Arc::default();
+        let deleted: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let (inflate, stop) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let (h, d, i, s) = (held.clone(), deleted.clone(), inflate.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let Ok((c, _)) = l.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                Self::answer(c, &h, &d, &i);
+            }
+        });
+        Self { held, deleted, inflate, stop, thread: Some(thread) }
+    }
+
+    fn answer(
+        mut c: TcpStream,
+        held: &std::sync::Mutex<std::collections::BTreeSet<String>>,
+        deleted: &std::sync::Mutex<Vec<String>>,
+        inflate: &AtomicUsize,
+    ) {
+        c.set_nonblocking(false).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let (head_len, body_len) = loop {
+            let Ok(n) = c.read(&mut chunk) else { return };
+            if n == 0 {
+                return;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..p]).to_ascii_lowercase();
+                let len = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:").and_then(|v| v.trim().parse::<usize>().ok()))
+                    .unwrap_or(0);
+                break (p + 4, len);
+            }
+        };
+        while buf.len() < head_len + body_len {
+            let Ok(n) = c.read(&mut chunk) else { return };
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let head = String::from_utf8_lossy(&buf[..head_len]).to_string();
+        let mut first = head.lines().next().unwrap_or_default().split_whitespace();
+        let (method, path) = (first.next().unwrap_or_default(), first.next().unwrap_or_default());
+        let body = match (method, path) {
+            ("GET", "/admin/v1/health") => {
+                let n = held.lock().unwrap().len() + inflate.load(Ordering::Relaxed);
+                format!(r#"{{"status":"ok","policy_count":{n}}}"#)
+            }
+            ("GET", "/admin/v1/policies") => {
+                let m: serde_json::Map<String, serde_json::Value> =
+                    held.lock().unwrap().iter().map(|ip| (ip.clone(), serde_json::json!({}))).collect();
+                serde_json::Value::Object(m).to_string()
+            }
+            ("PUT", p) if p.starts_with("/admin/v1/policies/") => {
+                held.lock().unwrap().insert(p["/admin/v1/policies/".len()..].to_string());
+                "{}".into()
+            }
+            ("DELETE", p) if p.starts_with("/admin/v1/policies/") => {
+                let ip = p["/admin/v1/policies/".len()..].to_string();
+                held.lock().unwrap().remove(&ip);
+                deleted.lock().unwrap().push(ip);
+                "{}".into()
+            }
+            _ => "{}".into(),
+        };
+        let _ = write!(
+            c,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+}
+
+impl Drop for FakeGateway {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[test]
+fn the_old_agent_never_pushes_to_cube_egress_after_the_handover() {
+    if !require_root("the_old_agent_never_pushes_to_cube_egress_after_the_handover") {
+        return;
+    }
+    // `wait`: the old agent stays alive, so a push loop it kept would have all the time it needs.
+    let mut a = AgentUnderTest::prepare("ho-egress", 2, "after_handover = \"wait\"\n");
+    let gw = FakeGateway::start(&a.ns);
+    start(&mut a);
+    let mut old = agent_upgrade::hand_over(&mut a).unwrap_or_else(|e| panic!("{e}:\n{}", a.log()));
+    wait_until("old agent idle", Duration::from_secs(30), || a.log().contains("idle until SIGTERM/SIGINT"));
+    // A sandbox with L7 rules exists only in the successor.
+    let rule = pb::EgressRule {
+        id: "inject".into(),
+        r#match: Some(pb::EgressMatch {
+            host: Some("api.example.com".into()),
+            path: Some("/v1/*".into()),
+            ..Default::default()
+        }),
+        action: Some(pb::EgressAction {
+            allow: true,
+            audit: Some("metadata".into()),
+            inject: vec![pb::EgressInject {
+                header: "Authorization".into(),
+                secret: "s3cr3t-value".into(),
+                format: Some("Bearer ${SECRET}".into()),
+            }],
+            inject_plain_http: false,
+        }),
+    };
+    let r = rt().block_on(async {
+        client(&a)
+            .await
+            .ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: "sb-l7".into(),
+                cubevs_context: Some(pb::CubeVsContext {
+                    allow_internet_access: Some(true),
+                    allow_fqdn: vec![pb::FqdnAllow { name: "*.example.com".into(), ports: vec![443] }],
+                    rules: vec![rule],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect("ensure with L7 rules")
+            .into_inner()
+    });
+    let ip = r.persist_metadata["sandbox_ip"].clone();
+    wait_until("the successor's PUT", Duration::from_secs(10), || gw.held.lock().unwrap().contains(&ip));
+    // A policy_count nobody can explain: every live push loop runs a full sync now. The
+    // successor's keeps sb-l7's policy; the old agent's (which never saw sb-l7) would delete it.
+    gw.inflate.store(5, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_secs(3));
+    let deleted = gw.deleted.lock().unwrap().clone();
+    assert!(!deleted.contains(&ip), "a stale full sync deleted the successor's policy: {deleted:?}\n{}", a.log());
+    assert!(gw.held.lock().unwrap().contains(&ip));
+    assert!(old.child().try_wait().unwrap().is_none(), "the old agent must still be waiting");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(wait_exit(&mut old, Duration::from_secs(10), || a.log()).success());
+    release(&a, "sb-l7");
+    wait_until("the successor's DELETE", Duration::from_secs(10), || gw.deleted.lock().unwrap().contains(&ip));
 }
