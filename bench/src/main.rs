@@ -7,6 +7,7 @@ mod per_packet;
 mod report;
 mod scale;
 mod throughput;
+mod upgrade;
 
 use std::path::PathBuf;
 
@@ -15,7 +16,7 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-scale (default: the first
+    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-scale, upgrade (default: the first
     /// four; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes).
     names: Vec<String>,
     /// Write the results as JSON here.
@@ -59,6 +60,7 @@ fn main() -> anyhow::Result<()> {
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
+            "upgrade" => rows.extend(upgrade::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
@@ -94,7 +96,11 @@ path in a fresh topology, 3 rounds.\n\
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \
 warm pool = tap_init_num above the concurrency, empty pool = tap_init_num 0 (every Ensure creates its TAP).\n\
 - egress (`cargo xtask bench egress`, not in this table): cube-egress vs mitmproxy with the same client, upstream \
-and CA; it prints its own table (see the CubeEgress section of the README).\n\n\
+and CA; it prints its own table (see the CubeEgress section of the README).\n\
+- upgrade: `datapath switch` / `datapath rollback` (tcx link program replacement) while a veth guest runs a long TCP \
+stream, ~1,000 new connections/s (connect, 1-byte echo, close) and a 1 ms ping to a world namespace; resets = \
+ECONNRESET/EPIPE seen by guest or world, max gap = longest interval without a ping reply or stream bytes within \
++-0.5 s of the operation (the 1 ms ping interval is the floor).\n\n\
 ## Targets and misses (causes)\n\n\
 - established egress <= 150 ns/pkt: missed. About 240 ns is `bpf_fib_lookup` (the next hop must come from the \
 kernel FIB, never a configured gateway MAC), the rest is two hash lookups (sandbox metadata, session), array lookups and two \
