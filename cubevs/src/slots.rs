@@ -201,13 +201,27 @@ pub(crate) fn replace_on_link(path: &Path, prog: &mut SchedClassifier) -> Result
             drop(prog.take_link(id));
             Ok(true)
         }
-        Err(e) if format!("{e:?}").contains("os error 67") || format!("{e:?}").contains("code: 67") => {
+        Err(e) if has_errno(&e, libc::ENOLINK) => {
             // ENOLINK: the interface is gone (link defunct). Drop the stale pin.
             let _ = std::fs::remove_file(path);
             Ok(true)
         }
         Err(e) => Err(prog_err(format!("replace program on {}", path.display()))(e)),
     }
+}
+
+/// True when `e` or an error in its source chain is an `io::Error` with errno `code`.
+fn has_errno(e: &(dyn std::error::Error + 'static), code: i32) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.raw_os_error() == Some(code)
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// Points every pinned link at slot `slot`'s program. On a failure the links already moved

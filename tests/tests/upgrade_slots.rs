@@ -93,16 +93,22 @@ struct Load {
     connect_ok: Arc<AtomicU64>,
     connect_fail: Arc<AtomicU64>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    server_stop: Arc<AtomicBool>,
+    server: Option<std::thread::JoinHandle<()>>,
     pinger: cubenet_tests::netns::ChildGuard,
+    maps: Arc<cubevs::Maps>,
 }
 
 impl Load {
     fn start(n: &Node, port: u16) -> Self {
         let listener = n.topo.world.run(move || std::net::TcpListener::bind((WORLD, port))).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
+        // The server stops after the clients: a listener closed under a connecting client
+        // resets it, which would count as a failure of the operation under test.
+        let server_stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
-        let s = stop.clone();
-        threads.push(std::thread::spawn(move || {
+        let s = server_stop.clone();
+        let server = std::thread::spawn(move || {
             listener.set_nonblocking(true).unwrap();
             while !s.load(Ordering::Relaxed) {
                 match listener.accept() {
@@ -120,7 +126,7 @@ impl Load {
                     Err(_) => std::thread::sleep(Duration::from_millis(2)),
                 }
             }
-        }));
+        });
         let gns = n.topo.guest_ns(&n.veth);
         let mut conn = gns.run(move || TcpStream::connect((WORLD, port))).expect("connect echo");
         conn.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
@@ -143,16 +149,19 @@ impl Load {
         let connector = gns.spawn_thread(move || {
             while !s.load(Ordering::Relaxed) {
                 let addr = (WORLD.parse::<Ipv4Addr>().unwrap(), port).into();
-                let good = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok_and(|mut c| {
+                let t = std::time::Instant::now();
+                let r = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).and_then(|mut c| {
                     let mut b = [0u8; 2];
-                    c.set_read_timeout(Some(Duration::from_millis(500))).is_ok()
-                        && c.write_all(b"hi").is_ok()
-                        && c.read_exact(&mut b).is_ok()
+                    c.set_read_timeout(Some(Duration::from_millis(500)))?;
+                    c.write_all(b"hi")?;
+                    c.read_exact(&mut b)
                 });
-                if good {
-                    ok.fetch_add(1, Ordering::Relaxed)
-                } else {
-                    fail.fetch_add(1, Ordering::Relaxed)
+                match r {
+                    Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        eprintln!("new connection failed after {:?}: {e}", t.elapsed());
+                        fail.fetch_add(1, Ordering::Relaxed)
+                    }
                 };
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -161,7 +170,19 @@ impl Load {
             let _ = connector.join();
         }));
         let pinger = gns.spawn("ping", &["-c", "40", "-i", "0.05", "-W", "1", "-q", WORLD]);
-        Self { stop, echo_ok, echo_fail, connect_ok, connect_fail, threads, pinger }
+        let maps = n.dp.as_ref().expect("datapath").maps();
+        Self {
+            stop,
+            echo_ok,
+            echo_fail,
+            connect_ok,
+            connect_fail,
+            threads,
+            server_stop,
+            server: Some(server),
+            pinger,
+            maps,
+        }
     }
 
     /// Stops the load and asserts that nothing failed and everything made progress.
@@ -170,6 +191,17 @@ impl Load {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        self.server_stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.server.take() {
+            let _ = t.join();
+        }
+        if self.echo_fail.load(Ordering::Relaxed) + self.connect_fail.load(Ordering::Relaxed) > 0 {
+            for c in self.maps.counters.read().unwrap_or_default() {
+                if c.packets > 0 {
+                    eprintln!("{what}: counter {}/{} = {}", c.program, c.reason, c.packets);
+                }
+            }
         }
         assert_eq!(self.echo_fail.load(Ordering::Relaxed), 0, "{what}: echo round trips failed (reset/stall)");
         assert_eq!(self.connect_fail.load(Ordering::Relaxed), 0, "{what}: new connections failed");
@@ -485,4 +517,33 @@ fn concurrent_switch_one_wins() {
     assert_eq!(j["active"], "b");
     assert_eq!(j["attachPoints"].as_array().unwrap().len(), 3);
     assert_eq!(j["slots"][1]["selfTest"], "passed");
+}
+
+#[test]
+fn switch_drops_pins_of_deleted_interfaces() {
+    if !require_root("switch_drops_pins_of_deleted_interfaces") {
+        return;
+    }
+    let mut n = setup();
+    let pin = n.pin_dir();
+    let gone = n.topo.add_veth_guest(1);
+    let (name, ifindex) = (gone.node_if.clone(), gone.node_ifindex);
+    let mut dp = n.dp.take().unwrap();
+    let nm = name.clone();
+    dp = n
+        .thread
+        .run(move || {
+            dp.attach_sandbox(&nm).unwrap();
+            dp
+        })
+        .unwrap();
+    n.dp = Some(dp);
+    let link_pin = pin.join("links").join(format!("from_cube_{ifindex}"));
+    assert!(link_pin.exists());
+    n.topo.node.ip(&["link", "del", &name]);
+    slots::load_standby(&pin, &other_build(&tmpdir("enolink"))).expect("load");
+    // The defunct link (ENOLINK on update) loses its pin; every live link switches.
+    assert_eq!(slots::switch(&pin).expect("switch with a defunct link"), 1);
+    assert!(!link_pin.exists(), "pin of the deleted interface removed");
+    assert_links_on(&pin, 1);
 }
