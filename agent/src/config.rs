@@ -93,6 +93,15 @@ pub struct Config {
     pub reaper_interval_secs: u64,
     /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
     pub maintenance_interval_secs: u64,
+    /// Entries a sandbox may have in `cubevs_context.allow_out`, and separately in
+    /// `deny_out` (default 1024, 1..65536). Over it, Ensure/Reconcile answer INVALID_ARGUMENT.
+    /// The datapath's policy tries are sized so that every sandbox can hold this twice.
+    pub policy_entries_per_sandbox: u32,
+    /// A Reconcile whose new policy denies a destination the old one allowed flushes the
+    /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
+    /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
+    /// `"false"` overrides it. `false` is upstream's behaviour (flows outlive the change).
+    pub flush_sessions_on_policy_tighten: bool,
 }
 
 impl Default for Config {
@@ -121,6 +130,8 @@ impl Default for Config {
             ip_local_port_range: "10000 19999".into(),
             reaper_interval_secs: 5,
             maintenance_interval_secs: 5,
+            policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
+            flush_sessions_on_policy_tighten: true,
         }
     }
 }
@@ -135,19 +146,17 @@ pub struct Cidr {
 }
 
 impl Cidr {
-    /// Parses `a.b.c.d/n`; host bits must be zero.
+    /// Parses `a.b.c.d/n` with the one CIDR parser (`cubevs::Cidr::parse`, strict); the
+    /// length is required and host bits must be zero (a typo here moves every sandbox).
     pub fn parse(s: &str) -> Result<Self, String> {
-        let (a, l) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a.b.c.d/len"))?;
-        let base: Ipv4Addr = a.parse().map_err(|_| format!("{a:?} is not an IPv4 address"))?;
-        let prefix: u8 = l.parse().map_err(|_| format!("{l:?} is not a prefix length"))?;
-        if prefix > 32 {
-            return Err(format!("prefix length {prefix} is above 32"));
+        if !s.contains('/') {
+            return Err(format!("{s:?} is not a.b.c.d/len"));
         }
-        let mask = if prefix == 0 { 0 } else { u32::MAX << (32 - prefix) };
-        if u32::from(base) & !mask != 0 {
+        let c = cubevs::Cidr::parse(s)?;
+        if c.has_host_bits() {
             return Err(format!("{s} has host bits set"));
         }
-        Ok(Self { base, prefix })
+        Ok(Self { base: c.addr, prefix: c.len })
     }
 
     /// Number of addresses.
@@ -320,6 +329,12 @@ impl Config {
         if self.maintenance_interval_secs == 0 {
             return Err(invalid("maintenance_interval_secs", "must be at least 1"));
         }
+        if !(1..=65536).contains(&self.policy_entries_per_sandbox) {
+            return Err(invalid(
+                "policy_entries_per_sandbox",
+                format!("{} outside 1..65536", self.policy_entries_per_sandbox),
+            ));
+        }
         Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range })
     }
 }
@@ -388,6 +403,11 @@ mod tests {
         assert_eq!(c.index_of(Ipv4Addr::new(192, 168, 0, 9)), Some(9));
         assert_eq!(c.index_of(Ipv4Addr::new(192, 168, 1, 0)), None);
         assert!(Cidr::parse("192.168.0.1/24").is_err());
+        for bad in ["192.168.0.0/+24", "192.168.0.0/024", "192.168.000.0/24", "192.168.0.0"] {
+            assert!(Cidr::parse(bad).is_err(), "{bad}");
+        }
+        let e = Config::parse("policy_entries_per_sandbox = 0").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`policy_entries_per_sandbox`"), "{e}");
         assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
         assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");
     }

@@ -144,6 +144,8 @@ impl Collector for DatapathCollector {
             match k.as_str() {
                 "reaper_runs" => runs.inc_by(*v),
                 "reaper_removed" => removed.inc_by(*v),
+                // A gauge (`cubenet_sessions_in_use`), set by `Agent::refresh_datapath_metrics`.
+                "reaper_last_scanned" => {}
                 _ => {
                     let (program, reason) = cubevs_common::counter::NAMES
                         .iter()

@@ -81,6 +81,8 @@ fn setup() -> Node {
     maps.sandboxes
         .register(&SandboxEntry { ifindex: veth.node_ifindex, ip: VETH_IP, version: 1, id: "sb-veth".into() })
         .expect("register");
+    // Without a policy an interface denies every new flow; the baseline allows the world.
+    maps.policy.install_default_deny(veth.node_ifindex).expect("baseline policy");
     Node { veth, dp: Some(dp), thread, bpffs, topo }
 }
 
@@ -298,6 +300,9 @@ fn switch_and_rollback_under_load() {
     let loaded = slots::load_standby(&pin, &next).expect("load standby");
     assert_eq!(loaded.slot, 1);
     assert!(loaded.selftest.passed());
+    let names: Vec<_> = loaded.selftest.checks.iter().map(|c| c.name).collect();
+    assert_eq!(names.len(), 5, "{names:?}");
+    assert!(names.contains(&"from_cube arp proxy"), "the ARP case runs on the registered sandbox: {names:?}");
     // Loading changes no link.
     assert_links_on(&pin, 0);
 
