@@ -33,7 +33,7 @@ use aya::{
         tc::SchedClassifierLink,
     },
 };
-use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, map, prog};
+use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, MvmMeta, map, prog};
 use sha2::{Digest, Sha256};
 
 use crate::{
@@ -114,10 +114,18 @@ pub(crate) fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&
     ebpf.program_mut(name).and_then(|p| <&mut SchedClassifier>::try_from(p).ok()).ok_or(Error::Missing(name))
 }
 
-/// Runs the self-test on the programs of a loaded (unpinned, unattached) object.
+/// Runs the self-test on the programs of a loaded (unpinned, unattached) object, the ARP
+/// case on the first sandbox registered in its (live, pinned) `ifindex_to_mvmmeta`.
 pub(crate) fn selftest_ebpf(ebpf: &Ebpf, config: &DatapathConfig) -> Result<selftest::Report, Error> {
     let get = |name: &str| ebpf.program(name).and_then(|p| <&SchedClassifier>::try_from(p).ok());
-    selftest::run(get, config)
+    let sandboxes = ebpf.map(map::IFINDEX_TO_MVMMETA).ok_or(Error::Missing(map::IFINDEX_TO_MVMMETA))?;
+    let sandboxes = aya::maps::HashMap::<_, u32, MvmMeta>::try_from(sandboxes).map_err(|e| Error::Map {
+        map: map::IFINDEX_TO_MVMMETA,
+        op: "open",
+        source: Box::new(e),
+    })?;
+    let registered = sandboxes.keys().find_map(Result::ok);
+    selftest::run(get, config, registered)
 }
 
 /// Pins the attached programs of `ebpf` as slot `slot`, replacing what the slot held.
