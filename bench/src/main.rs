@@ -100,7 +100,8 @@ and CA; it prints its own table (see the CubeEgress section of the README).\n\
 - upgrade: `datapath switch` / `datapath rollback` (tcx link program replacement) while a veth guest runs a long TCP \
 stream, ~1,000 new connections/s (connect, 1-byte echo, close) and a 1 ms ping to a world namespace; resets = \
 ECONNRESET/EPIPE seen by guest or world, max gap = longest interval without a ping reply or stream bytes within \
-+-0.5 s of the operation (the 1 ms ping interval is the floor).\n\n\
++-0.5 s of the operation (the 1 ms ping interval is the floor). Baseline: the same figures over an equally long \
+window of the same load just before the operation, with no operation.\n\n\
 ## Targets and misses (causes)\n\n\
 - established egress <= 150 ns/pkt: missed. About 240 ns is `bpf_fib_lookup` (the next hop must come from the \
 kernel FIB, never a configured gateway MAC), the rest is two hash lookups (sandbox metadata, session), array lookups and two \

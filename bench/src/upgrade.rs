@@ -1,8 +1,16 @@
-//! Datapath upgrade under load (issue 12, "Measured"): `datapath switch` and `datapath
-//! rollback` while a veth guest (real kernel stack) runs a long TCP stream to the world, a
-//! new-connection loop (target 1,000/s: connect, 1-byte echo, close) and a 1 ms ping. Per
-//! operation: TCP resets seen by the guest or the world, failed connects, and the longest
-//! interval without a ping reply or stream progress in the window of ±0.5 s around it.
+//! Node upgrades under load (issue 12, "Measured"). A veth guest (real kernel stack) runs a
+//! long TCP stream to the world, a new-connection loop (target 1,000/s: connect, 1-byte
+//! echo, close) and a 1 ms ping while one operation runs. Per operation three rows,
+//! `<operation>: resets` (TCP resets seen by the guest or the world, `count`),
+//! `<operation>: failed connects` (`count`) and `<operation>: max gap` (longest interval
+//! without a ping reply or stream progress, `ms`), each beside the same figure over an
+//! equally long no-operation control window of the same load just before it.
+//!
+//! Structure: [`measure`] runs the load around any operation and returns its rows; each
+//! operation family has one function that builds what it needs and calls [`measure`]
+//! ([`datapath_operations`]: `datapath switch`, `datapath rollback`). Another operation
+//! (`agent upgrade`, `agent restart`, `gateway swap`) is one more such function called from
+//! [`run`].
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -17,40 +25,59 @@ use std::{
 
 use cubenet_tests::{
     bpffs::BpfFs,
-    netns::ChildGuard,
+    netns::{ChildGuard, TestNetns},
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology},
 };
 use cubevs::{Datapath, LoadOptions, SandboxEntry, SnatAddr, slots};
 
 use crate::report::Row;
 
+/// The world address the guest talks to (RFC 5737, the world namespace of [`Topology`]).
 const WORLD: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const STREAM_PORT: u16 = 7301;
 const CONNECT_PORT: u16 = 7302;
+/// Load before the operation: the control window lies in it.
+const WARM_UP: Duration = Duration::from_millis(1800);
+/// The operation window reaches this far before and after the operation.
+const MARGIN: Duration = Duration::from_millis(500);
 
+/// Everything the load saw, with the instant of each event so that any window can be
+/// counted afterwards.
 #[derive(Default)]
-struct Counters {
-    resets: AtomicU64,
-    failed_connects: AtomicU64,
+struct Events {
+    resets: Mutex<Vec<Instant>>,
+    failed_connects: Mutex<Vec<Instant>>,
     connects: AtomicU64,
     /// Instants at which the world read stream bytes.
     progress: Mutex<Vec<Instant>>,
+}
+
+impl Events {
+    fn reset(&self) {
+        self.resets.lock().unwrap().push(Instant::now());
+    }
 }
 
 fn is_reset(e: &std::io::Error) -> bool {
     matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe)
 }
 
-fn max_gap_ms(mut t: Vec<Instant>, from: Instant, to: Instant) -> f64 {
-    t.retain(|x| *x >= from && *x <= to);
-    t.sort();
+fn count_in(t: &[Instant], from: Instant, to: Instant) -> f64 {
+    t.iter().filter(|x| **x >= from && **x <= to).count() as f64
+}
+
+/// Longest interval in [`from`, `to`] without an instant of `t` (window edges count).
+fn max_gap_ms(t: &[Instant], from: Instant, to: Instant) -> f64 {
+    let mut inside: Vec<Instant> = t.iter().copied().filter(|x| *x >= from && *x <= to).collect();
+    inside.sort();
     let mut edges = vec![from];
-    edges.extend(t);
+    edges.extend(inside);
     edges.push(to);
     edges.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).fold(0.0, f64::max)
 }
 
-/// `ping -D` reply lines: `[1700000000.123456] 64 bytes from ...`.
+/// `ping -D` reply lines: `[1700000000.123456] 64 bytes from ...`, mapped onto `Instant`s
+/// through `epoch0` (an `Instant` and the Unix time taken together).
 fn ping_times(out: &str, epoch0: (Instant, f64)) -> Vec<Instant> {
     out.lines()
         .filter(|l| l.contains("bytes from"))
@@ -66,10 +93,11 @@ fn unix_now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn servers(topo: &Topology, stop: Arc<AtomicBool>, c: Arc<Counters>) -> Vec<thread::JoinHandle<()>> {
-    let stream = topo.world.run(|| TcpListener::bind((WORLD, STREAM_PORT))).expect("bind stream");
-    let conns = topo.world.run(|| TcpListener::bind((WORLD, CONNECT_PORT))).expect("bind connect");
-    let (s1, c1) = (stop.clone(), c.clone());
+/// The world side: a stream sink and a one-byte echo, counting the resets they see.
+fn servers(world: &TestNetns, stop: Arc<AtomicBool>, ev: Arc<Events>) -> Vec<thread::JoinHandle<()>> {
+    let stream = world.run(|| TcpListener::bind((WORLD, STREAM_PORT))).expect("bind stream");
+    let conns = world.run(|| TcpListener::bind((WORLD, CONNECT_PORT))).expect("bind connect");
+    let (s1, e1) = (stop.clone(), ev.clone());
     let a = thread::spawn(move || {
         let Ok((mut s, _)) = stream.accept() else { return };
         s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
@@ -77,29 +105,27 @@ fn servers(topo: &Topology, stop: Arc<AtomicBool>, c: Arc<Counters>) -> Vec<thre
         while !s1.load(Ordering::Relaxed) {
             match s.read(&mut buf) {
                 Ok(0) => break,
-                Ok(_) => c1.progress.lock().unwrap().push(Instant::now()),
+                Ok(_) => e1.progress.lock().unwrap().push(Instant::now()),
                 Err(e) if is_reset(&e) => {
-                    c1.resets.fetch_add(1, Ordering::Relaxed);
+                    e1.reset();
                     break;
                 }
                 Err(_) => {}
             }
         }
     });
-    let (s2, c2) = (stop, c);
     conns.set_nonblocking(true).unwrap();
     let b = thread::spawn(move || {
-        while !s2.load(Ordering::Relaxed) {
+        while !stop.load(Ordering::Relaxed) {
             match conns.accept() {
                 Ok((mut s, _)) => {
                     let _ = s.set_nonblocking(false);
                     let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
                     let mut b = [0u8; 1];
-                    match s.read_exact(&mut b).and_then(|()| s.write_all(&b)) {
-                        Err(e) if is_reset(&e) => {
-                            c2.resets.fetch_add(1, Ordering::Relaxed);
-                        }
-                        _ => {}
+                    if let Err(e) = s.read_exact(&mut b).and_then(|()| s.write_all(&b))
+                        && is_reset(&e)
+                    {
+                        ev.reset();
                     }
                 }
                 Err(_) => thread::sleep(Duration::from_micros(200)),
@@ -109,9 +135,147 @@ fn servers(topo: &Topology, stop: Arc<AtomicBool>, c: Arc<Counters>) -> Vec<thre
     vec![a, b]
 }
 
-/// Runs the switch and rollback measurements; rows `datapath switch: …` and
-/// `datapath rollback: …`.
-pub fn run() -> Vec<Row> {
+/// The guest side: the long stream and the new-connection loop.
+fn clients(guest: &TestNetns, stop: Arc<AtomicBool>, ev: Arc<Events>) -> Vec<thread::JoinHandle<()>> {
+    let (s, e) = (stop.clone(), ev.clone());
+    let stream = guest.spawn_thread(move || {
+        let Ok(mut st) = TcpStream::connect((WORLD, STREAM_PORT)) else {
+            e.reset();
+            return;
+        };
+        let chunk = vec![7u8; 16 * 1024];
+        while !s.load(Ordering::Relaxed) {
+            if let Err(err) = st.write_all(&chunk) {
+                if is_reset(&err) {
+                    e.reset();
+                }
+                return;
+            }
+            thread::sleep(Duration::from_micros(500));
+        }
+    });
+    let connector = guest.spawn_thread(move || {
+        let addr = SocketAddr::from((WORLD, CONNECT_PORT));
+        while !stop.load(Ordering::Relaxed) {
+            let t = Instant::now();
+            let r = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).and_then(|mut st| {
+                st.set_read_timeout(Some(Duration::from_secs(1)))?;
+                st.write_all(b"x")?;
+                let mut b = [0u8; 1];
+                st.read_exact(&mut b)
+            });
+            match r {
+                Ok(()) => {
+                    ev.connects.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(err) => {
+                    if is_reset(&err) {
+                        ev.reset();
+                    }
+                    ev.failed_connects.lock().unwrap().push(t);
+                }
+            }
+            // Pace at about 1,000 new connections per second.
+            if let Some(rest) = Duration::from_millis(1).checked_sub(t.elapsed()) {
+                thread::sleep(rest);
+            }
+        }
+    });
+    vec![stream, connector]
+}
+
+/// Runs the load between `guest` and `world`, performs `op` after [`WARM_UP`], and returns
+/// the three rows of operation `name`. The operation window is the operation ± [`MARGIN`];
+/// the control window is as long and ends 100 ms before it (shorter, from the load's
+/// first 300 ms on, when the operation took longer than the warm-up leaves room for).
+/// Panics when `op` fails: a failed operation has no figures.
+pub fn measure(guest: &TestNetns, world: &TestNetns, name: &str, op: impl FnOnce() -> Result<(), String>) -> Vec<Row> {
+    // Clients stop first: a server that goes away under a connecting client resets it.
+    let server_stop = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let ev = Arc::new(Events::default());
+    let server_threads = servers(world, server_stop.clone(), ev.clone());
+    let started = Instant::now();
+    let client_threads = clients(guest, stop.clone(), ev.clone());
+    let epoch0 = (Instant::now(), unix_now());
+    let log = std::env::temp_dir().join(format!("cubevs-upgrade-ping-{}.txt", std::process::id()));
+    let file = std::fs::File::create(&log).expect("ping log");
+    let mut pinger = ChildGuard::from_child(
+        guest
+            .command("ping")
+            .args(["-D", "-i", "0.001", "-W", "1"])
+            .arg(WORLD.to_string())
+            .stdout(file)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn ping"),
+    );
+    thread::sleep(WARM_UP);
+    let at = Instant::now();
+    let res = op();
+    let took = at.elapsed();
+    res.unwrap_or_else(|e| panic!("{name}: {e}"));
+    thread::sleep(MARGIN + Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    for t in client_threads {
+        let _ = t.join();
+    }
+    server_stop.store(true, Ordering::Relaxed);
+    for t in server_threads {
+        let _ = t.join();
+    }
+    // SIGINT (by PID, to the ping we spawned): ping flushes its buffered output and exits.
+    // SAFETY: kill(2) on our own child's PID.
+    unsafe { libc::kill(pinger.id() as libc::pid_t, libc::SIGINT) };
+    let _ = pinger.child().wait();
+    let out = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+
+    let pings = ping_times(&out, epoch0);
+    let progress = ev.progress.lock().unwrap().clone();
+    let resets = ev.resets.lock().unwrap().clone();
+    let failed = ev.failed_connects.lock().unwrap().clone();
+    let (from, to) = (at - MARGIN, at + took + MARGIN);
+    let cto = from - Duration::from_millis(100);
+    let cfrom = cto.checked_sub(to - from).filter(|t| *t >= started + Duration::from_millis(300));
+    let cfrom = cfrom.unwrap_or(started + Duration::from_millis(300));
+    let gap = |f, t| max_gap_ms(&pings, f, t).max(max_gap_ms(&progress, f, t));
+    let figures = [
+        ("resets", count_in(&resets, from, to), count_in(&resets, cfrom, cto), "count", "0"),
+        ("failed connects", count_in(&failed, from, to), count_in(&failed, cfrom, cto), "count", "0"),
+        ("max gap", gap(from, to), gap(cfrom, cto), "ms", "<= 1 ms"),
+    ];
+    eprintln!(
+        "{name}: operation {:.2} ms; {} connects in {:.1} s; ping gap {:.2} ms, stream gap {:.2} ms; \
+         control window {:.0} ms: ping gap {:.2} ms, stream gap {:.2} ms",
+        took.as_secs_f64() * 1e3,
+        ev.connects.load(Ordering::Relaxed),
+        started.elapsed().as_secs_f64(),
+        max_gap_ms(&pings, from, to),
+        max_gap_ms(&progress, from, to),
+        (cto - cfrom).as_secs_f64() * 1e3,
+        max_gap_ms(&pings, cfrom, cto),
+        max_gap_ms(&progress, cfrom, cto),
+    );
+    figures
+        .into_iter()
+        .map(|(case, value, control, unit, target)| Row {
+            bench: "upgrade".into(),
+            case: format!("{name}: {case}"),
+            value,
+            spread: (value, value),
+            unit: unit.into(),
+            baseline: Some(("same load, no operation".to_string(), control)),
+            target: Some(target.into()),
+        })
+        .collect()
+}
+
+/// `datapath switch` then `datapath rollback` (tcx link program replacement, the
+/// `cubenet-cli datapath` library calls) on a pinned datapath serving one veth guest: the
+/// standby slot holds a second build of the object (one byte appended: another sha256,
+/// new programs), loaded and self-tested before the load starts.
+pub fn datapath_operations() -> Vec<Row> {
     let mut topo = Topology::new();
     topo.add_cube_dev();
     let g = topo.add_veth_guest(0);
@@ -130,7 +294,7 @@ pub fn run() -> Vec<Row> {
     });
     let m = dp.maps();
     let up = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    m.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: up }]).unwrap();
+    m.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: up }]).expect("snat");
     m.sandboxes
         .register(&SandboxEntry {
             ifindex: g.node_ifindex,
@@ -138,8 +302,9 @@ pub fn run() -> Vec<Row> {
             version: 1,
             id: "bench".into(),
         })
-        .unwrap();
-    // A second build of the same object (one byte appended): a different sha256, new programs.
+        .expect("register");
+    // Without a policy an interface denies every new flow; the baseline allows the world.
+    m.policy.install_default_deny(g.node_ifindex).expect("baseline policy");
     let next = std::env::temp_dir().join(format!("cubevs-upgrade-bench-{}.bpf.o", std::process::id()));
     let mut bytes = std::fs::read(&object).expect("read object");
     bytes.push(0);
@@ -147,115 +312,19 @@ pub fn run() -> Vec<Row> {
     slots::load_standby(&pin, &next).expect("load standby");
 
     let gns = topo.guest_ns(&g);
-    let mut rows = Vec::new();
-    for op in ["datapath switch", "datapath rollback"] {
-        // Clients stop first: a server that goes away under a connecting client resets it.
-        let server_stop = Arc::new(AtomicBool::new(false));
-        let stop = Arc::new(AtomicBool::new(false));
-        let c = Arc::new(Counters::default());
-        let server_threads = servers(&topo, server_stop.clone(), c.clone());
-        let mut threads = Vec::new();
-        let (s, cc) = (stop.clone(), c.clone());
-        threads.push(gns.spawn_thread(move || {
-            let Ok(mut st) = TcpStream::connect((WORLD, STREAM_PORT)) else {
-                cc.resets.fetch_add(1, Ordering::Relaxed);
-                return;
-            };
-            let chunk = vec![7u8; 16 * 1024];
-            while !s.load(Ordering::Relaxed) {
-                if let Err(e) = st.write_all(&chunk) {
-                    if is_reset(&e) {
-                        cc.resets.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return;
-                }
-                thread::sleep(Duration::from_micros(500));
-            }
-        }));
-        let (s, cc) = (stop.clone(), c.clone());
-        threads.push(gns.spawn_thread(move || {
-            let addr = SocketAddr::from((WORLD, CONNECT_PORT));
-            while !s.load(Ordering::Relaxed) {
-                let t = Instant::now();
-                let r = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).and_then(|mut st| {
-                    st.set_read_timeout(Some(Duration::from_secs(1)))?;
-                    st.write_all(b"x")?;
-                    let mut b = [0u8; 1];
-                    st.read_exact(&mut b)
-                });
-                match r {
-                    Ok(()) => cc.connects.fetch_add(1, Ordering::Relaxed),
-                    Err(e) => {
-                        if is_reset(&e) {
-                            cc.resets.fetch_add(1, Ordering::Relaxed);
-                        }
-                        cc.failed_connects.fetch_add(1, Ordering::Relaxed)
-                    }
-                };
-                // Pace at about 1,000 new connections per second.
-                if let Some(rest) = Duration::from_millis(1).checked_sub(t.elapsed()) {
-                    thread::sleep(rest);
-                }
-            }
-        }));
-        let epoch0 = (Instant::now(), unix_now());
-        let log = std::env::temp_dir().join(format!("cubevs-upgrade-ping-{}.txt", std::process::id()));
-        let file = std::fs::File::create(&log).expect("ping log");
-        let mut pinger = ChildGuard::from_child(
-            std::process::Command::new("ip")
-                .args(["netns", "exec", gns.name(), "ping", "-D", "-i", "0.001", "-W", "1", "-c", "4000"])
-                .arg(WORLD.to_string())
-                .stdout(file)
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .expect("spawn ping"),
-        );
-        thread::sleep(Duration::from_millis(1800));
-        let at = Instant::now();
-        let res = if op == "datapath switch" { slots::switch(&pin) } else { slots::rollback(&pin) };
-        let took = at.elapsed();
-        res.unwrap_or_else(|e| panic!("{op}: {e}"));
-        thread::sleep(Duration::from_millis(800));
-        let (from, to) = (at - Duration::from_millis(500), at + took + Duration::from_millis(500));
-        stop.store(true, Ordering::Relaxed);
-        for t in threads {
-            let _ = t.join();
-        }
-        server_stop.store(true, Ordering::Relaxed);
-        for t in server_threads {
-            let _ = t.join();
-        }
-        let _ = pinger.child().kill();
-        let _ = pinger.child().wait();
-        let out = std::fs::read_to_string(&log).unwrap_or_default();
-        let _ = std::fs::remove_file(&log);
-        let ping_gap = max_gap_ms(ping_times(&out, epoch0), from, to);
-        let stream_gap = max_gap_ms(c.progress.lock().unwrap().clone(), from, to);
-        let gap = ping_gap.max(stream_gap);
-        // Control: the same measure over an equally long window before the operation.
-        let (cfrom, cto) = (from - (to - from) - Duration::from_millis(100), from - Duration::from_millis(100));
-        let pings = ping_times(&out, epoch0);
-        let control = max_gap_ms(pings, cfrom, cto).max(max_gap_ms(c.progress.lock().unwrap().clone(), cfrom, cto));
-        eprintln!(
-            "{op}: {:.2} ms in the kernel+userspace, {} connects, ping gap {ping_gap:.2} ms, stream gap {stream_gap:.2} ms, \
-             control window gap {control:.2} ms",
-            took.as_secs_f64() * 1e3,
-            c.connects.load(Ordering::Relaxed)
-        );
-        let row = |case: &str, value: f64, unit: &str, target: &str, baseline: Option<f64>| Row {
-            bench: "upgrade".into(),
-            case: format!("{op}: {case}"),
-            value,
-            spread: (value, value),
-            unit: unit.into(),
-            baseline: baseline.map(|b| ("same load, no operation".to_string(), b)),
-            target: Some(target.into()),
-        };
-        rows.push(row("resets", c.resets.load(Ordering::Relaxed) as f64, "count", "0", None));
-        rows.push(row("failed connects", c.failed_connects.load(Ordering::Relaxed) as f64, "count", "0", None));
-        rows.push(row("max gap", gap, "ms", "<= 1 ms", Some(control)));
-    }
+    let mut rows =
+        measure(gns, &topo.world, "datapath switch", || slots::switch(&pin).map(|_| ()).map_err(|e| e.to_string()));
+    rows.extend(measure(gns, &topo.world, "datapath rollback", || {
+        slots::rollback(&pin).map(|_| ()).map_err(|e| e.to_string())
+    }));
     let _ = std::fs::remove_file(next);
     drop(dp);
     rows
+}
+
+/// Every upgrade operation this build can perform, three rows each.
+pub fn run() -> Vec<Row> {
+    // One function per operation family; `agent upgrade`, `agent restart` and `gateway
+    // swap` are added here as `rows.extend(<family>())`.
+    datapath_operations()
 }
