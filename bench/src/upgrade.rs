@@ -37,7 +37,7 @@ const WORLD: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const STREAM_PORT: u16 = 7301;
 const CONNECT_PORT: u16 = 7302;
 /// Load before the operation: the control window lies in it.
-const WARM_UP: Duration = Duration::from_millis(1800);
+const WARM_UP: Duration = Duration::from_millis(2500);
 /// The operation window reaches this far before and after the operation.
 const MARGIN: Duration = Duration::from_millis(500);
 

@@ -235,9 +235,10 @@ fn veth_programs(n: &Node) -> Vec<String> {
     n.thread.run(move || cubevs::tcx_ingress_programs(&veth_if).unwrap()).unwrap()
 }
 
-/// The real object with every `r0 = 0` / `w0 = 0` (the `TC_ACT_OK` returns) in `from_world`
-/// turned into `r0 = 2` (`TC_ACT_SHOT`): it verifies and loads, but drops what it should
-/// pass, which the self-test's pass-through frames catch.
+/// The real object with `from_world` starting `r0 = TC_ACT_SHOT; if r0 != 2 goto +1; exit`
+/// over its first three instructions: it verifies and loads (the rest of the program stays
+/// reachable in the control-flow graph through the never-taken jump), but drops everything it
+/// should pass, which the self-test's pass-through frames catch.
 fn broken_object(dir: &Path) -> PathBuf {
     let mut elf = std::fs::read(ebpf_object()).unwrap();
     let u16_at = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
@@ -256,17 +257,22 @@ fn broken_object(dir: &Path) -> PathBuf {
             (shndx, value, size) = (u16_at(&elf, s + 6), u64_at(&elf, s + 8), u64_at(&elf, s + 16));
         }
     }
-    assert!(size > 0, "from_world symbol");
+    assert!(size > 32, "from_world symbol");
     let start = u64_at(&elf, sh(shndx) + 24) + value;
-    let mut patched = 0;
-    for insn in (start..start + size).step_by(8) {
-        let (op, dst, imm) = (elf[insn], elf[insn + 1] & 0x0f, u32_at(&elf, insn + 4));
-        if (op == 0xb4 || op == 0xb7) && dst == 0 && imm == 0 {
-            elf[insn + 4..insn + 8].copy_from_slice(&2u32.to_le_bytes());
-            patched += 1;
-        }
+    // The overwritten instructions must carry no relocation (no 64-bit load, no call) and the
+    // jump target must not be the second half of a 64-bit load.
+    for k in 0..3 {
+        let op = elf[start + 8 * k];
+        assert!(op != 0x18 && op != 0x85, "instruction {k} of from_world is {op:#x}: pick another patch");
     }
-    assert!(patched > 0, "no TC_ACT_OK return found in from_world");
+    let insns: [[u8; 8]; 3] = [
+        [0xb7, 0x00, 0, 0, 2, 0, 0, 0], // r0 = 2 (TC_ACT_SHOT)
+        [0x55, 0x00, 1, 0, 2, 0, 0, 0], // if r0 != 2 goto +1
+        [0x95, 0x00, 0, 0, 0, 0, 0, 0], // exit
+    ];
+    for (k, insn) in insns.iter().enumerate() {
+        elf[start + 8 * k..start + 8 * k + 8].copy_from_slice(insn);
+    }
     let p = dir.join("cubevs-broken.bpf.o");
     std::fs::write(&p, elf).unwrap();
     p
