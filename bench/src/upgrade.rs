@@ -66,14 +66,29 @@ fn count_in(t: &[Instant], from: Instant, to: Instant) -> f64 {
     t.iter().filter(|x| **x >= from && **x <= to).count() as f64
 }
 
-/// Longest interval in [`from`, `to`] without an instant of `t` (window edges count).
-fn max_gap_ms(t: &[Instant], from: Instant, to: Instant) -> f64 {
+/// Longest interval in [`from`, `to`] without an instant of `t` (window edges count): its
+/// length in ms and its start.
+fn longest_gap(t: &[Instant], from: Instant, to: Instant) -> (f64, Instant) {
     let mut inside: Vec<Instant> = t.iter().copied().filter(|x| *x >= from && *x <= to).collect();
     inside.sort();
     let mut edges = vec![from];
     edges.extend(inside);
     edges.push(to);
-    edges.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).fold(0.0, f64::max)
+    edges.windows(2).map(|w| ((w[1] - w[0]).as_secs_f64() * 1e3, w[0])).fold(
+        (0.0, from),
+        |a, b| {
+            if b.0 > a.0 { b } else { a }
+        },
+    )
+}
+
+fn max_gap_ms(t: &[Instant], from: Instant, to: Instant) -> f64 {
+    longest_gap(t, from, to).0
+}
+
+/// Milliseconds from `at` to `t` (negative: before).
+fn offset_ms(t: Instant, at: Instant) -> f64 {
+    if t >= at { (t - at).as_secs_f64() * 1e3 } else { -((at - t).as_secs_f64() * 1e3) }
 }
 
 /// `ping -D` reply lines: `[1700000000.123456] 64 bytes from ...`, mapped onto `Instant`s
@@ -245,14 +260,17 @@ pub fn measure(guest: &TestNetns, world: &TestNetns, name: &str, op: impl FnOnce
         ("failed connects", count_in(&failed, from, to), count_in(&failed, cfrom, cto), "count", "0"),
         ("max gap", gap(from, to), gap(cfrom, cto), "ms", "<= 1 ms"),
     ];
+    let (ping_gap, ping_at) = longest_gap(&pings, from, to);
+    let (stream_gap, stream_at) = longest_gap(&progress, from, to);
     eprintln!(
-        "{name}: operation {:.2} ms; {} connects in {:.1} s; ping gap {:.2} ms, stream gap {:.2} ms; \
+        "{name}: operation {:.2} ms; {} connects in {:.1} s; ping gap {ping_gap:.2} ms from {:+.1} ms, \
+         stream gap {stream_gap:.2} ms from {:+.1} ms (relative to the operation); \
          control window {:.0} ms: ping gap {:.2} ms, stream gap {:.2} ms",
         took.as_secs_f64() * 1e3,
         ev.connects.load(Ordering::Relaxed),
         started.elapsed().as_secs_f64(),
-        max_gap_ms(&pings, from, to),
-        max_gap_ms(&progress, from, to),
+        offset_ms(ping_at, at),
+        offset_ms(stream_at, at),
         (cto - cfrom).as_secs_f64() * 1e3,
         max_gap_ms(&pings, cfrom, cto),
         max_gap_ms(&progress, cfrom, cto),
