@@ -528,6 +528,23 @@ fn concurrent_switch_one_wins() {
     assert_eq!(j["active"], "b");
     assert_eq!(j["attachPoints"].as_array().unwrap().len(), 3);
     assert_eq!(j["slots"][1]["selfTest"], "passed");
+    // The table: the summary line, both slots, and every hook on slot b.
+    let out =
+        std::process::Command::new(&cli).args(["datapath", "--bpffs-dir"]).arg(&pin).arg("status").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("active slot b") && text.contains("pending slot -"), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let hooks = lines.iter().position(|l| l.starts_with("HOOK")).expect("attach table");
+    let rows: Vec<Vec<&str>> = lines[hooks + 1..].iter().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    for r in &rows {
+        assert!(slots::ATTACHED.contains(&r[0]), "{text}");
+        assert_eq!(r.last(), Some(&"b"), "{text}");
+    }
+    let slot_rows: Vec<&&str> = lines.iter().filter(|l| l.starts_with("a ") || l.starts_with("b ")).collect();
+    assert_eq!(slot_rows.len(), 2, "{text}");
+    assert!(slot_rows.iter().all(|l| l.contains("passed")), "{text}");
 }
 
 #[test]
