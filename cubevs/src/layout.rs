@@ -276,3 +276,54 @@ pub fn check_pins(
     }
     Ok(pinned)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Meta {
+        let mut config = DatapathConfig::DEFAULT;
+        config.gateway_mac = [2, 4, 6, 8, 10, 12];
+        let mut m = Meta::new(config);
+        m.active = Some(1);
+        m.pending = None;
+        m.slots[1] = SlotRecord {
+            sha256: [0xab; 32],
+            version: "0.1.0".into(),
+            selftest: SelfTestState::Passed,
+            loaded_at: 1_700_000_000,
+            object: "/opt/cubenet/cubevs.bpf.o".into(),
+        };
+        m.slots[0].selftest = SelfTestState::Failed;
+        m
+    }
+
+    #[test]
+    fn metadata_round_trips() {
+        let m = sample();
+        assert_eq!(Meta::decode(&m.encode(), Path::new("meta")).unwrap(), m);
+        let fresh = Meta::new(DatapathConfig::DEFAULT);
+        let back = Meta::decode(&fresh.encode(), Path::new("meta")).unwrap();
+        assert_eq!((back.active, back.pending, back.layout), (None, None, LAYOUT_VERSION));
+    }
+
+    #[test]
+    fn metadata_without_magic_is_an_unknown_layout() {
+        let mut b = sample().encode();
+        b[0] ^= 0xff;
+        let e = Meta::decode(&b, Path::new("/sys/fs/bpf/cubevs/meta")).unwrap_err();
+        assert!(matches!(e, Error::IncompatiblePin { .. }), "{e}");
+        assert!(e.to_string().contains("unknown layout"), "{e}");
+    }
+
+    #[test]
+    fn long_strings_are_truncated_to_their_fields() {
+        let mut m = sample();
+        m.slots[1].version = "v".repeat(40);
+        m.slots[1].object = "o".repeat(200);
+        let back = Meta::decode(&m.encode(), Path::new("meta")).unwrap();
+        assert_eq!(back.slots[1].version.len(), 32);
+        assert_eq!(back.slots[1].object.len(), 120);
+        assert_eq!(back.slots[1].sha256, [0xab; 32]);
+    }
+}

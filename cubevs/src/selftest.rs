@@ -215,3 +215,42 @@ pub fn run<'a>(
     }
     Ok(Report { checks })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arp_case_only_with_a_registered_sandbox() {
+        let cfg = DatapathConfig::DEFAULT;
+        let without: Vec<_> = cases(&cfg, None).iter().map(|c| c.name).collect();
+        assert!(!without.contains(&"from_cube arp proxy"));
+        assert_eq!(without.len(), 4);
+        let with = cases(&cfg, Some(42));
+        assert_eq!(with.len(), 5);
+        let arp = with.iter().find(|c| c.name == "from_cube arp proxy").unwrap();
+        assert_eq!(arp.ingress_ifindex, 42);
+        // The expected reply: to the guest, from the gateway MAC, sender = the asked address.
+        let out = arp.out.as_ref().unwrap();
+        assert_eq!(&out[0..6], &GUEST_MAC);
+        assert_eq!(&out[6..12], &cfg.gateway_mac);
+        assert_eq!(&out[20..22], &2u16.to_be_bytes());
+        assert_eq!(&out[22..28], &cfg.gateway_mac);
+        assert_eq!(&out[28..32], &cfg.mvm_gateway_ip.to_ne_bytes());
+    }
+
+    #[test]
+    fn canned_ipv4_headers_have_valid_checksums() {
+        for c in cases(&DatapathConfig::DEFAULT, None) {
+            if c.frame[12..14] != P_IP.to_be_bytes() {
+                continue;
+            }
+            let h = &c.frame[14..34];
+            let mut sum: u32 = h.chunks(2).map(|w| u32::from(u16::from_be_bytes([w[0], w[1]]))).sum();
+            while sum > 0xffff {
+                sum = (sum & 0xffff) + (sum >> 16);
+            }
+            assert_eq!(sum, 0xffff, "{}", c.name);
+        }
+    }
+}
