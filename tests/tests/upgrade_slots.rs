@@ -99,6 +99,19 @@ struct Load {
     server: Option<std::thread::JoinHandle<()>>,
     pinger: cubenet_tests::netns::ChildGuard,
     maps: Arc<cubevs::Maps>,
+    /// Drop counters (`program/reason` → packets) when the load started.
+    drops_before: std::collections::HashMap<String, u64>,
+}
+
+/// Every `drop_*` counter of the datapath, keyed `program/reason`.
+fn drop_counters(maps: &cubevs::Maps) -> std::collections::HashMap<String, u64> {
+    maps.counters
+        .read()
+        .expect("counters")
+        .into_iter()
+        .filter(|c| c.reason.starts_with("drop"))
+        .map(|c| (format!("{}/{}", c.program, c.reason), c.packets))
+        .collect()
 }
 
 impl Load {
@@ -131,7 +144,9 @@ impl Load {
         });
         let gns = n.topo.guest_ns(&n.veth);
         let mut conn = gns.run(move || TcpStream::connect((WORLD, port))).expect("connect echo");
-        conn.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        // Timeouts of 1 s as in `bench upgrade`: a stall of the busy test machine is no
+        // failure; a reset is (immediate), and so is any datapath drop (counted below).
+        conn.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
         let (echo_ok, echo_fail) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let (s, ok, fail) = (stop.clone(), echo_ok.clone(), echo_fail.clone());
         threads.push(std::thread::spawn(move || {
@@ -154,7 +169,7 @@ impl Load {
                 let t = std::time::Instant::now();
                 let r = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).and_then(|mut c| {
                     let mut b = [0u8; 2];
-                    c.set_read_timeout(Some(Duration::from_millis(500)))?;
+                    c.set_read_timeout(Some(Duration::from_secs(1)))?;
                     c.write_all(b"hi")?;
                     c.read_exact(&mut b)
                 });
@@ -171,8 +186,15 @@ impl Load {
         threads.push(std::thread::spawn(move || {
             let _ = connector.join();
         }));
-        let pinger = gns.spawn("ping", &["-c", "40", "-i", "0.05", "-W", "1", "-q", WORLD]);
+        let pinger = cubenet_tests::netns::ChildGuard::from_child(
+            gns.command("ping")
+                .args(["-c", "40", "-i", "0.05", "-W", "1", "-q", WORLD])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn ping"),
+        );
         let maps = n.dp.as_ref().expect("datapath").maps();
+        let drops_before = drop_counters(&maps);
         Self {
             stop,
             echo_ok,
@@ -184,12 +206,20 @@ impl Load {
             server: Some(server),
             pinger,
             maps,
+            drops_before,
         }
     }
 
-    /// Stops the load and asserts that nothing failed and everything made progress.
-    fn finish(mut self, what: &str) {
+    /// Stops the load and asserts that nothing failed, everything made progress, no ping was
+    /// lost and the datapath dropped nothing, apart from `selftests` self-test runs during the
+    /// load (each drops exactly one canned frame in `from_cube/drop_unregistered` and one in
+    /// `from_envoy/drop_unknown`) and `drop_proto` (the guest kernel's own IPv6 frames).
+    fn finish(mut self, what: &str, selftests: u64) {
         let ping = self.pinger.child().wait().unwrap();
+        let mut ping_out = String::new();
+        if let Some(mut o) = self.pinger.child().stdout.take() {
+            let _ = o.read_to_string(&mut ping_out);
+        }
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -209,7 +239,17 @@ impl Load {
         assert_eq!(self.connect_fail.load(Ordering::Relaxed), 0, "{what}: new connections failed");
         assert!(self.echo_ok.load(Ordering::Relaxed) > 20, "{what}: echo made no progress");
         assert!(self.connect_ok.load(Ordering::Relaxed) > 20, "{what}: connections made no progress");
-        assert!(ping.success(), "{what}: ping lost packets");
+        assert!(ping.success() && ping_out.contains(" 0% packet loss"), "{what}: ping lost packets: {ping_out}");
+        let after = drop_counters(&self.maps);
+        for (name, n) in &after {
+            let grew = n - self.drops_before.get(name).copied().unwrap_or(0);
+            let allowed = match name.as_str() {
+                "from_cube/drop_unregistered" | "from_envoy/drop_unknown" => selftests,
+                "from_cube/drop_proto" => grew,
+                _ => 0,
+            };
+            assert_eq!(grew, allowed, "{what}: the datapath dropped packets ({name})");
+        }
     }
 }
 
@@ -322,7 +362,7 @@ fn switch_and_rollback_under_load() {
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(slots::rollback(&pin).expect("roll forward again"), 1);
     assert_links_on(&pin, 1);
-    load.finish("switch, rollback, roll forward");
+    load.finish("switch, rollback, roll forward", 0);
     assert_eq!(veth_programs(&n), vec!["from_cube".to_string()], "one program on the hook, same link");
     let st = slots::status(&pin).unwrap();
     assert_eq!(st.meta.slots[1].sha256, slots::sha256(&std::fs::read(&next).unwrap()));
@@ -349,7 +389,7 @@ fn broken_object_fails_selftest_and_changes_nothing() {
     assert_eq!(ids(&after), ids(&before), "links untouched");
     let e = slots::switch(&pin).expect_err("nothing pending");
     assert!(e.to_string().contains("no standby datapath is pending"), "{e}");
-    load.finish("failed self-test");
+    load.finish("failed self-test", 1);
 }
 
 #[test]
@@ -429,7 +469,7 @@ fn restart_with_new_object_replaces_programs_and_removes_duplicates() {
     }
     assert_eq!(veth_programs(&n), vec!["from_cube".to_string()], "duplicate detached by link id");
     std::thread::sleep(Duration::from_millis(300));
-    load.finish("restart with a new build");
+    load.finish("restart with a new build", 1);
     let _ = std::fs::remove_file(stray);
 
     // A restart with the same build reuses the active slot: no replacement.
@@ -458,7 +498,7 @@ fn migrate_map_to_new_size_keeps_entries_and_traffic() {
     assert_eq!(aya::maps::MapInfo::from_pin(&map_pin).unwrap().max_entries(), old_max * 2, "pin replaced");
     assert_links_on(&pin, 1);
     std::thread::sleep(Duration::from_millis(300));
-    load.finish("map migration");
+    load.finish("map migration", 1);
     let e = slots::rollback(&pin).expect_err("no rollback across a migration");
     assert!(e.to_string().contains("no datapath to roll back to"), "{e}");
     // A new process opens the migrated map with its entry.
