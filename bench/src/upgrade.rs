@@ -8,9 +8,9 @@
 //!
 //! Structure: [`measure`] runs the load around any operation and returns its rows; each
 //! operation family has one function that builds what it needs and calls [`measure`]
-//! ([`datapath_operations`]: `datapath switch`, `datapath rollback`). Another operation
-//! (`agent upgrade`, `agent restart`, `gateway swap`) is one more such function called from
-//! [`run`].
+//! ([`datapath_operations`]: `datapath switch`, `datapath rollback`;
+//! `crate::gateway_swap::run`: `gateway swap`, with its own HTTPS load). Another operation
+//! (`agent upgrade`, `agent restart`) is one more such function called from [`run`].
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -342,7 +342,9 @@ pub fn datapath_operations() -> Vec<Row> {
 
 /// Every upgrade operation this build can perform, three rows each.
 pub fn run() -> Vec<Row> {
-    // One function per operation family; `agent upgrade`, `agent restart` and `gateway
-    // swap` are added here as `rows.extend(<family>())`.
-    datapath_operations()
+    // One function per operation family; `agent upgrade` and `agent restart` are added here
+    // as `rows.extend(<family>())`.
+    let mut rows = datapath_operations();
+    rows.extend(crate::gateway_swap::run());
+    rows
 }
