@@ -153,7 +153,8 @@ fn main() -> Result<()> {
             }
             build_ebpf(true)?;
             let root = workspace_root();
-            // The agent benchmark starts the release network-agent.
+            // The agent benchmark starts the release network-agent; gateway-swap (also part of
+            // upgrade) the release cube-egress.
             let mut build = Command::new("cargo");
             build.current_dir(&root).args([
                 "build",
@@ -165,7 +166,7 @@ fn main() -> Result<()> {
                 "-p",
                 "cubenet-bench",
             ]);
-            if names.iter().any(|n| n == "gateway-swap") {
+            if names.iter().any(|n| n == "gateway-swap" || n == "upgrade") {
                 build.args(["-p", "cube-egress"]);
             }
             run(build)?;
