@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     core::{Collector, Desc},
     proto::MetricFamily,
 };
@@ -33,6 +33,10 @@ pub struct Metrics {
     pub sessions: IntGauge,
     /// `cubenet_tap_create_failures_total`.
     pub tap_create_failures: IntCounterVec,
+    /// `cubenet_tap_create_phase_seconds{phase}`: time per step of one TAP creation
+    /// (`tuntap`, `sysctl`, `link`, `neighbour` in the dataplane netns, then `attach` of
+    /// `from_cube`, `policy` for the baseline deny and `pool` for joining the pool).
+    pub tap_create_phase_seconds: HistogramVec,
 }
 
 impl Metrics {
@@ -59,6 +63,12 @@ impl Metrics {
         let tap_create_failures =
             IntCounterVec::new(Opts::new("cubenet_tap_create_failures_total", "Failed TAP creations"), &["stage"])
                 .unwrap();
+        let tap_create_phase_seconds = HistogramVec::new(
+            HistogramOpts::new("cubenet_tap_create_phase_seconds", "Time per step of one TAP creation")
+                .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]),
+            &["phase"],
+        )
+        .unwrap();
         for c in [
             Box::new(pool.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(ensure.clone()),
@@ -68,6 +78,7 @@ impl Metrics {
             Box::new(fd_handoffs.clone()),
             Box::new(sessions.clone()),
             Box::new(tap_create_failures.clone()),
+            Box::new(tap_create_phase_seconds.clone()),
         ] {
             registry.register(c).unwrap();
         }
@@ -81,6 +92,7 @@ impl Metrics {
             fd_handoffs,
             sessions,
             tap_create_failures,
+            tap_create_phase_seconds,
         }
     }
 

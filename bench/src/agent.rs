@@ -163,8 +163,38 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// Runs the agent benchmark.
-pub fn run() -> Vec<Row> {
+/// `cubenet_tap_create_phase_seconds{phase}` from the agent's `/metrics`: (phase, sum in s,
+/// count), in creation order.
+fn create_phases(a: &AgentUnderTest) -> Vec<(String, f64, f64)> {
+    let Some((200, body)) = a.http("/metrics") else { return Vec::new() };
+    let mut out: Vec<(String, f64, f64)> = Vec::new();
+    for l in body.lines() {
+        let (kind, rest) = if let Some(r) = l.strip_prefix("cubenet_tap_create_phase_seconds_sum{phase=\"") {
+            (0, r)
+        } else if let Some(r) = l.strip_prefix("cubenet_tap_create_phase_seconds_count{phase=\"") {
+            (1, r)
+        } else {
+            continue;
+        };
+        let Some((phase, v)) = rest.split_once("\"} ") else { continue };
+        let Ok(v) = v.trim().parse::<f64>() else { continue };
+        let i = match out.iter().position(|(p, ..)| p == phase) {
+            Some(i) => i,
+            None => {
+                out.push((phase.to_string(), 0.0, 0.0));
+                out.len() - 1
+            }
+        };
+        if kind == 0 { out[i].1 = v } else { out[i].2 = v }
+    }
+    const ORDER: [&str; 7] = ["tuntap", "sysctl", "link", "neighbour", "attach", "policy", "pool"];
+    out.sort_by_key(|(p, ..)| ORDER.iter().position(|o| o == p).unwrap_or(ORDER.len()));
+    out
+}
+
+/// Pool warm-up (500 TAPs from cold, with the time per creation step) and restart with 500
+/// Active sandboxes, each beside the agent's fixed startup with no pool.
+pub fn run_pool() -> Vec<Row> {
     let mut rows = Vec::new();
     // Pool warm-up: 500 TAPs from cold, beside an agent with no pool (its fixed startup).
     let mut empty = AgentUnderTest::prepare("bench-nopool", 0, "");
@@ -172,6 +202,7 @@ pub fn run() -> Vec<Row> {
     empty.start();
     let startup_s = t.elapsed().as_secs_f64();
     let idle_rss = rss_mib(agent_pid(&mut empty));
+    drop(empty);
     let mut warm = AgentUnderTest::prepare("bench-pool500", 500, "cidr = \"192.168.0.0/22\"\n");
     let t = Instant::now();
     let child = warm.spawn_script();
@@ -188,6 +219,22 @@ pub fn run() -> Vec<Row> {
         baseline: Some(("start with tap_init_num=0".into(), startup_s)),
         target: Some("<= 2 s".into()),
     });
+    let phases = create_phases(&warm);
+    let total: f64 = phases.iter().map(|(_, s, n)| if *n > 0.0 { s / n } else { 0.0 }).sum::<f64>() * 1e6;
+    for (phase, sum, n) in &phases {
+        let us = if *n > 0.0 { sum / n * 1e6 } else { 0.0 };
+        rows.push(Row {
+            bench: "agent".into(),
+            case: format!("warm-up step {phase} per TAP ({n} TAPs)"),
+            value: us,
+            spread: (us, us),
+            unit: "µs".into(),
+            baseline: Some(("all steps per TAP".into(), total)),
+            target: None,
+        });
+    }
+    let wall_us = warm_s.max(0.0) * 1e6 / 500.0;
+    eprintln!("  500 TAPs: {warm_s:.2} s wall ({wall_us:.0} µs per TAP), steps sum {total:.0} µs per TAP (per worker)");
     rows.push(Row {
         bench: "agent".into(),
         case: "agent RSS with 500 pooled TAPs".into(),
@@ -198,6 +245,52 @@ pub fn run() -> Vec<Row> {
         target: Some("<= 50 MB".into()),
     });
     drop(warm);
+
+    // Restart with 500 Active sandboxes (no pool: what is timed is adopting them).
+    let mut act = AgentUnderTest::prepare("bench-active500", 0, "cidr = \"192.168.0.0/22\"\n");
+    act.start();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = act.grpc_endpoint();
+    rt.block_on(async {
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(50));
+        let mut tasks = Vec::new();
+        for i in 0..500 {
+            let (endpoint, sem) = (endpoint.clone(), sem.clone());
+            tasks.push(tokio::spawn(async move {
+                let _p = sem.acquire().await.expect("semaphore");
+                let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+                c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: format!("act-{i}"), ..Default::default() })
+                    .await
+                    .expect("EnsureNetwork");
+            }));
+        }
+        for t in tasks {
+            t.await.expect("ensure task");
+        }
+    });
+    act.kill(nix::sys::signal::Signal::SIGKILL);
+    let t = Instant::now();
+    let child = act.spawn_script();
+    act.child = Some(child);
+    act.wait_ready(Duration::from_secs(300));
+    let restart_s = t.elapsed().as_secs_f64();
+    let adopted = act.http_json("/v1/network/taps")["stateCounts"]["Active"].as_u64().unwrap_or(0);
+    assert_eq!(adopted, 500, "every sandbox adopted after the restart");
+    rows.push(Row {
+        bench: "agent".into(),
+        case: "restart with 500 Active (start to /readyz)".into(),
+        value: restart_s,
+        spread: (restart_s, restart_s),
+        unit: "s".into(),
+        baseline: Some(("start with tap_init_num=0".into(), startup_s)),
+        target: Some("<= 1 s".into()),
+    });
+    rows
+}
+
+/// Runs the agent benchmark: [`run_pool`], then Ensure+fd and Release latency.
+pub fn run() -> Vec<Row> {
+    let mut rows = run_pool();
 
     // Create latency, warm pool vs empty pool.
     for conc in [1usize, 10, 50] {

@@ -17,7 +17,8 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale
+    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale,
+    /// agent-pool (the warm-up and restart rows of `agent` only)
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load).
@@ -62,6 +63,7 @@ fn main() -> anyhow::Result<()> {
             "throughput" => rows.extend(throughput::run(cli.rounds)),
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
+            "agent-pool" => rows.extend(agent::run_pool()),
             "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
             "agent-sessions" => {
                 // CUBENET_BENCH_SESSIONS overrides the 1,000,000 sessions (quick checks).
