@@ -182,7 +182,10 @@ fn pool_ensure_fd_arp_release_reuse() {
             .unwrap()
             .into_inner();
         assert!(rel.released);
-        assert_eq!(tap_of(&a, &i.name)["state"], "Ready");
+        // Ready after the free check, which the Release leaves to the maintenance pass it wakes.
+        wait_for("sb-a's TAP back in Ready", Duration::from_secs(5), || {
+            (tap_of(&a, &i.name)["state"] == "Ready").then(String::new)
+        });
         assert!(state_files(&a.state_dir()).is_empty());
         let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-a");
         assert_eq!(reply["errCode"], "1002");
@@ -705,7 +708,12 @@ fn released_tap_held_by_a_vmm_is_not_reused_until_closed() {
     // Scrubbed right away (no registration, no port map, no state), but not reusable.
     let t = tap_of(&a, &tap);
     assert_eq!(t["state"], "Cleaning", "{t}");
-    assert!(t["lastError"].as_str().unwrap().contains("held by another process"), "{t}");
+    // The free check runs in the maintenance pass the Release wakes, and finds the VMM.
+    wait_for("the free check finding the VMM", Duration::from_secs(5), || {
+        let t = tap_of(&a, &tap);
+        assert_eq!(t["state"], "Cleaning", "{t}");
+        t["lastError"].as_str().unwrap().contains("held by another process").then(String::new)
+    });
     assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
     assert!(!a.http_json("/v1/dataplane/sandboxes").to_string().contains("sb-held"));
     assert!(state_files(&a.state_dir()).is_empty(), "{:?}", state_files(&a.state_dir()));
@@ -761,7 +769,9 @@ fn release_keeps_the_sandbox_when_its_intent_cannot_be_written() {
     // The store works again: the retry releases for real.
     std::fs::remove_dir(&squat).unwrap();
     assert!(release(&mut c).unwrap().into_inner().released);
-    assert_eq!(tap_of(&a, &tap)["state"], "Ready");
+    wait_for("the released TAP back in Ready", Duration::from_secs(5), || {
+        (tap_of(&a, &tap)["state"] == "Ready").then(String::new)
+    });
     assert!(state_files(&a.state_dir()).is_empty(), "{:?}", state_files(&a.state_dir()));
     assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
 }

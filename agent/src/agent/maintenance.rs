@@ -148,6 +148,15 @@ impl Agent {
     /// `tap_init_num` Ready TAPs and refill it. It walks no session or link table; datapath
     /// metrics are read when `/metrics` is scraped ([`Agent::refresh_datapath_metrics`]).
     pub fn maintain(&self) {
+        self.finish_cleanups();
+        let target = self.cfg.raw.tap_init_num;
+        self.trim(target);
+        self.warm(target, self.cfg.raw.warm_parallelism);
+    }
+
+    /// Retries every Cleaning TAP no cleanup is running on: the scrub where it failed, and
+    /// the free check (one reopen) of TAPs a Release scrubbed. Returns how many went Ready.
+    pub fn finish_cleanups(&self) -> usize {
         let cleaning: Vec<String> = {
             let inner = lock(&self.inner);
             inner
@@ -157,11 +166,6 @@ impl Agent {
                 .cloned()
                 .collect()
         };
-        for n in cleaning {
-            self.cleanup_tap(&n);
-        }
-        let target = self.cfg.raw.tap_init_num;
-        self.trim(target);
-        self.warm(target, self.cfg.raw.warm_parallelism);
+        cleaning.into_iter().filter(|n| self.cleanup_tap(n)).count()
     }
 }
