@@ -421,6 +421,15 @@ mod tests {
     }
 
     #[test]
+    fn tc_attach_modes() {
+        for ok in ["auto", "tcx", "legacy"] {
+            Config::parse(&format!("tc_attach = \"{ok}\"")).unwrap().validate().unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let e = Config::parse("tc_attach = \"xdp\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("tc_attach") && e.contains("xdp"), "{e}");
+    }
+
+    #[test]
     fn cidr_math() {
         let c = Cidr::parse("192.168.0.0/24").unwrap();
         assert_eq!(c.size(), 256);
