@@ -328,10 +328,25 @@ fn other_build(dir: &Path) -> PathBuf {
     p
 }
 
-fn tmpdir(name: &str) -> PathBuf {
+/// A scratch directory for object files, removed on drop (also on panic).
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmpdir(name: &str) -> TmpDir {
     let d = std::env::temp_dir().join(format!("cubenet-upgrade-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TmpDir(d)
 }
 
 #[test]
@@ -342,7 +357,8 @@ fn switch_and_rollback_under_load() {
     let n = setup();
     let pin = n.pin_dir();
     assert_links_on(&pin, 0);
-    let next = other_build(&tmpdir("switch"));
+    let tmp1 = tmpdir("switch");
+    let next = other_build(tmp1.path());
     let loaded = slots::load_standby(&pin, &next).expect("load standby");
     assert_eq!(loaded.slot, 1);
     assert!(loaded.selftest.passed());
@@ -376,7 +392,8 @@ fn broken_object_fails_selftest_and_changes_nothing() {
     let n = setup();
     let pin = n.pin_dir();
     let before = slots::status(&pin).unwrap();
-    let broken = broken_object(&tmpdir("broken"));
+    let tmp2 = tmpdir("broken");
+    let broken = broken_object(tmp2.path());
     let load = Load::start(&n, 7102);
     let err = slots::load_standby(&pin, &broken).expect_err("the broken object must fail its self-test");
     let msg = err.to_string();
@@ -458,7 +475,8 @@ fn restart_with_new_object_replaces_programs_and_removes_duplicates() {
     let load = Load::start(&n, 7103);
     std::thread::sleep(Duration::from_millis(300));
     drop(n.dp.take());
-    let next = other_build(&tmpdir("restart"));
+    let tmp3 = tmpdir("restart");
+    let next = other_build(tmp3.path());
     let dp = Datapath::load(opts(&n.bpffs, next)).expect("restart with the new build");
     let dp = attach_all(&n.thread, dp, n.veth.node_if.clone());
     n.dp = Some(dp);
@@ -475,7 +493,8 @@ fn restart_with_new_object_replaces_programs_and_removes_duplicates() {
     // A restart with the same build reuses the active slot: no replacement.
     let before: Vec<u32> = slots::status(&pin).unwrap().attach.iter().map(|a| a.program_id).collect();
     drop(n.dp.take());
-    let dp = Datapath::load(opts(&n.bpffs, other_build(&tmpdir("restart")))).expect("same build");
+    let tmp4 = tmpdir("restart");
+    let dp = Datapath::load(opts(&n.bpffs, other_build(tmp4.path()))).expect("same build");
     assert_eq!(dp.slot(), Some(1));
     let after: Vec<u32> = slots::status(&pin).unwrap().attach.iter().map(|a| a.program_id).collect();
     assert_eq!(before, after);
@@ -515,7 +534,8 @@ fn concurrent_switch_one_wins() {
     let n = setup();
     let pin = n.pin_dir();
     let cli = workspace_bin("cubenet-cli");
-    let next = other_build(&tmpdir("concurrent"));
+    let tmp5 = tmpdir("concurrent");
+    let next = other_build(tmp5.path());
     let out = std::process::Command::new(&cli)
         .args(["datapath", "--bpffs-dir"])
         .arg(&pin)
@@ -609,7 +629,8 @@ fn switch_drops_pins_of_deleted_interfaces() {
     let link_pin = pin.join("links").join(format!("from_cube_{ifindex}"));
     assert!(link_pin.exists());
     n.topo.node.ip(&["link", "del", &name]);
-    slots::load_standby(&pin, &other_build(&tmpdir("enolink"))).expect("load");
+    let tmp6 = tmpdir("enolink");
+    slots::load_standby(&pin, &other_build(tmp6.path())).expect("load");
     // The defunct link (ENOLINK on update) loses its pin; every live link switches.
     assert_eq!(slots::switch(&pin).expect("switch with a defunct link"), 1);
     assert!(!link_pin.exists(), "pin of the deleted interface removed");
