@@ -54,6 +54,7 @@ fn mapping(m: &PortMapping) -> cubevs::PortMapping {
 
 impl CubeVsDataplane {
     /// Loads the object (`object`, `None` = `cubevs::default_object_path()`) with `config`,
+    /// attaching programs as `attach` says,
     /// creating or adopting the pinned maps under `bpffs_dir`; pinned links are adopted by
     /// later attaches. Each sandbox may hold `policy_entries_per_sandbox` entries per policy
     /// list (the tries are sized from it). Starts the session reaper (every `reaper_interval`).
@@ -61,6 +62,7 @@ impl CubeVsDataplane {
         host: Arc<NetnsHost>,
         object: Option<PathBuf>,
         config: DatapathConfig,
+        attach: cubevs::AttachMode,
         bpffs_dir: PathBuf,
         reaper_interval: Duration,
         policy_entries_per_sandbox: u32,
@@ -71,6 +73,7 @@ impl CubeVsDataplane {
             opts.object = o;
         }
         opts.config = config;
+        opts.attach_mode = attach;
         opts.pin_dir = Some(bpffs_dir);
         let dp = Datapath::load(opts).map_err(err)?;
         let maps = dp.maps();

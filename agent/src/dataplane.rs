@@ -298,7 +298,7 @@ pub struct FakeDataplane {
     pub infra: Mutex<Vec<(String, Ipv4Addr)>>,
     /// When set, `register_sandbox` fails (to test rollback).
     pub fail_register: std::sync::atomic::AtomicBool,
-    /// When set, `delete_port_mappings_of` fails (to test cleanup retries).
+    /// When set, `delete_port_mapping` and `delete_port_mappings_of` fail (to test cleanup retries).
     pub fail_delete_ports: std::sync::atomic::AtomicBool,
     /// When set, policy writes (`replace_policy`, `install_default_deny`) fail as they do when
     /// the policy tries are full; `remove_policy` still works.
@@ -366,6 +366,9 @@ impl Dataplane for FakeDataplane {
         self.tables.lock().unwrap().add_port(m)
     }
     fn delete_port_mapping(&self, m: &PortMapping) -> Result<(), DataplaneError> {
+        if self.fail_delete_ports.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected delete failure".into()));
+        }
         self.tables.lock().unwrap().delete_port(m);
         Ok(())
     }
