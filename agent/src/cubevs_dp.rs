@@ -25,6 +25,8 @@ pub struct CubeVsDataplane {
     datapath: Arc<Mutex<Datapath>>,
     maps: Arc<Maps>,
     reaper: Reaper,
+    /// `MapLimits::sandboxes` the maps were loaded with.
+    max_interfaces: usize,
 }
 
 impl std::fmt::Debug for CubeVsDataplane {
@@ -75,10 +77,11 @@ impl CubeVsDataplane {
         opts.config = config;
         opts.attach_mode = attach;
         opts.pin_dir = Some(bpffs_dir);
+        let max_interfaces = opts.limits.sandboxes as usize;
         let dp = Datapath::load(opts).map_err(err)?;
         let maps = dp.maps();
         let reaper = Reaper::spawn(maps.sessions.clone(), reaper_interval, Default::default());
-        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper })
+        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper, max_interfaces })
     }
 
     fn on_thread<R: Send + 'static>(
@@ -96,6 +99,10 @@ impl CubeVsDataplane {
 }
 
 impl Dataplane for CubeVsDataplane {
+    fn max_interfaces(&self) -> usize {
+        self.max_interfaces
+    }
+
     fn attach_sandbox(&self, ifname: &str) -> Result<u32, DataplaneError> {
         let n = ifname.to_string();
         self.on_thread(move |dp| dp.attach_sandbox(&n))

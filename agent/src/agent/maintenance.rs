@@ -26,10 +26,22 @@ impl Agent {
     }
 
     fn create_tap_inner(&self, owner: Option<&str>) -> Result<String, AgentError> {
-        let ip = lock(&self.inner)
-            .ipam
-            .allocate()
-            .ok_or_else(|| AgentError::Exhausted(format!("no free address in {}", self.cfg.cidr)))?;
+        let ip = {
+            let mut inner = lock(&self.inner);
+            // Every allocated address is a TAP (pooled or being created): the datapath's
+            // interface capacity bounds them, checked in the same critical section as the
+            // allocation so concurrent creations cannot overshoot it.
+            let max = self.dp.max_interfaces();
+            if inner.ipam.in_use() >= max {
+                return Err(AgentError::Exhausted(format!(
+                    "the datapath holds at most {max} sandbox interfaces and all are in use"
+                )));
+            }
+            inner
+                .ipam
+                .allocate()
+                .ok_or_else(|| AgentError::Exhausted(format!("no free address in {}", self.cfg.cidr)))?
+        };
         let name = tap_name(ip);
         let phase = |p: &str, d: Duration| {
             self.metrics.tap_create_phase_seconds.with_label_values(&[p]).observe(d.as_secs_f64())

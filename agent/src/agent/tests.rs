@@ -344,3 +344,26 @@ fn reconcile_flushes_only_when_the_policy_tightens() {
     assert!(e.contains("cubevs_context.allow_out") && e.contains("1024"), "{e}");
     assert_eq!(f.dp.policy(v0.record.tap_ifindex).unwrap(), before);
 }
+
+#[test]
+fn taps_never_outnumber_the_datapath_interfaces() {
+    let f = fixture("capacity");
+    f.dp.interface_limit.store(3, std::sync::atomic::Ordering::Relaxed);
+    f.agent.recover().unwrap();
+    assert_eq!(f.agent.warm(2, 2), 2);
+    f.agent.set_started();
+    for id in ["sb-1", "sb-2", "sb-3"] {
+        f.agent.ensure(EnsureRequest { sandbox_id: id.into(), ..Default::default() }).unwrap();
+    }
+    // A refill wants two more Ready TAPs; none may be created past the limit.
+    f.agent.warm(2, 2);
+    let total: usize = f.agent.pool_counts().values().sum();
+    assert_eq!(total, 3, "{:?}", f.agent.pool_counts());
+    let e = f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap_err();
+    assert!(matches!(&e, AgentError::Exhausted(m) if m.contains("at most 3")), "{e}");
+    assert!(matches!(f.agent.get("sb-4"), Err(AgentError::NotFound(_))), "nothing left of the refused Ensure");
+    // A Release frees the interface for the next sandbox.
+    assert!(f.agent.release("sb-1").unwrap());
+    f.agent.finish_cleanups();
+    f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap();
+}
