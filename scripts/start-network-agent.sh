@@ -16,6 +16,12 @@
 #   NETWORK_AGENT_CONFIG     TOML config file (optional; every key has a default)
 #   NETWORK_AGENT_BIN        agent binary (default: network-agent next to this script's
 #                            target/release or target/debug build, else on PATH)
+#   NETWORK_AGENT_HANDOVER_SOCKET  live upgrade: the agent's hand-over socket (optional,
+#                            `--handover-socket`); a new agent started while one runs there
+#                            takes its listeners and TAP fds over instead of binding afresh.
+#                            To upgrade, run this script again with the new NETWORK_AGENT_BIN
+#                            and the same socket while the old agent runs: the old one hands
+#                            over and exits by itself (README "Live upgrade")
 #   NETWORK_AGENT_ARGS       extra flags for the agent (word-split), e.g. "--tap-init-num 8"
 #   NETWORK_AGENT_LOG_FILE   append the agent's log here instead of stderr (optional); its
 #                            directory is waited for (a missing log volume is an error, never
@@ -48,6 +54,9 @@ args=()
 if [[ -n "${NETWORK_AGENT_CONFIG:-}" ]]; then
   [[ -r "$NETWORK_AGENT_CONFIG" ]] || die "config $NETWORK_AGENT_CONFIG is not readable"
   args+=(--config "$NETWORK_AGENT_CONFIG")
+fi
+if [[ -n "${NETWORK_AGENT_HANDOVER_SOCKET:-}" ]]; then
+  args+=(--handover-socket "$NETWORK_AGENT_HANDOVER_SOCKET")
 fi
 if [[ -n "${NETWORK_AGENT_ARGS:-}" ]]; then
   read -r -a extra <<<"$NETWORK_AGENT_ARGS"

@@ -7,6 +7,7 @@
 //! - `locks`: the per-sandbox lock map;
 //! - `recovery`: startup reconciliation of state files, TAPs and maps;
 //! - `maintenance`: TAP creation, pool refill and trim, the maintenance pass;
+//! - `transfer`: the pool as a live-upgrade hand-over sends it;
 //! - this file: the types, the [`Agent`] and its read-only views.
 //!
 //! Locking: one per-sandbox mutex serialises Ensure/Release/Reconcile of an id (concurrent
@@ -41,6 +42,7 @@ mod maintenance;
 pub mod pool;
 mod recovery;
 mod service;
+mod transfer;
 
 use locks::SandboxLocks;
 pub use pool::TapState;

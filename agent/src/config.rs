@@ -111,6 +111,26 @@ pub struct Config {
     pub cube_egress_admin_url: String,
     /// Timeout of one push to the gateway, in milliseconds (default 2000, 1..60000).
     pub cube_egress_push_timeout_ms: u64,
+    /// Unix socket of the live upgrade hand-over (`crate::handover`; default empty = off). The
+    /// agent listens there (0600, peer uid checked); a new agent started with the same key
+    /// first asks the running one for its listeners and TAP fds instead of binding afresh.
+    pub handover_socket: PathBuf,
+    /// What the old agent does once it handed over and finished its in-flight requests:
+    /// `exit` (default, status 0) or `wait` (close every TAP fd and listener it still holds,
+    /// then stay idle until SIGTERM/SIGINT: for supervisors that restart a process that
+    /// exits, such as a Kubernetes container with `restartPolicy: Always`).
+    pub after_handover: AfterHandover,
+}
+
+/// The `after_handover` key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterHandover {
+    /// Exit with status 0.
+    #[default]
+    Exit,
+    /// Hold nothing and wait for SIGTERM/SIGINT.
+    Wait,
 }
 
 impl Default for Config {
@@ -144,6 +164,8 @@ impl Default for Config {
             flush_sessions_on_policy_tighten: true,
             cube_egress_admin_url: "http://127.0.0.1:9091".into(),
             cube_egress_push_timeout_ms: 2000,
+            handover_socket: PathBuf::new(),
+            after_handover: AfterHandover::Exit,
         }
     }
 }
@@ -318,6 +340,16 @@ impl Config {
         if self.state_dir.as_os_str().is_empty() {
             return Err(invalid("state_dir", "must not be empty"));
         }
+        if !self.handover_socket.as_os_str().is_empty() {
+            let h = &self.handover_socket;
+            if !h.is_absolute() {
+                return Err(invalid("handover_socket", format!("{} is not an absolute path", h.display())));
+            }
+            let grpc = self.grpc_listen.strip_prefix("unix://").map(std::path::Path::new);
+            if h == &self.tap_fd_listen || grpc == Some(h.as_path()) {
+                return Err(invalid("handover_socket", "must differ from tap_fd_listen and grpc_listen"));
+            }
+        }
         if self.bpffs_dir.as_os_str().is_empty() {
             return Err(invalid("bpffs_dir", "must not be empty"));
         }
@@ -418,6 +450,20 @@ mod tests {
                 .validate()
                 .unwrap_or_else(|e| panic!("{ok}: {e}"));
         }
+    }
+
+    #[test]
+    fn handover_keys_are_checked() {
+        let e = Config::parse("handover_socket = \"rel.sock\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`handover_socket`") && e.contains("absolute"), "{e}");
+        let same = "handover_socket = \"/tmp/cube/network-agent-tap.sock\"";
+        let e = Config::parse(same).unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`handover_socket`"), "{e}");
+        let ok = Config::parse("handover_socket = \"/run/cube/handover.sock\"\nafter_handover = \"wait\"").unwrap();
+        assert_eq!(ok.after_handover, AfterHandover::Wait);
+        assert!(ok.validate().is_ok());
+        let e = Config::parse("after_handover = \"later\"").unwrap_err();
+        assert!(e.contains("after_handover"), "{e}");
     }
 
     #[test]

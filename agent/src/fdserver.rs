@@ -11,7 +11,7 @@
 //! Each connection is its own task with a 1 s read deadline and a 1 s write deadline, so a
 //! slow or silent client cannot hold up others.
 
-use std::{os::fd::AsRawFd, path::Path, sync::Arc, time::Duration};
+use std::{os::fd::AsRawFd, sync::Arc, time::Duration};
 
 use sendfd::SendWithFd;
 use serde::Deserialize;
@@ -71,15 +71,6 @@ pub async fn handle_conn(stream: UnixStream, agent: Arc<Agent>) {
     if let Err(e) = handle(stream, agent).await {
         tracing::debug!("fd client: {e}");
     }
-}
-
-/// Binds the Unix socket at `path`, creating its directory and removing a stale socket.
-pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    let _ = std::fs::remove_file(path);
-    tokio::net::UnixListener::bind(path)
 }
 
 async fn read_request(stream: &mut UnixStream) -> Result<Vec<u8>, ()> {

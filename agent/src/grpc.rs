@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::{
     agent::{Agent, AgentError, EnsureRequest, NetworkView, parse_port_request},
     dataplane::EgressPolicy,
+    handover::{Entry, MutationGate},
     state::SandboxRecord,
 };
 use cubevs::policy::FqdnAllow;
@@ -21,13 +22,53 @@ use cubevs::policy::FqdnAllow;
 #[derive(Clone, Debug)]
 pub struct Service {
     agent: Arc<Agent>,
+    /// Mutations (Ensure, Release, Reconcile) enter it; see `crate::handover`.
+    gate: Arc<MutationGate>,
 }
 
 impl Service {
     /// A tonic server for `agent`.
     pub fn server(agent: Arc<Agent>) -> NetworkAgentServer<Self> {
-        NetworkAgentServer::new(Self { agent })
+        Self::server_with_gate(agent, Arc::default())
     }
+
+    /// A tonic server for `agent` whose mutations pass `gate` (live upgrade hand-over).
+    pub fn server_with_gate(agent: Arc<Agent>, gate: Arc<MutationGate>) -> NetworkAgentServer<Self> {
+        NetworkAgentServer::new(Self { agent, gate })
+    }
+}
+
+/// Sends `$req` to the successor agent at `$ep` (`$call` of its client) and returns its answer.
+macro_rules! forward {
+    ($ep:expr, $req:ident, $call:ident) => {{
+        tracing::info!(call = stringify!($call), "forwarded to the successor agent");
+        let mut c = crate::client::connect(&$ep)
+            .await
+            .map_err(|e| Status::unavailable(format!("forward to the successor agent: {e:#}")))?;
+        return c.$call(Request::new($req.into_inner())).await;
+    }};
+}
+
+/// Mutations: runs `$call` on the successor when the gate says the state moved there; else
+/// yields the gate guard to hold while mutating here (waits while a hand-over is running).
+macro_rules! gate_or_forward {
+    ($self:ident, $req:ident, $call:ident) => {
+        match $self.gate.enter().await {
+            Entry::Here(g) => g,
+            Entry::Forward(ep) => forward!(ep, $req, $call),
+            Entry::Gone => return Err(Status::unavailable("this agent handed over to its successor")),
+        }
+    };
+}
+
+/// Reads: answered here (also while a hand-over runs: nothing mutates then) unless the state
+/// already belongs to the successor, which then answers.
+macro_rules! read_or_forward {
+    ($self:ident, $req:ident, $call:ident) => {
+        if let Some(ep) = $self.gate.successor() {
+            forward!(ep, $req, $call)
+        }
+    };
 }
 
 /// gRPC status of an agent error: the field is named in the message of INVALID_ARGUMENT.
@@ -194,6 +235,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::EnsureNetworkRequest>,
     ) -> Result<Response<pb::EnsureNetworkResponse>, Status> {
+        let _gate = gate_or_forward!(self, req, ensure_network);
         let r = req.into_inner();
         let er = EnsureRequest {
             sandbox_id: r.sandbox_id,
@@ -210,6 +252,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::ReleaseNetworkRequest>,
     ) -> Result<Response<pb::ReleaseNetworkResponse>, Status> {
+        let _gate = gate_or_forward!(self, req, release_network);
         let r = req.into_inner();
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();
@@ -222,6 +265,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::ReconcileNetworkRequest>,
     ) -> Result<Response<pb::ReconcileNetworkResponse>, Status> {
+        let _gate = gate_or_forward!(self, req, reconcile_network);
         let r = req.into_inner();
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();
@@ -246,6 +290,7 @@ impl NetworkAgent for Service {
         &self,
         req: Request<pb::GetNetworkRequest>,
     ) -> Result<Response<pb::GetNetworkResponse>, Status> {
+        read_or_forward!(self, req, get_network);
         let r = req.into_inner();
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();
@@ -264,8 +309,9 @@ impl NetworkAgent for Service {
 
     async fn list_networks(
         &self,
-        _req: Request<pb::ListNetworksRequest>,
+        req: Request<pb::ListNetworksRequest>,
     ) -> Result<Response<pb::ListNetworksResponse>, Status> {
+        read_or_forward!(self, req, list_networks);
         let agent = self.agent.clone();
         let list = blocking(move || Ok(agent.list())).await?;
         Ok(Response::new(pb::ListNetworksResponse {
@@ -283,7 +329,8 @@ impl NetworkAgent for Service {
         }))
     }
 
-    async fn health(&self, _req: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+    async fn health(&self, req: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        read_or_forward!(self, req, health);
         let (ok, status) = match self.agent.readiness() {
             Ok(()) => (true, "ok".to_string()),
             Err(e) => (false, e),

@@ -1,6 +1,7 @@
 //! `network-agent`: the per-node CubeNet daemon. See the README's network-agent section.
 
 use std::{
+    collections::HashMap,
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant},
@@ -12,16 +13,17 @@ use cubenet_sys::netns::Netns;
 use cubevs_common::DatapathConfig;
 use network_agent::{
     agent::Agent,
-    config::Config,
+    config::{AfterHandover, Config},
     cubevs_dp::CubeVsDataplane,
     dataplane::{Dataplane, SnatIp},
     fdserver, grpc,
+    handover::{self, Entry, MutationGate},
     host::{HostParams, NetnsHost},
     http,
+    listeners::{self, Acceptors, Endpoint, GrpcListener, InFlight, Listeners, parse_endpoint, until_stopped},
     state::StateStore,
     uds_authority::NormalizeAuthority,
 };
-use tokio::net::UnixListener;
 use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
 
 /// Command line: `--config PATH`; every other flag overrides the config key of the same name.
@@ -67,6 +69,9 @@ struct Args {
     /// Overrides `host_port_range`.
     #[arg(long)]
     host_port_range: Option<String>,
+    /// Overrides `handover_socket`.
+    #[arg(long)]
+    handover_socket: Option<PathBuf>,
     /// Check the configuration and exit.
     #[arg(long)]
     check_config: bool,
@@ -89,7 +94,8 @@ fn apply(mut c: Config, a: &Args) -> Config {
         bpffs_dir,
         bpf_object,
         state_dir,
-        host_port_range
+        host_port_range,
+        handover_socket
     );
     if let Some(v) = a.mtu {
         c.mtu = v;
@@ -215,13 +221,42 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         Ok(())
     })?;
 
+    // Live upgrade: ask a running agent for its listeners and TAP fds (handover/). Any
+    // failure before READY leaves the old agent serving; this process exits.
+    let mut handover_conn = None;
+    let mut adopted_listeners = None;
+    let mut received = HashMap::new();
+    if !raw.handover_socket.as_os_str().is_empty() {
+        let sock = &raw.handover_socket;
+        match handover::begin(sock).with_context(|| format!("hand-over socket {}", sock.display()))? {
+            None => tracing::info!(socket = %sock.display(), "no running agent to take over from: fresh start"),
+            Some(conn) => {
+                let (listeners, taps) = step("receive hand-over", || {
+                    let (m, fds) = handover::recv_offer(&conn)?;
+                    let (l, taps) = handover::split_offer(m, fds)?;
+                    // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
+                    Ok((Listeners::adopt(raw, l)?, taps))
+                })?;
+                tracing::info!(taps = taps.len(), "received listeners and TAP fds from the running agent");
+                adopted_listeners = Some(listeners);
+                received = taps;
+                handover_conn = Some(conn);
+            }
+        }
+    }
+
+    let listeners = match adopted_listeners {
+        Some(l) => l,
+        None => step("bind listeners", || Listeners::bind(raw))?,
+    };
+
     // 4. State and recovery.
     let agent = step("recover", || {
         let store =
             StateStore::open(&raw.state_dir).with_context(|| format!("state dir {}", raw.state_dir.display()))?;
         let agent = Arc::new(Agent::new(cfg.clone(), host.clone(), dp.clone() as Arc<dyn Dataplane>, store));
         agent.metrics.register_datapath(dp.clone() as Arc<dyn Dataplane>)?;
-        let s = agent.recover()?;
+        let s = agent.recover_with(received)?;
         tracing::info!(?s, "recovered");
         match dp.gc_link_pins() {
             Ok(gone) if !gone.is_empty() => tracing::info!(?gone, "removed link pins of vanished interfaces"),
@@ -230,16 +265,24 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         }
         Ok(agent)
     })?;
+    if let Some(conn) = handover_conn.take() {
+        // The state is ours once the previous agent reads READY; it stops accepting and says
+        // STOPPED, then this one starts accepting (connections wait in the shared backlog).
+        step("hand-over commit", || Ok(handover::commit(&conn)?))?;
+        tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
+    }
 
-    // 5. Health first, then gRPC and the fd socket.
-    let health = step("health listener", || {
-        let l = std::net::TcpListener::bind(&raw.health_listen)
-            .with_context(|| format!("bind health_listen {}", raw.health_listen))?;
-        l.set_nonblocking(true)?;
-        Ok(tokio::net::TcpListener::from_std(l)?)
-    })?;
-    let health_task = tokio::spawn(http::serve(health, agent.clone()));
+    // 5. Listeners (adopted from the previous agent, or bound before recovery: a second agent
+    //    on the same sockets stops there, before it changes anything); health first, then
+    //    gRPC and the fd socket.
+    let Listeners { grpc: grpc_listener, tap_fd: fd_listener, health, for_handover } = listeners;
+    // Every accept loop can be stopped for a hand-over (listeners.rs).
+    let acceptors = Acceptors::default();
+    let mut health_task = tokio::spawn(until_stopped(acceptors.token(), http::serve(health, agent.clone())));
     // CubeEgress push client (egress_sync.rs): before gRPC serves, so no Ensure skips it.
+    // Its loop stops when this agent hands over: a stale full sync must not undo the
+    // successor's pushes (the successor starts with a full sync of its own).
+    let mut egress_loop = None;
     if !raw.cube_egress_admin_url.is_empty() {
         let timeout = std::time::Duration::from_millis(raw.cube_egress_push_timeout_ms);
         let sync = network_agent::egress_sync::EgressSync::new(
@@ -250,7 +293,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         )
         .map_err(anyhow::Error::msg)?;
         agent.set_egress_sync(sync.clone());
-        tokio::spawn(sync.run(Arc::downgrade(&agent)));
+        egress_loop = Some(tokio::spawn(sync.run(Arc::downgrade(&agent))));
     }
 
     // grpc.health.v1 ("" and the NetworkAgent service) follows readiness: SERVING only while
@@ -273,36 +316,33 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             }
         }
     });
-    let router =
-        tonic::transport::Server::builder().add_service(health_svc).add_service(grpc::Service::server(agent.clone()));
+    let gate = Arc::new(MutationGate::default());
+    let router = tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(grpc::Service::server_with_gate(agent.clone(), gate.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stop = stop_rx.clone();
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let grpc_task = match parse_endpoint(&raw.grpc_listen)? {
-        Endpoint::Unix(p) => {
-            let l = step("grpc listener", || {
-                if let Some(d) = p.parent() {
-                    std::fs::create_dir_all(d)?;
-                }
-                let _ = std::fs::remove_file(&p);
-                UnixListener::bind(&p).with_context(|| format!("bind {}", p.display()))
-            })?;
+    let grpc_task = match grpc_listener {
+        GrpcListener::Unix(l) => {
             // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
             let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            let incoming = listeners::incoming(incoming, acceptors.token());
             tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
-        Endpoint::Tcp(addr) => {
-            let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("bind {addr}"))?;
-            tokio::spawn(async move {
-                router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), shutdown).await
-            })
+        GrpcListener::Tcp(l) => {
+            let incoming = listeners::incoming(tokio_stream::wrappers::TcpListenerStream::new(l), acceptors.token());
+            tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
     };
-    let fd_listener = step("fd listener", || Ok(fdserver::bind(&raw.tap_fd_listen)?))?;
     let fd_agent = agent.clone();
-    let fd_task = tokio::spawn(async move {
+    // fd requests in flight, waited for after a hand-over.
+    let fd_inflight = InFlight::default();
+    let fd_token_src = fd_inflight.token_source();
+    let fd_token = acceptors.token();
+    let fd_task = tokio::spawn(until_stopped(fd_token, async move {
         loop {
             let stream = match fd_listener.accept().await {
                 Ok((s, _)) => s,
@@ -313,27 +353,68 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                     continue;
                 }
             };
-            let a = fd_agent.clone();
-            tokio::spawn(fdserver::handle_conn(stream, a));
+            let (a, t) = (fd_agent.clone(), fd_token_src.token());
+            tokio::spawn(async move {
+                fdserver::handle_conn(stream, a).await;
+                drop(t);
+            });
         }
-    });
+    }));
     agent.set_started();
     tracing::info!(ms = t_all.elapsed().as_secs_f64() * 1e3, "serving; warming the TAP pool in the background");
 
-    // 6. Pool warm-up and maintenance, off the async workers.
+    // The hand-over socket for the next upgrade (replaces the previous agent's path).
+    let (handed_tx, mut handed_rx) = tokio::sync::oneshot::channel::<()>();
+    if !raw.handover_socket.as_os_str().is_empty() {
+        let l = step("hand-over listener", || {
+            let l = handover::bind(&raw.handover_socket)
+                .with_context(|| format!("bind handover_socket {}", raw.handover_socket.display()))?;
+            l.set_nonblocking(true)?;
+            Ok(tokio::net::UnixListener::from_std(l)?)
+        })?;
+        let (a, g, fds, ep) = (agent.clone(), gate.clone(), Arc::new(for_handover), raw.grpc_listen.clone());
+        let stop: handover::StopAccepting = Box::new(move || {
+            Box::pin(async move {
+                acceptors.stop().await;
+                if let Some(t) = egress_loop {
+                    t.abort();
+                    let _ = t.await;
+                }
+            })
+        });
+        tokio::spawn(async move {
+            handover::serve(l, a, g, fds, ep, stop).await;
+            let _ = handed_tx.send(());
+        });
+    } else {
+        drop(for_handover);
+        std::mem::forget(handed_tx);
+    }
+
+    // 6. Pool warm-up and maintenance, off the async workers; each pass enters the mutation
+    //    gate, and none runs once the state was handed to a successor.
     let m_agent = agent.clone();
     let interval = Duration::from_secs(raw.maintenance_interval_secs);
     let target = raw.tap_init_num;
     let par = raw.warm_parallelism;
+    let m_gate = gate.clone();
     tokio::spawn(async move {
         let a = m_agent.clone();
         let t = Instant::now();
-        let made = tokio::task::spawn_blocking(move || a.warm(target, par)).await.unwrap_or(0);
+        let made = match m_gate.enter().await {
+            Entry::Here(_g) => tokio::task::spawn_blocking(move || a.warm(target, par)).await.unwrap_or(0),
+            _ => return,
+        };
         tracing::info!(created = made, target, ms = t.elapsed().as_secs_f64() * 1e3, "TAP pool warm");
         loop {
             let _ = tokio::time::timeout(interval, m_agent.kick.notified()).await;
             let a = m_agent.clone();
-            let _ = tokio::task::spawn_blocking(move || a.maintain()).await;
+            match m_gate.enter().await {
+                Entry::Here(_g) => {
+                    let _ = tokio::task::spawn_blocking(move || a.maintain()).await;
+                }
+                _ => return,
+            }
         }
     });
 
@@ -342,31 +423,50 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping (datapath, TAPs and pins stay)"),
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping (datapath, TAPs and pins stay)"),
-        r = health_task => bail!("health server stopped: {r:?}"),
+        _ = &mut handed_rx => tracing::info!("handed over: no longer accepting; finishing in-flight requests"),
+        r = &mut health_task => match r {
+            // Stopped for a hand-over that is committing.
+            Ok(None) => {
+                let _ = (&mut handed_rx).await;
+                tracing::info!("handed over: no longer accepting; finishing in-flight requests");
+            }
+            r => bail!("health server stopped: {r:?}"),
+        },
     }
+    // Stop accepting everywhere; gRPC finishes in-flight calls (forwarded ones included).
     let _ = stop_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(5), grpc_task).await;
     fd_task.abort();
+    health_task.abort();
+    // After a hand-over, forwarded calls may take longer than a plain stop allows.
+    let grace = Duration::from_secs(if gate.handed_over() { 10 } else { 5 });
+    let _ = tokio::time::timeout(grace, grpc_task).await;
+    if gate.sockets_shared() && !gate.handed_over() {
+        // Stopped while an offer was out: the successor may already serve on these sockets.
+        tracing::info!("stopped during a hand-over: the socket files are left to the successor");
+        return Ok(());
+    }
+    if gate.handed_over() {
+        // In-flight fd and HTTP requests finish within their deadlines; the socket files
+        // belong to the successor now.
+        if !fd_inflight.drained(fdserver::DEADLINE * 2).await {
+            tracing::warn!("fd requests still in flight after their deadlines");
+        }
+        // Health requests the old agent accepted take milliseconds (not tracked).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if raw.after_handover == AfterHandover::Wait {
+            let n = agent.close_tap_fds();
+            tracing::info!(closed = n, "handed over: holding no TAP or listener; idle until SIGTERM/SIGINT");
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        tracing::info!("handed over: exiting");
+        return Ok(());
+    }
     if let Endpoint::Unix(p) = parse_endpoint(&raw.grpc_listen)? {
         let _ = std::fs::remove_file(p);
     }
     let _ = std::fs::remove_file(&raw.tap_fd_listen);
     Ok(())
-}
-
-enum Endpoint {
-    Unix(PathBuf),
-    Tcp(String),
-}
-
-/// `unix://path`, `tcp://host:port` or `host:port` (`reference/upstream.md §1.1`).
-fn parse_endpoint(s: &str) -> anyhow::Result<Endpoint> {
-    if let Some(p) = s.strip_prefix("unix://") {
-        return Ok(Endpoint::Unix(PathBuf::from(p)));
-    }
-    let hp = s.strip_prefix("tcp://").unwrap_or(s);
-    if hp.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()) {
-        return Ok(Endpoint::Tcp(hp.to_string()));
-    }
-    bail!("config key `grpc_listen`: {s:?} is not unix://PATH, tcp://HOST:PORT or HOST:PORT")
 }

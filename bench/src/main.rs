@@ -11,6 +11,7 @@ mod report;
 mod scale;
 mod throughput;
 mod upgrade;
+mod upgrade_agent;
 
 use std::path::PathBuf;
 
@@ -24,7 +25,7 @@ struct Cli {
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
-    /// upgrade: datapath switch/rollback under load).
+    /// upgrade: datapath switch/rollback, agent upgrade/restart and gateway swap under load).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -147,7 +148,10 @@ and CA; it prints its own table (see the CubeEgress section of the README).\n\
 stream, ~1,000 new connections/s (connect, 1-byte echo, close) and a 1 ms ping to a world namespace; resets = \
 ECONNRESET/EPIPE seen by guest or world, max gap = longest interval without a ping reply or stream bytes within \
 +-0.5 s of the operation (the 1 ms ping interval is the floor). Baseline: the same figures over an equally long \
-window of the same load just before the operation, with no operation.\n\n\
+window of the same load just before the operation, with no operation. `agent upgrade` (a live hand-over to a copy \
+of the release agent binary, until the old agent exited) and `agent restart` (kill -9 + restart until /readyz) run \
+the same load from a kernel guest whose frames a relay thread carries to and from the TAP fd the agent handed out \
+(the guest's namespace plays the microVM, the relay the VMM), so the relay's hop is in both windows.\n\n\
 ## Targets and misses (causes)\n\n\
 - established egress <= 150 ns/pkt: missed. About 240 ns is `bpf_fib_lookup` (the next hop must come from the \
 kernel FIB, never a configured gateway MAC), the rest is two hash lookups (sandbox metadata, session), array lookups and two \

@@ -342,9 +342,9 @@ pub fn datapath_operations() -> Vec<Row> {
 
 /// Every upgrade operation this build can perform, three rows each.
 pub fn run() -> Vec<Row> {
-    // One function per operation family; `agent upgrade` and `agent restart` are added here
-    // as `rows.extend(<family>())`.
+    // One function per operation family.
     let mut rows = datapath_operations();
+    rows.extend(crate::upgrade_agent::agent_operations());
     rows.extend(crate::gateway_swap::run());
     rows
 }

@@ -162,6 +162,17 @@ impl Tap {
     }
 }
 
+/// Name of the TAP a queue fd is attached to (`TUNGETIFF`), for checking fds received from
+/// another process (agent hand-over) without reopening anything. Errors: `EBADFD` for a
+/// detached queue, `EINVAL`/`ENOTTY` for an fd that is not a TUN/TAP queue.
+pub fn attached_name(fd: BorrowedFd<'_>) -> io::Result<String> {
+    let mut req = IfReqFlags { name: [0; libc::IFNAMSIZ], flags: 0, _pad: [0; 22] };
+    // SAFETY: TUNGETIFF fills a struct ifreq, which `req` is laid out as.
+    check(unsafe { libc::ioctl(fd.as_raw_fd(), TUNGETIFF, &mut req) }, "TUNGETIFF")?;
+    // SAFETY: the kernel NUL-terminates ifr_name (IFNAMSIZ includes the NUL).
+    Ok(unsafe { CStr::from_ptr(req.name.as_ptr()) }.to_string_lossy().into_owned())
+}
+
 impl AsFd for Tap {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()

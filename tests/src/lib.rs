@@ -14,7 +14,8 @@
 //! - [`servers`]: TCP/HTTP and UDP echo servers bound inside a namespace.
 //! - [`bpffs::BpfFs`]: a private bpffs instance mounted in a temporary directory.
 //! - [`agent::AgentUnderTest`]: the network-agent started by its start script in its own
-//!   namespace, programming the topology's node namespace.
+//!   namespace, programming the topology's node namespace; [`agent_upgrade`]: its live
+//!   upgrade (hand-over to a new binary), crash restart, and a kernel guest on a frame relay.
 //! - [`tls`]: a throwaway CA, leaves and client configs for TLS tests.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
@@ -24,6 +25,7 @@
 //! Root-only tests call [`require_root`] first; every test that cannot run here calls
 //! [`skip`], which prints `SKIPPED: <test>: <reason>` and records it for `scripts/test.sh`.
 pub mod agent;
+pub mod agent_upgrade;
 pub mod bpffs;
 pub mod egress_swap;
 pub mod frames;

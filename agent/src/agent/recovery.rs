@@ -1,11 +1,16 @@
 //! Startup recovery: state files × live TAPs × datapath maps.
 
-use std::{collections::HashMap, net::Ipv4Addr, sync::atomic::Ordering};
+use std::{
+    collections::HashMap,
+    net::Ipv4Addr,
+    sync::{Arc, atomic::Ordering},
+};
 
 use serde::Serialize;
 
 use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
 use crate::{
+    handover::ReceivedTap,
     host::{LiveTap, tap_name},
     state::{Phase, SandboxRecord},
 };
@@ -24,6 +29,17 @@ impl Agent {
     /// claiming one TAP or address, a record whose TAP name and address disagree, or a TAP
     /// whose ifindex or datapath registration names another sandbox).
     pub fn recover(&self) -> Result<RecoverySummary, AgentError> {
+        self.recover_with(HashMap::new())
+    }
+
+    /// [`Agent::recover`] after a hand-over (`crate::handover`): `received` maps TAP names to
+    /// the pool state and ifindex the previous agent reported and the queue fd it passed
+    /// (already checked with `TUNGETIFF`). A TAP with a received fd keeps it (no `TUNSETIFF`):
+    /// an Active one answers fd requests at once, also while its VMM holds the same queue; a
+    /// Ready one without state rejoins Ready (the previous agent scrubbed it; the fd we hold is
+    /// what makes it look held). Refuses (error, the hand-over aborts) a received TAP whose
+    /// ifindex is not the live TAP's, or one the previous agent had Active without a record.
+    pub fn recover_with(&self, mut received: HashMap<String, ReceivedTap>) -> Result<RecoverySummary, AgentError> {
         let (records, bad) =
             self.store.scan().map_err(|e| internal(format!("scan {}: {e}", self.store.dir().display())))?;
         if !bad.is_empty() {
@@ -95,10 +111,36 @@ impl Agent {
                 continue;
             }
             let rec = records.iter().find(|(_, r)| r.tap_name == t.name);
+            let (got_state, fd) = match received.remove(&t.name) {
+                Some(r) if r.ifindex != t.ifindex => {
+                    return Err(internal(format!(
+                        "hand-over: {} has ifindex {} but the previous agent reported {}",
+                        t.name, t.ifindex, r.ifindex
+                    )));
+                }
+                Some(r) if r.state == "Active" && !matches!(rec, Some((Phase::Success, _))) => {
+                    return Err(internal(format!(
+                        "hand-over: {} is Active in the previous agent but has no committed state here",
+                        t.name
+                    )));
+                }
+                Some(r) => (Some(r.state), Some(Arc::new(r.fd))),
+                None => (None, None),
+            };
+            if fd.is_some() {
+                summary.handed_over_fds += 1;
+            }
             let mut inner = lock(&self.inner);
             inner.ipam.assign(t.ip);
             let entry = |state, owner: Option<&str>| {
-                Transition::Join(TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, state, owner.map(str::to_string)))
+                Transition::Join(TapEntry::new(
+                    t.name.clone(),
+                    t.ip,
+                    t.ifindex,
+                    fd.clone(),
+                    state,
+                    owner.map(str::to_string),
+                ))
             };
             match rec {
                 Some((Phase::Success, r)) => {
@@ -117,7 +159,10 @@ impl Agent {
                         .map_err(internal)?;
                     to_clean.push(t.name.clone());
                 }
-                None if t.lower_up => {
+                None if fd.is_some() && got_state.as_deref() == Some("Ready") => {
+                    self.transit(&mut inner, &t.name, entry(TapState::Ready, None)).map_err(internal)?;
+                }
+                None if t.lower_up && fd.is_none() => {
                     let e = TapEntry::new(t.name.clone(), t.ip, t.ifindex, None, TapState::Cleaning, None)
                         .hands_off("held by another process and no state: left untouched until it is free");
                     self.transit(&mut inner, &t.name, Transition::Join(e)).map_err(internal)?;
@@ -148,6 +193,10 @@ impl Agent {
                 summary.stale_records += 1;
             }
         }
+        if !received.is_empty() {
+            let names: Vec<_> = received.keys().cloned().collect();
+            tracing::warn!(?names, "handed-over TAP fds without a live TAP in the dataplane netns: closed");
+        }
         Ok(summary)
     }
 }
@@ -165,4 +214,6 @@ pub struct RecoverySummary {
     pub stale_records: usize,
     /// TAPs outside the CIDR, ignored.
     pub foreign: usize,
+    /// TAPs whose queue fd came from the previous agent (hand-over), not reopened.
+    pub handed_over_fds: usize,
 }

@@ -1,0 +1,131 @@
+//! The new agent's side of a hand-over: ask, receive and check the offer, commit.
+
+use std::{
+    collections::HashMap,
+    io::{self, Write},
+    os::{fd::OwnedFd, unix::net::UnixStream},
+    path::Path,
+    time::Duration,
+};
+
+use super::{
+    Manifest, Offer, PROTOCOL_VERSION, ReceivedTap, STEP_TIMEOUT, peer_allowed, proto_err, read_line, verify_tap,
+};
+
+/// Successor side, step 1: connects to a running agent and asks for the hand-over. `Ok(None)`
+/// when no agent listens there (no socket file, or nobody accepting: a crash left it).
+/// Errors: the peer runs as another uid (`PermissionDenied`), I/O.
+pub fn begin(path: &Path) -> io::Result<Option<UnixStream>> {
+    let s = match UnixStream::connect(path) {
+        Ok(s) => s,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if !peer_allowed(&s) {
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "hand-over peer runs as another user"));
+    }
+    s.set_read_timeout(Some(STEP_TIMEOUT))?;
+    s.set_write_timeout(Some(STEP_TIMEOUT))?;
+    (&s).write_all(format!("BEGIN {PROTOCOL_VERSION}\n").as_bytes())?;
+    Ok(Some(s))
+}
+
+/// Splits a received offer into the listeners and the TAP fds by name, checking each TAP fd
+/// with `TUNGETIFF` (its TAP's name) without reopening anything. Errors: an fd that is not a
+/// queue of the TAP the manifest names, a TAP named twice.
+pub fn split_offer(m: Manifest, fds: Vec<OwnedFd>) -> io::Result<Offer> {
+    if fds.len() != m.fd_count() {
+        return Err(proto_err(format!("{} fds for a manifest of {}", fds.len(), m.fd_count())));
+    }
+    let mut it = fds.into_iter();
+    let listeners: Vec<_> = m.listeners.iter().zip(it.by_ref()).map(|(k, f)| (*k, f)).collect();
+    let mut taps = HashMap::new();
+    for t in m.taps.into_iter().filter(|t| t.has_fd) {
+        let fd = it.next().ok_or_else(|| proto_err("fewer fds than the manifest"))?;
+        verify_tap(&fd, &t.name).map_err(proto_err)?;
+        let name = t.name.clone();
+        if taps.insert(t.name, ReceivedTap { state: t.state, ifindex: t.ifindex, fd }).is_some() {
+            return Err(proto_err(format!("TAP {name} is in the manifest twice")));
+        }
+    }
+    Ok((listeners, taps))
+}
+
+/// Successor side, steps 3 and 5: tells the old agent `READY` and waits for `STOPPED` (it no
+/// longer accepts). Errors: the old agent answered `ABORT` (it keeps serving: this process
+/// must exit). If the old agent's end closed without `ABORT`, or stays silent for
+/// [`STOP_TIMEOUT`] after `READY`, it died or hangs after committing: the successor serves
+/// anyway (`Ok(false)`) — it holds the same sockets and TAP queues.
+pub fn commit(s: &UnixStream) -> io::Result<bool> {
+    s.set_read_timeout(Some(STOP_TIMEOUT))?;
+    if let Err(e) = (&*s).write_all(b"READY\n") {
+        // An abort is written before the old agent closes: it is still readable here.
+        return match read_line(s) {
+            Ok(l) if l.starts_with("ABORT") => Err(proto_err(format!("the running agent aborted: {l}"))),
+            _ => {
+                tracing::warn!("hand-over: the previous agent is gone ({e}); serving");
+                Ok(false)
+            }
+        };
+    }
+    match read_line(s) {
+        Ok(l) if l == "STOPPED" => Ok(true),
+        Ok(l) => Err(proto_err(format!("the running agent answered {l:?} to READY"))),
+        Err(e) => {
+            tracing::warn!("hand-over: no STOPPED from the previous agent ({e}); serving anyway");
+            Ok(false)
+        }
+    }
+}
+
+/// How long the successor waits for `STOPPED` after `READY` (the old agent only has to stop
+/// its accept loops).
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::{super::*, *};
+
+    #[test]
+    fn split_offer_checks_tap_fds() {
+        // /dev/null is no TAP queue: TUNGETIFF fails and the offer is refused.
+        let m = Manifest {
+            version: PROTOCOL_VERSION,
+            listeners: vec![ListenerKind::Health],
+            taps: vec![TapRecord {
+                name: "z10.0.0.2".into(),
+                state: "Active".into(),
+                owner: Some("sb".into()),
+                ifindex: 7,
+                has_fd: true,
+            }],
+        };
+        let fds: Vec<OwnedFd> = (0..2).map(|_| std::fs::File::open("/dev/null").unwrap().into()).collect();
+        let e = split_offer(m.clone(), fds).unwrap_err();
+        assert!(e.to_string().contains("fd for z10.0.0.2"), "{e}");
+        let one: Vec<OwnedFd> = vec![std::fs::File::open("/dev/null").unwrap().into()];
+        assert!(split_offer(m, one).is_err(), "fd count must match the manifest");
+    }
+
+    #[test]
+    fn commit_tells_abort_from_a_vanished_predecessor() {
+        // STOPPED: committed.
+        let (old, new) = UnixStream::pair().unwrap();
+        let t = std::thread::spawn(move || {
+            assert_eq!(read_line(&old).unwrap(), "READY");
+            (&old).write_all(b"STOPPED\n").unwrap();
+        });
+        assert!(commit(&new).unwrap());
+        t.join().unwrap();
+        // ABORT written before the old agent closed: this successor must exit.
+        let (old, new) = UnixStream::pair().unwrap();
+        (&old).write_all(b"ABORT successor too slow\n").unwrap();
+        drop(old);
+        let e = commit(&new).unwrap_err();
+        assert!(e.to_string().contains("ABORT successor too slow"), "{e}");
+        // Closed without a word: the old agent is gone, serve.
+        let (old, new) = UnixStream::pair().unwrap();
+        drop(old);
+        assert!(!commit(&new).unwrap());
+    }
+}

@@ -1,0 +1,305 @@
+//! The agent's three listening sockets (`grpc_listen`, `tap_fd_listen`, `health_listen`):
+//! bound afresh, or adopted from the previous agent in a live upgrade (`crate::handover`), in
+//! which case each handed-over socket must be the one the configuration names.
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    os::fd::OwnedFd,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, bail};
+use futures::{Stream, StreamExt};
+
+use crate::{config::Config, handover::ListenerKind};
+
+/// `grpc_listen` parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `unix://PATH`.
+    Unix(PathBuf),
+    /// `tcp://HOST:PORT` or `HOST:PORT`.
+    Tcp(String),
+}
+
+/// Parses `unix://path`, `tcp://host:port` or `host:port` (`reference/upstream.md §1.1`).
+pub fn parse_endpoint(s: &str) -> anyhow::Result<Endpoint> {
+    if let Some(p) = s.strip_prefix("unix://") {
+        return Ok(Endpoint::Unix(PathBuf::from(p)));
+    }
+    let hp = s.strip_prefix("tcp://").unwrap_or(s);
+    if hp.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()) {
+        return Ok(Endpoint::Tcp(hp.to_string()));
+    }
+    bail!("config key `grpc_listen`: {s:?} is not unix://PATH, tcp://HOST:PORT or HOST:PORT")
+}
+
+/// The gRPC listener.
+#[derive(Debug)]
+pub enum GrpcListener {
+    /// Unix socket.
+    Unix(tokio::net::UnixListener),
+    /// TCP.
+    Tcp(tokio::net::TcpListener),
+}
+
+/// The listening sockets, plus a duplicate of each (same socket) to hand to a successor.
+#[derive(Debug)]
+pub struct Listeners {
+    /// `grpc_listen`.
+    pub grpc: GrpcListener,
+    /// `tap_fd_listen`.
+    pub tap_fd: tokio::net::UnixListener,
+    /// `health_listen`.
+    pub health: tokio::net::TcpListener,
+    /// Duplicates in hand-over order.
+    pub for_handover: Vec<(ListenerKind, OwnedFd)>,
+}
+
+fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    if let Some(d) = p.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    // A socket file someone still accepts on belongs to a running agent: never take it away
+    // (only a dead one, left by a crash, is replaced).
+    if std::os::unix::net::UnixStream::connect(p).is_ok() {
+        bail!(
+            "{} is served by a running process (another agent?): stop it, or start this agent with its \
+             handover_socket to take over",
+            p.display()
+        );
+    }
+    let _ = std::fs::remove_file(p);
+    std::os::unix::net::UnixListener::bind(p).with_context(|| format!("bind {}", p.display()))
+}
+
+fn unix_at(fd: OwnedFd, want: &Path, key: &str) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    let l = std::os::unix::net::UnixListener::from(fd);
+    let at = l.local_addr().with_context(|| format!("handed-over {key} socket"))?;
+    if at.as_pathname() != Some(want) {
+        bail!("handed-over {key} socket is bound to {:?}, the configuration says {}", at, want.display());
+    }
+    Ok(l)
+}
+
+fn tcp_at(fd: OwnedFd, want: &str, key: &str) -> anyhow::Result<std::net::TcpListener> {
+    let l = std::net::TcpListener::from(fd);
+    let at = l.local_addr().with_context(|| format!("handed-over {key} socket"))?;
+    let want_addr: Option<SocketAddr> = want.parse().ok();
+    if want_addr.is_some_and(|w| w != at) {
+        bail!("handed-over {key} socket is bound to {at}, the configuration says {want}");
+    }
+    Ok(l)
+}
+
+impl Listeners {
+    /// Binds all three afresh, replacing Unix socket files nobody accepts on. Errors: an address
+    /// in use, a Unix socket a running process accepts on.
+    pub fn bind(raw: &Config) -> anyhow::Result<Self> {
+        let health = std::net::TcpListener::bind(&raw.health_listen)
+            .with_context(|| format!("bind health_listen {}", raw.health_listen))?;
+        let grpc = match parse_endpoint(&raw.grpc_listen)? {
+            Endpoint::Unix(p) => Either::Unix(bind_unix(&p)?),
+            Endpoint::Tcp(a) => Either::Tcp(std::net::TcpListener::bind(&a).with_context(|| format!("bind {a}"))?),
+        };
+        let tap_fd = bind_unix(&raw.tap_fd_listen)?;
+        Self::finish(grpc, tap_fd, health)
+    }
+
+    /// Adopts the previous agent's sockets: exactly one of each kind, each bound where this
+    /// configuration says.
+    pub fn adopt(raw: &Config, fds: Vec<(ListenerKind, OwnedFd)>) -> anyhow::Result<Self> {
+        let (mut grpc, mut tap_fd, mut health) = (None, None, None);
+        let endpoint = parse_endpoint(&raw.grpc_listen)?;
+        for (kind, fd) in fds {
+            match (kind, &endpoint) {
+                (ListenerKind::GrpcUnix, Endpoint::Unix(p)) if grpc.is_none() => {
+                    grpc = Some(Either::Unix(unix_at(fd, p, "grpc_listen")?))
+                }
+                (ListenerKind::GrpcTcp, Endpoint::Tcp(a)) if grpc.is_none() => {
+                    grpc = Some(Either::Tcp(tcp_at(fd, a, "grpc_listen")?))
+                }
+                (ListenerKind::TapFd, _) if tap_fd.is_none() => {
+                    tap_fd = Some(unix_at(fd, &raw.tap_fd_listen, "tap_fd_listen")?)
+                }
+                (ListenerKind::Health, _) if health.is_none() => {
+                    health = Some(tcp_at(fd, &raw.health_listen, "health_listen")?)
+                }
+                (k, _) => bail!("handed-over listener {k:?} does not fit this configuration (or is repeated)"),
+            }
+        }
+        match (grpc, tap_fd, health) {
+            (Some(g), Some(t), Some(h)) => Self::finish(g, t, h),
+            _ => bail!("the previous agent did not hand over all three listeners"),
+        }
+    }
+
+    fn finish(
+        grpc: Either,
+        tap_fd: std::os::unix::net::UnixListener,
+        health: std::net::TcpListener,
+    ) -> anyhow::Result<Self> {
+        let mut for_handover = Vec::with_capacity(3);
+        let grpc = match grpc {
+            Either::Unix(l) => {
+                l.set_nonblocking(true)?;
+                for_handover.push((ListenerKind::GrpcUnix, OwnedFd::from(l.try_clone()?)));
+                GrpcListener::Unix(tokio::net::UnixListener::from_std(l)?)
+            }
+            Either::Tcp(l) => {
+                l.set_nonblocking(true)?;
+                for_handover.push((ListenerKind::GrpcTcp, OwnedFd::from(l.try_clone()?)));
+                GrpcListener::Tcp(tokio::net::TcpListener::from_std(l)?)
+            }
+        };
+        tap_fd.set_nonblocking(true)?;
+        for_handover.push((ListenerKind::TapFd, OwnedFd::from(tap_fd.try_clone()?)));
+        health.set_nonblocking(true)?;
+        for_handover.push((ListenerKind::Health, OwnedFd::from(health.try_clone()?)));
+        Ok(Self {
+            grpc,
+            tap_fd: tokio::net::UnixListener::from_std(tap_fd)?,
+            health: tokio::net::TcpListener::from_std(health)?,
+            for_handover,
+        })
+    }
+}
+
+enum Either {
+    Unix(std::os::unix::net::UnixListener),
+    Tcp(std::net::TcpListener),
+}
+
+/// Stops the accept loops of the listeners and tells when none is left (a hand-over commits
+/// only then, so no connection is accepted by the old agent after the successor serves).
+/// Each loop holds an [`AcceptToken`]; [`Acceptors::stop`] signals them and waits until every
+/// token is dropped. Dropping `Acceptors` without `stop` leaves the loops running.
+#[derive(Debug)]
+pub struct Acceptors {
+    stop: tokio::sync::watch::Sender<bool>,
+    alive: Option<tokio::sync::mpsc::Sender<()>>,
+    done: tokio::sync::mpsc::Receiver<()>,
+}
+
+/// Held by one accept loop; see [`Acceptors`].
+#[derive(Debug)]
+pub struct AcceptToken {
+    stop: tokio::sync::watch::Receiver<bool>,
+    _alive: tokio::sync::mpsc::Sender<()>,
+}
+
+impl Default for Acceptors {
+    fn default() -> Self {
+        let (alive, done) = tokio::sync::mpsc::channel(1);
+        Self { stop: tokio::sync::watch::Sender::new(false), alive: Some(alive), done }
+    }
+}
+
+impl Acceptors {
+    /// A token for one more accept loop.
+    pub fn token(&self) -> AcceptToken {
+        AcceptToken {
+            stop: self.stop.subscribe(),
+            _alive: self.alive.clone().expect("tokens are handed out before stop"),
+        }
+    }
+
+    /// Signals every loop to stop and resolves once all of them dropped their token.
+    pub async fn stop(mut self) {
+        self.stop.send_replace(true);
+        self.alive.take();
+        // `None` once every sender (token) is gone.
+        let _ = self.done.recv().await;
+    }
+}
+
+impl AcceptToken {
+    /// Resolves when the loops are told to stop (never, if the [`Acceptors`] is dropped).
+    pub async fn stopped(&mut self) {
+        if self.stop.wait_for(|s| *s).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Counts requests in flight (each holds a token) so a stopping agent can wait for exactly
+/// those instead of sleeping.
+#[derive(Debug)]
+pub struct InFlight {
+    tx: tokio::sync::mpsc::Sender<()>,
+    rx: tokio::sync::mpsc::Receiver<()>,
+}
+
+impl Default for InFlight {
+    fn default() -> Self {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        Self { tx, rx }
+    }
+}
+
+/// Held by one request in flight; see [`InFlight`].
+#[derive(Debug)]
+pub struct RequestToken(#[allow(dead_code)] tokio::sync::mpsc::Sender<()>);
+
+/// Hands out [`RequestToken`]s (held by an accept loop; counts as in flight until dropped).
+#[derive(Clone, Debug)]
+pub struct TokenSource(tokio::sync::mpsc::Sender<()>);
+
+impl TokenSource {
+    /// A token for one more request.
+    pub fn token(&self) -> RequestToken {
+        RequestToken(self.0.clone())
+    }
+}
+
+impl InFlight {
+    /// A source of tokens for an accept loop.
+    pub fn token_source(&self) -> TokenSource {
+        TokenSource(self.tx.clone())
+    }
+
+    /// Waits until every token and token source is dropped, at most `limit`; returns whether
+    /// they all were.
+    pub async fn drained(self, limit: std::time::Duration) -> bool {
+        let Self { tx, mut rx } = self;
+        drop(tx);
+        tokio::time::timeout(limit, rx.recv()).await.is_ok()
+    }
+}
+
+/// Runs the accept loop `fut` until it ends or `token` says stop (then `None`; `fut`, with its
+/// listener, is dropped before the token).
+pub async fn until_stopped<F: Future>(mut token: AcceptToken, fut: F) -> Option<F::Output> {
+    let r = tokio::select! {
+        biased;
+        _ = token.stopped() => None,
+        r = fut => Some(r),
+    };
+    drop(token);
+    r
+}
+
+/// A stream of accepted connections (for tonic's `serve_with_incoming`) that ends when
+/// `token` says stop; the listener stream is dropped before the token.
+pub fn incoming<S>(stream: S, token: AcceptToken) -> impl Stream<Item = S::Item>
+where
+    S: Stream + Unpin,
+{
+    futures::stream::unfold(Some((stream, token)), |state| async move {
+        let (mut s, mut token) = state?;
+        let item = tokio::select! {
+            biased;
+            _ = token.stopped() => None,
+            i = s.next() => i,
+        };
+        match item {
+            Some(i) => Some((i, Some((s, token)))),
+            None => {
+                drop(s);
+                drop(token);
+                None
+            }
+        }
+    })
+}
