@@ -25,6 +25,7 @@
 pub mod agent;
 pub mod bpffs;
 pub mod frames;
+pub mod fuzz;
 pub mod guest;
 pub mod netns;
 pub mod packet;
