@@ -10,12 +10,11 @@
 use cubenet_tests::{
     fuzz::{
         case::Case,
-        driver::{Report, Runner},
+        driver::{self, Report, Runner},
         model::Model,
         oracle,
     },
     require_root,
-    rig::Rig,
 };
 use cubevs::{prog, testrun::TC_ACT_REDIRECT};
 
@@ -31,7 +30,7 @@ fn fuzz(program: &'static str) {
     if !require_root(&format!("reliability_fuzz {program}")) {
         return;
     }
-    let rig = Rig::new();
+    let rig = driver::rig();
     let runner = Runner::new(&rig);
     let frames = env_u64("CUBENET_FUZZ_FRAMES", 20_000);
     let seed = env_u64("CUBENET_FUZZ_SEED", 14);
@@ -66,7 +65,7 @@ fn replay_regressions() {
         return;
     }
     let cases = Case::load_all();
-    let rig = Rig::new();
+    let rig = driver::rig();
     let runner = Runner::new(&rig);
     let mut failed = Vec::new();
     for (path, case) in &cases {

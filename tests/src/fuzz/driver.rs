@@ -63,6 +63,15 @@ impl Report {
 
 type Snapshot = Vec<(SessionKey, NatSession)>;
 
+/// Session map size of the fuzz rig: small, so the per-run snapshot (a batched walk of every
+/// bucket) stays cheap; the fuzzer never holds more than a few hundred sessions.
+pub const FUZZ_SESSIONS: u32 = 4096;
+
+/// A [`Rig`] sized for fuzzing ([`FUZZ_SESSIONS`]).
+pub fn rig() -> Rig {
+    Rig::with_limits(cubevs::MapLimits { sessions: FUZZ_SESSIONS, ..Default::default() })
+}
+
 /// A rig plus what a step needs to run.
 pub struct Runner<'a> {
     rig: &'a Rig,
