@@ -1,6 +1,9 @@
 //! Developer tasks. `cargo xtask build-ebpf [--release]` builds the CubeVS eBPF object;
 //! `cargo xtask clippy-ebpf` lints the eBPF crate with the nightly toolchain;
-//! `cargo xtask bench egress` benchmarks cube-egress against mitmproxy (root).
+//! `cargo xtask bench egress` benchmarks cube-egress against mitmproxy (root);
+//! `cargo xtask reliability [--long]` runs the reliability suite (root).
+
+mod reliability;
 
 use std::{
     path::{Path, PathBuf},
@@ -39,6 +42,20 @@ enum Cmd {
         /// Repetitions of each throughput measurement.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+    },
+    /// Run the reliability suite (root): fuzzing (20,000 frames per program; --long:
+    /// 1,000,000), storms, crash points; prints a table and writes JSON
+    /// (default target/reliability.json).
+    Reliability {
+        /// Long mode (benchmark-sized).
+        #[arg(long)]
+        long: bool,
+        /// Fuzz seed (default: the tests' fixed seed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Where to write the JSON report.
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -176,6 +193,10 @@ fn main() -> Result<()> {
                 cmd.arg("--json").arg(j);
             }
             run(cmd)
+        }
+        Cmd::Reliability { long, seed, json } => {
+            build_ebpf(true)?;
+            reliability::run(workspace_root(), long, seed, json)
         }
         Cmd::ClippyEbpf => {
             let mut cmd = ebpf_cargo(&workspace_root(), "clippy");
