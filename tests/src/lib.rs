@@ -15,6 +15,7 @@
 //! - [`bpffs::BpfFs`]: a private bpffs instance mounted in a temporary directory.
 //! - [`agent::AgentUnderTest`]: the network-agent started by its start script in its own
 //!   namespace, programming the topology's node namespace.
+//! - [`mntns::PrivateTmpfs`]: a size-limited tmpfs in a private mount namespace (real ENOSPC).
 //! - [`tls`]: a throwaway CA, leaves and client configs for TLS tests.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
@@ -28,6 +29,7 @@ pub mod bpffs;
 pub mod frames;
 pub mod fuzz;
 pub mod guest;
+pub mod mntns;
 pub mod netns;
 pub mod packet;
 pub mod rig;

@@ -29,11 +29,17 @@ impl Agent {
             .allocate()
             .ok_or_else(|| AgentError::Exhausted(format!("no free address in {}", self.cfg.cidr)))?;
         let name = tap_name(ip);
-        let made = (|| -> Result<(u32, OwnedFd), AgentError> {
-            let (ifindex, fd) = self.host.create_tap(ip).map_err(|e| {
+        // The host cleans up a creation that fails (and never touches an interface it did
+        // not make); after it succeeded, the TAP is ours to delete on a later failure.
+        let (ifindex, fd) = match self.host.create_tap(ip) {
+            Ok(x) => x,
+            Err(e) => {
                 self.metrics.tap_create_failures.with_label_values(&["create"]).inc();
-                internal(format!("create TAP {name}: {e}"))
-            })?;
+                lock(&self.inner).ipam.release(ip);
+                return Err(internal(format!("create TAP {name}: {e}")));
+            }
+        };
+        let made = (|| -> Result<(u32, OwnedFd), AgentError> {
             let attached = self.dp.attach_sandbox(&name).inspect_err(|_| {
                 self.metrics.tap_create_failures.with_label_values(&["attach"]).inc();
             })?;
