@@ -77,6 +77,7 @@ fn replay_regressions() {
     let r = Report {
         case: "replay-regressions".into(),
         inputs: cases.len() as u64,
+        runs: cases.iter().map(|(_, c)| c.steps.len() as u64).sum(),
         violations: if failed.is_empty() {
             Default::default()
         } else {

@@ -101,12 +101,18 @@ impl Model {
     /// A random node: `n` sandboxes with random versions, policies and port maps (host ports
     /// from the agent's default range 20000–29999, as the agent hands them out).
     pub fn random(rng: &mut Rng, n: usize) -> Self {
+        // Versions never repeat on a node (the agent's promise, decision A8): each epoch draws
+        // from its own block of 4,096 (random start + at most 48 reuses of +1..5), so a stale
+        // entry an earlier epoch left in a map the reinstall does not clear
+        // (`portmap_sessions`, `frag_sessions`) can never match a later sandbox (R7).
+        static NEXT_BLOCK: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let base = NEXT_BLOCK.fetch_add(4096, std::sync::atomic::Ordering::Relaxed);
         let mut m = Model::default();
         for i in 0..n {
             let mut sb = Sandbox {
                 ifindex: FIRST_IFINDEX + i as u32,
                 ip: [192, 168, 0, 3 + i as u8],
-                version: 1 + rng.below(1000) as u32,
+                version: base + 1 + rng.below(1000) as u32,
                 registered: true,
                 allow_internet: true,
                 allow_out: Vec::new(),

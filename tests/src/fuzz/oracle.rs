@@ -401,20 +401,30 @@ pub fn check_world(
         if ingress != uplink {
             bad(&mut v, "portmap-device", format!("host port {idport} DNATed for a frame from ifindex {ingress}"));
         }
-        let opens = !tcp || iip.flags & (tcp_flags::SYN | tcp_flags::ACK | tcp_flags::RST) == tcp_flags::SYN;
-        if opens {
-            model.world_opened.insert((iip.src, isport, idport, iip.proto));
-        }
+        // Any client segment DNATed to a host port records the connection (decision D20:
+        // a live connection whose entry was evicted recovers on the client's next segment),
+        // so the guest may answer it; a SYN is not required (R7).
+        model.world_opened.insert((iip.src, isport, idport, iip.proto));
         check_nat_csum(&inp, &out, &mut v);
         return v;
     }
     // Reverse NAT: of the frame itself, or of the packet an ICMP error embeds.
     let l4 = &input[(14 + iip.ihl).min(input.len())..];
+    let mut about = String::new();
     let (sess, want_port) = if iip.proto == proto::ICMP && iip.flags != 0 {
         let e = parse_embedded(l4);
         match e {
             Some(e) => {
-                (session_for(pre, e.src, e.ports.map_or(0, |p| p.0), e.dst, e.ports.map_or(0, |p| p.1), e.proto), None)
+                let (sp, dp) = e.ports.unwrap_or((0, 0));
+                about = format!(
+                    " (ICMP type {} about {}:{sp} → {}:{dp} proto {} fragment offset {})",
+                    iip.flags,
+                    ip4(e.src),
+                    ip4(e.dst),
+                    e.proto,
+                    e.frag_off
+                );
+                (session_for(pre, e.src, sp, e.dst, dp, e.proto), None)
             }
             None => (None, None),
         }
@@ -432,7 +442,7 @@ pub fn check_world(
             &mut v,
             "foreign-delivery",
             format!(
-                "redirected {} → {} proto {} matches no host port or session",
+                "redirected {} → {} proto {}{about} matches no host port or session",
                 ip4(iip.src),
                 ip4(iip.dst),
                 iip.proto
@@ -475,6 +485,14 @@ fn parse_embedded(icmp: &[u8]) -> Option<Ip> {
     fake.extend_from_slice(icmp.get(8..)?);
     let f = parse(&fake);
     let mut ip = f.ip?;
+    // An ICMP error embeds only the first 8 bytes of the original L4 header (RFC 792): for
+    // TCP that is the ports and sequence number, never a full header, which `parse` wants (R7).
+    if ip.proto == proto::TCP && ip.ports.is_none() && ip.frag_off == 0 {
+        let l4 = fake.get(14 + ip.ihl..).unwrap_or(&[]);
+        if l4.len() >= 4 {
+            ip.ports = Some((u16::from_be_bytes([l4[0], l4[1]]), u16::from_be_bytes([l4[2], l4[3]])));
+        }
+    }
     if ip.proto == proto::ICMP {
         // The embedded echo request's identifier is at the same offset (4) as parsed.
         ip.ports = ip.ports.map(|(id, _)| (id, 0));
