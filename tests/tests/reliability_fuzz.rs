@@ -125,3 +125,60 @@ fn oracle_flags_policy_bypass_and_foreign_delivery() {
     let v = oracle::check_envoy(&m, &to, TC_ACT_REDIRECT, &out);
     assert!(v.iter().any(|x| x.invariant == "foreign-delivery"), "{v:?}");
 }
+
+/// Found by the fuzzer after issue 10 (R7): an ICMP error whose embedded header is a later
+/// fragment embeds payload bytes where ports would be, so it names no flow; it must reach the
+/// host untouched, never be "reverse-translated" into a sandbox whose session those bytes match.
+#[test]
+fn icmp_error_about_a_later_fragment_names_no_flow() {
+    use cubenet_tests::{
+        frames::udp,
+        packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+        rig::Rig,
+        topology::{NODE_IP, WORLD_IP},
+    };
+    use cubevs::testrun::TC_ACT_OK;
+    if !require_root("reliability_fuzz icmp_error_about_a_later_fragment_names_no_flow") {
+        return;
+    }
+    fn csum(b: &[u8]) -> [u8; 2] {
+        let mut s: u32 = b.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum();
+        while s > 0xffff {
+            s = (s & 0xffff) + (s >> 16);
+        }
+        (!(s as u16)).to_be_bytes()
+    }
+    // Time exceeded from a router, embedding `inner` (IP header + 8 bytes).
+    let error = |r: &Rig, inner: &[u8]| {
+        let mut ip = vec![0x45, 0, 0, (20 + 8 + inner.len()) as u8, 0, 0, 0, 0, 64, 1, 0, 0];
+        ip.extend_from_slice(&[198, 51, 100, 254]);
+        ip.extend_from_slice(&NODE_IP);
+        let c = csum(&ip);
+        ip[10..12].copy_from_slice(&c);
+        let mut icmp = vec![11, 0, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(inner);
+        let c = csum(&icmp);
+        icmp[2..4].copy_from_slice(&c);
+        let mut f = r.up_mac.to_vec();
+        f.extend_from_slice(&r.world_mac);
+        f.extend_from_slice(&[0x08, 0x00]);
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(&icmp);
+        f
+    };
+    let r = Rig::new();
+    let out = r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 53, b"query"));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    let sent = out.data[14..42].to_vec();
+    // Control: the error about the datagram as sent is delivered.
+    assert_eq!(r.world(error(&r, &sent)).verdict, TC_ACT_REDIRECT);
+    // The same bytes claimed as a later fragment (offset 16 bytes): not ours, untouched.
+    let mut frag = sent.clone();
+    frag[6..8].copy_from_slice(&2u16.to_be_bytes());
+    frag[10..12].copy_from_slice(&[0, 0]);
+    let c = csum(&frag[..20]);
+    frag[10..12].copy_from_slice(&c);
+    let err = error(&r, &frag);
+    let got = r.world(err.clone());
+    assert_eq!((got.verdict, got.data), (TC_ACT_OK, err));
+}
