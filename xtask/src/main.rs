@@ -31,7 +31,7 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale (cubenet-bench)
+    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, soak (cubenet-bench)
     /// and egress (cube-egress vs mitmproxy; BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.
@@ -42,6 +42,9 @@ enum Cmd {
         /// Repetitions of each throughput measurement.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Length of `soak` in minutes (default 10).
+        #[arg(long)]
+        minutes: Option<f64>,
     },
     /// Run the reliability suite (root): fuzzing (20,000 frames per program; --long:
     /// 1,000,000), storms, crash points; prints a table and writes JSON
@@ -158,7 +161,7 @@ fn build_ebpf(release: bool) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::BuildEbpf { release } => build_ebpf(release),
-        Cmd::Bench { names, json, rounds } => {
+        Cmd::Bench { names, json, rounds, minutes } => {
             let egress = names.iter().any(|n| n == "egress");
             let names: Vec<String> = names.into_iter().filter(|n| n != "egress").collect();
             if egress {
@@ -188,9 +191,25 @@ fn main() -> Result<()> {
             // Agent state, sockets and pins on tmpfs, like the agent's default state_dir.
             cmd.env("TMPDIR", "/dev/shm");
             cmd.arg("--rounds").arg(rounds.to_string());
-            cmd.arg("--markdown").arg(root.join("docs").join("benchmarks.md"));
-            if let Some(j) = json {
-                cmd.arg("--json").arg(j);
+            let soak = names.iter().any(|n| n == "soak");
+            if let Some(m) = minutes {
+                cmd.arg("--minutes").arg(m.to_string());
+            }
+            // The soak is a time series of one machine's run, not a figure for the benchmark
+            // table: it writes its rows as JSON (default target/bench-soak.json) beside its
+            // series (target/soak.json) and plot (target/soak.png), and leaves
+            // docs/benchmarks.md alone.
+            if !soak {
+                cmd.arg("--markdown").arg(root.join("docs").join("benchmarks.md"));
+            }
+            match json {
+                Some(j) => {
+                    cmd.arg("--json").arg(j);
+                }
+                None if soak => {
+                    cmd.arg("--json").arg(target_dir(&root).join("bench-soak.json"));
+                }
+                None => {}
             }
             run(cmd)
         }
