@@ -37,7 +37,8 @@ pub fn run(root: PathBuf, long: bool, seed: Option<u64>, json: Option<PathBuf>) 
     let stdout = String::from_utf8_lossy(&out.stdout);
     let reports: Vec<serde_json::Value> = stdout
         .lines()
-        .filter_map(|l| l.strip_prefix("RELIABILITY "))
+        // The harness may print `test name ... ` or progress dots before a test's own line.
+        .filter_map(|l| l.find("RELIABILITY {").map(|i| &l[i + "RELIABILITY ".len()..]))
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()
         .context("parse RELIABILITY line")?;
