@@ -1,7 +1,8 @@
 //! Fault injection (issue 14): the agent's state store on a full disk (a real, size-limited
 //! tmpfs in a private mount namespace: `ENOSPC`), failing `write`/`fsync`/`rename`/`unlink`
-//! (`EIO` through the store's fault file, `network_agent::state::fault`), and a TAP creation
-//! that fails midway (an interface of the next TAP's name already in the dataplane namespace).
+//! (`EIO` through the store's fault file, `network_agent::state::fault`), TAP creation meeting
+//! interfaces of the next TAP names that are not the agent's, and a TAP creation that fails
+//! midway (after the TAP exists: the gateway device deleted under the agent).
 //! In every case: the failing call answers a clear error naming the operation and the cause,
 //! nothing it touched is left half-made (TAP back to Ready, no port map, registration or state
 //! file), every other sandbox keeps being served, the call works again once the fault is gone,
@@ -516,4 +517,60 @@ fn tap_creation_collision() {
         serde_json::json!({"all_ensures_ok": ok, "errors": errors.iter().map(|e| format!("{}: {}", e.0, e.1)).collect::<Vec<_>>(), "readyz_while_blocked": refill_fail}),
     );
     assert_clean("tap_creation_collision", &v, &a);
+}
+
+/// A TAP creation that fails after the TAP exists (its gateway device vanished under the
+/// agent): the half-made TAP must not stay behind, the error must say what failed, and a
+/// restart (which recreates the gateway device) recovers everything.
+#[test]
+fn tap_creation_fails_midway() {
+    if !require_root("reliability_faults tap_creation_fails_midway") {
+        return;
+    }
+    let start = Instant::now();
+    let mut a = AgentUnderTest::prepare("midway", 1, "");
+    a.start();
+    let rt = rt();
+    let mut c = Client::new(&rt, &a);
+    let mut v = Vec::new();
+    let mut exists = BTreeSet::new();
+    c.ensure("sb-1").expect("ensure sb-1");
+    exists.insert("sb-1".to_string());
+    // The pool refills its one Ready TAP.
+    let t = Instant::now();
+    while a.http_json("/v1/network/taps")["stateCounts"]["Ready"].as_u64() != Some(1) {
+        assert!(t.elapsed() < Duration::from_secs(20), "pool did not refill");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The gateway device disappears: creation now fails after TUNSETIFF (neighbour step).
+    a.topo.node.ip(&["link", "del", "cube-dev"]);
+    c.ensure("sb-2").expect("ensure sb-2 from the Ready TAP");
+    exists.insert("sb-2".to_string());
+    let r = c.ensure("sb-3");
+    v.extend(expect_err("ensure sb-3 (cube-dev gone)", r, Code::Internal, &["create TAP", "cube-dev"]));
+    std::thread::sleep(Duration::from_millis(1500));
+    let taps = a.http_json("/v1/network/taps");
+    let pool: BTreeSet<String> =
+        taps["taps"].as_array().unwrap().iter().map(|t| t["tapName"].as_str().unwrap().to_string()).collect();
+    let node: BTreeSet<String> = a.node_taps().into_iter().collect();
+    if pool != node {
+        v.push(format!("half-made TAPs left: node {node:?}, pool {pool:?}"));
+    }
+    let ready = a.http("/readyz");
+    if !ready.as_ref().is_some_and(|(code, body)| *code == 503 && body.contains("cube-dev")) {
+        v.push(format!("readiness while TAPs cannot be made: {ready:?}"));
+    }
+    // A restart recreates the gateway device and recovers the sandboxes.
+    restart(&mut a);
+    let mut c = Client::new(&rt, &a);
+    match c.ensure("sb-3") {
+        Ok(_) => {
+            exists.insert("sb-3".into());
+        }
+        Err(e) => v.push(format!("ensure sb-3 after the restart: {e:?}")),
+    }
+    let state = a.state_dir();
+    v.extend(consistency(&a, &mut c, &state, &exists));
+    report("fault-tap-midway", 3, &v, start, serde_json::json!({"readyz_while_broken": ready}));
+    assert_clean("tap_creation_fails_midway", &v, &a);
 }
