@@ -41,6 +41,7 @@ impl Sandbox {
             allow_internet_access: self.allow_internet,
             allow_out: self.allow_out.clone(),
             deny_out: self.deny_out.clone(),
+            ..Default::default()
         }
     }
 
