@@ -385,34 +385,54 @@ impl Host for NetnsHost {
             let mut phases = Phases::with_capacity(4);
             let mut t = std::time::Instant::now();
             let name = tap_name(ip);
+            // Recovery adopted every TAP of ours and IPAM hands out only free addresses, so an
+            // interface of this name is someone else's: TUNSETIFF would attach to a foreign
+            // TAP (or fail on another kind), and cleaning up after that would delete it
+            // (found by reliability_faults::tap_creation_collision; decision R6).
+            if cubenet_sys::ifindex(&name).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("an interface named {name} already exists in the dataplane namespace (not this agent's)"),
+                ));
+            }
             let tap = Tap::open(&name, TapOptions::POOL)?;
-            let idx = cubenet_sys::ifindex(&name)?;
-            lap(&mut phases, &mut t, "tuntap");
-            // Per-netns sysctl of the TAP, written from this thread (dataplane netns).
-            std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1")?;
-            lap(&mut phases, &mut t, "sysctl");
-            let cube_idx = cubenet_sys::ifindex(&p.cube_dev)?;
-            let nl = nl()?;
-            nl.rt.block_on(async {
-                nl.handle
-                    .link()
-                    .set(LinkUnspec::new_with_index(idx).mtu(p.mtu).up().build())
-                    .execute()
-                    .await
-                    .map_err(nlerr(format!("set {name} up")))?;
-                lap(&mut phases, &mut t, "link");
-                nl.handle
-                    .neighbours()
-                    .add(cube_idx, IpAddr::V4(ip))
-                    .link_layer_address(&p.mvm_mac)
-                    .state(NeighbourState::Permanent)
-                    .replace()
-                    .execute()
-                    .await
-                    .map_err(nlerr(format!("neighbour {ip} on {}", p.cube_dev)))
-            })?;
-            lap(&mut phases, &mut t, "neighbour");
-            Ok(NewTap { ifindex: idx, fd: tap.into_fd(), phases })
+            let mut set_up = || -> io::Result<u32> {
+                let idx = cubenet_sys::ifindex(&name)?;
+                lap(&mut phases, &mut t, "tuntap");
+                // Per-netns sysctl of the TAP, written from this thread (dataplane netns).
+                std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1")?;
+                lap(&mut phases, &mut t, "sysctl");
+                let cube_idx = cubenet_sys::ifindex(&p.cube_dev)?;
+                let nl = nl()?;
+                nl.rt.block_on(async {
+                    nl.handle
+                        .link()
+                        .set(LinkUnspec::new_with_index(idx).mtu(p.mtu).up().build())
+                        .execute()
+                        .await
+                        .map_err(nlerr(format!("set {name} up")))?;
+                    lap(&mut phases, &mut t, "link");
+                    nl.handle
+                        .neighbours()
+                        .add(cube_idx, IpAddr::V4(ip))
+                        .link_layer_address(&p.mvm_mac)
+                        .state(NeighbourState::Permanent)
+                        .replace()
+                        .execute()
+                        .await
+                        .map_err(nlerr(format!("neighbour {ip} on {}", p.cube_dev)))
+                })?;
+                lap(&mut phases, &mut t, "neighbour");
+                Ok(idx)
+            };
+            match set_up() {
+                Ok(idx) => Ok(NewTap { ifindex: idx, fd: tap.into_fd(), phases }),
+                Err(e) => {
+                    // Ours and half set up: not persistent any more, it vanishes with our fd.
+                    let _ = tap.set_persist(false);
+                    Err(e)
+                }
+            }
         })?
     }
 

@@ -137,16 +137,25 @@ impl StateStore {
     }
 
     /// Writes `rec` as phase `phase` atomically, removing any other phase of the same id.
+    /// On failure the previous file (if any) is untouched and the temporary file is removed.
     pub fn write(&self, rec: &SandboxRecord, phase: Phase) -> std::io::Result<()> {
         let tmp = self.path(&rec.sandbox_id, "tmp");
-        {
+        let written = (|| {
             let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            fault::check("write")?;
             f.write_all(&serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?)?;
+            fault::check("fsync")?;
             if self.durable {
                 f.sync_all()?;
             }
+            fault::check("rename")?;
+            fs::rename(&tmp, self.path(&rec.sandbox_id, phase.as_str()))
+        })();
+        if let Err(e) = written {
+            // A full disk must not also keep a stray file per failed call.
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
         }
-        fs::rename(&tmp, self.path(&rec.sandbox_id, phase.as_str()))?;
         for other in [Phase::Creating, Phase::Success, Phase::Deleting] {
             if other != phase {
                 let _ = fs::remove_file(self.path(&rec.sandbox_id, other.as_str()));
@@ -157,12 +166,14 @@ impl StateStore {
 
     /// Moves the record of `id` from `from` to `to` (rename).
     pub fn advance(&self, id: &str, from: Phase, to: Phase) -> std::io::Result<()> {
+        fault::check("rename")?;
         fs::rename(self.path(id, from.as_str()), self.path(id, to.as_str()))?;
         self.sync_dir()
     }
 
     /// Removes every file of `id`.
     pub fn remove(&self, id: &str) -> std::io::Result<()> {
+        fault::check("unlink")?;
         for p in ["tmp", "creating", "success", "deleting"] {
             match fs::remove_file(self.path(id, p)) {
                 Ok(()) => {}
@@ -204,6 +215,40 @@ impl StateStore {
     /// Number of record files (any phase), for leak checks.
     pub fn count(&self) -> usize {
         fs::read_dir(&self.dir).map(|d| d.flatten().count()).unwrap_or(0)
+    }
+}
+
+/// Fault injection for the reliability suite (issue 14): tmpfs gives a real ENOSPC, but no
+/// local filesystem gives EIO on demand without a block device (dm-error) the tests must not
+/// create. When the environment variable [`fault::ENV`] names a file, every store operation
+/// first reads it: a line `<op> <errno>` (op `write`, `fsync`, `rename` or `unlink`, errno a
+/// number, e.g. `rename 5`) makes that operation fail with that errno. Unset (production): one
+/// `OnceLock` read per operation, nothing else.
+pub mod fault {
+    use std::{path::PathBuf, sync::OnceLock};
+
+    /// The environment variable naming the fault file.
+    pub const ENV: &str = "CUBENET_STATE_FAULTS";
+
+    fn file() -> Option<&'static PathBuf> {
+        static F: OnceLock<Option<PathBuf>> = OnceLock::new();
+        F.get_or_init(|| std::env::var_os(ENV).map(PathBuf::from)).as_ref()
+    }
+
+    /// `Err(errno)` when the fault file asks `op` to fail.
+    pub fn check(op: &str) -> std::io::Result<()> {
+        let Some(f) = file() else { return Ok(()) };
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        for line in text.lines() {
+            let mut w = line.split_whitespace();
+            if w.next() == Some(op)
+                && let Some(errno) = w.next().and_then(|e| e.parse().ok())
+            {
+                tracing::warn!(op, errno, "injected state store fault");
+                return Err(std::io::Error::from_raw_os_error(errno));
+            }
+        }
+        Ok(())
     }
 }
 

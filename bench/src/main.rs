@@ -7,8 +7,10 @@ mod agent;
 mod agent_sessions;
 mod gateway_swap;
 mod per_packet;
+mod plot;
 mod report;
 mod scale;
+mod soak;
 mod throughput;
 mod upgrade;
 mod upgrade_agent;
@@ -21,7 +23,7 @@ use clap::Parser;
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
     /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale, upgrade,
-    /// agent-pool (the warm-up and restart rows of `agent` only)
+    /// agent-pool (the warm-up and restart rows of `agent` only), soak (`--minutes`)
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
@@ -39,6 +41,9 @@ struct Cli {
     /// Repetitions of each throughput measurement.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Length of the `soak` benchmark in minutes (fractions allowed).
+    #[arg(long, default_value_t = 10.0)]
+    minutes: f64,
 }
 
 const ALL: &[&str] = &["per-packet", "throughput", "scale", "agent", "agent-sessions"];
@@ -69,6 +74,7 @@ fn main() -> anyhow::Result<()> {
             "agent" => rows.extend(agent::run()),
             "agent-pool" => rows.extend(agent::run_pool()),
             "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
+            "soak" => rows.extend(soak::run(cli.minutes)),
             "agent-sessions" => {
                 // CUBENET_BENCH_SESSIONS overrides the 1,000,000 sessions (quick checks).
                 let n = std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);

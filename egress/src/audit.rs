@@ -64,7 +64,19 @@ impl AuditLog {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        let mut file = std::fs::OpenOptions::new().create(true).append(true).read(true).open(path)?;
+        // A predecessor killed mid-record (kill -9, OOM) leaves a line without its newline;
+        // end it, so our first record stays a line of its own (decision R8).
+        let len = file.metadata()?.len();
+        if len > 0 {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut last = [0u8; 1];
+            file.seek(SeekFrom::Start(len - 1))?;
+            file.read_exact(&mut last)?;
+            if last[0] != b'\n' {
+                file.write_all(b"\n")?;
+            }
+        }
         Self::with_writer(file, path.display().to_string(), capacity, dropped)
     }
 
@@ -308,6 +320,31 @@ mod tests {
         let ev = lines.iter().find(|l| l["security"]["reason"] == "audit_records_dropped").expect("drop report");
         assert_eq!(ev["security"]["dropped"].as_u64(), Some(10_000 - 8));
         assert_eq!(lines.len(), 1 + 8 + 1, "first record, the 8 queued ones, the drop report");
+    }
+
+    /// Attack: a predecessor killed mid-record leaves a torn last line; the next process's
+    /// records must still be whole lines (only the torn one is unreadable).
+    #[test]
+    fn torn_tail_does_not_swallow_the_next_record() {
+        let dir = std::env::temp_dir().join(format!("cube-egress-audit-torn-{}", std::process::id()));
+        let f = dir.join("access.jsonl");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&f, b"{\"event\":\"http_request\",\"n\":0}\n{\"event\":\"http_req").unwrap();
+        let log = AuditLog::open(&f, 16, counter()).unwrap();
+        log.write(json!({"event": "http_request", "n": 1}));
+        let mut text = String::new();
+        for _ in 0..200 {
+            text = std::fs::read_to_string(&f).unwrap();
+            if text.lines().count() == 3 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(serde_json::from_str::<Value>(lines[1]).is_err(), "the torn line stays torn");
+        assert_eq!(serde_json::from_str::<Value>(lines[2]).unwrap()["n"], 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Records the byte counts of each `write` call.

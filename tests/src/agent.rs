@@ -55,6 +55,11 @@ pub struct AgentUnderTest {
     pub topo: Topology,
     /// The agent binary the start script execs (default: the debug build's `network-agent`).
     pub agent_bin: Option<PathBuf>,
+    /// Run the start script in the mount namespace of this PID (`nsenter -m`), e.g. a
+    /// [`crate::mntns::PrivateTmpfs`] holder.
+    pub mount_ns_of: Option<u32>,
+    /// Extra environment for the agent.
+    pub env: Vec<(String, String)>,
 }
 
 impl AgentUnderTest {
@@ -92,7 +97,7 @@ impl AgentUnderTest {
                 if extra.contains("reserved_ports_file =") { "" } else { "reserved_ports_file = \"/nonexistent\"\n" },
         );
         std::fs::write(dir.join("agent.toml"), cfg).unwrap();
-        Self { child: None, ns, bpffs, dir, topo, agent_bin: None }
+        Self { child: None, ns, bpffs, dir, topo, agent_bin: None, mount_ns_of: None, env: Vec::new() }
     }
 
     /// Starts the agent through the start script and waits for `/readyz`.
@@ -112,8 +117,16 @@ impl AgentUnderTest {
     /// environment before spawning.
     pub fn script_command(&self) -> Command {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/start-network-agent.sh");
-        let mut cmd = self.ns.command("bash");
+        let mut cmd = match self.mount_ns_of {
+            Some(pid) => {
+                let mut c = self.ns.command("nsenter");
+                c.args(["-t", &pid.to_string(), "-m", "--", "bash"]);
+                c
+            }
+            None => self.ns.command("bash"),
+        };
         cmd.arg(script)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("NETWORK_AGENT_CONFIG", self.dir.join("agent.toml"))
             .env("NETWORK_AGENT_BIN", self.agent_bin.clone().unwrap_or_else(|| workspace_bin("network-agent")))
             .env("NETWORK_AGENT_LOG_DIR", self.dir.join("log"))

@@ -16,6 +16,7 @@
 //! - [`agent::AgentUnderTest`]: the network-agent started by its start script in its own
 //!   namespace, programming the topology's node namespace; [`agent_upgrade`]: its live
 //!   upgrade (hand-over to a new binary), crash restart, and a kernel guest on a frame relay.
+//! - [`mntns::PrivateTmpfs`]: a size-limited tmpfs in a private mount namespace (real ENOSPC).
 //! - [`tls`]: a throwaway CA, leaves and client configs for TLS tests.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
@@ -29,7 +30,9 @@ pub mod agent_upgrade;
 pub mod bpffs;
 pub mod egress_swap;
 pub mod frames;
+pub mod fuzz;
 pub mod guest;
+pub mod mntns;
 pub mod netns;
 pub mod packet;
 pub mod rig;

@@ -1,6 +1,9 @@
 //! Developer tasks. `cargo xtask build-ebpf [--release]` builds the CubeVS eBPF object;
 //! `cargo xtask clippy-ebpf` lints the eBPF crate with the nightly toolchain;
-//! `cargo xtask bench egress` benchmarks cube-egress against mitmproxy (root).
+//! `cargo xtask bench egress` benchmarks cube-egress against mitmproxy (root);
+//! `cargo xtask reliability [--long]` runs the reliability suite (root).
+
+mod reliability;
 
 use std::{
     path::{Path, PathBuf},
@@ -29,8 +32,8 @@ enum Cmd {
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
     /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap,
-    /// upgrade (cubenet-bench) and egress (cube-egress vs mitmproxy; BENCH_SECS, BENCH_CONC);
-    /// default: the first five. Never fails on time.
+    /// upgrade, soak (`--minutes`) (cubenet-bench) and egress (cube-egress vs mitmproxy;
+    /// BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.
         names: Vec<String>,
@@ -40,6 +43,23 @@ enum Cmd {
         /// Repetitions of each throughput measurement.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Length of `soak` in minutes (default 10).
+        #[arg(long)]
+        minutes: Option<f64>,
+    },
+    /// Run the reliability suite (root): fuzzing (20,000 frames per program; --long:
+    /// 1,000,000), storms, crash points; prints a table and writes JSON
+    /// (default target/reliability.json).
+    Reliability {
+        /// Long mode (benchmark-sized).
+        #[arg(long)]
+        long: bool,
+        /// Fuzz seed (default: the tests' fixed seed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Where to write the JSON report.
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -142,7 +162,7 @@ fn build_ebpf(release: bool) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::BuildEbpf { release } => build_ebpf(release),
-        Cmd::Bench { names, json, rounds } => {
+        Cmd::Bench { names, json, rounds, minutes } => {
             let egress = names.iter().any(|n| n == "egress");
             let names: Vec<String> = names.into_iter().filter(|n| n != "egress").collect();
             if egress {
@@ -176,11 +196,31 @@ fn main() -> Result<()> {
             // Agent state, sockets and pins on tmpfs, like the agent's default state_dir.
             cmd.env("TMPDIR", "/dev/shm");
             cmd.arg("--rounds").arg(rounds.to_string());
-            cmd.arg("--markdown").arg(root.join("docs").join("benchmarks.md"));
-            if let Some(j) = json {
-                cmd.arg("--json").arg(j);
+            let soak = names.iter().any(|n| n == "soak");
+            if let Some(m) = minutes {
+                cmd.arg("--minutes").arg(m.to_string());
+            }
+            // The soak is a time series of one machine's run, not a figure for the benchmark
+            // table: it writes its rows as JSON (default target/bench-soak.json) beside its
+            // series (target/soak.json) and plot (target/soak.png), and leaves
+            // docs/benchmarks.md alone.
+            if !soak {
+                cmd.arg("--markdown").arg(root.join("docs").join("benchmarks.md"));
+            }
+            match json {
+                Some(j) => {
+                    cmd.arg("--json").arg(j);
+                }
+                None if soak => {
+                    cmd.arg("--json").arg(target_dir(&root).join("bench-soak.json"));
+                }
+                None => {}
             }
             run(cmd)
+        }
+        Cmd::Reliability { long, seed, json } => {
+            build_ebpf(true)?;
+            reliability::run(workspace_root(), long, seed, json)
         }
         Cmd::ClippyEbpf => {
             let mut cmd = ebpf_cargo(&workspace_root(), "clippy");

@@ -46,14 +46,20 @@ impl Agent {
         let phase = |p: &str, d: Duration| {
             self.metrics.tap_create_phase_seconds.with_label_values(&[p]).observe(d.as_secs_f64())
         };
-        let made = (|| -> Result<(u32, OwnedFd), AgentError> {
-            let NewTap { ifindex, fd, phases } = self.host.create_tap(ip).map_err(|e| {
+        // The host cleans up a creation that fails (and never touches an interface it did
+        // not make); after it succeeded, the TAP is ours to delete on a later failure.
+        let NewTap { ifindex, fd, phases } = match self.host.create_tap(ip) {
+            Ok(x) => x,
+            Err(e) => {
                 self.metrics.tap_create_failures.with_label_values(&["create"]).inc();
-                internal(format!("create TAP {name}: {e}"))
-            })?;
-            for (p, d) in phases {
-                phase(p, d);
+                lock(&self.inner).ipam.release(ip);
+                return Err(internal(format!("create TAP {name}: {e}")));
             }
+        };
+        for (p, d) in phases {
+            phase(p, d);
+        }
+        let made = (|| -> Result<(u32, OwnedFd), AgentError> {
             let t = Instant::now();
             let attached = self.dp.attach_sandbox(&name).inspect_err(|_| {
                 self.metrics.tap_create_failures.with_label_values(&["attach"]).inc();

@@ -187,8 +187,15 @@ impl Agent {
             self.store.remove(id).map_err(|e| internal(format!("remove state of {id}: {e}")))?;
             return Ok(true);
         };
-        // Durable intent first: until it is written, the sandbox stays as it is.
-        self.store.write(&rec, Phase::Deleting).map_err(|e| internal(format!("mark {id} deleting: {e}")))?;
+        // Durable intent first: until it is written, the sandbox stays as it is. By rename of
+        // the committed record (every change is written there before it is kept in memory):
+        // a rename needs no space, so a full disk never keeps a sandbox from being released
+        // (decision R5). A missing file falls back to writing the record.
+        let marked = match self.store.advance(id, Phase::Success, Phase::Deleting) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.store.write(&rec, Phase::Deleting),
+            r => r,
+        };
+        marked.map_err(|e| internal(format!("mark {id} deleting: {e}")))?;
         {
             let mut inner = lock(&self.inner);
             inner.sandboxes.remove(id);

@@ -190,8 +190,9 @@ fn release_writes_its_intent_before_forgetting() {
     f.agent.warm(1, 1);
     let v = f.agent.ensure(req("sb-i")).unwrap();
     let ifindex = v.record.tap_ifindex;
-    // The store cannot write sb-i's records: a directory squats on its temporary file.
-    let squat = f.dir.join("sb-i.tmp.json");
+    // The store cannot mark sb-i deleting: a directory squats on that record's name (the
+    // intent is a rename, R5, so squatting on the temporary file would not stop it).
+    let squat = f.dir.join("sb-i.deleting.json");
     std::fs::create_dir(&squat).unwrap();
     let e = f.agent.release("sb-i").unwrap_err();
     assert!(matches!(e, AgentError::Internal(_)), "{e}");

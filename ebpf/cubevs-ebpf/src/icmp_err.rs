@@ -44,6 +44,11 @@ pub fn reverse(ctx: &TcContext, ip: &Ipv4, cfg: &DatapathConfig) -> i32 {
     if inner[0] != 0x45 {
         return TC_ACT_OK;
     }
+    // An error about a non-first fragment embeds payload bytes, not ports: it names no flow
+    // (and no fragment of ours ever left: guests' fragments are dropped). Decision R7.
+    if (u16::from_be_bytes([inner[6], inner[7]]) & 0x1fff) != 0 {
+        return TC_ACT_OK;
+    }
     let inner_proto = inner[9];
     let snat_ip = [inner[12], inner[13], inner[14], inner[15]];
     let remote_ip = u32::from_ne_bytes([inner[16], inner[17], inner[18], inner[19]]);

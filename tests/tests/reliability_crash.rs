@@ -1,0 +1,314 @@
+//! Crash points (issue 14): `kill -9` of the network-agent at random moments of an
+//! Ensure → TAP fd → Release storm from concurrent clients, then a restart. After every
+//! restart: every sandbox a client was told exists is listed and its TAP fd is served; every
+//! one it was told is gone is not listed; TAP interfaces in the node, pool entries, datapath
+//! registrations, port maps and state files agree (nothing leaked, nothing half-written).
+//! At the end everything is released and the node must be back to its baseline.
+//! CI: 10 crash points, 8 clients; `CUBENET_RELIABILITY_LONG=1`: 100 crash points, 50 clients.
+//!
+//! Prints one `RELIABILITY {json}` line (read by `cargo xtask reliability`).
+
+use std::{
+    collections::BTreeSet,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    fuzz::rng::Rng,
+    require_root,
+};
+
+/// TAPs the pool keeps ready.
+const POOL: usize = 4;
+
+/// What the clients were told.
+#[derive(Default)]
+struct Ledger {
+    /// Ensure answered OK (and no Release answered since).
+    exists: BTreeSet<String>,
+    /// Release answered `released`.
+    gone: BTreeSet<String>,
+    /// A call failed mid-flight (the agent died): either outcome is allowed.
+    unknown: BTreeSet<String>,
+    /// Answered calls.
+    answered: u64,
+    /// In-flight calls at a kill, retried (as a Release) after the restart.
+    retried: u64,
+    /// Per client: its sandboxes still alive, oldest first (each client keeps up to
+    /// [`KEEP`] alive across crash points, so there is always something to lose).
+    kept: Vec<std::collections::VecDeque<String>>,
+}
+
+/// Sandboxes each client keeps alive.
+const KEEP: usize = 2;
+
+fn ensure_req(id: &str) -> pb::EnsureNetworkRequest {
+    pb::EnsureNetworkRequest {
+        sandbox_id: id.into(),
+        port_mappings: vec![pb::PortMapping {
+            protocol: "tcp".into(),
+            container_port: 8080,
+            host_port: 0,
+            host_ip: String::new(),
+        }],
+        ..Default::default()
+    }
+}
+
+async fn client_loop(
+    endpoint: String,
+    sock: std::path::PathBuf,
+    k: usize,
+    point: usize,
+    stop: Arc<AtomicBool>,
+    ledger: Arc<Mutex<Ledger>>,
+) {
+    let Ok(mut c) = network_agent::client::connect(&endpoint).await else { return };
+    let mut n = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let new = format!("c{k}-p{point}-{n}");
+        n += 1;
+        let id = new.clone();
+        ledger.lock().unwrap().unknown.insert(id.clone());
+        match c.ensure_network(ensure_req(&id)).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                {
+                    let mut l = ledger.lock().unwrap();
+                    l.unknown.remove(&id);
+                    l.exists.insert(id.clone());
+                    l.answered += 1;
+                }
+                let (name, sock, i2) = (r.interfaces[0].name.clone(), sock.clone(), id.clone());
+                let _ = tokio::task::spawn_blocking(move || quiet_tap_fd(&sock, &name, &i2)).await;
+            }
+            Err(_) => return,
+        }
+        // Keep the new one; release the oldest once more than KEEP are alive.
+        let id = {
+            let mut l = ledger.lock().unwrap();
+            l.kept[k].push_back(new);
+            if l.kept[k].len() <= KEEP {
+                continue;
+            }
+            l.kept[k].pop_front().unwrap()
+        };
+        {
+            // In flight: a kill now may leave it either way.
+            let mut l = ledger.lock().unwrap();
+            l.exists.remove(&id);
+            l.unknown.insert(id.clone());
+        }
+        match c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.clone(), ..Default::default() }).await {
+            Ok(r) if r.get_ref().released => {
+                let mut l = ledger.lock().unwrap();
+                l.unknown.remove(&id);
+                l.exists.remove(&id);
+                l.gone.insert(id);
+                l.answered += 1;
+            }
+            _ => return,
+        }
+    }
+}
+
+/// A TAP fd request that tolerates the agent dying mid-way (the VMM's view: just an error).
+fn quiet_tap_fd(sock: &std::path::Path, tap: &str, id: &str) -> Option<std::os::fd::OwnedFd> {
+    use std::{
+        io::Write,
+        os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    };
+
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let s = std::os::unix::net::UnixStream::connect(sock).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    (&s).write_all(serde_json::json!({"name": tap, "sandboxId": id}).to_string().as_bytes()).ok()?;
+    let mut buf = [0u8; 256];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC).ok()?;
+    for c in msg.cmsgs().ok()? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            // SAFETY: the kernel installed this fd in our table for us (SCM_RIGHTS).
+            return fds.first().map(|&f| unsafe { OwnedFd::from_raw_fd(f) });
+        }
+    }
+    None
+}
+
+fn taps_json(a: &AgentUnderTest) -> serde_json::Value {
+    a.http_json("/v1/network/taps")
+}
+
+/// The consistency invariants after a restart; returns violations.
+fn check(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, l: &Ledger) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut c = rt.block_on(network_agent::client::connect(&a.grpc_endpoint())).expect("connect");
+    let nets = rt.block_on(c.list_networks(pb::ListNetworksRequest::default())).expect("list").into_inner().networks;
+    let listed: BTreeSet<String> = nets.iter().map(|n| n.sandbox_id.clone()).collect();
+    for id in &l.exists {
+        if !listed.contains(id) {
+            v.push(format!("told exists, not listed: {id}"));
+            continue;
+        }
+        let n = nets.iter().find(|n| &n.sandbox_id == id).unwrap();
+        let (reply, fd) = tap_fd(&a.tap_socket(), &n.tap_name, id);
+        if reply["errCode"] != "0" || fd.is_none() {
+            v.push(format!("told exists, TAP fd not served: {id}: {reply}"));
+        }
+    }
+    for id in &l.gone {
+        if listed.contains(id) {
+            v.push(format!("told gone, still listed: {id}"));
+        }
+    }
+    // Pool, node interfaces, datapath and state files agree.
+    let taps = taps_json(a);
+    let pool: BTreeSet<String> =
+        taps["taps"].as_array().unwrap().iter().map(|t| t["tapName"].as_str().unwrap().to_string()).collect();
+    let node: BTreeSet<String> = a.node_taps().into_iter().collect();
+    if pool != node {
+        v.push(format!("node TAPs {node:?} != pool {pool:?}"));
+    }
+    let sandboxes = a.http_json("/v1/dataplane/sandboxes")["sandboxes"].as_array().unwrap().len();
+    let portmaps = a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len();
+    if sandboxes != nets.len() {
+        v.push(format!("{sandboxes} datapath registrations for {} networks", nets.len()));
+    }
+    let ports: usize = nets.iter().map(|n| n.port_mappings.len()).sum();
+    if portmaps != ports {
+        v.push(format!("{portmaps} port maps in the datapath for {ports} listed"));
+    }
+    let files: Vec<String> = std::fs::read_dir(a.state_dir())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let stray: Vec<&String> =
+        files.iter().filter(|f| !listed.iter().any(|id| f.starts_with(&format!("{id}.")))).collect();
+    if !stray.is_empty() || files.len() != nets.len() {
+        v.push(format!("state files {files:?} for {} networks (stray {stray:?})", nets.len()));
+    }
+    v
+}
+
+#[test]
+fn kill9_during_ensure_release_storm() {
+    if !require_root("reliability_crash kill9_during_ensure_release_storm") {
+        return;
+    }
+    let long = std::env::var("CUBENET_RELIABILITY_LONG").is_ok_and(|v| v == "1");
+    let (points, clients) = if long { (100, 50) } else { (10, 8) };
+    let mut rng = Rng::new(std::env::var("CUBENET_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(14));
+    let mut a = AgentUnderTest::prepare("crash", POOL, "");
+    a.start();
+    let baseline: BTreeSet<String> = a.node_taps().into_iter().collect();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let ledger = Arc::new(Mutex::new(Ledger { kept: vec![Default::default(); clients], ..Default::default() }));
+    let start = Instant::now();
+    let mut violations = Vec::new();
+    for point in 0..points {
+        let stop = Arc::new(AtomicBool::new(false));
+        let handles: Vec<_> = (0..clients)
+            .map(|k| rt.spawn(client_loop(a.grpc_endpoint(), a.tap_socket(), k, point, stop.clone(), ledger.clone())))
+            .collect();
+        std::thread::sleep(Duration::from_millis(100 + rng.below(1400) as u64));
+        a.kill(nix::sys::signal::Signal::SIGKILL);
+        stop.store(true, Ordering::Relaxed);
+        for h in handles {
+            let _ = rt.block_on(h);
+        }
+        a.child = Some(a.spawn_script());
+        a.wait_ready(Duration::from_secs(60));
+        let mut l = ledger.lock().unwrap();
+        for x in check(&a, &rt, &l) {
+            violations.push(format!("crash point {point}: {x}"));
+        }
+        // A client whose call died with the agent retries it once the agent is back, as
+        // cubelet does: here the retry is a Release (idempotent), so in-flight sandboxes do
+        // not pile up over 100 crash points and exhaust the address range. Its answer is
+        // binding: the next check sees them gone.
+        let unknown: Vec<String> = std::mem::take(&mut l.unknown).into_iter().collect();
+        l.retried += unknown.len() as u64;
+        let mut c = rt.block_on(network_agent::client::connect(&a.grpc_endpoint())).expect("connect");
+        for id in unknown {
+            let r = rt.block_on(
+                c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.clone(), ..Default::default() }),
+            );
+            if r.is_ok_and(|r| r.into_inner().released) {
+                l.exists.remove(&id);
+                l.gone.insert(id);
+            } else {
+                violations.push(format!("crash point {point}: retried release of in-flight {id} failed"));
+            }
+        }
+        let Ledger { kept, gone, .. } = &mut *l;
+        for k in kept {
+            k.retain(|id| !gone.contains(id));
+        }
+    }
+    // Release everything still there; the node must return to its baseline.
+    let mut c = rt.block_on(network_agent::client::connect(&a.grpc_endpoint())).expect("connect");
+    let nets = rt.block_on(c.list_networks(pb::ListNetworksRequest::default())).unwrap().into_inner().networks;
+    for n in &nets {
+        let r = rt.block_on(
+            c.release_network(pb::ReleaseNetworkRequest { sandbox_id: n.sandbox_id.clone(), ..Default::default() }),
+        );
+        if !r.is_ok_and(|r| r.into_inner().released) {
+            violations.push(format!("final release of {} failed", n.sandbox_id));
+        }
+    }
+    let t = Instant::now();
+    loop {
+        let c = &taps_json(&a)["stateCounts"];
+        let settled = c["Ready"].as_u64() == Some(POOL as u64)
+            && c["Active"].as_u64() == Some(0)
+            && c["Cleaning"].as_u64() == Some(0)
+            && a.node_taps().len() == baseline.len();
+        if settled {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            violations.push(format!("not back to baseline: {c} node TAPs {:?}", a.node_taps()));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for (what, path, key) in [
+        ("port maps", "/v1/dataplane/portmaps", "portMappings"),
+        ("registrations", "/v1/dataplane/sandboxes", "sandboxes"),
+        ("sessions", "/v1/dataplane/sessions", "sessions"),
+    ] {
+        let n = a.http_json(path)[key].as_array().map_or(usize::MAX, Vec::len);
+        if n != 0 {
+            violations.push(format!("{n} {what} left after releasing everything"));
+        }
+    }
+    let files = std::fs::read_dir(a.state_dir()).unwrap().count();
+    if files != 0 {
+        violations.push(format!("{files} state files left after releasing everything"));
+    }
+    let l = ledger.lock().unwrap();
+    let report = serde_json::json!({
+        "case": "crash-kill9",
+        "inputs": points,
+        "violations": if violations.is_empty() { serde_json::json!({}) } else { serde_json::json!({"consistency": violations.len()}) },
+        "secs": start.elapsed().as_secs_f64(),
+        "clients": clients,
+        "answered_calls": l.answered,
+        "told_exists": l.exists.len(),
+        "told_gone": l.gone.len(),
+        "in_flight_retried": l.retried,
+    });
+    println!("RELIABILITY {report}");
+    assert!(violations.is_empty(), "{} violations:\n{}\nlog tail:\n{}", violations.len(), violations.join("\n"), {
+        let log = a.log();
+        log[log.len().saturating_sub(4000)..].to_string()
+    });
+}
