@@ -4,7 +4,7 @@
 #   cubenet/network-agent  network-agent, cubenet-cli, cubevs.bpf.o (next to the agent, where
 #                          cubevs::default_object_path() finds it), start-network-agent.sh,
 #                          deploy/images/{cubenet-preflight.sh,cubenet-netns-exec.sh,agent-prestop.sh}
-#   cubenet/cube-egress    cube-egress, cube-egress-net.sh,
+#   cubenet/cube-egress    cube-egress, cube-egress-net.sh, deploy/images/cube-egress-slot.sh,
 #                          deploy/images/{cube-egress-net-entrypoint.sh,cubenet-netns-exec.sh}
 #
 # Each image is FROM scratch: the binaries of this checkout plus a minimal root made of the
@@ -206,8 +206,16 @@ build_image() {
     for spec in "$@"; do srcs+=("${spec%%:*}"); done
     local libs
     libs=$(lib_packages "${srcs[@]}" | sort -u | tr '\n' ' ')
-    # shellcheck disable=SC2086 # package lists are word-split on purpose
-    make_rootfs "$rootfs" $pkgs $libs
+    # The root filesystem is cached per package set (binaries change far more often).
+    local rkey
+    rkey=$({ sha256sum "$0"; for p in $pkgs $libs; do printf '%s=%s\n' "$p" "$(installed_version "$p")"; done; } | sha256sum | cut -d' ' -f1)
+    if [[ -d "$rootfs" && "$(cat "$rootfs.key" 2>/dev/null || true)" == "$rkey" ]]; then
+      log "$name root filesystem cached ($rootfs)"
+    else
+      # shellcheck disable=SC2086 # package lists are word-split on purpose
+      make_rootfs "$rootfs" $pkgs $libs
+      printf '%s\n' "$rkey" >"$rootfs.key"
+    fi
     local ctr
     ctr=$(buildah from --pull=never scratch)
     # shellcheck disable=SC2064 # expand now: remove this working container on failure
@@ -264,8 +272,9 @@ build_image network-agent \
 build_image cube-egress \
   "CubeEgress: transparent L7 egress gateway of CubeSandbox, with its TPROXY plumbing" \
   "bash coreutils util-linux iproute2 iptables busybox-static" \
-  '["/usr/local/bin/cubenet-netns-exec.sh", "/usr/local/bin/cube-egress"]' \
+  '["/usr/local/bin/cube-egress-slot.sh"]' \
   "$bin/cube-egress:/usr/local/bin/cube-egress" \
   "$root/scripts/cube-egress-net.sh:/usr/local/bin/cube-egress-net.sh" \
   "$img/cube-egress-net-entrypoint.sh:/usr/local/bin/cube-egress-net-entrypoint.sh" \
+  "$img/cube-egress-slot.sh:/usr/local/bin/cube-egress-slot.sh" \
   "$img/cubenet-netns-exec.sh:/usr/local/bin/cubenet-netns-exec.sh"
