@@ -192,7 +192,7 @@ build_image() {
   local ref="localhost/cubenet/$name:$tag" rootfs="$work/$name-rootfs" digest p spec src dst
   # Inputs digest: this script, the files, the package versions.
   digest=$({
-    sha256sum "$0" "$root/scripts/k8s-lib.sh"
+    sha256sum "$root/scripts/build-images.sh" "$root/scripts/k8s-lib.sh"
     for spec in "$@"; do sha256sum "${spec%%:*}"; done
     for p in $pkgs; do printf '%s=%s\n' "$p" "$(installed_version "$p")"; done
     printf 'tag=%s revision=%s created=%s\n' "$tag" "$revision" "$created"
@@ -208,7 +208,7 @@ build_image() {
     libs=$(lib_packages "${srcs[@]}" | sort -u | tr '\n' ' ')
     # The root filesystem is cached per package set (binaries change far more often).
     local rkey
-    rkey=$({ sha256sum "$0"; for p in $pkgs $libs; do printf '%s=%s\n' "$p" "$(installed_version "$p")"; done; } | sha256sum | cut -d' ' -f1)
+    rkey=$({ declare -f make_rootfs fetch_deb lib_packages owner; for p in $pkgs $libs; do printf '%s=%s\n' "$p" "$(installed_version "$p")"; done; } | sha256sum | cut -d' ' -f1)
     if [[ -d "$rootfs" && "$(cat "$rootfs.key" 2>/dev/null || true)" == "$rkey" ]]; then
       log "$name root filesystem cached ($rootfs)"
     else
@@ -223,7 +223,15 @@ build_image() {
     buildah copy --quiet "$ctr" "$rootfs/" / >/dev/null
     for spec in "$@"; do
       src=${spec%%:*} dst=${spec#*:}
-      buildah copy --quiet --chmod "$( [[ -x "$src" ]] && echo 0755 || echo 0644 )" "$ctr" "$src" "$dst" >/dev/null
+      if [[ "$src" == "$bin/"* ]]; then
+        # Debug builds carry ~100 MB of DWARF per binary: ship them without it.
+        mkdir -p "$work/stage"
+        strip --strip-debug -o "$work/stage/${src##*/}" "$src"
+        src="$work/stage/${src##*/}"
+      fi
+      local mode=0644
+      [[ -x "$src" || "$dst" == /usr/local/bin/*.sh ]] && mode=0755
+      buildah copy --quiet --chmod "$mode" "$ctr" "$src" "$dst" >/dev/null
     done
     buildah config \
       --entrypoint "$entry" --cmd '' \
@@ -271,7 +279,7 @@ build_image network-agent \
   "$img/agent-prestop.sh:/usr/local/bin/agent-prestop.sh"
 build_image cube-egress \
   "CubeEgress: transparent L7 egress gateway of CubeSandbox, with its TPROXY plumbing" \
-  "bash coreutils util-linux iproute2 iptables busybox-static" \
+  "bash coreutils util-linux iproute2 iptables busybox-static openssl" \
   '["/usr/local/bin/cube-egress-slot.sh"]' \
   "$bin/cube-egress:/usr/local/bin/cube-egress" \
   "$root/scripts/cube-egress-net.sh:/usr/local/bin/cube-egress-net.sh" \

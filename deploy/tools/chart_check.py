@@ -17,8 +17,8 @@ Usage:
                                           defaults) and write OUT_DIR/pod.yaml: the DaemonSet's
                                           template as a Pod for `podman kube play` (podman 4.3
                                           takes no DaemonSet), ConfigMap and Secret volumes
-                                          materialised as host directories under OUT_DIR, host
-                                          ports dropped (a pod on `--network none` has none).
+                                          materialised as host directories under OUT_DIR, ports
+                                          dropped (a pod on `--network none` maps none).
 """
 
 import base64
@@ -411,9 +411,14 @@ def cmd_pod(out, values_json):
                 open(p, "wb").write(body)
                 os.chmod(p, 0o400 if ref == "secret" else 0o444)
             v["hostPath"] = {"path": d, "type": "Directory"}
+    # podman 4.3 turns any declared port into a port mapping, which `--network none` refuses:
+    # drop the ports and give the probes their numbers instead of names.
     for c in spec.get("initContainers", []) + spec["containers"]:
-        for p in c.get("ports", []):
-            p.pop("hostPort", None)
+        named = {p["name"]: p["containerPort"] for p in c.pop("ports", []) if p.get("name")}
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            h = c.get(kind, {}).get("httpGet")
+            if h and isinstance(h.get("port"), str):
+                h["port"] = named[h["port"]]
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",

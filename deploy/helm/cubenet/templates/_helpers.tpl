@@ -61,15 +61,16 @@ app.kubernetes.io/component: cube-node
   value: {{ .Values.cidr | quote }}
 {{- end -}}
 
-{{/* Exec probe of the gateway's health, in the dataplane namespace. */}}
+{{/* Exec probe of the gateway's health, in the dataplane namespace (busybox wget; its own -T
+     crashes the bookworm static build, hence coreutils timeout). */}}
 {{- define "cubenet.egressHealthProbe" -}}
 exec:
   command:
     - /usr/local/bin/cubenet-netns-exec.sh
+    - timeout
+    - "3"
     - wget
     - -q
-    - -T
-    - "2"
     - -O
     - /dev/null
     - {{ printf "http://127.0.0.1:%d/admin/v1/health" (int .Values.egress.adminPort) }}
