@@ -250,7 +250,18 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     let t1 = Instant::now();
     let _ = podman(&["pod", "rm", "--force", "cubenet-node"]);
     let _pod = PodGuard("cubenet-node".into());
-    podman_ok(&["kube", "play", "--network", "none", pod_yaml.to_str().unwrap()]);
+    // podman 4.3 sometimes tries to remove the finished init container while runc still
+    // reports it running ("failed to remove once init container", seen under load): retry.
+    for attempt in 1.. {
+        let o = podman(&["kube", "play", "--network", "none", pod_yaml.to_str().unwrap()]);
+        if o.status.success() {
+            break;
+        }
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(attempt < 3 && err.contains("once init container"), "podman kube play: {err}");
+        eprintln!("[k8s-pod] kube play attempt {attempt}: {}; retrying", err.trim());
+        let _ = podman(&["pod", "rm", "--force", "--time", "0", "cubenet-node"]);
+    }
     let agent_c = "cubenet-node-network-agent";
     let ready = wait_for("agent /readyz", Duration::from_secs(120), || {
         exec_wget(agent_c, "http://127.0.0.1:19090/readyz", false).filter(|b| b.contains("ready"))
