@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Starts the CubeNet network-agent the way the node image does (the seed's init sequence):
-#   (1) wait, bounded, for the host-path volumes (/tmp/cube, the state dir, the log dir);
+#   (1) wait, bounded, for the directories the agent uses but must not create: the log file's
+#       directory when the log goes to a file, and any listed volumes (nothing by default: the
+#       agent creates its socket and state directories itself);
 #   (2) make sure bpffs is mounted under bpffs_dir, then the agent loads the eBPF datapath;
 #   (3) the agent creates or reconciles cube-dev;
 #   (4) the agent recovers state and warms the TAP pool (tap_init_num, 500 by default);
@@ -15,10 +17,14 @@
 #   NETWORK_AGENT_BIN        agent binary (default: network-agent next to this script's
 #                            target/release or target/debug build, else on PATH)
 #   NETWORK_AGENT_ARGS       extra flags for the agent (word-split), e.g. "--tap-init-num 8"
-#   NETWORK_AGENT_LOG_DIR    log directory to wait for (default /data/log/network-agent)
-#   NETWORK_AGENT_LOG_FILE   append the agent's log here instead of stderr (optional)
-#   NETWORK_AGENT_VOLUMES    extra directories to wait for (space-separated)
-#   NETWORK_AGENT_WAIT_SECS  bound of the volume wait (default 60)
+#   NETWORK_AGENT_LOG_FILE   append the agent's log here instead of stderr (optional); its
+#                            directory is waited for (a missing log volume is an error, never
+#                            created here: logs written into the container would be lost)
+#   NETWORK_AGENT_LOG_DIR    another log directory to wait for (optional, e.g. a volume a
+#                            sidecar reads)
+#   NETWORK_AGENT_VOLUMES    extra directories to wait for (space-separated), e.g. host-path
+#                            volumes shared with cubelet such as /tmp/cube
+#   NETWORK_AGENT_WAIT_SECS  bound of the wait (default 60)
 #   NETWORK_AGENT_BPFFS_ROOT where bpffs is mounted when missing (default /sys/fs/bpf)
 #   NETWORK_AGENT_MOUNT_BPFFS  1 (default): mount bpffs there if missing; 0: fail instead
 set -euo pipefail
@@ -62,18 +68,17 @@ cfg() {
   done <<<"$effective"
   return 1
 }
-state_dir="$(cfg state_dir)"
 bpffs_dir="$(cfg bpffs_dir)"
-tap_sock="$(cfg tap_fd_listen)"
-grpc_listen="$(cfg grpc_listen)"
 
-# (1) Host-path volumes, bounded wait.
+# (1) Directories the agent needs but does not create, bounded wait. The socket directories
+# and state_dir are created by the agent (mkdir -p), so they are not waited for.
 wait_secs="${NETWORK_AGENT_WAIT_SECS:-60}"
-volumes=("$(dirname "$tap_sock")" "$state_dir" "${NETWORK_AGENT_LOG_DIR:-/data/log/network-agent}")
-if [[ "$grpc_listen" == unix://* ]]; then
-  grpc_dir="$(dirname "${grpc_listen#unix://}")"
-  # Usually the same directory as the fd socket's: list it once.
-  [[ "$grpc_dir" == "${volumes[0]}" ]] || volumes+=("$grpc_dir")
+volumes=()
+if [[ -n "${NETWORK_AGENT_LOG_FILE:-}" ]]; then
+  volumes+=("$(dirname "$NETWORK_AGENT_LOG_FILE")")
+fi
+if [[ -n "${NETWORK_AGENT_LOG_DIR:-}" ]]; then
+  [[ " ${volumes[*]} " == *" $NETWORK_AGENT_LOG_DIR "* ]] || volumes+=("$NETWORK_AGENT_LOG_DIR")
 fi
 if [[ -n "${NETWORK_AGENT_VOLUMES:-}" ]]; then
   read -r -a more <<<"$NETWORK_AGENT_VOLUMES"
@@ -83,12 +88,12 @@ t0=$SECONDS
 for v in "${volumes[@]}"; do
   until [[ -d "$v" ]]; do
     if (( SECONDS - t0 >= wait_secs )); then
-      die "volume $v did not appear within ${wait_secs}s"
+      die "directory $v (log or volume) did not appear within ${wait_secs}s; create or mount it, or unset the variable naming it"
     fi
     sleep 1
   done
 done
-log "(1) volumes present: ${volumes[*]} ($(( SECONDS - t0 ))s)"
+log "(1) directories present: ${volumes[*]:-none to wait for} ($(( SECONDS - t0 ))s)"
 
 # (2) bpffs: bpffs_dir must live on a bpf filesystem. If it lies under the bpffs root
 # (default /sys/fs/bpf) and that is not mounted, mount it there; anything else is an error.

@@ -70,7 +70,8 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Host-port range `"first-last"` for port mappings (default `20000-29999`).
     pub host_port_range: String,
-    /// Path of the reserved-ports list (default `/proc/sys/net/ipv4/ip_local_reserved_ports`).
+    /// Path of the reserved-ports list (default `/proc/sys/net/ipv4/ip_local_reserved_ports`),
+    /// read from a dataplane-netns thread so the per-namespace sysctl is the dataplane's.
     pub reserved_ports_file: PathBuf,
     /// Guest inner IP (default 169.254.68.6).
     pub mvm_inner_ip: Ipv4Addr,
@@ -92,6 +93,15 @@ pub struct Config {
     pub reaper_interval_secs: u64,
     /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
     pub maintenance_interval_secs: u64,
+    /// Entries a sandbox may have in `cubevs_context.allow_out`, and separately in
+    /// `deny_out` (default 1024, 1..65536). Over it, Ensure/Reconcile answer INVALID_ARGUMENT.
+    /// The datapath's policy tries are sized so that every sandbox can hold this twice.
+    pub policy_entries_per_sandbox: u32,
+    /// A Reconcile whose new policy denies a destination the old one allowed flushes the
+    /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
+    /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
+    /// `"false"` overrides it. `false` is upstream's behaviour (flows outlive the change).
+    pub flush_sessions_on_policy_tighten: bool,
 }
 
 impl Default for Config {
@@ -120,6 +130,8 @@ impl Default for Config {
             ip_local_port_range: "10000 19999".into(),
             reaper_interval_secs: 5,
             maintenance_interval_secs: 5,
+            policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
+            flush_sessions_on_policy_tighten: true,
         }
     }
 }
@@ -134,19 +146,17 @@ pub struct Cidr {
 }
 
 impl Cidr {
-    /// Parses `a.b.c.d/n`; host bits must be zero.
+    /// Parses `a.b.c.d/n` with the one CIDR parser (`cubevs::Cidr::parse`, strict); the
+    /// length is required and host bits must be zero (a typo here moves every sandbox).
     pub fn parse(s: &str) -> Result<Self, String> {
-        let (a, l) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a.b.c.d/len"))?;
-        let base: Ipv4Addr = a.parse().map_err(|_| format!("{a:?} is not an IPv4 address"))?;
-        let prefix: u8 = l.parse().map_err(|_| format!("{l:?} is not a prefix length"))?;
-        if prefix > 32 {
-            return Err(format!("prefix length {prefix} is above 32"));
+        if !s.contains('/') {
+            return Err(format!("{s:?} is not a.b.c.d/len"));
         }
-        let mask = if prefix == 0 { 0 } else { u32::MAX << (32 - prefix) };
-        if u32::from(base) & !mask != 0 {
+        let c = cubevs::Cidr::parse(s)?;
+        if c.has_host_bits() {
             return Err(format!("{s} has host bits set"));
         }
-        Ok(Self { base, prefix })
+        Ok(Self { base: c.addr, prefix: c.len })
     }
 
     /// Number of addresses.
@@ -170,6 +180,16 @@ impl std::fmt::Display for Cidr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.base, self.prefix)
     }
+}
+
+/// Longest interface name Linux accepts (`IFNAMSIZ` − 1).
+pub const MAX_IFNAME: usize = 15;
+
+/// The longest TAP name (`z<ip>`, `reference/upstream.md §2.3`) among the sandbox addresses of
+/// `cidr` (all but the network, gateway `.1` and broadcast addresses); `None` when it has none.
+pub fn longest_tap_name(cidr: Cidr) -> Option<String> {
+    let n = u32::try_from(cidr.size()).ok()?;
+    (2..n.saturating_sub(1)).map(|i| crate::host::tap_name(cidr.nth(i))).max_by_key(|s| s.len())
 }
 
 /// Parses `aa:bb:cc:dd:ee:ff`.
@@ -238,6 +258,18 @@ impl Config {
         if !(16..=24).contains(&cidr.prefix) {
             return Err(invalid("cidr", format!("prefix /{} outside /16../24", cidr.prefix)));
         }
+        if let Some(long) = longest_tap_name(cidr).filter(|n| n.len() > MAX_IFNAME) {
+            return Err(invalid(
+                "cidr",
+                format!(
+                    "TAP names are z<sandbox ip> and {cidr} needs {long:?} ({} bytes), but Linux interface \
+                     names hold at most {MAX_IFNAME} bytes; choose a range whose addresses have at most {} \
+                     characters (e.g. 192.168.0.0/18 or 10.x.0.0/16)",
+                    long.len(),
+                    MAX_IFNAME - 1
+                ),
+            ));
+        }
         if !(576..=65535).contains(&self.mtu) {
             return Err(invalid("mtu", format!("{} outside 576..65535", self.mtu)));
         }
@@ -297,6 +329,12 @@ impl Config {
         if self.maintenance_interval_secs == 0 {
             return Err(invalid("maintenance_interval_secs", "must be at least 1"));
         }
+        if !(1..=65536).contains(&self.policy_entries_per_sandbox) {
+            return Err(invalid(
+                "policy_entries_per_sandbox",
+                format!("{} outside 1..65536", self.policy_entries_per_sandbox),
+            ));
+        }
         Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range })
     }
 }
@@ -341,6 +379,23 @@ mod tests {
     }
 
     #[test]
+    fn cidrs_whose_tap_names_do_not_fit_are_refused() {
+        // z192.168.100.254 is 16 bytes.
+        let e = Config::parse("cidr = \"192.168.100.0/24\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`cidr`") && e.contains("z192.168.100.254") && e.contains("15 bytes"), "{e}");
+        let e = Config::parse("cidr = \"192.168.128.0/17\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("z192.168.255.254"), "{e}");
+        // The defaults (upstream's and the Kubernetes chart's) fit: z192.168.63.254 is 15 bytes.
+        assert_eq!(longest_tap_name(Cidr::parse("192.168.0.0/18").unwrap()).unwrap(), "z192.168.63.254");
+        for ok in ["192.168.0.0/18", "172.16.0.0/18", "10.244.0.0/16", "192.168.99.0/24"] {
+            Config::parse(&format!("cidr = \"{ok}\"\ntap_init_num = 10"))
+                .unwrap()
+                .validate()
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+    }
+
+    #[test]
     fn cidr_math() {
         let c = Cidr::parse("192.168.0.0/24").unwrap();
         assert_eq!(c.size(), 256);
@@ -348,6 +403,11 @@ mod tests {
         assert_eq!(c.index_of(Ipv4Addr::new(192, 168, 0, 9)), Some(9));
         assert_eq!(c.index_of(Ipv4Addr::new(192, 168, 1, 0)), None);
         assert!(Cidr::parse("192.168.0.1/24").is_err());
+        for bad in ["192.168.0.0/+24", "192.168.0.0/024", "192.168.000.0/24", "192.168.0.0"] {
+            assert!(Cidr::parse(bad).is_err(), "{bad}");
+        }
+        let e = Config::parse("policy_entries_per_sandbox = 0").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`policy_entries_per_sandbox`"), "{e}");
         assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
         assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");
     }

@@ -14,7 +14,7 @@ use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, reaper::Reaper};
 use crate::{
     dataplane::{
         Counters, Dataplane, DataplaneError, EgressPolicy, PolicyDump, PortMapping, Proto, SandboxEntry, Session,
-        SnatIp,
+        SnatIp, from_cubevs,
     },
     host::NetnsHost,
 };
@@ -34,10 +34,7 @@ impl std::fmt::Debug for CubeVsDataplane {
 }
 
 fn err(e: cubevs::Error) -> DataplaneError {
-    match e {
-        cubevs::Error::InvalidArgument { field, reason } => DataplaneError::Invalid { field, reason },
-        other => DataplaneError::Other(other.to_string()),
-    }
+    from_cubevs(e)
 }
 
 fn other(e: impl std::fmt::Display) -> DataplaneError {
@@ -58,15 +55,18 @@ fn mapping(m: &PortMapping) -> cubevs::PortMapping {
 impl CubeVsDataplane {
     /// Loads the object (`object`, `None` = `cubevs::default_object_path()`) with `config`,
     /// creating or adopting the pinned maps under `bpffs_dir`; pinned links are adopted by
-    /// later attaches. Starts the session reaper (every `reaper_interval`).
+    /// later attaches. Each sandbox may hold `policy_entries_per_sandbox` entries per policy
+    /// list (the tries are sized from it). Starts the session reaper (every `reaper_interval`).
     pub fn load(
         host: Arc<NetnsHost>,
         object: Option<PathBuf>,
         config: DatapathConfig,
         bpffs_dir: PathBuf,
         reaper_interval: Duration,
+        policy_entries_per_sandbox: u32,
     ) -> Result<Self, DataplaneError> {
         let mut opts = LoadOptions::new();
+        opts.limits.policy_entries_per_sandbox = policy_entries_per_sandbox;
         if let Some(o) = object {
             opts.object = o;
         }
@@ -174,12 +174,7 @@ impl Dataplane for CubeVsDataplane {
             .collect())
     }
     fn replace_policy(&self, ifindex: u32, p: &EgressPolicy) -> Result<(), DataplaneError> {
-        let cp = cubevs::EgressPolicy {
-            allow_internet_access: p.allow_internet_access,
-            allow_out: p.allow_out.clone(),
-            deny_out: p.deny_out.clone(),
-        };
-        self.maps.policy.replace(ifindex, &cp).map_err(err)
+        self.maps.policy.replace(ifindex, p).map_err(err)
     }
     fn install_default_deny(&self, ifindex: u32) -> Result<(), DataplaneError> {
         self.maps.policy.install_default_deny(ifindex).map_err(err)
@@ -189,13 +184,7 @@ impl Dataplane for CubeVsDataplane {
     }
     fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError> {
         let d = self.maps.policy.dump(ifindex).map_err(err)?;
-        if d.allow.is_empty() && d.deny.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(PolicyDump {
-            allow: d.allow.iter().map(ToString::to_string).collect(),
-            deny: d.deny.iter().map(ToString::to_string).collect(),
-        }))
+        Ok(d.generation.is_some().then_some(d))
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
         Ok(self
@@ -230,6 +219,7 @@ impl Dataplane for CubeVsDataplane {
         let st = self.reaper.stats();
         c.insert("reaper_runs".into(), st.runs.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("reaper_removed".into(), st.removed.load(std::sync::atomic::Ordering::Relaxed));
+        c.insert("reaper_last_scanned".into(), st.last_scanned.load(std::sync::atomic::Ordering::Relaxed));
         Ok(c)
     }
 }

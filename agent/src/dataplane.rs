@@ -36,6 +36,9 @@ pub enum DataplaneError {
         /// Host port.
         host_port: u16,
     },
+    /// A datapath table is full (e.g. every interface slot of `policy_gen` holds a policy).
+    #[error("{0}")]
+    Exhausted(String),
     /// Anything else (kernel, pin, netns thread), with context.
     #[error("{0}")]
     Other(String),
@@ -95,17 +98,8 @@ pub struct SnatIp {
     pub ifindex: u32,
 }
 
-/// Egress policy of one sandbox (`cubevs_context` of the gRPC API, `reference/upstream.md
-/// §1.1`): CIDRs (`a.b.c.d/n` or a bare address).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EgressPolicy {
-    /// Public internet allowed (private ranges stay denied unless in `allow_out`).
-    pub allow_internet_access: bool,
-    /// Allowed destinations; beat `deny_out`.
-    pub allow_out: Vec<String>,
-    /// Denied destinations.
-    pub deny_out: Vec<String>,
-}
+/// Egress policy of one sandbox (`cubevs_context` of the gRPC API): cubevs's own type.
+pub use cubevs::{EgressPolicy, PolicyDump};
 
 /// One conntrack/SNAT session as the datapath reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,15 +118,6 @@ pub struct Session {
     pub version: u32,
     /// Conntrack state name.
     pub state: String,
-}
-
-/// The policy installed for one interface, as the tries hold it (CIDR strings).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PolicyDump {
-    /// Allowed networks.
-    pub allow: Vec<String>,
-    /// Denied networks (the baseline deny included).
-    pub deny: Vec<String>,
 }
 
 /// Datapath counters by name (verdicts, drops).
@@ -186,32 +171,30 @@ pub trait Dataplane: Send + Sync {
     fn counters(&self) -> Result<Counters, DataplaneError>;
 }
 
-/// Validates one `allow_out`/`deny_out` entry: an IPv4 CIDR `a.b.c.d/n` (n ≤ 32) or address.
-pub fn validate_cidr(field: &str, s: &str) -> Result<(), DataplaneError> {
-    let bad = |reason: &str| DataplaneError::Invalid { field: field.to_string(), reason: reason.to_string() };
-    let (addr, len) = match s.split_once('/') {
-        Some((a, l)) => (a, Some(l)),
-        None => (s, None),
-    };
-    addr.parse::<Ipv4Addr>().map_err(|_| bad(&format!("{s:?} is not an IPv4 address or CIDR")))?;
-    if let Some(l) = len {
-        let n: u8 = l.parse().map_err(|_| bad(&format!("{s:?} has a bad prefix length")))?;
-        if n > 32 {
-            return Err(bad(&format!("{s:?} has a prefix length above 32")));
+/// Prefix of the policy fields in the gRPC request.
+pub const POLICY_FIELD_PREFIX: &str = "cubevs_context.";
+
+/// A `cubevs` error as a [`DataplaneError`]: invalid policy fields are named as the gRPC
+/// request spells them (`cubevs_context.allow_out[1]`), full tables are `Exhausted`.
+pub fn from_cubevs(e: cubevs::Error) -> DataplaneError {
+    match e {
+        cubevs::Error::InvalidArgument { field, reason } => {
+            let policy = field.starts_with("allow_out") || field.starts_with("deny_out");
+            DataplaneError::Invalid {
+                field: if policy { format!("{POLICY_FIELD_PREFIX}{field}") } else { field },
+                reason,
+            }
         }
+        e @ cubevs::Error::TooManyEntries { .. } => DataplaneError::Exhausted(e.to_string()),
+        other => DataplaneError::Other(other.to_string()),
     }
-    Ok(())
 }
 
-/// Validates a whole policy (the checks the datapath's `replace_policy` performs).
-pub fn validate_policy(prefix: &str, p: &EgressPolicy) -> Result<(), DataplaneError> {
-    for (i, c) in p.allow_out.iter().enumerate() {
-        validate_cidr(&format!("{prefix}allow_out[{i}]"), c)?;
-    }
-    for (i, c) in p.deny_out.iter().enumerate() {
-        validate_cidr(&format!("{prefix}deny_out[{i}]"), c)?;
-    }
-    Ok(())
+/// Validates and expands a policy exactly as the datapath will (`cubevs::policy::compile`):
+/// the strict CIDR grammar, and at most `limit` entries in each list. Errors name the field
+/// (`cubevs_context.deny_out[0]`, `cubevs_context.allow_out` with the limit).
+pub fn compile_policy(p: &EgressPolicy, limit: u32) -> Result<cubevs::policy::CompiledPolicy, DataplaneError> {
+    cubevs::policy::compile(p, limit).map_err(from_cubevs)
 }
 
 /// In-memory tables with the semantics of the datapath maps. Backs [`FakeDataplane`] and the
@@ -220,8 +203,10 @@ pub fn validate_policy(prefix: &str, p: &EgressPolicy) -> Result<(), DataplaneEr
 pub struct MemTables {
     sandboxes: BTreeMap<u32, SandboxEntry>,
     ports: HashMap<(Proto, u16), PortMapping>,
-    policies: BTreeMap<u32, EgressPolicy>,
+    policies: BTreeMap<u32, (u32, cubevs::policy::CompiledPolicy)>,
     snat: Vec<SnatIp>,
+    /// Per-sandbox entry limit (`cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX` when 0).
+    pub policy_limit: u32,
 }
 
 impl MemTables {
@@ -274,34 +259,29 @@ impl MemTables {
         v.sort_by_key(|m| (m.proto, m.host_port));
         v
     }
-    /// `replace_policy`.
+    /// `replace_policy`: compiled by `cubevs` like the real one, under a new generation.
     pub fn replace_policy(&mut self, ifindex: u32, p: &EgressPolicy) -> Result<(), DataplaneError> {
-        validate_policy("", p)?;
-        self.policies.insert(ifindex, p.clone());
+        let limit =
+            if self.policy_limit == 0 { cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX } else { self.policy_limit };
+        let c = compile_policy(p, limit)?;
+        let generation = self.policies.get(&ifindex).map_or(1, |(g, _)| g.wrapping_add(1));
+        self.policies.insert(ifindex, (generation, c));
         Ok(())
     }
-    /// `install_default_deny`.
-    pub fn default_deny(&mut self, ifindex: u32) {
-        self.policies.insert(ifindex, EgressPolicy { allow_internet_access: false, ..Default::default() });
+    /// `install_default_deny`: the baseline only, as `cubevs` installs it.
+    pub fn default_deny(&mut self, ifindex: u32) -> Result<(), DataplaneError> {
+        self.replace_policy(ifindex, &EgressPolicy::default())
     }
     /// `remove_policy`.
     pub fn remove_policy(&mut self, ifindex: u32) {
         self.policies.remove(&ifindex);
     }
-    /// `policy`, compiled the way the datapath does (baseline deny; no internet = deny all,
-    /// user deny list ignored; the default deny is "deny all").
+    /// `policy`.
     pub fn policy(&self, ifindex: u32) -> Option<PolicyDump> {
-        self.policies.get(&ifindex).map(|p| {
-            let mut deny: Vec<String> =
-                ["10.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16"]
-                    .map(String::from)
-                    .to_vec();
-            if p.allow_internet_access {
-                deny.extend(p.deny_out.iter().cloned());
-            } else {
-                deny.push("0.0.0.0/0".into());
-            }
-            PolicyDump { allow: p.allow_out.clone(), deny }
+        self.policies.get(&ifindex).map(|(g, c)| PolicyDump {
+            generation: Some(*g),
+            allow: c.allow.clone(),
+            deny: c.deny.clone(),
         })
     }
 }
@@ -320,6 +300,11 @@ pub struct FakeDataplane {
     pub fail_register: std::sync::atomic::AtomicBool,
     /// When set, `delete_port_mappings_of` fails (to test cleanup retries).
     pub fail_delete_ports: std::sync::atomic::AtomicBool,
+    /// When set, policy writes (`replace_policy`, `install_default_deny`) fail as they do when
+    /// the policy tries are full; `remove_policy` still works.
+    pub fail_policy: std::sync::atomic::AtomicBool,
+    /// How many times `sessions()` was called (maintenance must not copy the session map).
+    pub sessions_calls: std::sync::atomic::AtomicUsize,
     /// Resolves interface names to ifindexes (a fake host's table); unset: a counter.
     pub resolver: Mutex<Option<Resolver>>,
 }
@@ -395,11 +380,16 @@ impl Dataplane for FakeDataplane {
         Ok(self.tables.lock().unwrap().ports())
     }
     fn replace_policy(&self, ifindex: u32, policy: &EgressPolicy) -> Result<(), DataplaneError> {
+        if self.fail_policy.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected policy failure: deny_out is full".into()));
+        }
         self.tables.lock().unwrap().replace_policy(ifindex, policy)
     }
     fn install_default_deny(&self, ifindex: u32) -> Result<(), DataplaneError> {
-        self.tables.lock().unwrap().default_deny(ifindex);
-        Ok(())
+        if self.fail_policy.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected policy failure: deny_out is full".into()));
+        }
+        self.tables.lock().unwrap().default_deny(ifindex)
     }
     fn remove_policy(&self, ifindex: u32) -> Result<(), DataplaneError> {
         self.tables.lock().unwrap().remove_policy(ifindex);
@@ -409,6 +399,7 @@ impl Dataplane for FakeDataplane {
         Ok(self.tables.lock().unwrap().policy(ifindex))
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
+        self.sessions_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Vec::new())
     }
     fn delete_sessions_of(&self, _ifindex: u32) -> Result<usize, DataplaneError> {
@@ -424,15 +415,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cidr_validation_names_field() {
-        assert!(validate_cidr("f", "10.0.0.0/8").is_ok());
-        assert!(validate_cidr("f", "1.2.3.4").is_ok());
-        let e = validate_cidr("allow_out[2]", "10.0.0.0/33").unwrap_err().to_string();
-        assert!(e.contains("allow_out[2]"), "{e}");
-        assert!(validate_cidr("f", "example.com").is_err());
-        let p = EgressPolicy { deny_out: vec!["1.1.1.1/32".into(), "x".into()], ..Default::default() };
-        let e = validate_policy("cubevs_context.", &p).unwrap_err().to_string();
-        assert!(e.contains("cubevs_context.deny_out[1]"), "{e}");
+    fn policy_errors_name_the_request_field() {
+        assert!(
+            compile_policy(&EgressPolicy { allow_out: vec!["10.0.0.0/8".into()], ..Default::default() }, 4).is_ok()
+        );
+        let p = EgressPolicy { deny_out: vec!["1.1.1.1/32".into(), "1.2.3.4/+8".into()], ..Default::default() };
+        let e = compile_policy(&p, 4).unwrap_err();
+        assert!(matches!(&e, DataplaneError::Invalid { field, .. } if field == "cubevs_context.deny_out[1]"), "{e}");
+        let e = compile_policy(&p, 1).unwrap_err().to_string();
+        assert!(e.contains("cubevs_context.deny_out") && e.contains("limit of 1"), "{e}");
+    }
+
+    #[test]
+    fn fake_compiles_policy_like_the_datapath() {
+        let mut t = MemTables::default();
+        t.default_deny(7).unwrap();
+        let d = t.policy(7).unwrap();
+        assert_eq!(d.deny, cubevs::policy::BASELINE_DENY.to_vec(), "Ready TAPs carry the baseline only");
+        assert!(d.allow.is_empty());
+        let closed =
+            EgressPolicy { allow_internet_access: false, deny_out: vec!["8.8.8.8".into()], ..Default::default() };
+        t.replace_policy(7, &closed).unwrap();
+        let d2 = t.policy(7).unwrap();
+        assert!(d2.generation > d.generation);
+        assert!(d2.deny.contains(&cidr("0.0.0.0/0")), "{d2:?}");
+        assert!(!d2.deny.contains(&cidr("8.8.8.8")), "user deny ignored without internet");
+        assert!(t.replace_policy(7, &EgressPolicy { allow_out: vec!["x".into()], ..Default::default() }).is_err());
+        assert_eq!(t.policy(7).unwrap(), d2, "a refused replace changed nothing");
+    }
+
+    fn cidr(s: &str) -> cubevs::Cidr {
+        cubevs::policy::parse_cidr(s, "t").unwrap()
     }
 
     #[test]

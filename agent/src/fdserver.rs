@@ -3,7 +3,8 @@
 //! One JSON request per connection, `{"name":"<tap>","sandboxId":"<id>"}` (no framing), and one
 //! `sendmsg` reply whose payload is JSON with a **string** `errCode`:
 //! `{"errCode":"0","errMsg":"Success"}` with exactly one fd in `SCM_RIGHTS`;
-//! `"1001"` "Parse json failed" (unparsable or over [`MAX_REQUEST`] bytes);
+//! `"1001"` "Parse json failed" (not exactly that object with two non-empty strings, or over
+//! [`MAX_REQUEST`] bytes);
 //! `"1002"` "Device cannot be found by current name" (no such TAP, or not this sandbox's);
 //! `"-1"` "Unknown" (anything else). Errors carry no fd.
 //!
@@ -35,7 +36,10 @@ pub mod codes {
     pub const UNKNOWN: (&str, &str) = ("-1", "Unknown");
 }
 
+/// The request object, exactly: both keys, strings, nothing else (unknown or repeated keys are
+/// refused by serde).
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct FdRequest {
     name: String,
     #[serde(rename = "sandboxId")]
@@ -49,8 +53,17 @@ pub fn reply((code, msg): (&str, &str)) -> Vec<u8> {
 }
 
 /// Parses a complete request; `None` = malformed (errCode 1001).
+///
+/// Only a JSON **object** `{"name":"<tap>","sandboxId":"<id>"}` with both values non-empty is a
+/// request: serde would also read a struct from an array (`["z…","sb"]`), and an empty `name`
+/// would mean "whichever TAP the sandbox has". `name` is required because the VMM always sends
+/// it (`reference/upstream.md §1.3`) and a caller that names no TAP cannot be checked against it.
 fn parse(buf: &[u8]) -> Option<FdRequest> {
-    serde_json::from_slice::<FdRequest>(buf).ok()
+    if buf.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return None;
+    }
+    let r = serde_json::from_slice::<FdRequest>(buf).ok()?;
+    (!r.name.is_empty() && !r.sandbox_id.is_empty()).then_some(r)
 }
 
 /// Serves one connection (spawn one task per accepted stream).
@@ -154,5 +167,12 @@ mod tests {
         assert_eq!((r.name.as_str(), r.sandbox_id.as_str()), ("z192.168.0.2", "sb"));
         assert!(parse(b"{").is_none());
         assert!(parse(br#"{"name":1}"#).is_none());
+        assert!(parse(br#" ["z192.168.0.2","sb"]"#).is_none());
+        assert!(parse(br#"{"name":"","sandboxId":"sb"}"#).is_none());
+        assert!(parse(br#"{"name":"z192.168.0.2","sandboxId":""}"#).is_none());
+        assert!(parse(br#"{"sandboxId":"sb"}"#).is_none());
+        assert!(parse(br#"{"name":"z192.168.0.2","sandboxId":"sb","x":1}"#).is_none());
+        assert!(parse(br#"{"name":"z192.168.0.2","name":"z192.168.0.3","sandboxId":"sb"}"#).is_none());
+        assert!(parse(br#"{"name":"z192.168.0.2","sandboxId":"sb"} x"#).is_none());
     }
 }

@@ -52,6 +52,22 @@ fn policy(ctx: Option<pb::CubeVsContext>) -> Option<EgressPolicy> {
     })
 }
 
+/// `persist_metadata` key of a ReconcileNetworkRequest that overrides
+/// `flush_sessions_on_policy_tighten` for that call: `"true"` or `"false"`.
+pub const FLUSH_ON_TIGHTEN_KEY: &str = "cubenet.io/flush-sessions-on-tighten";
+
+fn flush_override(meta: &std::collections::HashMap<String, String>) -> Result<Option<bool>, Status> {
+    match meta.get(FLUSH_ON_TIGHTEN_KEY).map(String::as_str) {
+        None => Ok(None),
+        Some("true") => Ok(Some(true)),
+        Some("false") => Ok(Some(false)),
+        Some(v) => Err(status(AgentError::Invalid {
+            field: format!("persist_metadata[{FLUSH_ON_TIGHTEN_KEY:?}]"),
+            reason: format!("{v:?} is not \"true\" or \"false\""),
+        })),
+    }
+}
+
 fn ports(v: &[pb::PortMapping]) -> Result<Vec<crate::agent::PortRequest>, Status> {
     v.iter()
         .enumerate()
@@ -167,7 +183,8 @@ impl NetworkAgent for Service {
         let agent = self.agent.clone();
         let id = r.sandbox_id.clone();
         let p = policy(r.cubevs_context);
-        let v = blocking(move || agent.reconcile(&id, p)).await?;
+        let flush = flush_override(&r.persist_metadata)?;
+        let v = blocking(move || agent.reconcile(&id, p, flush)).await?;
         let s = shape(&v);
         Ok(Response::new(pb::ReconcileNetworkResponse {
             sandbox_id: v.record.sandbox_id.clone(),

@@ -69,6 +69,10 @@ pub trait Host: Send + Sync {
     fn delete_tap(&self, name: &str) -> io::Result<()>;
     /// Every cube TAP (`z<ip>` TUN/TAP links) in the namespace.
     fn list_taps(&self) -> io::Result<Vec<LiveTap>>;
+    /// Reads a file as seen from the dataplane namespace: `/proc/sys/net/…` shows the values
+    /// of the namespace of the reading thread, so per-netns sysctls such as
+    /// `ip_local_reserved_ports` must be read on a namespace thread, never the agent's own.
+    fn read_netns_file(&self, path: &std::path::Path) -> io::Result<String>;
 }
 
 struct Nl {
@@ -414,6 +418,11 @@ impl Host for NetnsHost {
         })?
     }
 
+    fn read_netns_file(&self, path: &std::path::Path) -> io::Result<String> {
+        let p = path.to_path_buf();
+        self.run_first(move || std::fs::read_to_string(p))?
+    }
+
     fn list_taps(&self) -> io::Result<Vec<LiveTap>> {
         self.run_first(|| {
             let nl = nl()?;
@@ -483,6 +492,9 @@ impl Host for FakeHost {
     }
     fn list_taps(&self) -> io::Result<Vec<LiveTap>> {
         Ok(self.taps.lock().unwrap().values().cloned().collect())
+    }
+    fn read_netns_file(&self, path: &std::path::Path) -> io::Result<String> {
+        std::fs::read_to_string(path)
     }
 }
 

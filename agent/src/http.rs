@@ -1,5 +1,6 @@
-//! HTTP on `health_listen`: `/healthz` (alive), `/readyz` (recovered, servers up, pool full),
-//! `/metrics` (Prometheus), and, to loopback clients only, `GET /v1/network/taps` (upstream
+//! HTTP on `health_listen`: `/healthz` (alive), `/readyz` (whether an Ensure can succeed now,
+//! see [`Agent::readiness`]; 503 with the reason), `/metrics` (Prometheus; datapath figures
+//! are read at scrape time), and, to loopback clients only, `GET /v1/network/taps` (upstream
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
 //! sandboxes,portmaps,policies}`. Other methods get 405 with `Allow: GET`; non-loopback clients of the
 //! `/v1/` paths get 403.
@@ -57,7 +58,13 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
             Ok(()) => text(StatusCode::OK, "ready", "text/plain"),
             Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, e, "text/plain"),
         },
-        "/metrics" => text(StatusCode::OK, agent.metrics.render(), "text/plain; version=0.0.4"),
+        "/metrics" => {
+            blocking(Box::new(|a: &Agent| {
+                a.refresh_datapath_metrics();
+                text(StatusCode::OK, a.metrics.render(), "text/plain; version=0.0.4")
+            }))
+            .await
+        }
         "/v1/network/taps" => {
             blocking(Box::new(|a: &Agent| {
                 let taps = a.taps();

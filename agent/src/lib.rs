@@ -13,3 +13,4 @@ pub mod ipam;
 pub mod metrics;
 pub mod ports;
 pub mod state;
+pub mod uds_authority;

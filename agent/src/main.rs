@@ -19,9 +19,10 @@ use network_agent::{
     host::{HostParams, NetnsHost},
     http,
     state::StateStore,
+    uds_authority::NormalizeAuthority,
 };
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
 
 /// Command line: `--config PATH`; every other flag overrides the config key of the same name.
 #[derive(Parser, Debug)]
@@ -199,7 +200,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         };
         let obj = (!raw.bpf_object.is_empty()).then(|| PathBuf::from(&raw.bpf_object));
         let reaper = Duration::from_secs(raw.reaper_interval_secs);
-        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, raw.bpffs_dir.clone(), reaper)?))
+        let limit = raw.policy_entries_per_sandbox;
+        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, raw.bpffs_dir.clone(), reaper, limit)?))
     })?;
 
     // 2. cube-dev.
@@ -235,6 +237,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let store =
             StateStore::open(&raw.state_dir).with_context(|| format!("state dir {}", raw.state_dir.display()))?;
         let agent = Arc::new(Agent::new(cfg.clone(), host.clone(), dp.clone() as Arc<dyn Dataplane>, store));
+        agent.metrics.register_datapath(dp.clone() as Arc<dyn Dataplane>)?;
         let s = agent.recover()?;
         tracing::info!(?s, "recovered");
         match dp.gc_link_pins() {
@@ -254,9 +257,26 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     })?;
     let health_task = tokio::spawn(http::serve(health, agent.clone()));
 
+    // grpc.health.v1 ("" and the NetworkAgent service) follows readiness: SERVING only while
+    // an Ensure can succeed now (`Agent::readiness`, also `/readyz`).
     let (reporter, health_svc) = tonic_health::server::health_reporter();
-    reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
-    reporter.set_serving::<cubenet_proto::v1::network_agent_server::NetworkAgentServer<grpc::Service>>().await;
+    let mut ready_rx = agent.watch_readiness();
+    tokio::spawn(async move {
+        type Named = cubenet_proto::v1::network_agent_server::NetworkAgentServer<grpc::Service>;
+        loop {
+            let ready = *ready_rx.borrow_and_update();
+            let st = if ready { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
+            reporter.set_service_status("", st).await;
+            if ready {
+                reporter.set_serving::<Named>().await;
+            } else {
+                reporter.set_not_serving::<Named>().await;
+            }
+            if ready_rx.changed().await.is_err() {
+                break;
+            }
+        }
+    });
     let router =
         tonic::transport::Server::builder().add_service(health_svc).add_service(grpc::Service::server(agent.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -273,7 +293,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                 let _ = std::fs::remove_file(&p);
                 UnixListener::bind(&p).with_context(|| format!("bind {}", p.display()))
             })?;
-            tokio::spawn(async move { router.serve_with_incoming_shutdown(UnixListenerStream::new(l), shutdown).await })
+            // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
+            let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
         Endpoint::Tcp(addr) => {
             let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("bind {addr}"))?;

@@ -1,6 +1,16 @@
-//! Prometheus metrics, all named `cubenet_…`.
+//! Prometheus metrics, all named `cubenet_…`. Monotonic values are counters (`…_total`,
+//! `# TYPE … counter`); the datapath's are read from its maps at scrape time
+//! ([`Metrics::register_datapath`]).
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use std::sync::Arc;
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    core::{Collector, Desc},
+    proto::MetricFamily,
+};
+
+use crate::dataplane::Dataplane;
 
 /// The agent's metrics and their registry.
 #[derive(Clone, Debug)]
@@ -19,12 +29,8 @@ pub struct Metrics {
     pub release_seconds: Histogram,
     /// `cubenet_fd_handoffs_total{result}` (errCode).
     pub fd_handoffs: IntCounterVec,
-    /// `cubenet_datapath_counter{name}`: datapath verdict/drop counters.
-    pub datapath: IntGaugeVec,
     /// `cubenet_sessions_in_use`.
     pub sessions: IntGauge,
-    /// `cubenet_reaper_runs`: session reaper runs reported by the datapath.
-    pub reaper_runs: IntGauge,
     /// `cubenet_tap_create_failures_total`.
     pub tap_create_failures: IntCounterVec,
 }
@@ -49,11 +55,7 @@ impl Metrics {
         let fd_handoffs =
             IntCounterVec::new(Opts::new("cubenet_fd_handoffs_total", "TAP fd requests by errCode"), &["err_code"])
                 .unwrap();
-        let datapath =
-            IntGaugeVec::new(Opts::new("cubenet_datapath_counter", "Datapath verdict/drop counters"), &["name"])
-                .unwrap();
         let sessions = IntGauge::new("cubenet_sessions_in_use", "Datapath sessions in use").unwrap();
-        let reaper_runs = IntGauge::new("cubenet_reaper_runs", "Session reaper runs").unwrap();
         let tap_create_failures =
             IntCounterVec::new(Opts::new("cubenet_tap_create_failures_total", "Failed TAP creations"), &["stage"])
                 .unwrap();
@@ -64,9 +66,7 @@ impl Metrics {
             Box::new(ensure_seconds.clone()),
             Box::new(release_seconds.clone()),
             Box::new(fd_handoffs.clone()),
-            Box::new(datapath.clone()),
             Box::new(sessions.clone()),
-            Box::new(reaper_runs.clone()),
             Box::new(tap_create_failures.clone()),
         ] {
             registry.register(c).unwrap();
@@ -79,11 +79,17 @@ impl Metrics {
             ensure_seconds,
             release_seconds,
             fd_handoffs,
-            datapath,
             sessions,
-            reaper_runs,
             tap_create_failures,
         }
+    }
+
+    /// Exports the datapath's counters (read from `dp` at every scrape):
+    /// `cubenet_datapath_packets_total{program,reason}` (the per-CPU `counters` map summed;
+    /// `program` empty for a counter not in `cubevs_common::counter::NAMES`),
+    /// `cubenet_reaper_runs_total` and `cubenet_reaper_removed_sessions_total`. Call once.
+    pub fn register_datapath(&self, dp: Arc<dyn Dataplane>) -> prometheus::Result<()> {
+        self.registry.register(Box::new(DatapathCollector::new(dp)))
     }
 
     /// Text exposition format.
@@ -97,5 +103,74 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Datapath counters as Prometheus counters, read at scrape time.
+struct DatapathCollector {
+    dp: Arc<dyn Dataplane>,
+    /// Templates: their descriptors are this collector's.
+    templates: (IntCounterVec, IntCounter, IntCounter),
+}
+
+impl DatapathCollector {
+    fn new(dp: Arc<dyn Dataplane>) -> Self {
+        Self { dp, templates: Self::families() }
+    }
+
+    fn families() -> (IntCounterVec, IntCounter, IntCounter) {
+        (
+            IntCounterVec::new(
+                Opts::new("cubenet_datapath_packets_total", "Packets by datapath program and verdict or drop reason"),
+                &["program", "reason"],
+            )
+            .unwrap(),
+            IntCounter::new("cubenet_reaper_runs_total", "Session reaper sweeps").unwrap(),
+            IntCounter::new("cubenet_reaper_removed_sessions_total", "Sessions removed by the reaper").unwrap(),
+        )
+    }
+}
+
+impl Collector for DatapathCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        let (p, r, d) = &self.templates;
+        p.desc().into_iter().chain(r.desc()).chain(d.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let Ok(c) = self.dp.counters() else { return Vec::new() };
+        let (packets, runs, removed) = Self::families();
+        for (k, v) in &c {
+            match k.as_str() {
+                "reaper_runs" => runs.inc_by(*v),
+                "reaper_removed" => removed.inc_by(*v),
+                // A gauge (`cubenet_sessions_in_use`), set by `Agent::refresh_datapath_metrics`.
+                "reaper_last_scanned" => {}
+                _ => {
+                    let (program, reason) = cubevs_common::counter::NAMES
+                        .iter()
+                        .find(|(_, p, r)| k.len() == p.len() + 1 + r.len() && k.starts_with(p) && k.ends_with(r))
+                        .map(|(_, p, r)| (*p, *r))
+                        .unwrap_or(("", k.as_str()));
+                    packets.with_label_values(&[program, reason]).inc_by(*v);
+                }
+            }
+        }
+        packets.collect().into_iter().chain(runs.collect()).chain(removed.collect()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datapath_counters_are_prometheus_counters() {
+        let m = Metrics::new();
+        m.register_datapath(Arc::new(crate::dataplane::FakeDataplane::default())).unwrap();
+        let t = m.render();
+        assert!(t.contains("# TYPE cubenet_reaper_runs_total counter\ncubenet_reaper_runs_total 0\n"), "{t}");
+        assert!(t.contains("# TYPE cubenet_reaper_removed_sessions_total counter"), "{t}");
+        assert!(!t.contains("cubenet_datapath_counter") && !t.contains("cubenet_reaper_runs "), "{t}");
     }
 }

@@ -24,8 +24,14 @@ use aya::{
 use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, OBJECT_FILE_NAME, limits, map, prog};
 
 use crate::{
-    Error, Maps, counters::Counters, node::NodeTable, policy::PolicyTable, ports::PortMaps, sandbox::SandboxTable,
-    sessions::Sessions, snat::SnatTable,
+    Error, Maps,
+    counters::Counters,
+    node::NodeTable,
+    policy::{PolicyLimits, PolicyTable},
+    ports::PortMaps,
+    sandbox::SandboxTable,
+    sessions::Sessions,
+    snat::SnatTable,
 };
 
 /// Where to find the eBPF object when no path is configured, first hit wins:
@@ -67,8 +73,9 @@ pub struct MapLimits {
     pub sandboxes: u32,
     /// Port mappings per map.
     pub port_mappings: u32,
-    /// Policy entries per trie, all sandboxes together.
-    pub policy_entries: u32,
+    /// Entries one sandbox may have in `allow_out`, and separately in `deny_out` (default
+    /// 1,024). The tries are sized from it: see [`MapLimits::policy_entries`].
+    pub policy_entries_per_sandbox: u32,
 }
 
 impl Default for MapLimits {
@@ -77,8 +84,35 @@ impl Default for MapLimits {
             sessions: limits::SESSIONS,
             sandboxes: limits::SANDBOXES,
             port_mappings: limits::PORT_MAPPINGS,
-            policy_entries: limits::POLICY_ENTRIES,
+            policy_entries_per_sandbox: crate::policy::DEFAULT_ENTRIES_PER_SANDBOX,
         }
+    }
+}
+
+impl MapLimits {
+    /// The policy limits these map sizes give: `sandboxes` interfaces with a policy, each at
+    /// most `policy_entries_per_sandbox` entries per list.
+    pub fn policy(&self) -> PolicyLimits {
+        PolicyLimits { entries_per_sandbox: self.policy_entries_per_sandbox, interfaces: self.sandboxes }
+    }
+
+    /// `max_entries` of `allow_out` and of `deny_out`: room for two generations of every
+    /// sandbox at its limit (`sandboxes × 2 × (policy_entries_per_sandbox + 6)`; 16,875,520
+    /// with the defaults). LPM tries are never preallocated, so unused room costs no memory.
+    /// Errors when `policy_entries_per_sandbox` is 0 or the product overflows a `u32`.
+    pub fn policy_entries(&self) -> Result<u32, Error> {
+        if self.policy_entries_per_sandbox == 0 {
+            return Err(Error::invalid("limits.policy_entries_per_sandbox", "must be at least 1"));
+        }
+        self.policy().trie_entries().ok_or_else(|| {
+            Error::invalid(
+                "limits.policy_entries_per_sandbox",
+                format!(
+                    "{} sandboxes x 2 generations x {} entries overflow the trie size",
+                    self.sandboxes, self.policy_entries_per_sandbox
+                ),
+            )
+        })
     }
 }
 
@@ -162,6 +196,7 @@ impl Datapath {
             }
         }
         let l = opts.limits;
+        let policy_entries = l.policy_entries()?;
         let mut loader = EbpfLoader::new();
         loader
             .override_global(CONFIG_GLOBAL, &opts.config, true)
@@ -170,8 +205,8 @@ impl Datapath {
             .map_max_entries(map::IFINDEX_TO_MVMMETA, l.sandboxes)
             .map_max_entries(map::MVMIP_TO_IFINDEX, l.sandboxes)
             .map_max_entries(map::POLICY_GEN, l.sandboxes)
-            .map_max_entries(map::ALLOW_OUT, l.policy_entries)
-            .map_max_entries(map::DENY_OUT, l.policy_entries);
+            .map_max_entries(map::ALLOW_OUT, policy_entries)
+            .map_max_entries(map::DENY_OUT, policy_entries);
         for name in [
             map::REMOTE_PORT_MAPPING,
             map::LOCAL_PORT_MAPPING,
@@ -206,11 +241,7 @@ impl Datapath {
                 take(&mut ebpf, map::INGRESS_SESSIONS)?,
             )),
             snat: SnatTable::new(take(&mut ebpf, map::SNAT_IPLIST)?),
-            policy: PolicyTable::new(
-                take(&mut ebpf, map::ALLOW_OUT)?,
-                take(&mut ebpf, map::DENY_OUT)?,
-                take(&mut ebpf, map::POLICY_GEN)?,
-            ),
+            policy: policy_table(&mut ebpf, l.policy(), map_dir.as_deref())?,
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
         });
@@ -399,6 +430,37 @@ fn nix_if_exists(ifindex: u32) -> bool {
     let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
     // SAFETY: buffer of IF_NAMESIZE bytes as required.
     !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
+}
+
+/// The policy table over the loaded maps, after checking that the (possibly adopted) tries
+/// can hold two generations of every interface `policy_gen` can hold at `limits`.
+fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -> Result<PolicyTable, Error> {
+    let allow: aya::maps::LpmTrie<_, _, _> = take(ebpf, map::ALLOW_OUT)?;
+    let deny: aya::maps::LpmTrie<_, _, _> = take(ebpf, map::DENY_OUT)?;
+    let generation: aya::maps::HashMap<_, _, _> = take(ebpf, map::POLICY_GEN)?;
+    let max = |m: &aya::maps::MapData, name: &'static str| {
+        m.info().map(|i| i.max_entries()).map_err(|e| Error::Map { map: name, op: "info", source: Box::new(e) })
+    };
+    use aya::maps::IterableMap;
+    let interfaces = max(generation.map(), map::POLICY_GEN)?;
+    let limits = PolicyLimits { interfaces, ..limits };
+    let need = limits.trie_entries().unwrap_or(u32::MAX);
+    for (name, have) in
+        [(map::ALLOW_OUT, max(allow.map(), map::ALLOW_OUT)?), (map::DENY_OUT, max(deny.map(), map::DENY_OUT)?)]
+    {
+        if have < need {
+            return Err(Error::IncompatiblePin {
+                path: map_dir.map(|d| d.join(name)).unwrap_or_else(|| PathBuf::from(name)),
+                reason: format!(
+                    "holds {have} entries, but {interfaces} sandboxes x 2 generations x ({} + {}) entries need {need}; \
+                     remove the pins or lower policy_entries_per_sandbox",
+                    limits.entries_per_sandbox,
+                    crate::policy::EXTRA_ENTRIES
+                ),
+            });
+        }
+    }
+    Ok(PolicyTable::new(allow, deny, generation, limits))
 }
 
 /// Rejects pinned maps whose type, key size or value size differ from the object's.

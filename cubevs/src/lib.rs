@@ -32,7 +32,7 @@ pub use datapath::{
 };
 pub use error::Error;
 pub use node::NodeTable;
-pub use policy::{EgressPolicy, PolicyTable};
+pub use policy::{Cidr, EgressPolicy, PolicyDump, PolicyLimits, PolicyTable};
 pub use ports::{PortMapping, PortMaps, Proto};
 pub use sandbox::{SandboxEntry, SandboxTable};
 pub use sessions::{SessionView, Sessions};

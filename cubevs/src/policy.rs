@@ -1,131 +1,69 @@
 //! Per-sandbox egress policy: the `allow_out` / `deny_out` LPM tries and `policy_gen`.
 //!
-//! Entries are keyed `{ifindex, generation, address/len}`. A replace validates and expands the
-//! whole policy first, writes it under the *other* generation, flips `policy_gen` (one atomic
-//! map update), then deletes the old generation: the datapath never sees a half-written policy,
-//! and a failed write leaves the old one in force. Semantics follow
-//! `reference/upstream.md §3.7`: allow beats deny beats default-allow; the baseline
-//! (private, loopback, link-local) is always denied; `allow_internet_access = false` denies
-//! `0.0.0.0/0` and ignores the user deny list.
+//! - [`Cidr`] is the one strict IPv4 CIDR parser ([`cidr`]).
+//! - [`EgressPolicy`], [`compile`], [`CompiledPolicy`] and [`BASELINE_DENY`] are the policy
+//!   model: what a caller asks for, what it expands to, and the verdict ([`model`]).
+//! - [`PolicyTable`] writes compiled policies into the kernel maps (this file).
+//!
+//! Entries are keyed `{ifindex, generation, address/len}`. A replace validates and expands
+//! the whole policy first, writes it under a new generation (the active one + 1: never reused,
+//! so a reader can never mistake a later policy for the one it started with), flips
+//! `policy_gen` (one map update), then deletes the old generation. The datapath reads the
+//! generation, looks the destination up, and reads the generation again: when it changed the
+//! lookups are repeated, so a packet never decides on a generation being purged (a seqlock;
+//! `ebpf/cubevs-ebpf/src/policy.rs`). An interface without a `policy_gen` entry denies every
+//! new flow.
+//!
+//! Capacity: each sandbox may hold at most `entries_per_sandbox` entries in each list
+//! ([`compile`]), and the tries are sized so that every interface `policy_gen` can hold keeps
+//! two generations at that limit ([`PolicyLimits::trie_entries`]); LPM tries are always
+//! `BPF_F_NO_PREALLOC`, so the size costs memory only when used. No sandbox can starve
+//! another, and a replace by a smaller policy or a removal always has room.
 
-use std::{net::Ipv4Addr, sync::Mutex};
+pub mod cidr;
+pub mod model;
+
+use std::{
+    collections::{HashMap as StdHashMap, HashSet},
+    sync::Mutex,
+};
 
 use aya::maps::{
     HashMap, MapData,
     lpm_trie::{Key, LpmTrie},
 };
-use cubevs_common::{AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, limits, map};
+pub use cidr::Cidr;
+use cubevs_common::{AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, map};
+pub use model::{
+    BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, compile, parse_cidr,
+};
 
 use crate::{Error, error::is_not_found};
 
-/// Always-denied destinations of every sandbox.
-pub const BASELINE_DENY: [&str; 5] = ["10.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16"];
-
-/// What a caller asks for (cubelet's `CubeVSContext`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EgressPolicy {
-    /// `false` denies every destination not in `allow_out`. Upstream default: `true`.
-    pub allow_internet_access: bool,
-    /// IPv4 addresses or CIDRs always allowed (beats every deny).
-    pub allow_out: Vec<String>,
-    /// IPv4 addresses or CIDRs denied (ignored when `allow_internet_access` is false).
-    pub deny_out: Vec<String>,
+/// How many policy entries the tables hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PolicyLimits {
+    /// Entries one sandbox may have in `allow_out`, and separately in `deny_out`, as requested
+    /// (the baseline and `0.0.0.0/0` come on top, [`EXTRA_ENTRIES`]).
+    pub entries_per_sandbox: u32,
+    /// Interfaces with a policy at once (`policy_gen`'s `max_entries`).
+    pub interfaces: u32,
 }
 
-impl Default for EgressPolicy {
-    fn default() -> Self {
-        Self { allow_internet_access: true, allow_out: Vec::new(), deny_out: Vec::new() }
+impl PolicyLimits {
+    /// `max_entries` each trie needs so that every interface can hold two generations at its
+    /// limit: `interfaces × 2 × (entries_per_sandbox + EXTRA_ENTRIES)`. `None` on overflow.
+    pub fn trie_entries(&self) -> Option<u32> {
+        self.interfaces.checked_mul(2)?.checked_mul(self.entries_per_sandbox.checked_add(EXTRA_ENTRIES)?)
     }
-}
-
-/// An IPv4 network in canonical form (host bits cleared).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Cidr {
-    /// Network address.
-    pub addr: Ipv4Addr,
-    /// Prefix length 0–32.
-    pub len: u8,
-}
-
-impl std::fmt::Display for Cidr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.addr, self.len)
-    }
-}
-
-/// Parses `a.b.c.d` or `a.b.c.d/n` strictly (four decimal octets without leading zeros,
-/// `n` 0–32); host bits are cleared. `field` names the input in the error.
-pub fn parse_cidr(s: &str, field: &str) -> Result<Cidr, Error> {
-    let t = s.trim();
-    let (a, l) = match t.split_once('/') {
-        Some((a, l)) => (a, Some(l)),
-        None => (t, None),
-    };
-    if a.contains(':') {
-        return Err(Error::invalid(field, format!("{s:?}: IPv6 is not supported")));
-    }
-    let octets: Vec<&str> = a.split('.').collect();
-    let bad = || Error::invalid(field, format!("{s:?} is not an IPv4 address or CIDR"));
-    if octets.len() != 4 || octets.iter().any(|o| o.is_empty() || o.len() > 3 || (o.len() > 1 && o.starts_with('0'))) {
-        return Err(bad());
-    }
-    let mut b = [0u8; 4];
-    for (d, o) in b.iter_mut().zip(&octets) {
-        *d = o.parse().map_err(|_| bad())?;
-    }
-    let len: u8 = match l {
-        None => 32,
-        Some(l) => match l.parse::<u8>() {
-            Ok(n) if n <= 32 && !l.starts_with('+') => n,
-            _ => return Err(Error::invalid(field, format!("{s:?}: prefix length must be 0-32"))),
-        },
-    };
-    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-    Ok(Cidr { addr: Ipv4Addr::from(u32::from_be_bytes(b) & mask), len })
-}
-
-/// The entries a policy expands to, validated against the per-sandbox limits.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CompiledPolicy {
-    /// `allow_out` entries.
-    pub allow: Vec<Cidr>,
-    /// `deny_out` entries (baseline included).
-    pub deny: Vec<Cidr>,
-}
-
-/// Validates and expands `p`. Errors name the field (`allow_out[3]`) or the limit.
-pub fn compile(p: &EgressPolicy) -> Result<CompiledPolicy, Error> {
-    let max = limits::POLICY_ENTRIES_PER_SANDBOX as usize;
-    let mut allow = Vec::with_capacity(p.allow_out.len());
-    for (i, s) in p.allow_out.iter().enumerate() {
-        allow.push(parse_cidr(s, &format!("allow_out[{i}]"))?);
-    }
-    let mut deny: Vec<Cidr> = BASELINE_DENY.iter().map(|s| parse_cidr(s, "baseline")).collect::<Result<_, _>>()?;
-    if p.allow_internet_access {
-        for (i, s) in p.deny_out.iter().enumerate() {
-            deny.push(parse_cidr(s, &format!("deny_out[{i}]"))?);
-        }
-    } else {
-        deny.push(Cidr { addr: Ipv4Addr::UNSPECIFIED, len: 0 });
-    }
-    allow.sort();
-    allow.dedup();
-    deny.sort();
-    deny.dedup();
-    if allow.len() > max {
-        return Err(Error::TooManyEntries { map: map::ALLOW_OUT, got: allow.len(), max });
-    }
-    if deny.len() > max {
-        return Err(Error::TooManyEntries { map: map::DENY_OUT, got: deny.len(), max });
-    }
-    Ok(CompiledPolicy { allow, deny })
 }
 
 /// What is installed for one interface.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PolicyDump {
-    /// Active generation.
-    pub generation: u32,
+    /// Active generation (`None`: no policy, the interface denies every new flow).
+    pub generation: Option<u32>,
     /// Allowed networks of the active generation.
     pub allow: Vec<Cidr>,
     /// Denied networks of the active generation.
@@ -146,12 +84,15 @@ struct Tries {
     /// What each (ifindex, generation) holds in the tries. Built by one scan at load (adopted
     /// pins) and kept by every write, so a replace touches only its own interface's keys
     /// instead of walking both tries (thousands of syscalls with a full pool).
-    index: std::collections::HashMap<(u32, u32), Written>,
+    index: StdHashMap<(u32, u32), Written>,
+    /// Interfaces with a `policy_gen` entry.
+    interfaces: HashSet<u32>,
 }
 
 /// Typed access to the policy maps.
 pub struct PolicyTable {
     inner: Mutex<Tries>,
+    limits: PolicyLimits,
 }
 
 fn key(ifindex: u32, generation: u32, c: Cidr) -> Key<PolicyLpmData> {
@@ -163,38 +104,35 @@ fn key(ifindex: u32, generation: u32, c: Cidr) -> Key<PolicyLpmData> {
 
 fn cidr_of(k: &Key<PolicyLpmData>) -> Cidr {
     let d = k.data();
-    Cidr { addr: Ipv4Addr::from(d.ip.to_ne_bytes()), len: (k.prefix_len() - POLICY_PREFIX_BITS) as u8 }
+    Cidr::new(std::net::Ipv4Addr::from(d.ip.to_ne_bytes()), (k.prefix_len() - POLICY_PREFIX_BITS) as u8)
+}
+
+fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapError> {
+    match r {
+        Err(e) if is_not_found(&e) => Ok(()),
+        other => other,
+    }
 }
 
 impl Tries {
-    fn active(&self, ifindex: u32) -> Result<u32, Error> {
+    fn active(&self, ifindex: u32) -> Result<Option<u32>, Error> {
         match self.generation.get(&ifindex, 0) {
-            Ok(g) => Ok(g),
-            Err(e) if is_not_found(&e) => Ok(0),
+            Ok(g) => Ok(Some(g)),
+            Err(e) if is_not_found(&e) => Ok(None),
             Err(e) => Err(Error::map(map::POLICY_GEN, "lookup")(e)),
         }
     }
 
-    /// Deletes every entry of `ifindex` whose generation matches `gen` (or any, if `None`).
-    fn purge(&mut self, ifindex: u32, generation: Option<u32>) -> Result<(), Error> {
-        let gens: Vec<u32> = self
-            .index
-            .keys()
-            .filter(|(i, g)| *i == ifindex && generation.is_none_or(|want| *g == want))
-            .map(|(_, g)| *g)
-            .collect();
-        let ok = |r: Result<(), aya::maps::MapError>| match r {
-            Ok(()) => Ok(()),
-            Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(e),
-        };
+    /// Deletes every entry of `ifindex` whose generation `pick` selects.
+    fn purge(&mut self, ifindex: u32, pick: impl Fn(u32) -> bool) -> Result<(), Error> {
+        let gens: Vec<u32> = self.index.keys().filter(|(i, g)| *i == ifindex && pick(*g)).map(|(_, g)| *g).collect();
         for g in gens {
             let w = self.index.get(&(ifindex, g)).cloned().unwrap_or_default();
             for c in &w.allow {
-                ok(self.allow.remove(&key(ifindex, g, *c))).map_err(Error::map(map::ALLOW_OUT, "delete"))?;
+                absent_ok(self.allow.remove(&key(ifindex, g, *c))).map_err(Error::map(map::ALLOW_OUT, "delete"))?;
             }
             for c in &w.deny {
-                ok(self.deny.remove(&key(ifindex, g, *c))).map_err(Error::map(map::DENY_OUT, "delete"))?;
+                absent_ok(self.deny.remove(&key(ifindex, g, *c))).map_err(Error::map(map::DENY_OUT, "delete"))?;
             }
             self.index.remove(&(ifindex, g));
         }
@@ -216,7 +154,7 @@ impl Tries {
         Ok(())
     }
 
-    /// Rebuilds the index from the tries (one scan, at load).
+    /// Rebuilds the index from the maps (one scan, at load).
     fn scan(&mut self) {
         self.index.clear();
         for k in self.allow.keys().filter_map(Result::ok) {
@@ -227,6 +165,7 @@ impl Tries {
             let d = k.data();
             self.index.entry((d.ifindex, d.generation)).or_default().deny.push(cidr_of(&k));
         }
+        self.interfaces = self.generation.keys().filter_map(Result::ok).collect();
     }
 }
 
@@ -235,30 +174,55 @@ impl PolicyTable {
         allow: LpmTrie<MapData, PolicyLpmData, AllowValue>,
         deny: LpmTrie<MapData, PolicyLpmData, u32>,
         generation: HashMap<MapData, u32, u32>,
+        limits: PolicyLimits,
     ) -> Self {
-        let mut t = Tries { allow, deny, generation, index: Default::default() };
+        let mut t = Tries { allow, deny, generation, index: Default::default(), interfaces: Default::default() };
         t.scan();
-        Self { inner: Mutex::new(t) }
+        Self { inner: Mutex::new(t), limits }
+    }
+
+    /// The limits this table enforces.
+    pub fn limits(&self) -> PolicyLimits {
+        self.limits
     }
 
     /// Replaces the policy of `ifindex` with `p` atomically (see the module docs).
-    /// Errors: `InvalidArgument` naming the field, `TooManyEntries` naming the limit, or a
-    /// map error; in every case the previous policy stays in force unchanged.
+    ///
+    /// Errors: [`Error::InvalidArgument`] naming the field (`allow_out[2]`, or `allow_out` /
+    /// `deny_out` over the per-sandbox limit), [`Error::TooManyEntries`] on `policy_gen` when
+    /// a new interface would exceed [`PolicyLimits::interfaces`], or a map error; in every
+    /// case the previous policy stays in force unchanged.
     pub fn replace(&self, ifindex: u32, p: &EgressPolicy) -> Result<(), Error> {
-        let compiled = compile(p)?;
+        let compiled = compile(p, self.limits.entries_per_sandbox)?;
         let mut t = self.inner.lock().expect("policy lock");
-        let old = t.active(ifindex)?;
-        let new = old ^ 1;
-        t.purge(ifindex, Some(new))?;
+        let active = t.active(ifindex)?;
+        if active.is_none() && t.interfaces.len() >= self.limits.interfaces as usize {
+            return Err(Error::TooManyEntries {
+                map: map::POLICY_GEN,
+                got: t.interfaces.len() + 1,
+                max: self.limits.interfaces as usize,
+            });
+        }
+        // Leftovers of an interrupted replace (never read: not the active generation) go
+        // first, so at most two generations of this interface exist at any time.
+        t.purge(ifindex, |g| Some(g) != active)?;
+        let new = active.map_or(1, |g| g.wrapping_add(1));
         if let Err(e) = t.write(ifindex, new, &compiled) {
-            let _ = t.purge(ifindex, Some(new));
+            let _ = t.purge(ifindex, |g| g == new);
             return Err(e);
         }
         if let Err(e) = t.generation.insert(ifindex, new, 0) {
-            let _ = t.purge(ifindex, Some(new));
+            let _ = t.purge(ifindex, |g| g == new);
             return Err(Error::map(map::POLICY_GEN, "update")(e));
         }
-        t.purge(ifindex, Some(old))
+        t.interfaces.insert(ifindex);
+        if let Some(old) = active
+            && let Err(e) = t.purge(ifindex, |g| g == old)
+        {
+            // The new policy is in force; the rest of the old one is purged by the next replace.
+            log::warn!("ifindex {ifindex}: purge of policy generation {old}: {e}");
+        }
+        Ok(())
     }
 
     /// Installs the baseline deny only (what a pooled, unassigned interface carries).
@@ -266,32 +230,31 @@ impl PolicyTable {
         self.replace(ifindex, &EgressPolicy::default())
     }
 
-    /// Removes every entry of `ifindex` and its generation record.
+    /// Removes the generation record of `ifindex` first (from then on the interface denies
+    /// every new flow), then every entry. Only deletes: never short of capacity.
     pub fn remove(&self, ifindex: u32) -> Result<(), Error> {
         let mut t = self.inner.lock().expect("policy lock");
-        t.purge(ifindex, None)?;
-        match t.generation.remove(&ifindex) {
-            Ok(()) => Ok(()),
-            Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(Error::map(map::POLICY_GEN, "delete")(e)),
-        }
+        absent_ok(t.generation.remove(&ifindex)).map_err(Error::map(map::POLICY_GEN, "delete"))?;
+        t.interfaces.remove(&ifindex);
+        t.purge(ifindex, |_| true)
     }
 
     /// The active policy entries of `ifindex`.
     pub fn dump(&self, ifindex: u32) -> Result<PolicyDump, Error> {
         let t = self.inner.lock().expect("policy lock");
-        let generation = t.active(ifindex)?;
+        let Some(generation) = t.active(ifindex)? else { return Ok(PolicyDump::default()) };
         let w = t.index.get(&(ifindex, generation)).cloned().unwrap_or_default();
         let (mut allow, mut deny) = (w.allow, w.deny);
         allow.sort();
         deny.sort();
-        Ok(PolicyDump { generation, allow, deny })
+        Ok(PolicyDump { generation: Some(generation), allow, deny })
     }
 
-    /// Interfaces that have any policy entry (for garbage collection of vanished ifindexes).
+    /// Interfaces that have any policy entry or generation record (for garbage collection
+    /// of vanished ifindexes).
     pub fn interfaces(&self) -> Vec<u32> {
         let t = self.inner.lock().expect("policy lock");
-        let mut v: Vec<u32> = t.index.keys().map(|(i, _)| *i).collect();
+        let mut v: Vec<u32> = t.index.keys().map(|(i, _)| *i).chain(t.interfaces.iter().copied()).collect();
         v.sort_unstable();
         v.dedup();
         v
@@ -301,60 +264,5 @@ impl PolicyTable {
     pub fn entry_counts(&self) -> (usize, usize) {
         let t = self.inner.lock().expect("policy lock");
         (t.allow.keys().count(), t.deny.keys().count())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_and_canonicalises() {
-        assert_eq!(parse_cidr("10.1.2.3/8", "f").unwrap().to_string(), "10.0.0.0/8");
-        assert_eq!(parse_cidr("1.2.3.4", "f").unwrap().to_string(), "1.2.3.4/32");
-        assert_eq!(parse_cidr("0.0.0.0/0", "f").unwrap().len, 0);
-    }
-
-    #[test]
-    fn rejects_bad_input_naming_the_field() {
-        for bad in [
-            "",
-            "1.2.3",
-            "1.2.3.4.5",
-            "01.2.3.4",
-            "256.1.1.1",
-            "1.2.3.4/33",
-            "1.2.3.4/-1",
-            "::1",
-            "example.com",
-            "1.2.3.4/+8",
-        ] {
-            let e = parse_cidr(bad, "allow_out[7]").unwrap_err().to_string();
-            assert!(e.contains("allow_out[7]"), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn compile_applies_upstream_rules() {
-        let p = EgressPolicy {
-            allow_internet_access: false,
-            allow_out: vec!["10.1.0.0/16".into()],
-            deny_out: vec!["8.8.8.8".into()],
-        };
-        let c = compile(&p).unwrap();
-        assert_eq!(c.allow, vec![parse_cidr("10.1.0.0/16", "").unwrap()]);
-        assert!(c.deny.contains(&parse_cidr("0.0.0.0/0", "").unwrap()));
-        assert!(!c.deny.contains(&parse_cidr("8.8.8.8", "").unwrap()), "user deny ignored without internet");
-        assert_eq!(c.deny.len(), 6);
-        let d = compile(&EgressPolicy { deny_out: vec!["8.8.8.8".into(), "8.8.8.8/32".into()], ..Default::default() })
-            .unwrap();
-        assert_eq!(d.deny.len(), 6, "deduplicated");
-    }
-
-    #[test]
-    fn compile_enforces_limits() {
-        let many: Vec<String> = (0..8193u32).map(|i| Ipv4Addr::from(0x0b00_0000 + i).to_string()).collect();
-        let e = compile(&EgressPolicy { allow_out: many, ..Default::default() }).unwrap_err();
-        assert!(matches!(e, Error::TooManyEntries { map: "allow_out", got: 8193, max: 8192 }), "{e}");
     }
 }

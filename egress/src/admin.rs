@@ -6,6 +6,7 @@
 //! | `GET /admin/v1/dump` | `{policies:{ip:policy}}`, secrets redacted |
 //! | `GET /admin/v1/policies` | `{ip:policy}`, redacted |
 //! | `GET/PUT/PATCH/DELETE /admin/v1/policies/<ip>` | read (404 when absent) / replace / upsert one rule by id / delete |
+//! | `GET/PUT/DELETE /admin/v1/learned/<ip>` | addresses the sandbox resolved (`{names:{name:[ip]}, ttl_secs}`), fed by the agent; read / replace / forget (E14) |
 //! | `GET /metrics` | Prometheus text |
 //!
 //! Bodies are limited to 1 MiB; bad JSON or an invalid policy → 400 `{"error": "<field>: <reason>"}`;
@@ -21,6 +22,7 @@ use serde_json::{Value, json};
 
 use crate::{
     App,
+    dest::LearnedSpec,
     policy::{Policy, RuleSpec, parse_sandbox_ip},
 };
 
@@ -139,9 +141,48 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Full<Byte
                 }
                 Method::DELETE => {
                     app.store.delete(ip);
+                    // A reused sandbox IP must not inherit the old sandbox's learned names.
+                    app.dest.clear_learned(ip);
                     reply(StatusCode::OK, json!({"ok": true}))
                 }
                 _ => not_allowed("GET, PUT, PATCH, DELETE"),
+            }
+        }
+        p if p.starts_with("/admin/v1/learned/") => {
+            let seg = &p["/admin/v1/learned/".len()..];
+            let ip = match parse_sandbox_ip(seg) {
+                Ok(ip) => ip,
+                Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+            };
+            match method {
+                Method::GET => match app.dest.learned(ip) {
+                    Some(l) => reply(StatusCode::OK, serde_json::to_value(l).unwrap_or(Value::Null)),
+                    None => error(StatusCode::NOT_FOUND, "nothing learned"),
+                },
+                Method::PUT => {
+                    let b = match body(req).await {
+                        Ok(b) => b,
+                        Err(r) => return r,
+                    };
+                    let de = &mut serde_json::Deserializer::from_slice(&b);
+                    let spec: LearnedSpec = match serde_path_to_error::deserialize(de) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let path = e.path().to_string();
+                            let field = if path == "." || path == "?" { "body".to_string() } else { path };
+                            return error(StatusCode::BAD_REQUEST, format!("{field}: {}", e.inner()));
+                        }
+                    };
+                    match app.dest.set_learned(ip, &spec) {
+                        Ok(()) => reply(StatusCode::OK, json!({"ok": true})),
+                        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                    }
+                }
+                Method::DELETE => {
+                    app.dest.clear_learned(ip);
+                    reply(StatusCode::OK, json!({"ok": true}))
+                }
+                _ => not_allowed("GET, PUT, DELETE"),
             }
         }
         _ => error(StatusCode::NOT_FOUND, "not found"),

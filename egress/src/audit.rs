@@ -5,32 +5,54 @@
 
 use std::{
     io::Write,
-    path::{Path, PathBuf},
-    sync::mpsc,
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc,
+    },
     time::{SystemTime, UNIX_EPOCH},
 };
 
+use prometheus::IntCounter;
 use serde_json::{Value, json};
 
 /// Appends audit records to a file from a dedicated writer thread (records are queued, so the
-/// proxy never blocks on disk).
+/// proxy never blocks on disk). The queue is bounded: when the writer falls behind, new records
+/// are dropped (drop-newest), counted in `cube_egress_audit_dropped_total`, and the writer
+/// records how many it lost in a `security_event` (`audit_records_dropped`) as soon as it
+/// catches up (decision E15).
 #[derive(Debug, Clone)]
 pub struct AuditLog {
-    tx: mpsc::Sender<Value>,
+    tx: mpsc::SyncSender<Value>,
+    pending_drops: Arc<AtomicU64>,
+    dropped: IntCounter,
 }
 
 impl AuditLog {
-    /// Opens (creating parents and the file, append mode) and starts the writer thread.
-    /// Errors: the directory or file cannot be created.
-    pub fn open(path: &Path) -> anyhow::Result<AuditLog> {
+    /// Opens (creating parents and the file, append mode) and starts the writer thread with a
+    /// queue of `capacity` records; drops are counted in `dropped`. Errors: the directory or
+    /// file cannot be created.
+    pub fn open(path: &Path, capacity: usize, dropped: IntCounter) -> anyhow::Result<AuditLog> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
         let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-        let (tx, rx) = mpsc::channel::<Value>();
-        let p: PathBuf = path.to_path_buf();
+        Self::with_writer(file, path.display().to_string(), capacity, dropped)
+    }
+
+    /// Starts the writer thread on any sink (`what` names it in warnings).
+    pub fn with_writer(
+        sink: impl Write + Send + 'static,
+        what: String,
+        capacity: usize,
+        dropped: IntCounter,
+    ) -> anyhow::Result<AuditLog> {
+        let (tx, rx) = mpsc::sync_channel::<Value>(capacity.max(1));
+        let pending_drops = Arc::new(AtomicU64::new(0));
+        let pending = pending_drops.clone();
         std::thread::Builder::new().name("audit-writer".into()).spawn(move || {
-            let mut w = std::io::BufWriter::new(file);
+            let mut w = std::io::BufWriter::new(sink);
             while let Ok(v) = rx.recv() {
                 let mut write = |v: &Value| {
                     let _ = serde_json::to_writer(&mut w, v);
@@ -40,20 +62,31 @@ impl AuditLog {
                 while let Ok(v) = rx.try_recv() {
                     write(&v);
                 }
+                let lost = pending.swap(0, Ordering::Relaxed);
+                if lost > 0 {
+                    write(&json!({
+                        "ts": now_rfc3339(), "event": "security_event",
+                        "security": {"reason": "audit_records_dropped", "dropped": lost},
+                    }));
+                }
                 if let Err(e) = w.flush() {
-                    tracing::warn!(file = %p.display(), error = %e, "audit write failed");
+                    tracing::warn!(file = %what, error = %e, "audit write failed");
                 }
             }
         })?;
-        Ok(AuditLog { tx })
+        Ok(AuditLog { tx, pending_drops, dropped })
     }
 
-    /// Queues one record (adds `ts` when missing).
+    /// Queues one record (adds `ts` when missing); drops it when the queue is full.
     pub fn write(&self, mut record: Value) {
         if let Value::Object(m) = &mut record {
             m.entry("ts").or_insert_with(|| json!(now_rfc3339()));
         }
-        let _ = self.tx.send(record);
+        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(record) {
+            self.dropped.inc();
+            // The writer reports this on its next wake-up, which the full queue guarantees.
+            self.pending_drops.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Queues a `security_event` record.
@@ -115,6 +148,24 @@ pub fn redact_header(name: &str, value: &str) -> Option<String> {
     }
 }
 
+/// A request target (`/path?query`) for the audit log: every query value is replaced by
+/// `<redacted>` and names are kept (`/v1/x?token=<redacted>&page=<redacted>`); a parameter
+/// without `=` is replaced whole; the path and empty values are kept (decision E15). Tokens,
+/// signatures and codes travel in URLs under too many names for a name list to be safe.
+pub fn redact_query(target: &str) -> String {
+    let Some((path, query)) = target.split_once('?') else { return target.to_string() };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((k, "")) => format!("{k}="),
+            Some((k, _)) => format!("{k}=<redacted>"),
+            None if p.is_empty() => String::new(),
+            None => "<redacted>".to_string(),
+        })
+        .collect();
+    format!("{path}?{}", params.join("&"))
+}
+
 /// The `redacted_request_headers` object: every sensitive header of the request, redacted.
 pub fn redacted_headers(headers: &http::HeaderMap) -> Value {
     let mut m = serde_json::Map::new();
@@ -144,10 +195,83 @@ mod tests {
     }
 
     #[test]
+    fn query_values_are_redacted() {
+        assert_eq!(redact_query("/v1/x"), "/v1/x");
+        assert_eq!(
+            redact_query("/v1/x?access_token=abc123&page=2&flag&empty="),
+            "/v1/x?access_token=<redacted>&page=<redacted>&<redacted>&empty="
+        );
+        assert_eq!(redact_query("/s?X-Amz-Signature=deadbeef"), "/s?X-Amz-Signature=<redacted>");
+    }
+
+    fn counter() -> IntCounter {
+        IntCounter::new("t", "t").unwrap()
+    }
+
+    /// A sink that blocks until `gate` is opened (a stalled disk); `entered` tells that the
+    /// writer is stuck in it.
+    struct Stalled {
+        gate: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+        entered: Arc<std::sync::atomic::AtomicBool>,
+        out: Arc<std::sync::Mutex<Vec<u8>>>,
+    }
+
+    impl Write for Stalled {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.entered.store(true, Ordering::SeqCst);
+            let (m, cv) = &*self.gate;
+            let _open = cv.wait_while(m.lock().unwrap(), |open| !*open).unwrap();
+            self.out.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Attack: a stalled writer must not let the queue (memory) grow without bound; the lost
+    /// records are counted and reported.
+    #[test]
+    fn queue_is_bounded_and_drops_are_reported() {
+        let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let entered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let out = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let dropped = counter();
+        let sink = Stalled { gate: gate.clone(), entered: entered.clone(), out: out.clone() };
+        let log = AuditLog::with_writer(sink, "t".into(), 8, dropped.clone()).unwrap();
+        log.write(json!({"event": "http_request", "n": "first"}));
+        for _ in 0..500 {
+            if entered.load(Ordering::SeqCst) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(entered.load(Ordering::SeqCst), "writer never reached the sink");
+        for i in 0..10_000 {
+            log.write(json!({"event": "http_request", "n": i}));
+        }
+        assert_eq!(dropped.get(), 10_000 - 8, "all but the 8 queued records are dropped");
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        let mut lines = Vec::new();
+        for _ in 0..200 {
+            let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+            lines = text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).collect();
+            if lines.iter().any(|l| l["security"]["reason"] == "audit_records_dropped") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let ev = lines.iter().find(|l| l["security"]["reason"] == "audit_records_dropped").expect("drop report");
+        assert_eq!(ev["security"]["dropped"].as_u64(), Some(10_000 - 8));
+        assert_eq!(lines.len(), 1 + 8 + 1, "first record, the 8 queued ones, the drop report");
+    }
+
+    #[test]
     fn records_are_json_lines() {
         let dir = std::env::temp_dir().join(format!("cube-egress-audit-{}", std::process::id()));
         let f = dir.join("sub/access.jsonl");
-        let log = AuditLog::open(&f).unwrap();
+        let log = AuditLog::open(&f, 16, counter()).unwrap();
         log.write(json!({"event": "http_request", "n": 1}));
         log.security_event("no_rule_match", "192.168.0.2", json!({"policy": {"decision": "deny"}}));
         let mut text = String::new();

@@ -60,9 +60,8 @@ impl Ca {
         let key_path = dir.join(CA_KEY_FILE);
         let cert_der = CertificateDer::from_pem_file(&cert_path)
             .with_context(|| format!("read CA certificate {}", cert_path.display()))?;
-        let key_pem =
-            std::fs::read_to_string(&key_path).with_context(|| format!("read CA key {}", key_path.display()))?;
-        let key = KeyPair::from_pem(&key_pem).with_context(|| format!("parse CA key {}", key_path.display()))?;
+        let key_pem = std::fs::read(&key_path).with_context(|| format!("read CA key {}", key_path.display()))?;
+        let key = key_pair_from_pem(&key_pem).with_context(|| format!("parse CA key {}", key_path.display()))?;
         let (_, x509) = x509_parser::parse_x509_certificate(&cert_der)
             .map_err(|e| anyhow::anyhow!("parse CA certificate {}: {e}", cert_path.display()))?;
         if x509.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
@@ -127,6 +126,60 @@ impl Ca {
     }
 }
 
+/// Reads a private key from PEM: PKCS#8 (`PRIVATE KEY`), SEC1 EC (`EC PRIVATE KEY`, what
+/// `openssl ecparam -genkey` writes; its `EC PARAMETERS` block is skipped) or PKCS#1 RSA
+/// (`RSA PRIVATE KEY`, `openssl genrsa -traditional`, Helm's `genCA`); the first key block
+/// wins. rcgen's ring backend only takes PKCS#8, so SEC1 and PKCS#1 keys are wrapped into a
+/// PKCS#8 `PrivateKeyInfo` (RFC 5208/5915) with yasna, the DER codec rcgen itself uses.
+/// Errors: no unencrypted key block, a SEC1 key without its named curve, a curve or key size
+/// ring does not support (P-256, P-384, RSA 2048–8192).
+pub fn key_pair_from_pem(pem: &[u8]) -> anyhow::Result<KeyPair> {
+    let key = PrivateKeyDer::from_pem_slice(pem)
+        .map_err(|e| anyhow::anyhow!("no unencrypted PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY block ({e})"))?;
+    let pkcs8 = match &key {
+        PrivateKeyDer::Pkcs8(k) => k.secret_pkcs8_der().to_vec(),
+        PrivateKeyDer::Sec1(k) => {
+            let curve = sec1_named_curve(k.secret_sec1_der())?;
+            wrap_pkcs8(&[1, 2, 840, 10045, 2, 1], Some(&curve), k.secret_sec1_der())
+        }
+        PrivateKeyDer::Pkcs1(k) => wrap_pkcs8(&[1, 2, 840, 113549, 1, 1, 1], None, k.secret_pkcs1_der()),
+        _ => bail!("unsupported private key type"),
+    };
+    KeyPair::try_from(pkcs8).map_err(|e| anyhow::anyhow!("unsupported key (P-256, P-384 or RSA 2048+): {e}"))
+}
+
+/// The named-curve OID of a SEC1 `ECPrivateKey` (its `[0] parameters`).
+fn sec1_named_curve(der: &[u8]) -> anyhow::Result<yasna::models::ObjectIdentifier> {
+    let curve = yasna::parse_der(der, |r| {
+        r.read_sequence(|r| {
+            r.next().read_u8()?;
+            r.next().read_bytes()?;
+            let curve = r.read_optional(|r| r.read_tagged(yasna::Tag::context(0), |r| r.read_oid()))?;
+            r.read_optional(|r| r.read_tagged(yasna::Tag::context(1), |r| r.read_bitvec_bytes()))?;
+            Ok(curve)
+        })
+    })
+    .map_err(|e| anyhow::anyhow!("malformed EC PRIVATE KEY: {e}"))?;
+    curve.context("EC PRIVATE KEY without a named curve")
+}
+
+/// `PrivateKeyInfo { version 0, AlgorithmIdentifier { alg, params (OID or NULL) }, OCTET STRING inner }`.
+fn wrap_pkcs8(alg: &[u64], params: Option<&yasna::models::ObjectIdentifier>, inner: &[u8]) -> Vec<u8> {
+    yasna::construct_der(|w| {
+        w.write_sequence(|w| {
+            w.next().write_u8(0);
+            w.next().write_sequence(|w| {
+                w.next().write_oid(&yasna::models::ObjectIdentifier::from_slice(alg));
+                match params {
+                    Some(oid) => w.next().write_oid(oid),
+                    None => w.next().write_null(),
+                }
+            });
+            w.next().write_bytes(inner);
+        })
+    })
+}
+
 /// What a leaf is minted for: the client's SNI, or the original destination IP without SNI.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum CertName {
@@ -163,14 +216,20 @@ struct Slot {
 
 /// Token bucket per sandbox IP (our own: a dozen lines, no crate needed).
 #[derive(Debug)]
-struct RateLimiter {
+pub(crate) struct RateLimiter {
     rate: f64,
     burst: f64,
     buckets: Mutex<HashMap<Ipv4Addr, (f64, Instant)>>,
 }
 
 impl RateLimiter {
-    fn take(&self, who: Ipv4Addr) -> bool {
+    /// `burst` tokens per sandbox, refilled at `rate` per second.
+    pub(crate) fn new(rate: f64, burst: u32) -> RateLimiter {
+        RateLimiter { rate, burst: f64::from(burst), buckets: Mutex::new(HashMap::new()) }
+    }
+
+    /// Takes one token of `who`; false when none is left.
+    pub(crate) fn take(&self, who: Ipv4Addr) -> bool {
         let now = Instant::now();
         let mut b = self.buckets.lock().expect("limiter lock");
         let (tokens, last) = b.entry(who).or_insert((self.burst, now));
@@ -203,7 +262,7 @@ impl CertCache {
             ca,
             slots: Mutex::new(HashMap::new()),
             capacity: capacity.max(1),
-            limiter: RateLimiter { rate, burst: f64::from(burst), buckets: Mutex::new(HashMap::new()) },
+            limiter: RateLimiter::new(rate, burst),
             metrics,
         }
     }

@@ -54,6 +54,15 @@ pub struct Config {
     pub handoff_socket: Option<PathBuf>,
     /// Take the listening sockets from a predecessor's `handoff_socket` instead of binding.
     pub takeover_socket: Option<PathBuf>,
+    /// DNS servers (`ip:port`) the gateway resolves Host/SNI names with to check that the
+    /// original destination belongs to the name (E14). Empty (default) = the `nameserver`
+    /// lines of `/etc/resolv.conf`.
+    pub dns_servers: Vec<SocketAddr>,
+    /// Per-server DNS timeout, milliseconds (default 2000).
+    pub dns_timeout_ms: u64,
+    /// Most audit records queued for the writer; newer records are dropped (and counted) when
+    /// it is full (default 16384).
+    pub audit_queue_capacity: usize,
 }
 
 impl Default for Config {
@@ -77,6 +86,9 @@ impl Default for Config {
             drain_timeout_secs: 30,
             handoff_socket: None,
             takeover_socket: None,
+            dns_servers: Vec::new(),
+            dns_timeout_ms: 2000,
+            audit_queue_capacity: 16_384,
         }
     }
 }
@@ -136,6 +148,9 @@ pub struct Cli {
     /// Unix socket of a predecessor to take the listeners from.
     #[arg(long, env = "CUBE_EGRESS_TAKEOVER_SOCKET")]
     pub takeover_socket: Option<PathBuf>,
+    /// DNS servers for the destination check (`ip:port`, comma-separated or repeated).
+    #[arg(long = "dns-server", env = "CUBE_EGRESS_DNS_SERVERS", value_delimiter = ',')]
+    pub dns_servers: Option<Vec<SocketAddr>>,
 }
 
 impl Config {
@@ -149,7 +164,7 @@ impl Config {
             ($($f:ident),*) => { $( if let Some(v) = cli.$f { c.$f = v; } )* };
         }
         over!(sandbox_cidr, http_port, https_port, admin_addr, ca_dir, audit_file, bootstrap_url, bootstrap_attempts);
-        over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs);
+        over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs, dns_servers);
         if cli.listen_ip.is_some() {
             c.listen_ip = cli.listen_ip;
         }
@@ -180,7 +195,30 @@ impl Config {
         if self.bootstrap_attempts == 0 {
             bail!("bootstrap_attempts must be at least 1");
         }
+        // The admin API changes every sandbox's policy: never reachable from off the node or
+        // from a sandbox (which can reach the gateway address).
+        if !self.admin_addr.ip().is_loopback() {
+            bail!("admin_addr {}: must be a loopback address (127.0.0.0/8 or ::1)", self.admin_addr);
+        }
+        if self.dns_timeout_ms == 0 || self.audit_queue_capacity == 0 {
+            bail!("dns_timeout_ms and audit_queue_capacity must be positive");
+        }
         Ok(())
+    }
+
+    /// `dns_servers`, else the nameservers of `/etc/resolv.conf` (none readable → empty: only
+    /// IP literals and learned names pass the destination check).
+    pub fn dns_servers(&self) -> anyhow::Result<Vec<SocketAddr>> {
+        if !self.dns_servers.is_empty() {
+            return Ok(self.dns_servers.clone());
+        }
+        match crate::dns::servers_from_resolv_conf(Path::new("/etc/resolv.conf")) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                tracing::warn!(error = %e, "no DNS servers: only IP-literal and learned names pass the destination check");
+                Ok(Vec::new())
+            }
+        }
     }
 
     /// The listen address: `listen_ip`, else network(`sandbox_cidr`) + 1 (upstream.md §4.2).
@@ -231,6 +269,11 @@ mod tests {
         let c = Config::load(cli).unwrap();
         assert_eq!((c.http_port, c.https_port, c.bootstrap_url.as_str()), (1080, 2443, ""));
         assert_eq!(c.admin_addr.to_string(), "127.0.0.1:9091");
+        std::fs::write(&f, "admin_addr = \"0.0.0.0:9091\"\n").unwrap();
+        let e = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap_err();
+        assert!(e.to_string().contains("loopback"), "{e}");
+        let cli = Cli::parse_from(["cube-egress", "--dns-server", "10.0.0.53:53,10.0.0.54:5353"]);
+        assert_eq!(Config::load(cli).unwrap().dns_servers.len(), 2);
         std::fs::write(&f, "htp_port = 1\n").unwrap();
         assert!(Config::from_toml_file(&f).is_err());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -5,7 +5,8 @@
 //! sandbox's policy ([`policy`]), HTTPS is intercepted with leaves minted from the node CA
 //! ([`certs`]), credentials are injected under gates, and every request and security event is
 //! written to a JSON Lines audit log ([`audit`]). Policies are managed through the admin API
-//! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]). Behaviour follows
+//! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]). The original destination
+//! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). Behaviour follows
 //! `reference/upstream.md §4` unless a decision in `docs/decisions.md` (E-entries) says otherwise.
 
 pub mod admin;
@@ -13,6 +14,8 @@ pub mod audit;
 pub mod bootstrap;
 pub mod certs;
 pub mod config;
+pub mod dest;
+pub mod dns;
 pub mod metrics;
 pub mod net;
 pub mod policy;
@@ -55,6 +58,8 @@ pub struct App {
     pub upstream_tls: Arc<rustls::ClientConfig>,
     /// Upstream connect timeout.
     pub connect_timeout: Duration,
+    /// Destination binding (resolver cache, learned addresses).
+    pub dest: dest::Destinations,
     ids: AtomicU64,
 }
 
@@ -64,8 +69,8 @@ impl App {
     pub fn new(cfg: &Config) -> anyhow::Result<App> {
         let metrics = Metrics::new();
         let ca = Arc::new(Ca::load(&cfg.ca_dir)?);
-        let audit =
-            AuditLog::open(&cfg.audit_file).with_context(|| format!("open audit {}", cfg.audit_file.display()))?;
+        let audit = AuditLog::open(&cfg.audit_file, cfg.audit_queue_capacity, metrics.audit_dropped.clone())
+            .with_context(|| format!("open audit {}", cfg.audit_file.display()))?;
         let mut tls = certs::upstream_client_config(cfg.upstream_extra_ca.as_deref())?;
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(App {
@@ -75,6 +80,7 @@ impl App {
             audit,
             upstream_tls: Arc::new(tls),
             connect_timeout: cfg.connect_timeout(),
+            dest: dest::Destinations::new(cfg.dns_servers()?, Duration::from_millis(cfg.dns_timeout_ms)),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
                     as u64,
@@ -186,6 +192,11 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             _ = int.recv() => break "SIGINT",
             r = async { match &handoff { Some(h) => h.accept().await, None => std::future::pending().await } } => {
                 match r.and_then(|(s, _)| s.into_std()) {
+                    Ok(s) if !net::peer_allowed(&s) => {
+                        let uid = net::peer_uid(&s).ok();
+                        tracing::warn!(?uid, "handoff refused: peer is neither our uid nor root");
+                        app.audit.security_event("handoff_peer_refused", "", serde_json::json!({"peer": {"uid": uid}}));
+                    }
                     Ok(s) => {
                         let _ = s.set_nonblocking(false);
                         match net::send_listeners(&s, &listeners) {

@@ -22,6 +22,8 @@ pub struct Metrics {
     pub handshakes_refused: IntCounter,
     /// Upstream failures by `kind` (`connect`, `tls`, `timeout`, `other`).
     pub upstream_errors: IntCounterVec,
+    /// Audit records dropped because the writer's queue was full.
+    pub audit_dropped: IntCounter,
     /// Request duration until response headers, seconds.
     pub request_seconds: Histogram,
     /// Upstream time to response headers, seconds (request − upstream ≈ added latency).
@@ -43,6 +45,7 @@ impl Metrics {
         let cert_cache_hits = c("cube_egress_cert_cache_hits_total", "Leaf certificate cache hits");
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
+        let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
         let upstream_errors =
             IntCounterVec::new(Opts::new("cube_egress_upstream_errors_total", "Upstream failures by kind"), &["kind"])
                 .expect("metric");
@@ -56,7 +59,15 @@ impl Metrics {
                 .buckets(buckets),
         )
         .expect("metric");
-        for m in [&injections, &injections_dropped, &mints, &cert_cache_hits, &mint_rate_limited, &handshakes_refused] {
+        for m in [
+            &injections,
+            &injections_dropped,
+            &mints,
+            &cert_cache_hits,
+            &mint_rate_limited,
+            &handshakes_refused,
+            &audit_dropped,
+        ] {
             registry.register(Box::new(m.clone())).expect("register");
         }
         registry.register(Box::new(requests.clone())).expect("register");
@@ -73,6 +84,7 @@ impl Metrics {
             mint_rate_limited,
             handshakes_refused,
             upstream_errors,
+            audit_dropped,
             request_seconds,
             upstream_seconds,
         }

@@ -60,6 +60,9 @@ pub fn send_listeners(conn: &UnixStream, l: &Listeners) -> anyhow::Result<()> {
 /// Connects to a predecessor's handoff socket and receives its listeners.
 pub fn take_listeners(path: &Path) -> anyhow::Result<Listeners> {
     let conn = UnixStream::connect(path).with_context(|| format!("connect {}", path.display()))?;
+    if !peer_allowed(&conn) {
+        bail!("handoff socket {} is served by uid {:?}, not ours or root", path.display(), peer_uid(&conn).ok());
+    }
     let mut buf = [0u8; 64];
     let mut iov = [IoSliceMut::new(&mut buf)];
     let mut cmsg = nix::cmsg_space!([RawFd; 3]);
@@ -81,17 +84,47 @@ pub fn take_listeners(path: &Path) -> anyhow::Result<Listeners> {
         let l = TcpListener::from(fd);
         l.set_nonblocking(true).map(|_| l)
     });
-    Ok(Listeners {
+    let l = Listeners {
         http: it.next().expect("3 fds")?,
         https: it.next().expect("3 fds")?,
         admin: it.next().expect("3 fds")?,
-    })
+    };
+    let admin = l.admin.local_addr()?;
+    if !admin.ip().is_loopback() {
+        bail!("handed-over admin listener {admin} is not on loopback");
+    }
+    Ok(l)
 }
 
-/// Binds the handoff Unix socket (replacing a stale file).
+/// Binds the handoff Unix socket (replacing a stale file) with mode 0600: it is bound under a
+/// temporary name, restricted, then renamed into place, so the path never exists with a wider
+/// mode. Connections are still checked with [`peer_allowed`] (a file mode is not an identity).
 pub fn handoff_listener(path: &Path) -> anyhow::Result<UnixListener> {
-    let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))?;
+    use std::os::unix::fs::PermissionsExt;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let l = UnixListener::bind(&tmp).with_context(|| format!("bind {}", tmp.display()))?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("place handoff socket {}", path.display()));
+    }
     l.set_nonblocking(true)?;
     Ok(l)
+}
+
+/// The uid of the process at the other end of a Unix socket (SO_PEERCRED).
+pub fn peer_uid(conn: &UnixStream) -> anyhow::Result<u32> {
+    let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials).context("SO_PEERCRED")?;
+    Ok(cred.uid())
+}
+
+/// Whether a handoff peer may receive or give listeners: it runs as our effective uid or as
+/// root. Errors reading the credentials count as "no".
+pub fn peer_allowed(conn: &UnixStream) -> bool {
+    let me = nix::unistd::geteuid().as_raw();
+    peer_uid(conn).is_ok_and(|uid| uid == me || uid == 0)
 }

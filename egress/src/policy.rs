@@ -270,6 +270,13 @@ pub struct Rule {
     pub inject_plain_http: bool,
 }
 
+impl Rule {
+    /// Whether the rule has a `host` pattern (its decision depends on the Host header).
+    pub fn matches_on_host(&self) -> bool {
+        self.host.is_some()
+    }
+}
+
 /// A validated policy: the normalised wire form (for reads) plus the compiled rules.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -292,6 +299,8 @@ pub struct RequestFacts<'a> {
     pub path: &'a str,
     /// Which listener accepted the connection.
     pub scheme: Scheme,
+    /// Original destination address.
+    pub dst: Ipv4Addr,
     /// Original destination port.
     pub port: u16,
 }
@@ -606,6 +615,13 @@ impl Policy {
                 Some(h) if p.matches(h) => {}
                 _ => return false,
             }
+            // An HTTPS allow rule that names a host but no SNI also binds the connection's
+            // name (SNI, else the destination IP) to that host: the upstream leg connects with
+            // the client's SNI, so without this a host-only rule would admit any server
+            // (decision E13).
+            if q.scheme == Scheme::Https && r.allow && r.sni.is_none() && !p.matches(&connection_name(sni, q.dst)) {
+                return false;
+            }
         }
         if !r.methods.is_empty() && !r.methods.iter().any(|m| m.eq_ignore_ascii_case(q.method)) {
             return false;
@@ -634,17 +650,27 @@ impl Policy {
         Verdict::NoMatch
     }
 
-    /// Decides, from the SNI and original port alone, whether a TLS connection may get a minted
-    /// certificate: [`SniAdmission::Mint`] when some allow rule could still match a request on
-    /// it, [`SniAdmission::Refuse`] when every request would be denied (anchors D.17).
-    pub fn admit_sni(&self, sni: Option<&str>, port: u16) -> SniAdmission {
+    /// Decides, from what the ClientHello and the socket tell (SNI, original destination and
+    /// port, scheme HTTPS), whether a TLS connection may get a minted certificate:
+    /// [`SniAdmission::Mint`] when some allow rule could still match a request on it,
+    /// [`SniAdmission::Refuse`] when every request would be denied (anchors D.17). An allow
+    /// rule's name pattern is its `sni`, else its `host` (decision E13); the connection's name
+    /// is the SNI, else the destination IP (the name the leaf would be minted for). Rules
+    /// without either pattern admit any name.
+    pub fn admit_sni(&self, sni: Option<&str>, dst: Ipv4Addr, port: u16) -> SniAdmission {
         let sni = sni.map(normalize_request_host);
+        let name = connection_name(sni.as_deref(), dst);
         for r in &self.rules {
             if let Some(p) = &r.sni {
                 match sni.as_deref() {
                     Some(s) if p.matches(s) => {}
                     _ => continue,
                 }
+            } else if r.allow
+                && let Some(p) = &r.host
+                && !p.matches(&name)
+            {
+                continue;
             }
             let port_ok = match &r.ports {
                 PortCond::Tuples(t) => t.contains(&(port, Scheme::Https)),
@@ -666,6 +692,11 @@ impl Policy {
     }
 }
 
+/// The name a TLS connection is for: its (normalised) SNI, else the destination IP literal.
+fn connection_name(sni: Option<&str>, dst: Ipv4Addr) -> String {
+    sni.map(str::to_string).unwrap_or_else(|| dst.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -678,6 +709,8 @@ mod tests {
         Policy::from_json(json.as_bytes()).expect_err("must be rejected")
     }
 
+    const DST: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 7);
+
     fn req<'a>(
         sni: Option<&'a str>,
         host: &'a str,
@@ -686,7 +719,7 @@ mod tests {
         scheme: Scheme,
         port: u16,
     ) -> RequestFacts<'a> {
-        RequestFacts { sni, host: Some(host), method, path, scheme, port }
+        RequestFacts { sni, host: Some(host), method, path, scheme, dst: DST, port }
     }
 
     const BASIC: &str = r#"{"policy_id":"p","rules":[
@@ -747,7 +780,7 @@ mod tests {
             {"id":"alt","match":{"host":"a.test","scheme":" HTTPS ","port":[8443,9443]},"action":{"allow":true}},
             {"id":"default","match":{"host":"b.test"},"action":{"allow":true}}
         ]}"#);
-        let r = |h, sc, port| p.evaluate(&req(None, h, "GET", "/", sc, port));
+        let r = |h, sc, port| p.evaluate(&req((sc == Scheme::Https).then_some(h), h, "GET", "/", sc, port));
         assert_eq!(r("b.test", Scheme::Http, 8081), Verdict::Deny(0));
         assert_eq!(r("a.test", Scheme::Https, 9443), Verdict::Allow(1));
         assert_eq!(r("a.test", Scheme::Https, 443), Verdict::NoMatch);
@@ -768,17 +801,60 @@ mod tests {
     #[test]
     fn sni_admission_before_minting() {
         let p = pol(BASIC);
-        assert_eq!(p.admit_sni(Some("api.example.com"), 443), SniAdmission::Mint);
-        // Host-only rule (`exact`) could match any SNI, so admission passes on 443.
-        assert_eq!(p.admit_sni(Some("evil.test"), 443), SniAdmission::Mint);
-        assert_eq!(p.admit_sni(Some("api.example.com"), 8443), SniAdmission::Refuse);
+        assert_eq!(p.admit_sni(Some("api.example.com"), DST, 443), SniAdmission::Mint);
+        // The host-only rule (`exact`) admits its own name only (E13), not any SNI.
+        assert_eq!(p.admit_sni(Some("exact.example.org"), DST, 443), SniAdmission::Mint);
+        assert_eq!(p.admit_sni(Some("evil.test"), DST, 443), SniAdmission::Refuse);
+        assert_eq!(p.admit_sni(Some("api.example.com"), DST, 8443), SniAdmission::Refuse);
         let strict = pol(r#"{"policy_id":"p","rules":[
             {"id":"block","match":{"sni":"blocked.example.com"},"action":{"allow":false}},
             {"id":"api","match":{"sni":"*.example.com"},"action":{"allow":true}}]}"#);
-        assert_eq!(strict.admit_sni(Some("blocked.example.com"), 443), SniAdmission::Refuse);
-        assert_eq!(strict.admit_sni(Some("ok.example.com"), 443), SniAdmission::Mint);
-        assert_eq!(strict.admit_sni(Some("evil.test"), 443), SniAdmission::Refuse);
-        assert_eq!(strict.admit_sni(None, 443), SniAdmission::Refuse);
+        assert_eq!(strict.admit_sni(Some("blocked.example.com"), DST, 443), SniAdmission::Refuse);
+        assert_eq!(strict.admit_sni(Some("ok.example.com"), DST, 443), SniAdmission::Mint);
+        assert_eq!(strict.admit_sni(Some("evil.test"), DST, 443), SniAdmission::Refuse);
+        assert_eq!(strict.admit_sni(None, DST, 443), SniAdmission::Refuse);
+        // A rule with neither sni nor host allows every name, as it allows every request.
+        let open = pol(r#"{"policy_id":"p","rules":[{"id":"all","match":{"path":"/v1/*"},"action":{"allow":true}}]}"#);
+        assert_eq!(open.admit_sni(Some("anything.test"), DST, 443), SniAdmission::Mint);
+    }
+
+    /// Attack: a host-only allow rule must not admit the random SNIs a sandbox picks (the
+    /// gateway would mint a leaf for each and connect to the IP the sandbox chose).
+    #[test]
+    fn host_only_rule_admits_only_its_name() {
+        let p = pol(
+            r#"{"policy_id":"p","rules":[{"id":"web","match":{"host":"api.example.test"},"action":{"allow":true}}]}"#,
+        );
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut minted = 0;
+        for _ in 0..100 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let sni = format!("r{:x}.example.net", seed);
+            if p.admit_sni(Some(&sni), DST, 443) == SniAdmission::Mint {
+                minted += 1;
+            }
+        }
+        assert_eq!(minted, 0, "random SNIs admitted by a host-only rule");
+        assert_eq!(p.admit_sni(Some("API.example.test."), DST, 443), SniAdmission::Mint);
+        // No SNI: the connection's name is the destination IP, which is not the host.
+        assert_eq!(p.admit_sni(None, DST, 443), SniAdmission::Refuse);
+        let by_ip =
+            pol(r#"{"policy_id":"p","rules":[{"id":"ip","match":{"host":"203.0.113.7"},"action":{"allow":true}}]}"#);
+        assert_eq!(by_ip.admit_sni(None, DST, 443), SniAdmission::Mint);
+        // Domain fronting under a host-only rule: SNI of another admitted name, Host of this
+        // rule's name — the rule does not match (the upstream leg would use the other SNI).
+        let two = pol(r#"{"policy_id":"p","rules":[
+            {"id":"web","match":{"host":"api.example.test"},"action":{"allow":true}},
+            {"id":"cdn","match":{"sni":"cdn.example.test","path":"/static/*"},"action":{"allow":true}}]}"#);
+        let q = req(Some("cdn.example.test"), "api.example.test", "GET", "/v1/x", Scheme::Https, 443);
+        assert_eq!(two.evaluate(&q), Verdict::NoMatch);
+        let q = req(Some("api.example.test"), "api.example.test", "GET", "/v1/x", Scheme::Https, 443);
+        assert_eq!(two.evaluate(&q), Verdict::Allow(0));
+        // Plain HTTP has no SNI to bind: the Host decides (the destination check is in the proxy).
+        let q = req(None, "api.example.test", "GET", "/v1/x", Scheme::Http, 80);
+        assert_eq!(two.evaluate(&q), Verdict::Allow(0));
     }
 
     #[test]

@@ -36,8 +36,9 @@ use tokio::net::TcpStream;
 
 use crate::{
     App,
-    audit::redacted_headers,
+    audit::{redact_query, redacted_headers},
     certs::{CertName, MintError},
+    dest::Unbound,
     policy::{AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host},
 };
 
@@ -183,7 +184,7 @@ async fn serve_tls(
         return refuse(format!("bootstrap_not_ready:{}", status.as_str()));
     }
     let Some(policy) = app.store.get(sandbox) else { return refuse("no_policy_for_sandbox".into()) };
-    if policy.admit_sni(sni.as_deref(), dst.port()) == SniAdmission::Refuse {
+    if policy.admit_sni(sni.as_deref(), *dst.ip(), dst.port()) == SniAdmission::Refuse {
         return refuse("sni_not_allowed".into());
     }
     let name = match &sni {
@@ -271,7 +272,7 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
             "http": {
                 "method": method,
                 "host": host,
-                "path": req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/"),
+                "path": redact_query(req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/")),
                 "status": null, "req_bytes": 0, "resp_bytes": 0,
                 "user_agent": req.headers().get(header::USER_AGENT).and_then(|v| v.to_str().ok()),
             },
@@ -310,6 +311,7 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         method: &method,
         path: &path,
         scheme: ctx.scheme,
+        dst: *ctx.dst.ip(),
         port: ctx.dst.port(),
     };
     let idx = match policy.evaluate(&facts) {
@@ -321,6 +323,20 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         Verdict::Allow(i) => i,
     };
     rec.set(&["policy", "matched_rule"], json!(policy.rules[idx].id));
+    // Plain HTTP: the sandbox chose both the destination and the Host the rule matched, so
+    // the destination must belong to that Host (E14). HTTPS is bound by verifying the
+    // upstream certificate against the SNI (and injection is checked in `forward`).
+    let rule = &policy.rules[idx];
+    if ctx.scheme == Scheme::Http
+        && (rule.matches_on_host() || (!rule.inject.is_empty() && rule.inject_plain_http))
+        && let Some(h) = host.as_deref()
+        && let Err(e) = app.dest.check(ctx.sandbox, h, *ctx.dst.ip()).await
+    {
+        if let Unbound::ResolveFailed(err) = &e {
+            rec.set(&["security", "error"], json!(err));
+        }
+        return deny(rec, e.reason(), true, started);
+    }
     rec.set(&["policy", "decision"], json!("allow"));
     app.metrics.requests.with_label_values(&["allow"]).inc();
     Ok(forward(app, ctx, req, &policy, idx, host, rec, started).await)
@@ -359,7 +375,20 @@ async fn forward(
         while parts.headers.remove(&inj.header).is_some() {}
     }
     if !rule.inject.is_empty() {
-        match inject_gate(ctx.scheme, ctx.sni.as_deref(), host.as_deref(), rule.inject_plain_http) {
+        let mut gate = inject_gate(ctx.scheme, ctx.sni.as_deref(), host.as_deref(), rule.inject_plain_http);
+        // The credential only goes to an address of the name it is for (E14); plain HTTP was
+        // checked before forwarding.
+        if gate.is_none()
+            && ctx.scheme == Scheme::Https
+            && let Some(sni) = ctx.sni.as_deref()
+            && let Err(e) = app.dest.check(ctx.sandbox, sni, *ctx.dst.ip()).await
+        {
+            gate = Some(match e {
+                Unbound::NotAmongAnswers => "inject_destination_not_resolved",
+                Unbound::ResolveFailed(_) => "inject_destination_resolve_failed",
+            });
+        }
+        match gate {
             None => {
                 for inj in &rule.inject {
                     parts.headers.insert(inj.header.clone(), inj.value.clone());

@@ -1,5 +1,6 @@
 //! Start-up checks of the `cube-egress` binary that need no root: it refuses a CA whose key
-//! does not match, an expired CA, and a bad configuration, before binding anything.
+//! does not match, an expired CA, and a bad configuration (including a non-loopback admin
+//! listener), before binding anything.
 
 use std::{path::Path, process::Command};
 
@@ -22,7 +23,8 @@ fn write_ca(dir: &Path, days: i64, key_for_file: Option<&KeyPair>) {
 fn run(dir: &Path, extra: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_cube-egress"))
         .args(["--ca-dir", dir.to_str().unwrap(), "--audit-file", dir.join("a.jsonl").to_str().unwrap()])
-        .args(["--listen-ip", "127.0.0.1", "--http-port", "0", "--https-port", "0", "--admin-addr", "127.0.0.1:0"])
+        .args(["--listen-ip", "127.0.0.1", "--http-port", "0", "--https-port", "0"])
+        .args(if extra.contains(&"--admin-addr") { &[][..] } else { &["--admin-addr", "127.0.0.1:0"][..] })
         .args(extra)
         .env("CUBE_EGRESS_LOG", "error")
         .output()
@@ -47,6 +49,10 @@ fn refuses_bad_ca_and_bad_config() {
     let (code, err) = run(&base.join("expired"), &["--sandbox-cidr", "10.0.0.0/33"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("sandbox_cidr"), "{err}");
+    // The admin API must stay on loopback (refused before the CA is even read).
+    let (code, err) = run(&base.join("expired"), &["--admin-addr", "0.0.0.0:9091"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("admin_addr") && err.contains("loopback"), "{err}");
     let (code, err) = run(&base.join("missing"), &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("cube-root-ca.crt"), "{err}");

@@ -81,13 +81,15 @@ impl AgentUnderTest {
              bpf_object = \"{obj}\"\n\
              state_dir = \"{d}/state\"\n\
              maintenance_interval_secs = 1\n\
-             reserved_ports_file = \"/nonexistent\"\n{extra}",
+             {reserved}{extra}",
             d = dir.display(),
             node = topo.node.path().display(),
             bpf = bpffs.path().display(),
             obj = crate::ebpf_object().display(),
             // `extra` may set its own CIDR (TOML forbids the key twice).
             cidr = if extra.contains("cidr =") { "" } else { "cidr = \"192.168.0.0/24\"\n" },
+            reserved =
+                if extra.contains("reserved_ports_file =") { "" } else { "reserved_ports_file = \"/nonexistent\"\n" },
         );
         std::fs::write(dir.join("agent.toml"), cfg).unwrap();
         Self { child: None, ns, bpffs, dir, topo, agent_bin: None }
@@ -102,6 +104,13 @@ impl AgentUnderTest {
 
     /// Spawns the start script inside the agent namespace (log appended to `agent.log`).
     pub fn spawn_script(&self) -> ChildGuard {
+        ChildGuard::from_child(self.script_command().spawn().expect("spawn start-network-agent.sh"))
+    }
+
+    /// The start script's command as [`AgentUnderTest::spawn_script`] runs it (in the agent
+    /// namespace, log to `log/agent.log`, a 5 s wait bound), for tests that change its
+    /// environment before spawning.
+    pub fn script_command(&self) -> Command {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/start-network-agent.sh");
         let mut cmd = self.ns.command("bash");
         cmd.arg(script)
@@ -113,7 +122,7 @@ impl AgentUnderTest {
             .env("NETWORK_AGENT_MOUNT_BPFFS", "0")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null());
-        ChildGuard::from_child(cmd.spawn().expect("spawn start-network-agent.sh"))
+        cmd
     }
 
     /// The agent's log so far.

@@ -21,7 +21,8 @@
 //! - [`vm`]: real Linux guests under QEMU on a TAP fd, configured and checked from the kernel
 //!   command line (image built by `scripts/guest-image.sh`).
 //!
-//! Root-only tests call [`require_root`] first, which prints a loud SKIP line when not root.
+//! Root-only tests call [`require_root`] first; every test that cannot run here calls
+//! [`skip`], which prints `SKIPPED: <test>: <reason>` and records it for `scripts/test.sh`.
 pub mod agent;
 pub mod bpffs;
 pub mod frames;
@@ -35,14 +36,34 @@ pub mod tls;
 pub mod topology;
 pub mod vm;
 
-/// True when the process can run root-only tests. Otherwise prints a loud skip notice naming
-/// `test` to stderr (visible with `--nocapture` and in the test summary of the runner).
+/// Environment variable naming the directory where [`skip`] records skipped tests (one file
+/// per test, named after it, holding the reason). `scripts/test.sh` sets it and lists them.
+pub const SKIP_DIR_ENV: &str = "CUBENET_SKIP_DIR";
+
+/// Reports that `test` did not run here and why: prints `SKIPPED: <test>: <reason>` on its own
+/// line to stderr (shown by the runner with `--nocapture`) and, when [`SKIP_DIR_ENV`] is set,
+/// writes `<dir>/<test>` with the reason so the test command counts it as skipped, not passed.
+/// The caller returns right after.
+pub fn skip(test: &str, reason: impl std::fmt::Display) {
+    let line = format!("SKIPPED: {test}: {reason}");
+    eprintln!("\n{line}\n");
+    if let Some(dir) = std::env::var_os(SKIP_DIR_ENV) {
+        let dir = std::path::PathBuf::from(dir);
+        let file = dir.join(test.replace(['/', '\0'], "_"));
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&file, format!("{reason}\n"))) {
+            // The skip must not pass silently: fail the test instead.
+            panic!("{line} (could not record it in {}: {e})", file.display());
+        }
+    }
+}
+
+/// True when the process can run root-only tests; otherwise [`skip`]s `test`.
 pub fn require_root(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    eprintln!("\n!!! SKIPPED {test}: needs root (CAP_NET_ADMIN, CAP_BPF, CAP_SYS_ADMIN) !!!\n");
+    skip(test, "needs root (CAP_NET_ADMIN, CAP_BPF, CAP_SYS_ADMIN)");
     false
 }
 

@@ -94,6 +94,25 @@ impl Rig {
             .expect("node thread")
     }
 
+    /// Runs `program` on `frame` `repeat` times inside one `BPF_PROG_TEST_RUN` (the kernel
+    /// loops; a frame the program rewrites is rerun rewritten). Returns the last run's output.
+    pub fn run_repeat(
+        &self,
+        program: &'static str,
+        frame: Vec<u8>,
+        ingress_ifindex: u32,
+        repeat: u32,
+    ) -> TestRunOutput {
+        let dp = self.dp.clone();
+        self.thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let p = dp.program(program).expect("program");
+                testrun::run(p, &frame, SkBuffCtx { ingress_ifindex, ..Default::default() }, repeat).expect("test run")
+            })
+            .expect("node thread")
+    }
+
     /// Runs `program` `n` times on `frame(i)` in one hop to the node thread; returns the
     /// kernel-measured ns of each run.
     pub fn run_many(

@@ -82,6 +82,19 @@ impl GuestImage {
         }
     }
 
+    /// [`GuestImage::ensure`] for test `test`: `None` after [`crate::skip`]ping it when the
+    /// guest is [`Unavailable`] here (no QEMU, no guest kernel …); panics on any other error.
+    pub fn for_test(test: &str) -> Option<Self> {
+        match Self::ensure() {
+            Ok(img) => Some(img),
+            Err(e) if e.downcast_ref::<Unavailable>().is_some() => {
+                crate::skip(test, e);
+                None
+            }
+            Err(e) => panic!("{e:#}"),
+        }
+    }
+
     /// Builds the image; `Err((true, why))` for an environmental reason.
     fn build() -> std::result::Result<Self, (bool, String)> {
         let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

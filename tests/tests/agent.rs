@@ -2,7 +2,7 @@
 //! `scripts/start-network-agent.sh` in its own namespace, programming the harness node
 //! namespace. Pool, Ensure, fd handoff + TAP guest ARP, Release/reuse, kill -9 recovery,
 //! 50 concurrent Ensure/Release back to baseline, fd-socket bad input, gRPC validation,
-//! config errors, and a Python grpcio-tools client for wire compatibility.
+//! config errors. Standard gRPC clients (grpcio, tonic defaults) are in `agent_clients.rs`.
 //! Tests needing SNAT/conntrack/port-map DNAT live in `agent_datapath.rs`.
 
 use std::{
@@ -338,6 +338,7 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
 
     // Ensure + fd latency at concurrency 1.
     let mut serial = Vec::new();
+    let mut releases = Vec::new();
     {
         let mut c = rt.block_on(client(&a));
         for k in 0..10 {
@@ -357,7 +358,9 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
             serial.push(t.elapsed());
             assert_eq!(reply["errCode"], "0");
             drop(fd);
+            let t = Instant::now();
             rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id, ..Default::default() })).unwrap();
+            releases.push(t.elapsed());
         }
     }
 
@@ -464,9 +467,12 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
     assert_eq!(neigh.lines().count(), 4, "{neigh}");
 
     eprintln!(
-        "FIGURES: Ensure+fd at concurrency 1: p50 {:?} p99 {:?}; at concurrency {N}: p50 {:?} p99 {:?}",
+        "FIGURES: Ensure+fd at concurrency 1: p50 {:?} p99 {:?}; Release at concurrency 1: p50 {:?} p99 {:?}; \
+         Ensure+fd at concurrency {N}: p50 {:?} p99 {:?}",
         percentile(&mut serial, 0.5),
         percentile(&mut serial, 0.99),
+        percentile(&mut releases, 0.5),
+        percentile(&mut releases, 0.99),
         percentile(&mut conc, 0.5),
         percentile(&mut conc, 0.99)
     );
@@ -651,69 +657,154 @@ fn invalid_config_and_conflicting_state_refuse_to_start() {
     a.child = None;
 }
 
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<String>) -> String {
+    let t = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t.elapsed() < timeout, "{what} not seen within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn grpc_health(rt: &tokio::runtime::Runtime, a: &AgentUnderTest) -> i32 {
+    rt.block_on(async {
+        let ch = tonic::transport::Endpoint::try_from("http://agent.invalid")
+            .unwrap()
+            .connect_with_connector(tower_connector(a.dir.join("cube/grpc.sock")))
+            .await
+            .unwrap();
+        let mut hc = tonic_health::pb::health_client::HealthClient::new(ch);
+        hc.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap().into_inner().status
+    })
+}
+
+/// Issue 10 item 11: a Release that arrives while the VMM still holds the TAP fd must not put
+/// the TAP back in the pool; it stays Cleaning (scrubbed, ownerless) until the fd is closed.
 #[test]
-fn python_grpcio_client_is_wire_compatible() {
-    if !require_root("python_grpcio_client_is_wire_compatible") {
+fn released_tap_held_by_a_vmm_is_not_reused_until_closed() {
+    if !require_root("released_tap_held_by_a_vmm_is_not_reused_until_closed") {
         return;
     }
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    let venv = target.join("py-grpc-venv");
-    let py = venv.join("bin/python");
-    if !py.exists() || !venv.join(".grpcio-ok").exists() {
-        let st = std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
-        assert!(st.success(), "python3 -m venv failed");
-        let st =
-            std::process::Command::new(&py).args(["-m", "pip", "install", "--quiet", "grpcio-tools"]).status().unwrap();
-        assert!(st.success(), "pip install grpcio-tools failed");
-        std::fs::write(venv.join(".grpcio-ok"), b"").unwrap();
-    }
-    let mut a = AgentUnderTest::prepare("python", 1, "");
+    let mut a = AgentUnderTest::prepare("held", 1, "");
     a.start();
-    let pydir = a.dir.join("py");
-    std::fs::create_dir_all(&pydir).unwrap();
-    let proto_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto");
-    let st = std::process::Command::new(&py)
-        .args(["-m", "grpc_tools.protoc", "-I"])
-        .arg(&proto_dir)
-        .arg(format!("--python_out={}", pydir.display()))
-        .arg(format!("--grpc_python_out={}", pydir.display()))
-        .arg(proto_dir.join("network_agent.proto"))
-        .status()
+    let rt = rt();
+    let mut c = rt.block_on(client(&a));
+    let r = rt.block_on(c.ensure_network(ensure_req("sb-held", &[8080]))).unwrap().into_inner();
+    let tap = r.interfaces[0].name.clone();
+    // The VMM's fd, received over the fd socket exactly as the VMM gets it.
+    let (reply, vmm_fd) = tap_fd(&a.tap_socket(), &tap, "sb-held");
+    assert_eq!(reply["errCode"], "0");
+    let vmm_fd = vmm_fd.unwrap();
+    let rel = rt
+        .block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-held".into(), ..Default::default() }))
+        .unwrap()
+        .into_inner();
+    assert!(rel.released);
+    // Scrubbed right away (no registration, no port map, no state), but not reusable.
+    let t = tap_of(&a, &tap);
+    assert_eq!(t["state"], "Cleaning", "{t}");
+    assert!(t["lastError"].as_str().unwrap().contains("held by another process"), "{t}");
+    assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
+    assert!(!a.http_json("/v1/dataplane/sandboxes").to_string().contains("sb-held"));
+    assert!(state_files(&a.state_dir()).is_empty(), "{:?}", state_files(&a.state_dir()));
+    // Maintenance passes (every second here) keep it out of the pool while the fd is open,
+    // and the next Ensures get other TAPs.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(tap_of(&a, &tap)["state"], "Cleaning");
+    for id in ["sb-next-1", "sb-next-2"] {
+        let n = rt.block_on(c.ensure_network(ensure_req(id, &[]))).unwrap().into_inner();
+        assert_ne!(n.interfaces[0].name, tap, "{id} got the TAP a VMM still holds");
+    }
+    // The same id can be ensured again: its old network is gone.
+    let again = rt.block_on(c.ensure_network(ensure_req("sb-held", &[]))).unwrap().into_inner();
+    assert_ne!(again.interfaces[0].name, tap);
+    // The VMM exits: the TAP returns to Ready.
+    drop(vmm_fd);
+    wait_for("the closed TAP back in Ready", Duration::from_secs(10), || {
+        (tap_of(&a, &tap)["state"] == "Ready").then(String::new)
+    });
+    assert_eq!(tap_of(&a, &tap)["lastError"], "");
+}
+
+/// Issue 10 item 12: Release writes its durable intent before it forgets anything; when the
+/// state store cannot write, the sandbox stays Active and whole, and a retry works.
+#[test]
+fn release_keeps_the_sandbox_when_its_intent_cannot_be_written() {
+    if !require_root("release_keeps_the_sandbox_when_its_intent_cannot_be_written") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("intent", 1, "");
+    a.start();
+    let rt = rt();
+    let mut c = rt.block_on(client(&a));
+    let r = rt.block_on(c.ensure_network(ensure_req("sb-s", &[80]))).unwrap().into_inner();
+    let tap = r.interfaces[0].name.clone();
+    // A directory squatting on the record's temporary file makes every write of it fail.
+    let squat = a.state_dir().join("sb-s.tmp.json");
+    std::fs::create_dir(&squat).unwrap();
+    let release = |c: &mut NetworkAgentClient<Channel>| {
+        rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-s".into(), ..Default::default() }))
+    };
+    let e = release(&mut c).unwrap_err();
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    let got = rt
+        .block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-s".into(), ..Default::default() }))
+        .expect("the sandbox is still there")
+        .into_inner();
+    assert_eq!(got.port_mappings, r.port_mappings);
+    assert_eq!(tap_of(&a, &tap)["state"], "Active");
+    assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 1);
+    assert!(a.http_json("/v1/dataplane/sandboxes").to_string().contains("sb-s"));
+    assert!(a.state_dir().join("sb-s.success.json").exists());
+    // The store works again: the retry releases for real.
+    std::fs::remove_dir(&squat).unwrap();
+    assert!(release(&mut c).unwrap().into_inner().released);
+    assert_eq!(tap_of(&a, &tap)["state"], "Ready");
+    assert!(state_files(&a.state_dir()).is_empty(), "{:?}", state_files(&a.state_dir()));
+    assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
+}
+
+/// Issue 10 item 20: readiness says whether an Ensure can succeed now. With no Ready TAP and
+/// TAP creation failing (here: cube-dev deleted under the agent), `/readyz` is 503 with the
+/// reason and both health services say not serving; a TAP back in Ready makes it ready again.
+#[test]
+fn readiness_follows_whether_an_ensure_can_succeed() {
+    if !require_root("readiness_follows_whether_an_ensure_can_succeed") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("readiness", 1, "");
+    a.start();
+    let rt = rt();
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    assert_eq!(a.http("/readyz").unwrap(), (200, "ready".to_string()));
+    wait_for("grpc health SERVING", Duration::from_secs(5), || (grpc_health(&rt, &a) == serving).then(String::new));
+    let mut c = rt.block_on(client(&a));
+    a.topo.node.ip(&["link", "del", "cube-dev"]);
+    // The only Ready TAP is taken; the pool tries to refill and cannot.
+    rt.block_on(c.ensure_network(ensure_req("sb-1", &[]))).unwrap();
+    let body = wait_for("/readyz 503", Duration::from_secs(15), || match a.http("/readyz") {
+        Some((503, b)) => Some(b),
+        _ => None,
+    });
+    assert!(body.contains("no Ready TAP and the pool cannot refill") && body.contains("cube-dev"), "{body}");
+    wait_for("grpc health NOT_SERVING", Duration::from_secs(5), || {
+        (grpc_health(&rt, &a) == not_serving).then(String::new)
+    });
+    let h = rt.block_on(c.health(pb::HealthRequest::default())).unwrap().into_inner();
+    assert!(!h.ok && h.status.contains("cannot refill"), "{h:?}");
+    // Readiness told the truth: an Ensure fails now.
+    assert!(rt.block_on(c.ensure_network(ensure_req("sb-2", &[]))).is_err());
+    // A Release returns a TAP to Ready: an Ensure can succeed again.
+    rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-1".into(), ..Default::default() }))
         .unwrap();
-    assert!(st.success(), "grpc_tools.protoc failed");
-    let script = r#"
-import sys, grpc
-sys.path.insert(0, sys.argv[1])
-import network_agent_pb2 as pb, network_agent_pb2_grpc as rpc
-# The default :authority of a unix: target is the socket path, which is not a valid
-# authority for the Rust HTTP/2 server; name a host as any TCP client would.
-ch = grpc.insecure_channel(sys.argv[2], options=[("grpc.default_authority", "localhost")])
-s = rpc.NetworkAgentStub(ch)
-r = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-1",
-    port_mappings=[pb.PortMapping(protocol="tcp", container_port=8080)],
-    cubevs_context=pb.CubeVSContext(allow_internet_access=True, deny_out=["10.0.0.0/8"])))
-assert r.sandbox_id == "py-1" and r.network_handle == "py-1", r
-assert r.interfaces[0].ip_cidrs[0] == "169.254.68.6/30", r
-assert r.interfaces[0].mtu == 1500
-assert r.port_mappings[0].host_port >= 20000
-assert r.persist_metadata["host_tap_name"] == r.interfaces[0].name
-g = s.GetNetwork(pb.GetNetworkRequest(sandbox_id="py-1"))
-assert g.interfaces == r.interfaces and g.port_mappings == r.port_mappings
-l = s.ListNetworks(pb.ListNetworksRequest())
-assert [n.sandbox_id for n in l.networks] == ["py-1"], l
-assert l.networks[0].tap_ifindex > 0 and l.networks[0].sandbox_ip.startswith("192.168.0.")
-try:
-    s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id=""))
-    raise SystemExit("empty sandbox_id accepted")
-except grpc.RpcError as e:
-    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
-rel = s.ReleaseNetwork(pb.ReleaseNetworkRequest(sandbox_id="py-1"))
-assert rel.released
-print("PYTHON-OK", r.interfaces[0].name)
-"#;
-    let endpoint = format!("unix://{}", a.dir.join("cube/grpc.sock").display());
-    let out = std::process::Command::new(&py).arg("-c").arg(script).arg(&pydir).arg(&endpoint).output().unwrap();
-    let so = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && so.contains("PYTHON-OK"), "{so}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(state_counts(&a), (1, 0, 0));
+    wait_for("/readyz 200", Duration::from_secs(10), || {
+        (a.http("/readyz").map(|r| r.0) == Some(200)).then(String::new)
+    });
+    wait_for("grpc health SERVING again", Duration::from_secs(5), || {
+        (grpc_health(&rt, &a) == serving).then(String::new)
+    });
+    assert!(rt.block_on(c.health(pb::HealthRequest::default())).unwrap().into_inner().ok);
 }

@@ -14,7 +14,7 @@ use cubenet_tests::{
     agent::{AgentUnderTest, tap_fd},
     packet, require_root, servers,
     topology::{NODE_IP, WORLD_IP, mac_string},
-    vm::{Check, GuestConfig, GuestImage, Unavailable, Vm},
+    vm::{Check, GuestConfig, GuestImage, Vm},
 };
 
 /// Generous: TCG on 2 shared cores, with other tests running beside it.
@@ -35,14 +35,7 @@ fn real_guest_on_an_agent_tap() {
     if !require_root("real_guest_on_an_agent_tap") {
         return;
     }
-    let img = match GuestImage::ensure() {
-        Ok(img) => img,
-        Err(e) if e.downcast_ref::<Unavailable>().is_some() => {
-            eprintln!("\n!!! SKIPPED real_guest_on_an_agent_tap: {e} !!!\n");
-            return;
-        }
-        Err(e) => panic!("{e:#}"),
-    };
+    let Some(img) = GuestImage::for_test("real_guest_on_an_agent_tap") else { return };
     let mut a = AgentUnderTest::prepare("vm", 2, "");
     a.start();
     let world_http = servers::http(&a.topo.world, WORLD_IP, 80);

@@ -6,8 +6,12 @@
 //!   curl (trusts the gateway CA)      mangle: dport 80/443 from cube-dev → marks   HTTPS servers (test CA):
 //!                                     (stand-in for the datapath)                   .1:443 api.example.test (+ :80 HTTP)
 //!                                     cube-egress-net.sh up → TPROXY → cube-egress   .3:443 bad.example.test (untrusted CA)
-//!                                     dump server 127.0.0.1:9998 (bootstrap)
+//!                                     dump server 127.0.0.1:9998 (bootstrap)      .1:53 DNS (the gateway's resolver)
 //! ```
+//!
+//! `egress_gateway_end_to_end` covers the normal behaviour; `egress_gateway_holes` attacks the
+//! gateway (random SNIs, foreign destinations behind an allowed Host, tokens in URLs, the
+//! handoff socket).
 
 use std::{
     convert::Infallible,
@@ -266,6 +270,71 @@ impl Drop for NetDown<'_> {
     }
 }
 
+/// The world's DNS server on `WORLD:53`: `A` answers from `names` (TTL 30), NXDOMAIN otherwise.
+fn world_dns(world: &TestNetns, names: &[(&str, &str)]) -> cubenet_tests::servers::Server {
+    use simple_dns::{CLASS, Packet, QTYPE, RCODE, ResourceRecord, TYPE, rdata::RData};
+    let names: Vec<(String, std::net::Ipv4Addr)> =
+        names.iter().map(|(n, ip)| (n.to_string(), ip.parse().unwrap())).collect();
+    let ip: std::net::Ipv4Addr = WORLD.parse().unwrap();
+    cubenet_tests::servers::udp_responder(world, ip.octets(), 53, move |query, _| {
+        let q = Packet::parse(query).ok()?;
+        let question = q.questions.first()?.clone();
+        let mut reply = q.into_reply();
+        let asked = question.qname.to_string().trim_end_matches('.').to_ascii_lowercase();
+        match names.iter().find(|(n, _)| *n == asked) {
+            None => *reply.rcode_mut() = RCODE::NameError,
+            Some((_, a)) if question.qtype == QTYPE::TYPE(TYPE::A) => reply.answers.push(ResourceRecord::new(
+                question.qname.clone(),
+                CLASS::IN,
+                30,
+                RData::A(simple_dns::rdata::A { address: u32::from(*a) }),
+            )),
+            Some(_) => {}
+        }
+        reply.build_bytes_vec().ok()
+    })
+    .expect("bind world DNS")
+}
+
+/// The sandbox namespace behind `cube-dev` in the node (192.168.0.2 and .3 on eth0), the
+/// datapath stand-in (marks on sandbox port-80/443 traffic, as CubeVS sets for L7 flows) and
+/// the world's second address.
+fn sandbox_net(topo: &Topology) -> TestNetns {
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = TestNetns::new("sb");
+    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
+    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
+    node.ip(&["link", "set", "cube-dev", "up"]);
+    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
+    sb.ip(&["addr", "add", &format!("{UNKNOWN_IP}/18"), "dev", "eth0"]);
+    sb.ip(&["link", "set", "eth0", "up"]);
+    sb.ip(&["route", "add", "default", "via", GATEWAY]);
+    world.ip(&["addr", "add", &format!("{WORLD_BAD}/24"), "dev", "wp0"]);
+    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
+        let o = node.exec(
+            "iptables",
+            &[
+                "-t",
+                "mangle",
+                "-I",
+                "PREROUTING",
+                "-i",
+                "cube-dev",
+                "-p",
+                "tcp",
+                "--dport",
+                port,
+                "-j",
+                "MARK",
+                "--set-mark",
+                mark,
+            ],
+        );
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    sb
+}
+
 fn policy() -> Value {
     json!({"policy_id": SANDBOX_IP, "rules": [
         {"id": "deny-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
@@ -290,15 +359,7 @@ fn egress_gateway_end_to_end() {
     // Namespaces: node + world from the harness, plus the sandbox client on cube-dev.
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
-    let sb = TestNetns::new("sb");
-    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
-    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
-    node.ip(&["link", "set", "cube-dev", "up"]);
-    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
-    sb.ip(&["addr", "add", &format!("{UNKNOWN_IP}/18"), "dev", "eth0"]);
-    sb.ip(&["link", "set", "eth0", "up"]);
-    sb.ip(&["route", "add", "default", "via", GATEWAY]);
-    world.ip(&["addr", "add", &format!("{WORLD_BAD}/24"), "dev", "wp0"]);
+    let sb = sandbox_net(&topo);
 
     // Certificates: the gateway CA (sandbox trusts it), the world CA (gateway trusts it via
     // --upstream-extra-ca), and a rogue CA nobody trusts.
@@ -326,29 +387,8 @@ fn egress_gateway_end_to_end() {
     let ready = Arc::new(AtomicBool::new(false));
     let dump = dump_server(&rt, node, ready.clone(), json!({"policies": {SANDBOX_IP: policy()}}));
 
-    // The datapath stand-in: mark sandbox port-80/443 traffic as CubeVS does for L7 flows.
-    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
-        let o = node.exec(
-            "iptables",
-            &[
-                "-t",
-                "mangle",
-                "-I",
-                "PREROUTING",
-                "-i",
-                "cube-dev",
-                "-p",
-                "tcp",
-                "--dport",
-                port,
-                "-j",
-                "MARK",
-                "--set-mark",
-                mark,
-            ],
-        );
-        assert!(o.status.success(), "{}", text(&o));
-    }
+    // The gateway checks that an injected credential's destination belongs to the SNI (E14).
+    let _dns = world_dns(world, &[("api.example.test", WORLD), ("bad.example.test", WORLD_BAD)]);
     let before_up = String::from_utf8_lossy(&node.exec("iptables", &["-t", "mangle", "-S"]).stdout).into_owned();
     let rules_before = node.ip(&["rule", "show"]);
     let _down = NetDown(node);
@@ -394,6 +434,8 @@ fn egress_gateway_end_to_end() {
             "10",
             "--handoff-socket",
             dir.join("handoff.sock").to_str().unwrap(),
+            "--dns-server",
+            &format!("{WORLD}:53"),
         ],
     );
     let admin = |args: &[&str]| -> (u16, String) {
@@ -599,6 +641,8 @@ fn egress_gateway_end_to_end() {
             "10",
             "--takeover-socket",
             dir.join("handoff.sock").to_str().unwrap(),
+            "--dns-server",
+            &format!("{WORLD}:53"),
         ],
     );
     let status = wait_exit(&mut gw, &mut Some(&mut gw2));
@@ -672,5 +716,225 @@ fn egress_gateway_end_to_end() {
     assert_eq!(node.ip(&["route", "show", "table", "100"]).trim(), "", "table 100 after down");
     let o = node.exec("bash", &[script().to_str().unwrap(), "status"]);
     assert_eq!(o.status.code(), Some(3), "status after down: {}", text(&o));
+    drop(rt);
+}
+
+/// Attacks on the gateway (issue 11, "Gateway holes"): each check here failed on the code
+/// before the fix.
+#[test]
+fn egress_gateway_holes() {
+    if !require_root("egress_gateway_holes") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-holes-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    let world_ca = tls::make_ca("world test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
+    let api_cert = || Some(tls::server_config(&world_ca, "api.example.test"));
+    let seen = world_server(&rt, world, format!("{WORLD}:443").parse().unwrap(), api_cert());
+    let seen_http = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    // A foreign address: plain HTTP, and HTTPS with a valid certificate for the allowed name
+    // (a mis-issued or extra-CA certificate: TLS verification alone would accept it).
+    let foreign_http = world_server(&rt, world, format!("{WORLD_BAD}:80").parse().unwrap(), None);
+    let foreign_tls = world_server(&rt, world, format!("{WORLD_BAD}:443").parse().unwrap(), api_cert());
+    let _dns = world_dns(world, &[("api.example.test", WORLD)]);
+
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let audit = dir.join("log/access.jsonl");
+    let handoff = dir.join("handoff.sock");
+    let gw_cmd = node
+        .command(egress_bin().to_str().unwrap())
+        .env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"))
+        .stdin(std::process::Stdio::null())
+        .args([
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            "",
+            // A budget larger than the attack: refusals below come from policy, not the limit.
+            "--mint-burst",
+            "500",
+            "--handoff-socket",
+            handoff.to_str().unwrap(),
+        ])
+        .spawn()
+        .unwrap();
+    let mut gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "holes", "rules": [
+        {"id": "web", "match": {"host": "api.example.test"},
+         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200, "{body}");
+
+    // 1. 100 random SNIs against a host-only allow rule: no certificate for any of them.
+    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    let mut args: Vec<String> = vec!["-sS".into(), "--max-time".into(), "5".into(), "--cacert".into(), ca_arg.clone()];
+    args.extend(["-w".into(), "%{http_code}\\n".into()]);
+    for _ in 0..100 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let name = format!("r{:012x}.example.net", seed & 0xffff_ffff_ffff);
+        args.extend(["--resolve".into(), format!("{name}:443:{WORLD}"), "-o".into(), "/dev/null".into()]);
+        args.push(format!("https://{name}/"));
+    }
+    let o = sb.exec("curl", &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let codes = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(codes.lines().count(), 100, "{}", text(&o));
+    let handshakes = codes.lines().filter(|c| *c != "000").count();
+    assert_eq!(handshakes, 0, "random SNIs completed a TLS handshake: {}", text(&o));
+    let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
+    assert!(metrics.contains("cube_egress_cert_mints_total 0"), "{metrics}");
+    // The rule's own name still works, with its credential.
+    let resolve = format!("api.example.test:443:{WORLD}");
+    let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, "--resolve", &resolve, "https://api.example.test/v1/ok"]);
+    assert_eq!(code, 200, "{}", text(&o));
+    {
+        let s = seen.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/v1/ok").expect("world saw /v1/ok");
+        assert_eq!(r.header("x-api-key"), vec![SECRET]);
+    }
+
+    // 2. Plain HTTP: an allowed Host to a foreign address is refused; the credential never goes
+    //    there. The same Host to the name's address is served with the credential.
+    let (code, body, o) = curl(&sb, &["-H", "Host: api.example.test", &format!("http://{WORLD_BAD}/steal")]);
+    assert_eq!(code, 403, "{}", text(&o));
+    assert!(body.contains("destination_not_resolved"), "{body}");
+    assert!(foreign_http.lock().unwrap().is_empty(), "request reached the foreign address");
+    let resolve80 = format!("api.example.test:80:{WORLD}");
+    let (code, _, o) = curl(&sb, &["--resolve", &resolve80, "http://api.example.test/plain-ok"]);
+    assert_eq!(code, 200, "{}", text(&o));
+    {
+        let s = seen_http.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/plain-ok").expect("world saw /plain-ok");
+        assert_eq!(r.header("x-api-key"), vec![SECRET]);
+    }
+    // HTTPS to a foreign address that holds a valid certificate for the name: served (TLS
+    // binds it), but the credential is not injected there.
+    let resolve_foreign = format!("api.example.test:443:{WORLD_BAD}");
+    let (code, _, o) =
+        curl(&sb, &["--cacert", &ca_arg, "--resolve", &resolve_foreign, "https://api.example.test/v1/foreign"]);
+    assert_eq!(code, 200, "{}", text(&o));
+    {
+        let s = foreign_tls.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/v1/foreign").expect("foreign server saw /v1/foreign");
+        assert!(r.header("x-api-key").is_empty(), "credential sent to a foreign address: {r:?}");
+    }
+    // Addresses the agent learned for this sandbox bind the name too (admin hook), until removed.
+    let learned = json!({"names": {"api.example.test": [WORLD_BAD]}, "ttl_secs": 60});
+    let url_learned = format!("{base}/learned/{SANDBOX_IP}");
+    let (code, body) = admin(&["-X", "PUT", "--data", &learned.to_string(), &url_learned]);
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = admin(&[&url_learned]);
+    assert_eq!(code, 200);
+    assert!(body.contains(WORLD_BAD), "{body}");
+    let (code, _, o) = curl(&sb, &["-H", "Host: api.example.test", &format!("http://{WORLD_BAD}/learned")]);
+    assert_eq!(code, 200, "{}", text(&o));
+    assert!(foreign_http.lock().unwrap().iter().any(|r| r.path == "/learned"));
+    let bad = json!({"names": {"api.example.test": ["10.0.0.256"]}});
+    let (code, body) = admin(&["-X", "PUT", "--data", &bad.to_string(), &url_learned]);
+    assert_eq!(code, 400);
+    assert!(body.contains("names.api.example.test[0]"), "{body}");
+    assert_eq!(admin(&["-X", "DELETE", &url_learned]).0, 200);
+    let (code, _, _) = curl(&sb, &["-H", "Host: api.example.test", &format!("http://{WORLD_BAD}/forgotten")]);
+    assert_eq!(code, 403);
+
+    // 3a. Tokens in URLs never reach the audit log.
+    let (code, _, o) = curl(
+        &sb,
+        &[
+            "--cacert",
+            &ca_arg,
+            "--resolve",
+            &resolve,
+            "https://api.example.test/v1/q?access_token=QUERY-SECRET-42&page=1",
+        ],
+    );
+    assert_eq!(code, 200, "{}", text(&o));
+    // 3b. The admin API is not reachable from a sandbox (loopback listener).
+    let (code, _, _) = curl(&sb, &["--max-time", "3", &format!("http://{GATEWAY}:9091/admin/v1/health")]);
+    assert_eq!(code, 0, "admin API answered a sandbox");
+    // 3c. The handoff socket: mode 0600, and a peer of another uid gets nothing even when the
+    //     file mode is opened up.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&handoff).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "handoff socket mode {mode:o}");
+        std::fs::set_permissions(&handoff, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let o = std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c"])
+            .arg(
+                "import socket,sys\n\
+                 s=socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(sys.argv[1])\n\
+                 try:\n  m,a,_,_=s.recvmsg(64, socket.CMSG_SPACE(12))\n\
+                 except Exception:\n  m,a=b'',[]\n\
+                 print(len(m), sum(len(d) for _,_,d in a)//4)",
+            )
+            .arg(&handoff)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "0 0", "another uid received the listeners");
+    }
+    assert!(gw.child().try_wait().unwrap().is_none(), "gateway stopped after a refused handoff");
+    let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, "--resolve", &resolve, "https://api.example.test/v1/still"]);
+    assert_eq!(code, 200, "still serving after the refused handoff: {}", text(&o));
+
+    // SIGTERM, then the audit file.
+    // SAFETY: kill(2) on the PID of the child we spawned and still own.
+    assert_eq!(unsafe { libc::kill(gw.id() as i32, libc::SIGTERM) }, 0);
+    let status = wait_exit(&mut gw, &mut gw_none());
+    assert!(status.success(), "gateway exit after SIGTERM: {status}");
+    let text_all = std::fs::read_to_string(&audit).unwrap();
+    assert!(!text_all.contains(SECRET), "secret in audit log");
+    assert!(!text_all.contains("QUERY-SECRET-42"), "query token in audit log");
+    let lines = audit_lines(&audit);
+    assert!(
+        lines.iter().any(|l| l["http"]["path"] == "/v1/q?access_token=<redacted>&page=<redacted>"),
+        "redacted target missing:\n{text_all}"
+    );
+    let refused_snis =
+        lines.iter().filter(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "sni_not_allowed").count();
+    assert_eq!(refused_snis, 100, "one tls_handshake record per refused SNI");
+    let steal = lines
+        .iter()
+        .find(|l| l["event"] == "security_event" && l["http"]["path"] == "/steal")
+        .expect("security event of /steal");
+    assert_eq!(steal["security"]["reason"], "destination_not_resolved");
+    assert_eq!(steal["conn"]["original_dst_ip"], WORLD_BAD);
+    for (event, reason) in
+        [("security_event", "inject_destination_not_resolved"), ("security_event", "handoff_peer_refused")]
+    {
+        assert!(has_event(&lines, event, reason), "no {event} {reason} in audit:\n{text_all}");
+    }
     drop(rt);
 }

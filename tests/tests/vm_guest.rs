@@ -22,7 +22,7 @@ use cubenet_tests::{
     netns::TestNetns,
     packet, require_root, servers,
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP, mac_string},
-    vm::{Check, CheckResult, GuestConfig, GuestImage, Unavailable, Vm},
+    vm::{Check, CheckResult, GuestConfig, GuestImage, Vm},
 };
 use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, PortMapping, Proto, SandboxEntry, SnatAddr};
 
@@ -45,14 +45,7 @@ struct Node {
 
 /// The guest image, or a loud skip with the proven environmental reason.
 fn image(test: &str) -> Option<GuestImage> {
-    match GuestImage::ensure() {
-        Ok(img) => Some(img),
-        Err(e) if e.downcast_ref::<Unavailable>().is_some() => {
-            eprintln!("\n!!! SKIPPED {test}: {e} !!!\n");
-            None
-        }
-        Err(e) => panic!("{e:#}"),
-    }
+    GuestImage::for_test(test)
 }
 
 /// Node + world, cube-dev, one pool-style TAP with the datapath attached and the sandbox

@@ -100,9 +100,12 @@ pub mod limits {
     pub const PORT_MAPPINGS: u32 = 65536;
     /// Sessions per direction, upstream 1,048,576.
     pub const SESSIONS: u32 = 1 << 20;
-    /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes.
+    /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes: the object's
+    /// placeholder only; `cubevs` sizes the tries at load from its per-sandbox limit
+    /// (`MapLimits::policy_entries`).
     pub const POLICY_ENTRIES: u32 = 1 << 16;
-    /// Policy entries of one sandbox in one trie (upstream's per-TAP inner trie size).
+    /// Upstream's per-TAP inner trie size (for reference; CubeNet's per-sandbox limit is
+    /// `cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX`, 1,024 per list).
     pub const POLICY_ENTRIES_PER_SANDBOX: u32 = 8192;
     /// SNAT IP slots, upstream `MAX_SNAT_IPS`.
     pub const SNAT_IPS: u32 = 4;

@@ -1,17 +1,35 @@
 //! Egress policy: `ALLOW_OUT` beats `DENY_OUT` beats default allow, decided once per new flow
 //! (`reference/upstream.md §3.5`). An expired longest `ALLOW_OUT` match does not fall back to
 //! a shorter entry.
+//!
+//! Consistency with a concurrent replace (userspace writes generation g+1, flips `POLICY_GEN`,
+//! then deletes generation g): the generation is read before and after the lookups, and a
+//! verdict counts only when both reads agree, i.e. the lookups ran entirely against one
+//! complete generation (a seqlock read side). Generations only grow, so equal reads cannot be
+//! two different policies. After [`ATTEMPTS`] changed reads, or without a generation at all,
+//! the flow is denied: never fail open. The two reads and the lookups are separate helper
+//! calls and loads the compiler cannot merge or reorder (`read_volatile`); x86-64 keeps loads
+//! in order.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, maps::lpm_trie::Key};
 use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData};
 
 use crate::maps::{ALLOW_OUT, DENY_OUT, POLICY_GEN};
 
-/// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO).
+/// Lookups against a generation that changed underneath are retried this many times.
+const ATTEMPTS: usize = 3;
+
+/// The active policy generation of `ifindex`, `None` when it has no policy.
 #[inline(always)]
-pub fn allowed(ifindex: u32, daddr: u32) -> bool {
-    // SAFETY: plain map lookup of a u32 value.
-    let generation = unsafe { POLICY_GEN.get(&ifindex) }.copied().unwrap_or(0);
+fn generation(ifindex: u32) -> Option<u32> {
+    let p = POLICY_GEN.get_ptr(&ifindex)?;
+    // SAFETY: a valid map value pointer from the lookup helper; read once, not cached.
+    Some(unsafe { core::ptr::read_volatile(p) })
+}
+
+/// The verdict of generation `generation` of `ifindex` for `daddr` (NBO).
+#[inline(always)]
+fn classify(ifindex: u32, generation: u32, daddr: u32) -> bool {
     let key = Key::new(POLICY_PREFIX_BITS + 32, PolicyLpmData { ifindex, generation, ip: daddr });
     if let Some(v) = ALLOW_OUT.get(&key) {
         // SAFETY: helper without arguments.
@@ -20,4 +38,19 @@ pub fn allowed(ifindex: u32, daddr: u32) -> bool {
         }
     }
     DENY_OUT.get(&key).is_none()
+}
+
+/// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO).
+#[inline(always)]
+pub fn allowed(ifindex: u32, daddr: u32) -> bool {
+    let Some(mut seen) = generation(ifindex) else { return false };
+    for _ in 0..ATTEMPTS {
+        let verdict = classify(ifindex, seen, daddr);
+        match generation(ifindex) {
+            Some(now) if now == seen => return verdict,
+            Some(now) => seen = now,
+            None => return false,
+        }
+    }
+    false
 }

@@ -1,0 +1,124 @@
+//! Cleaning a TAP for reuse (Cleaning → Ready).
+
+use std::{os::fd::OwnedFd, sync::Arc};
+
+use super::{Agent, Transition, lock};
+
+impl Agent {
+    /// Cleans a Cleaning TAP for reuse (`reference/upstream.md §2.4`). Two parts, each retried
+    /// by the maintenance loop until it succeeds:
+    ///
+    /// 1. **Scrub** (once): delete the TAP's port maps and sessions, unregister its sandbox
+    ///    (verified gone), replace its policy by the baseline deny, delete the owner's state
+    ///    file, free the owner's host ports and forget the owner (its id may be ensured again).
+    ///    Policy writes never block this: when the baseline cannot be written (the policy
+    ///    tries are full), the TAP's entries are removed instead — `from_cube` drops everything
+    ///    an unregistered TAP sends, and an Ensure installs its policy before registering.
+    /// 2. **Free check**: the agent closes its own queue fd and opens a new one. A single-queue
+    ///    TAP that another process still holds (a VMM that was handed the fd and has not
+    ///    exited) refuses that with `EBUSY`: the TAP stays Cleaning, ownerless, and is retried.
+    ///    Only a TAP nobody else holds goes Ready, with a fresh, empty queue.
+    ///
+    /// A TAP that recovery found held by an unknown process is not scrubbed until it is free.
+    /// Only a TAP in Cleaning is cleaned, and only by one caller at a time: a maintenance pass
+    /// racing a Release must not scrub the TAP again after it went Ready and was handed to the
+    /// next sandbox. Returns whether the TAP reached Ready; failures are recorded on the TAP.
+    pub fn cleanup_tap(&self, name: &str) -> bool {
+        let (ifindex, owner, scrubbed, hands_off) = {
+            let mut inner = lock(&self.inner);
+            if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
+                return false;
+            }
+            let t = inner.pool.get(name).expect("just transitioned");
+            (t.ifindex, t.owner().map(str::to_string), t.scrubbed(), t.is_hands_off())
+        };
+        let res = (|| -> Result<(), String> {
+            if hands_off {
+                self.reopen_if_free(name)?;
+            }
+            if !scrubbed {
+                self.scrub(name, ifindex, owner.as_deref())?;
+                let mut inner = lock(&self.inner);
+                if let Some(o) = &owner {
+                    inner.ports.release_owner(o);
+                    inner.sandboxes.remove(o);
+                }
+                self.transit(&mut inner, name, Transition::Scrubbed).map_err(|e| e.to_string())?;
+            }
+            self.reopen_if_free(name).map(drop)
+        })();
+        let mut inner = lock(&self.inner);
+        match res {
+            Ok(()) => self.transit(&mut inner, name, Transition::Cleaned).is_ok(),
+            Err(e) => {
+                // Once per distinct error: a TAP a VMM holds fails the same way every pass.
+                if inner.pool.get(name).and_then(|t| t.last_error()) == Some(e.as_str()) {
+                    tracing::debug!("cleanup of {name} not finished (stays Cleaning): {e}");
+                } else {
+                    tracing::warn!("cleanup of {name} not finished (stays Cleaning): {e}");
+                }
+                let _ = self.transit(&mut inner, name, Transition::ScrubFailed(e));
+                false
+            }
+        }
+    }
+
+    /// Part 1 of [`Agent::cleanup_tap`] in the datapath and the state store.
+    fn scrub(&self, name: &str, ifindex: u32, owner: Option<&str>) -> Result<(), String> {
+        self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
+        self.dp.delete_sessions_of(ifindex).map_err(|e| e.to_string())?;
+        self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
+        if self.dp.sandbox(ifindex).map_err(|e| e.to_string())?.is_some() {
+            return Err(format!("{name}: sandbox entry still present after unregister"));
+        }
+        if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
+            return Err(format!("{name}: port mappings still present after delete"));
+        }
+        self.baseline_policy(name, ifindex)?;
+        if let Some(o) = owner {
+            self.store.remove(o).map_err(|e| format!("remove state of {o}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Gives the unregistered TAP `name` the baseline deny: one atomic replace when the policy
+    /// tries have room for it; else its entries are removed (freeing room) and the baseline is
+    /// tried once more, and if it still does not fit the TAP stays without entries — safe,
+    /// because `from_cube` drops everything an unregistered TAP sends. Fails only when the
+    /// entries cannot be removed.
+    pub(super) fn baseline_policy(&self, name: &str, ifindex: u32) -> Result<(), String> {
+        let Err(e) = self.dp.install_default_deny(ifindex) else { return Ok(()) };
+        self.dp
+            .remove_policy(ifindex)
+            .map_err(|e2| format!("{name}: baseline deny: {e}; removing the policy: {e2}"))?;
+        if let Err(e) = self.dp.install_default_deny(ifindex) {
+            tracing::warn!("{name}: no baseline deny ({e}); its policy entries are removed and it is unregistered");
+        }
+        Ok(())
+    }
+
+    /// Part 2 of [`Agent::cleanup_tap`]: closes the agent's queue fd of `name` and opens a new
+    /// one, which succeeds only when no other process holds the TAP (a single-queue TAP takes
+    /// one attached queue; `EBUSY` otherwise). The new fd is kept.
+    fn reopen_if_free(&self, name: &str) -> Result<Arc<OwnedFd>, String> {
+        let old = {
+            let mut inner = lock(&self.inner);
+            let old = inner.pool.get(name).and_then(|t| t.fd.clone());
+            inner.pool.set_fd(name, None);
+            old
+        };
+        // The last reference closes the fd; the queue detaches only if nobody else holds it.
+        drop(old);
+        match self.host.reopen_tap(name) {
+            Ok(fd) => {
+                let fd = Arc::new(fd);
+                lock(&self.inner).pool.set_fd(name, Some(fd.clone()));
+                Ok(fd)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+                Err(format!("{name} is still held by another process (a VMM?); waiting until it is closed"))
+            }
+            Err(e) => Err(format!("reopen {name}: {e}")),
+        }
+    }
+}

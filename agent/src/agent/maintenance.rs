@@ -1,0 +1,152 @@
+//! Pool refill and upkeep: TAP creation (warm-up and on demand), trimming surplus Ready TAPs,
+//! and the maintenance pass.
+
+use std::{
+    net::Ipv4Addr,
+    os::fd::OwnedFd,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+};
+
+use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
+use crate::host::tap_name;
+
+impl Agent {
+    /// Creates one pooled TAP: address, TAP, `from_cube`, baseline deny. Returns its name.
+    /// The outcome is remembered for [`Agent::readiness`] (can the pool refill?).
+    pub(super) fn create_tap(&self, owner: Option<&str>) -> Result<String, AgentError> {
+        let r = self.create_tap_inner(owner);
+        *lock(&self.refill_error) = r.as_ref().err().map(ToString::to_string);
+        self.publish_readiness();
+        r
+    }
+
+    fn create_tap_inner(&self, owner: Option<&str>) -> Result<String, AgentError> {
+        let ip = lock(&self.inner)
+            .ipam
+            .allocate()
+            .ok_or_else(|| AgentError::Exhausted(format!("no free address in {}", self.cfg.cidr)))?;
+        let name = tap_name(ip);
+        let made = (|| -> Result<(u32, OwnedFd), AgentError> {
+            let (ifindex, fd) = self.host.create_tap(ip).map_err(|e| {
+                self.metrics.tap_create_failures.with_label_values(&["create"]).inc();
+                internal(format!("create TAP {name}: {e}"))
+            })?;
+            let attached = self.dp.attach_sandbox(&name).inspect_err(|_| {
+                self.metrics.tap_create_failures.with_label_values(&["attach"]).inc();
+            })?;
+            if attached != ifindex {
+                return Err(internal(format!("{name}: ifindex changed during creation")));
+            }
+            // A replace: whatever a previous owner of this ifindex left is purged with it.
+            self.baseline_policy(&name, ifindex).map_err(internal)?;
+            Ok((ifindex, fd))
+        })();
+        let made = made.and_then(|(ifindex, fd)| {
+            let state = if owner.is_some() { TapState::Active } else { TapState::Ready };
+            let e = TapEntry::new(name.clone(), ip, ifindex, Some(Arc::new(fd)), state, owner.map(str::to_string));
+            self.transit(&mut lock(&self.inner), &name, Transition::Join(e)).map(drop).map_err(internal)
+        });
+        match made {
+            Ok(()) => Ok(name),
+            Err(e) => {
+                let _ = self.dp.detach_sandbox(&name);
+                let _ = self.host.delete_tap(&name);
+                lock(&self.inner).ipam.release(ip);
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates Ready TAPs until `target` are Ready, `parallelism` at a time. Returns how many
+    /// were created; stops early after repeated failures.
+    pub fn warm(&self, target: usize, parallelism: usize) -> usize {
+        let created = AtomicU32::new(0);
+        let failures = AtomicU32::new(0);
+        let reserved = Mutex::new(0usize);
+        std::thread::scope(|s| {
+            for _ in 0..parallelism.max(1) {
+                s.spawn(|| {
+                    loop {
+                        {
+                            let ready = self.pool_counts()[&TapState::Ready];
+                            let mut r = lock(&reserved);
+                            if ready + *r >= target || failures.load(Ordering::Relaxed) >= 5 {
+                                return;
+                            }
+                            *r += 1;
+                        }
+                        let res = self.create_tap(None);
+                        *lock(&reserved) -= 1;
+                        match res {
+                            Ok(_) => {
+                                created.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                failures.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!("warming the pool: {e}");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        if self.pool_counts()[&TapState::Ready] >= target {
+            self.warmed.store(true, Ordering::Relaxed);
+            self.publish_readiness();
+        }
+        created.load(Ordering::Relaxed) as usize
+    }
+
+    /// Deletes Ready TAPs above `target` (the pool returns to its configured size after a
+    /// burst of on-demand TAPs).
+    pub fn trim(&self, target: usize) -> usize {
+        let victims: Vec<(String, Ipv4Addr, u32)> = {
+            let mut inner = lock(&self.inner);
+            let extra = inner.pool.count(TapState::Ready).saturating_sub(target);
+            // Last in name order first, so the warm set stays stable.
+            let names: Vec<String> = inner.pool.names(TapState::Ready).rev().take(extra).cloned().collect();
+            let mut out = Vec::new();
+            for n in names {
+                if let Ok(Some(t)) = self.transit(&mut inner, &n, Transition::Retire) {
+                    out.push((t.name, t.ip, t.ifindex));
+                }
+            }
+            out
+        };
+        let n = victims.len();
+        for (name, ip, ifindex) in victims {
+            let _ = self.dp.remove_policy(ifindex);
+            let _ = self.dp.detach_sandbox(&name);
+            if let Err(e) = self.host.delete_tap(&name) {
+                tracing::warn!("trim {name}: {e}");
+            }
+            lock(&self.inner).ipam.release(ip);
+        }
+        n
+    }
+
+    /// One maintenance pass, costing only the work there is: retry the Cleaning TAPs (for a
+    /// TAP another process holds, that is one reopen attempt), then trim the pool to
+    /// `tap_init_num` Ready TAPs and refill it. It walks no session or link table; datapath
+    /// metrics are read when `/metrics` is scraped ([`Agent::refresh_datapath_metrics`]).
+    pub fn maintain(&self) {
+        let cleaning: Vec<String> = {
+            let inner = lock(&self.inner);
+            inner
+                .pool
+                .names(TapState::Cleaning)
+                .filter(|n| inner.pool.get(n).is_some_and(|t| !t.scrubbing()))
+                .cloned()
+                .collect()
+        };
+        for n in cleaning {
+            self.cleanup_tap(&n);
+        }
+        let target = self.cfg.raw.tap_init_num;
+        self.trim(target);
+        self.warm(target, self.cfg.raw.warm_parallelism);
+    }
+}

@@ -1,0 +1,332 @@
+//! The service operations: Ensure, Release, Reconcile, Get, List and the fd handoff lookup.
+
+use std::{os::fd::OwnedFd, sync::Arc, time::Instant};
+
+use super::{Agent, AgentError, EnsureRequest, NetworkView, TapState, Transition, internal, invalid, lock};
+use crate::{
+    dataplane::{EgressPolicy, PortMapping, SandboxEntry, compile_policy},
+    ports::PortError,
+    state::{Phase, PortRecord, SandboxRecord, validate_sandbox_id},
+};
+
+impl Agent {
+    /// EnsureNetwork: idempotent per sandbox id; on failure nothing is left behind.
+    pub fn ensure(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
+        let t0 = Instant::now();
+        let r = self.ensure_inner(req);
+        self.kick.notify_one();
+        self.metrics.ensure_seconds.observe(t0.elapsed().as_secs_f64());
+        self.metrics.ensure.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
+        r
+    }
+
+    fn ensure_inner(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(&req.sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in req.ports.iter().enumerate() {
+            if p.host_port != 0 && !seen.insert((p.proto, p.host_port)) {
+                return Err(invalid(
+                    format!("port_mappings[{i}].host_port"),
+                    format!("{} requested twice", p.host_port),
+                ));
+            }
+            if p.host_port != 0 && (p.host_port < self.cfg.port_range.0 || p.host_port > self.cfg.port_range.1) {
+                return Err(invalid(
+                    format!("port_mappings[{i}].host_port"),
+                    format!("{} is outside host_port_range {}", p.host_port, self.cfg.raw.host_port_range),
+                ));
+            }
+        }
+        let policy = req.policy.clone().unwrap_or_default();
+        compile_policy(&policy, self.cfg.raw.policy_entries_per_sandbox)?;
+
+        let id = req.sandbox_id.clone();
+        let _g = self.locks.lock(&id);
+        {
+            let inner = lock(&self.inner);
+            if let Some(rec) = inner.sandboxes.get(&id) {
+                return Ok(self.view(rec));
+            }
+            if let Some(t) = inner.pool.owned_by(&id) {
+                return Err(AgentError::Busy(format!(
+                    "the previous network of {id:?} ({}) is still being cleaned; retry later",
+                    t.name
+                )));
+            }
+        }
+
+        // 1. A TAP: first Ready one, else on demand.
+        let picked = {
+            let mut inner = lock(&self.inner);
+            let name = inner.pool.first_ready().map(str::to_string);
+            if let Some(n) = &name {
+                self.transit(&mut inner, n, Transition::Acquire(&id)).map_err(internal)?;
+            }
+            name
+        };
+        let name = match picked {
+            Some(n) => n,
+            None => self.create_tap(Some(&id))?,
+        };
+        let (ip, ifindex) = {
+            let inner = lock(&self.inner);
+            let t = inner.pool.get(&name).ok_or_else(|| internal(format!("{name} left the pool")))?;
+            (t.ip, t.ifindex)
+        };
+
+        // 2. Host ports.
+        let mut records = Vec::new();
+        {
+            let mut inner = lock(&self.inner);
+            for (i, p) in req.ports.iter().enumerate() {
+                match inner.ports.claim(&id, p.host_port) {
+                    Ok(hp) => records.push(PortRecord {
+                        proto: p.proto,
+                        container_port: p.container_port,
+                        host_port: hp,
+                        host_ip: p.host_ip.clone(),
+                    }),
+                    Err(e) => {
+                        inner.ports.release_owner(&id);
+                        drop(inner);
+                        self.return_unprogrammed(&name);
+                        return Err(match e {
+                            PortError::Exhausted(..) => AgentError::Exhausted(e.to_string()),
+                            _ => invalid(format!("port_mappings[{i}].host_port"), e.to_string()),
+                        });
+                    }
+                }
+            }
+        }
+
+        // 3. Intent, then datapath, then commit.
+        let mut meta = req.persist_metadata.clone();
+        meta.insert("sandbox_ip".into(), ip.to_string());
+        meta.insert("host_tap_name".into(), name.clone());
+        meta.insert("mvm_inner_ip".into(), self.cfg.raw.mvm_inner_ip.to_string());
+        meta.insert("gateway_ip".into(), self.cfg.gateway_ip().to_string());
+        let rec = SandboxRecord {
+            sandbox_id: id.clone(),
+            tap_name: name.clone(),
+            tap_ifindex: ifindex,
+            sandbox_ip: ip,
+            version: self.next_version(),
+            port_mappings: records,
+            policy,
+            persist_metadata: meta,
+        };
+        if let Err(e) = self.store.write(&rec, Phase::Creating) {
+            lock(&self.inner).ports.release_owner(&id);
+            self.return_unprogrammed(&name);
+            return Err(internal(format!("write state of {id}: {e}")));
+        }
+        let programmed = (|| -> Result<(), AgentError> {
+            for p in &rec.port_mappings {
+                self.dp.add_port_mapping(&PortMapping {
+                    proto: p.proto,
+                    host_port: p.host_port,
+                    ifindex,
+                    guest_port: p.container_port,
+                })?;
+            }
+            self.dp.replace_policy(ifindex, &rec.policy)?;
+            self.dp.register_sandbox(&SandboxEntry { ifindex, ip, version: rec.version, id: id.clone() })?;
+            self.store.advance(&id, Phase::Creating, Phase::Success).map_err(|e| internal(format!("commit {id}: {e}")))
+        })();
+        if let Err(e) = programmed {
+            tracing::warn!(sandbox = %id, "ensure failed, rolling back: {e}");
+            if let Err(pe) = self.transit(&mut lock(&self.inner), &name, Transition::Release) {
+                tracing::error!("{pe}");
+            }
+            self.cleanup_tap(&name);
+            return Err(e);
+        }
+        lock(&self.inner).sandboxes.insert(id.clone(), rec.clone());
+        Ok(self.view(&rec))
+    }
+
+    /// Puts a TAP that was taken for `owner` but never programmed back to Ready.
+    fn return_unprogrammed(&self, name: &str) {
+        if let Err(e) = self.transit(&mut lock(&self.inner), name, Transition::Unacquire) {
+            tracing::error!("{e}");
+        }
+    }
+
+    // ---------------------------------------------------------------- Release / cleanup
+
+    /// ReleaseNetwork: idempotent (unknown ids report released). The durable `deleting`
+    /// intent is written first: if that fails, the call fails and nothing changes (the
+    /// sandbox stays Active with its ports and registration; a retry works). After it, the
+    /// call succeeds whatever the cleanup meets: the TAP goes through Cleaning back to Ready,
+    /// or stays Cleaning for the maintenance loop (datapath error, or a VMM still holds it).
+    pub fn release(&self, sandbox_id: &str) -> Result<bool, AgentError> {
+        let t0 = Instant::now();
+        let r = self.release_inner(sandbox_id);
+        self.kick.notify_one();
+        self.metrics.release_seconds.observe(t0.elapsed().as_secs_f64());
+        self.metrics.release.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
+        r
+    }
+
+    fn release_inner(&self, id: &str) -> Result<bool, AgentError> {
+        validate_sandbox_id(id).map_err(|r| invalid("sandbox_id", r))?;
+        let _g = self.locks.lock(id);
+        let (rec, cleaning) = {
+            let inner = lock(&self.inner);
+            (inner.sandboxes.get(id).cloned(), inner.pool.owned_by(id).is_some())
+        };
+        let Some(rec) = rec else {
+            // Its TAP still being scrubbed: the maintenance loop finishes that, and deletes the
+            // state record last.
+            if cleaning {
+                return Ok(true);
+            }
+            // Durable leftovers only: a stale record would claim a TAP the next owner gets.
+            self.store.remove(id).map_err(|e| internal(format!("remove state of {id}: {e}")))?;
+            return Ok(true);
+        };
+        // Durable intent first: until it is written, the sandbox stays as it is.
+        self.store.write(&rec, Phase::Deleting).map_err(|e| internal(format!("mark {id} deleting: {e}")))?;
+        {
+            let mut inner = lock(&self.inner);
+            inner.sandboxes.remove(id);
+            if let Err(e) = self.transit(&mut inner, &rec.tap_name, Transition::Release) {
+                tracing::error!("{e}");
+            }
+        }
+        self.cleanup_tap(&rec.tap_name);
+        Ok(true)
+    }
+
+    /// GetNetwork.
+    pub fn get(&self, sandbox_id: &str) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        lock(&self.inner)
+            .sandboxes
+            .get(sandbox_id)
+            .map(|r| self.view(r))
+            .ok_or_else(|| AgentError::NotFound(sandbox_id.to_string()))
+    }
+
+    /// ListNetworks, sorted by sandbox id.
+    pub fn list(&self) -> Vec<SandboxRecord> {
+        let mut v: Vec<_> = lock(&self.inner).sandboxes.values().cloned().collect();
+        v.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
+        v
+    }
+
+    /// ReconcileNetwork: re-asserts attachment, registration, port maps and (when given) the
+    /// policy of a live sandbox. When the new policy denies a destination the old one allowed
+    /// and `flush` (default: `flush_sessions_on_policy_tighten`) is on, the sandbox gets a new
+    /// version after the new policy is in force: its established flows no longer match a
+    /// session, and every new flow is classified by the new policy.
+    pub fn reconcile(
+        &self,
+        sandbox_id: &str,
+        policy: Option<EgressPolicy>,
+        flush: Option<bool>,
+    ) -> Result<NetworkView, AgentError> {
+        validate_sandbox_id(sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        let limit = self.cfg.raw.policy_entries_per_sandbox;
+        let compiled = policy.as_ref().map(|p| compile_policy(p, limit)).transpose()?;
+        let _g = self.locks.lock(sandbox_id);
+        let mut rec = lock(&self.inner)
+            .sandboxes
+            .get(sandbox_id)
+            .cloned()
+            .ok_or_else(|| AgentError::NotFound(sandbox_id.to_string()))?;
+        if let (Some(p), Some(new)) = (policy, compiled) {
+            // The stored policy was accepted under the limit of its day: compile it unlimited.
+            let old = compile_policy(&rec.policy, u32::MAX)?;
+            let tightened = new.tightens(&old);
+            let flush = flush.unwrap_or(self.cfg.raw.flush_sessions_on_policy_tighten) && tightened.is_some();
+            rec.policy = p;
+            if flush {
+                rec.version = self.next_version();
+            }
+            // Intent first: a restart converges to the record.
+            self.store.write(&rec, Phase::Success).map_err(internal)?;
+            self.dp.replace_policy(rec.tap_ifindex, &rec.policy)?;
+            if let Some(ip) = tightened {
+                tracing::info!(sandbox = %sandbox_id, denied = %ip, flush, "policy tightened");
+            }
+            // With a new version, converge re-registers the sandbox (after the replace: a flow
+            // opened in between is classified by the new policy).
+        }
+        self.converge(&rec)?;
+        lock(&self.inner).sandboxes.insert(sandbox_id.to_string(), rec.clone());
+        Ok(self.view(&rec))
+    }
+
+    /// Makes the datapath match a committed record without disturbing what already matches.
+    pub(super) fn converge(&self, rec: &SandboxRecord) -> Result<(), AgentError> {
+        let ifindex = self.dp.attach_sandbox(&rec.tap_name)?;
+        if ifindex != rec.tap_ifindex {
+            return Err(internal(format!("{}: ifindex {} != recorded {}", rec.tap_name, ifindex, rec.tap_ifindex)));
+        }
+        let want = SandboxEntry { ifindex, ip: rec.sandbox_ip, version: rec.version, id: rec.sandbox_id.clone() };
+        match self.dp.sandbox(ifindex)? {
+            Some(e) if e == want => {}
+            Some(e) if e.id != rec.sandbox_id => {
+                return Err(internal(format!(
+                    "{}: datapath registers sandbox {:?}, state says {:?}",
+                    rec.tap_name, e.id, rec.sandbox_id
+                )));
+            }
+            _ => {
+                self.dp.replace_policy(ifindex, &rec.policy)?;
+                self.dp.register_sandbox(&want)?;
+            }
+        }
+        let mut have: Vec<_> = self.dp.port_mappings()?.into_iter().filter(|m| m.ifindex == ifindex).collect();
+        let mut wanted: Vec<_> = rec
+            .port_mappings
+            .iter()
+            .map(|p| PortMapping { proto: p.proto, host_port: p.host_port, ifindex, guest_port: p.container_port })
+            .collect();
+        have.sort_by_key(|m| (m.proto, m.host_port));
+        wanted.sort_by_key(|m| (m.proto, m.host_port));
+        if have != wanted {
+            self.dp.delete_port_mappings_of(ifindex)?;
+            for m in &wanted {
+                self.dp.add_port_mapping(m)?;
+            }
+        }
+        let want = compile_policy(&rec.policy, u32::MAX)?;
+        if !self.dp.policy(ifindex)?.is_some_and(|d| d.allow == want.allow && d.deny == want.deny) {
+            self.dp.replace_policy(ifindex, &rec.policy)?;
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- fd handoff
+
+    /// A duplicate of the queue fd of `tap_name` for `sandbox_id` (`reference/upstream.md
+    /// §1.3`): only an Active TAP owned by a committed sandbox. `Ok(None)` = no such TAP or
+    /// not this sandbox's (errCode 1002); `Err` = anything else (errCode -1). An empty name
+    /// means "the sandbox's TAP".
+    pub fn tap_fd(&self, tap_name: &str, sandbox_id: &str) -> Result<Option<OwnedFd>, String> {
+        let (name, fd) = {
+            let inner = lock(&self.inner);
+            let Some(rec) = inner.sandboxes.get(sandbox_id) else { return Ok(None) };
+            if !tap_name.is_empty() && rec.tap_name != tap_name {
+                return Ok(None);
+            }
+            let Some(t) = inner.pool.get(&rec.tap_name) else { return Ok(None) };
+            if t.state() != TapState::Active || t.owner() != Some(sandbox_id) {
+                return Ok(None);
+            }
+            (t.name.clone(), t.fd.clone())
+        };
+        let fd = match fd {
+            Some(fd) => fd,
+            None => {
+                // Adopted after a restart: open lazily; EBUSY means a VMM holds it (no reopen).
+                let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| format!("open {name}: {e}"))?);
+                lock(&self.inner).pool.set_fd(&name, Some(fd.clone()));
+                fd
+            }
+        };
+        fd.try_clone().map(Some).map_err(|e| format!("dup fd of {name}: {e}"))
+    }
+}

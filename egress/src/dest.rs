@@ -1,0 +1,273 @@
+//! Destination binding: does the original destination (the IP the sandbox dialled) belong to
+//! the name the policy decision was made on (plain-HTTP Host; SNI for credential injection)?
+//!
+//! A name belongs to an address when it is that IPv4 literal, when the agent told us the
+//! sandbox learned it ([`Destinations::set_learned`], admin `PUT /admin/v1/learned/<ip>`), or
+//! when the gateway's own resolver ([`crate::dns`]) answered it. Resolver answers are kept per
+//! name as a union with a TTL floor ([`TTL_FLOOR`]), so round-robin answers that rotate between
+//! the sandbox's lookup and ours still match. Decision E14.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::{Ipv4Addr, SocketAddr},
+    sync::{Mutex, RwLock},
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    certs::RateLimiter,
+    policy::{ValidationError, normalize_request_host, parse_sandbox_ip},
+};
+
+/// Resolver answers are kept at least this long (a TTL of 0 would expire before the sandbox
+/// connects).
+pub const TTL_FLOOR: Duration = Duration::from_secs(60);
+/// Resolver answers are kept at most this long.
+pub const TTL_CAP: Duration = Duration::from_secs(24 * 3600);
+/// A name is not asked again sooner than this after a lookup (a miss answers from the cache).
+pub const MIN_REQUERY: Duration = Duration::from_secs(2);
+/// Most names in the resolver cache (expired ones are evicted first).
+pub const MAX_CACHED_NAMES: usize = 10_000;
+/// DNS lookups one sandbox may cause per second (burst [`LOOKUP_BURST`]).
+pub const LOOKUP_RATE: f64 = 20.0;
+/// Burst of DNS lookups per sandbox.
+pub const LOOKUP_BURST: u32 = 50;
+/// Most learned names per sandbox.
+pub const MAX_LEARNED_NAMES: usize = 1024;
+/// Most learned addresses per name.
+pub const MAX_LEARNED_ADDRS: usize = 32;
+/// Default / largest `ttl_secs` of learned addresses.
+pub const LEARNED_TTL_DEFAULT: u64 = 3600;
+/// Largest accepted `ttl_secs`.
+pub const LEARNED_TTL_MAX: u64 = 86_400;
+
+/// How a destination was found to belong to a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// The name is the destination's IPv4 literal.
+    Literal,
+    /// Learned for this sandbox (agent hook).
+    Learned,
+    /// Among the gateway resolver's answers.
+    Resolved,
+}
+
+/// Why a destination does not belong to a name (audit `security.reason`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unbound {
+    /// The resolver answered, and the destination is not among the answers.
+    NotAmongAnswers,
+    /// No answer could be obtained (timeout, SERVFAIL, no server, lookup budget spent).
+    ResolveFailed(String),
+}
+
+impl Unbound {
+    /// `destination_not_resolved` or `destination_resolve_failed`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Unbound::NotAmongAnswers => "destination_not_resolved",
+            Unbound::ResolveFailed(_) => "destination_resolve_failed",
+        }
+    }
+}
+
+/// `PUT /admin/v1/learned/<ip>` body: names the sandbox resolved, with their addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnedSpec {
+    /// Name → IPv4 addresses (at most [`MAX_LEARNED_NAMES`] names × [`MAX_LEARNED_ADDRS`]).
+    pub names: BTreeMap<String, Vec<String>>,
+    /// Lifetime of these entries in seconds, 1–86400 (default 3600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_secs: Option<u64>,
+}
+
+type AddrSet = HashMap<Ipv4Addr, Instant>;
+
+struct Resolved {
+    addrs: AddrSet,
+    queried: Instant,
+}
+
+/// The destination checker: resolver cache plus per-sandbox learned addresses.
+pub struct Destinations {
+    servers: Vec<SocketAddr>,
+    timeout: Duration,
+    resolved: Mutex<HashMap<String, Resolved>>,
+    learned: RwLock<HashMap<Ipv4Addr, HashMap<String, AddrSet>>>,
+    lookups: RateLimiter,
+}
+
+impl std::fmt::Debug for Destinations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Destinations").field("servers", &self.servers).finish_non_exhaustive()
+    }
+}
+
+/// A lower-case DNS name without trailing dot, or `None` when it is not a host name.
+pub fn normalize_dns_name(raw: &str) -> Option<String> {
+    let n = raw.trim().trim_end_matches('.').to_ascii_lowercase();
+    let ok = !n.is_empty()
+        && n.len() <= 253
+        && n.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    ok.then_some(n)
+}
+
+impl Destinations {
+    /// A checker asking `servers` (each at most `timeout` per lookup).
+    pub fn new(servers: Vec<SocketAddr>, timeout: Duration) -> Destinations {
+        Destinations {
+            servers,
+            timeout,
+            resolved: Mutex::new(HashMap::new()),
+            learned: RwLock::new(HashMap::new()),
+            lookups: RateLimiter::new(LOOKUP_RATE, LOOKUP_BURST),
+        }
+    }
+
+    /// The configured DNS servers.
+    pub fn servers(&self) -> &[SocketAddr] {
+        &self.servers
+    }
+
+    /// Whether `dst` belongs to `name` (a Host header or SNI; port and case ignored) for
+    /// `sandbox`. May ask the DNS servers (charged to `sandbox`'s lookup budget).
+    pub async fn check(&self, sandbox: Ipv4Addr, name: &str, dst: Ipv4Addr) -> Result<Binding, Unbound> {
+        let name = normalize_request_host(name);
+        if let Ok(ip) = name.parse::<Ipv4Addr>() {
+            return if ip == dst { Ok(Binding::Literal) } else { Err(Unbound::NotAmongAnswers) };
+        }
+        let Some(name) = normalize_dns_name(&name) else { return Err(Unbound::NotAmongAnswers) };
+        let now = Instant::now();
+        let live = |set: Option<&AddrSet>| set.and_then(|s| s.get(&dst)).is_some_and(|exp| *exp > now);
+        if live(self.learned.read().expect("learned lock").get(&sandbox).and_then(|m| m.get(&name))) {
+            return Ok(Binding::Learned);
+        }
+        {
+            let cache = self.resolved.lock().expect("dns cache lock");
+            if let Some(r) = cache.get(&name) {
+                if live(Some(&r.addrs)) {
+                    return Ok(Binding::Resolved);
+                }
+                if r.queried.elapsed() < MIN_REQUERY {
+                    return Err(Unbound::NotAmongAnswers);
+                }
+            }
+        }
+        if !self.lookups.take(sandbox) {
+            return Err(Unbound::ResolveFailed("DNS lookup budget of the sandbox spent".into()));
+        }
+        let answers = crate::dns::resolve_a(&self.servers, &name, self.timeout)
+            .await
+            .map_err(|e| Unbound::ResolveFailed(format!("{e:#}")))?;
+        let now = Instant::now();
+        let mut cache = self.resolved.lock().expect("dns cache lock");
+        if !cache.contains_key(&name) && cache.len() >= MAX_CACHED_NAMES {
+            cache.retain(|_, r| r.addrs.values().any(|exp| *exp > now));
+            if cache.len() >= MAX_CACHED_NAMES
+                && let Some(k) = cache.keys().next().cloned()
+            {
+                cache.remove(&k);
+            }
+        }
+        let entry = cache.entry(name).or_insert_with(|| Resolved { addrs: HashMap::new(), queried: now });
+        entry.queried = now;
+        entry.addrs.retain(|_, exp| *exp > now);
+        for (ip, ttl) in answers {
+            let keep = Duration::from_secs(u64::from(ttl)).clamp(TTL_FLOOR, TTL_CAP);
+            let exp = entry.addrs.entry(ip).or_insert(now);
+            *exp = (*exp).max(now + keep);
+        }
+        if entry.addrs.contains_key(&dst) { Ok(Binding::Resolved) } else { Err(Unbound::NotAmongAnswers) }
+    }
+
+    /// Replaces the learned addresses of `sandbox`. Errors name the field (`names.<name>[i]`).
+    pub fn set_learned(&self, sandbox: Ipv4Addr, spec: &LearnedSpec) -> Result<(), ValidationError> {
+        let err = |f: String, r: &str| ValidationError { field: f, reason: r.to_string() };
+        let ttl = spec.ttl_secs.unwrap_or(LEARNED_TTL_DEFAULT);
+        if !(1..=LEARNED_TTL_MAX).contains(&ttl) {
+            return Err(err("ttl_secs".into(), "must be 1-86400"));
+        }
+        if spec.names.len() > MAX_LEARNED_NAMES {
+            return Err(err("names".into(), "more than 1024 names"));
+        }
+        let exp = Instant::now() + Duration::from_secs(ttl);
+        let mut m: HashMap<String, AddrSet> = HashMap::new();
+        for (raw, addrs) in &spec.names {
+            let name = normalize_dns_name(raw).ok_or_else(|| err(format!("names.{raw}"), "invalid host name"))?;
+            if addrs.is_empty() || addrs.len() > MAX_LEARNED_ADDRS {
+                return Err(err(format!("names.{raw}"), "needs 1-32 addresses"));
+            }
+            let set = m.entry(name).or_default();
+            for (i, a) in addrs.iter().enumerate() {
+                let ip = parse_sandbox_ip(a).map_err(|_| err(format!("names.{raw}[{i}]"), "invalid IPv4 address"))?;
+                set.insert(ip, exp);
+            }
+        }
+        self.learned.write().expect("learned lock").insert(sandbox, m);
+        Ok(())
+    }
+
+    /// The live learned addresses of `sandbox` (`None` when nothing was set).
+    pub fn learned(&self, sandbox: Ipv4Addr) -> Option<LearnedSpec> {
+        let now = Instant::now();
+        let g = self.learned.read().expect("learned lock");
+        let m = g.get(&sandbox)?;
+        let mut names = BTreeMap::new();
+        for (n, set) in m {
+            let mut v: Vec<Ipv4Addr> = set.iter().filter(|(_, e)| **e > now).map(|(ip, _)| *ip).collect();
+            v.sort();
+            if !v.is_empty() {
+                names.insert(n.clone(), v.iter().map(Ipv4Addr::to_string).collect());
+            }
+        }
+        Some(LearnedSpec { names, ttl_secs: None })
+    }
+
+    /// Forgets the learned addresses of `sandbox` (policy deleted, sandbox released).
+    pub fn clear_learned(&self, sandbox: Ipv4Addr) {
+        self.learned.write().expect("learned lock").remove(&sandbox);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SB: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+    const DST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+
+    #[tokio::test]
+    async fn literal_learned_and_unresolvable() {
+        // No DNS server: only literals and learned names can bind.
+        let d = Destinations::new(vec![], Duration::from_millis(100));
+        assert_eq!(d.check(SB, "198.51.100.1:80", DST).await, Ok(Binding::Literal));
+        assert_eq!(d.check(SB, "198.51.100.9", DST).await, Err(Unbound::NotAmongAnswers));
+        assert!(matches!(d.check(SB, "api.example.test", DST).await, Err(Unbound::ResolveFailed(_))));
+        let spec: LearnedSpec =
+            serde_json::from_str(r#"{"names":{"API.example.test.":["198.51.100.1"]},"ttl_secs":60}"#).unwrap();
+        d.set_learned(SB, &spec).unwrap();
+        assert_eq!(d.check(SB, "api.example.test:8080", DST).await, Ok(Binding::Learned));
+        // Learned for one sandbox only.
+        assert!(d.check(Ipv4Addr::new(192, 168, 0, 3), "api.example.test", DST).await.is_err());
+        assert_eq!(d.learned(SB).unwrap().names["api.example.test"], vec!["198.51.100.1".to_string()]);
+        d.clear_learned(SB);
+        assert!(d.check(SB, "api.example.test", DST).await.is_err());
+        for (bad, field) in [
+            (r#"{"names":{"a b":["1.2.3.4"]}}"#, "names.a b"),
+            (r#"{"names":{"a.test":["1.2.3.04"]}}"#, "names.a.test[0]"),
+            (r#"{"names":{"a.test":[]}}"#, "names.a.test"),
+            (r#"{"names":{},"ttl_secs":0}"#, "ttl_secs"),
+        ] {
+            let spec: LearnedSpec = serde_json::from_str(bad).unwrap();
+            assert_eq!(d.set_learned(SB, &spec).unwrap_err().field, field, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! How the agent starts: what `scripts/start-network-agent.sh` waits for, configurations the
+//! agent must refuse at start, and per-namespace settings read in the dataplane namespace.
+
+use std::{
+    fs::File,
+    process::{ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{agent::AgentUnderTest, netns::ChildGuard, require_root};
+use tonic::Code;
+
+/// Waits up to `limit` for the child to exit.
+fn exit_within(c: &mut ChildGuard, limit: Duration) -> Option<ExitStatus> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if let Some(st) = c.child().try_wait().unwrap() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+/// Logging to stderr only (no log file, no log directory): the script waits for nothing and
+/// the agent is ready at once, creating its own socket and state directories. The old script
+/// waited for `/data/log/network-agent` regardless and failed when the bound passed.
+#[test]
+fn start_script_logging_to_stderr_waits_for_nothing() {
+    if !require_root("start_script_logging_to_stderr_waits_for_nothing") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("stderr", 1, "");
+    // Neither the socket nor the state directory exists: the agent makes them.
+    std::fs::remove_dir_all(a.dir.join("cube")).unwrap();
+    std::fs::remove_dir_all(a.dir.join("state")).unwrap();
+    let stderr = a.dir.join("stderr.log");
+    let mut cmd = a.script_command();
+    cmd.env_remove("NETWORK_AGENT_LOG_DIR")
+        .env_remove("NETWORK_AGENT_LOG_FILE")
+        .env("NETWORK_AGENT_WAIT_SECS", "20")
+        .stdout(Stdio::null())
+        .stderr(File::create(&stderr).unwrap());
+    let t = Instant::now();
+    a.child = Some(ChildGuard::from_child(cmd.spawn().unwrap()));
+    let read = || std::fs::read_to_string(&stderr).unwrap_or_default();
+    loop {
+        if let Some((200, _)) = a.http("/readyz") {
+            break;
+        }
+        if let Ok(Some(st)) = a.child.as_mut().unwrap().child().try_wait() {
+            panic!("start script exited ({st}):\n{}", read());
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "not ready after 15 s:\n{}", read());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = read();
+    assert!(log.contains("(1) directories present: none to wait for"), "{log}");
+    // The agent's own log went to stderr.
+    assert!(log.contains("serving; warming the TAP pool"), "{log}");
+    assert!(a.dir.join("cube/grpc.sock").exists() && a.dir.join("state").is_dir());
+    eprintln!("ready through the script in {:?}", t.elapsed());
+}
+
+/// Logging to a file whose directory is missing: a bounded wait, then a failure that names the
+/// directory (never a silent start that loses the log).
+#[test]
+fn start_script_fails_clearly_when_the_log_directory_is_missing() {
+    if !require_root("start_script_fails_clearly_when_the_log_directory_is_missing") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("nologdir", 1, "");
+    let missing = a.dir.join("no-such-log-volume");
+    let mut cmd = a.script_command();
+    cmd.env_remove("NETWORK_AGENT_LOG_DIR")
+        .env("NETWORK_AGENT_LOG_FILE", missing.join("agent.log"))
+        .env("NETWORK_AGENT_WAIT_SECS", "2")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let t = Instant::now();
+    let out = cmd.spawn().unwrap().wait_with_output().unwrap();
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(8), "{took:?}: {err}");
+    assert!(
+        err.contains(&format!("directory {} (log or volume) did not appear within 2s", missing.display())),
+        "{err}"
+    );
+}
+
+/// A CIDR whose TAP names `z<ip>` exceed 15 bytes is refused at start with the key named;
+/// the old agent started and failed later, per TAP, from 192.168.100.100 on.
+#[test]
+fn cidr_whose_tap_names_do_not_fit_is_refused_at_start() {
+    if !require_root("cidr_whose_tap_names_do_not_fit_is_refused_at_start") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("longnames", 1, "cidr = \"192.168.100.0/24\"\n");
+    let mut cmd = a.script_command();
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut c = ChildGuard::from_child(cmd.spawn().unwrap());
+    let st = exit_within(&mut c, Duration::from_secs(15)).expect("the agent started with an unusable CIDR");
+    assert!(!st.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(c.child().stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(err.contains("config key `cidr`") && err.contains("\"z192.168.100.254\" (16 bytes)"), "{err}");
+}
+
+/// `ip_local_reserved_ports` is a per-namespace sysctl: the agent (in its own namespace) must
+/// honour the dataplane namespace's list when it picks host ports.
+#[test]
+fn reserved_ports_come_from_the_dataplane_namespace() {
+    if !require_root("reserved_ports_come_from_the_dataplane_namespace") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare(
+        "reserved",
+        2,
+        "reserved_ports_file = \"/proc/sys/net/ipv4/ip_local_reserved_ports\"\nhost_port_range = \"20000-20003\"\n",
+    );
+    const SYSCTL: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+    a.topo.node.run(|| std::fs::write(SYSCTL, "20000-20002")).unwrap();
+    assert_eq!(a.topo.node.run(|| std::fs::read_to_string(SYSCTL)).unwrap().trim(), "20000-20002");
+    assert_eq!(
+        a.ns.run(|| std::fs::read_to_string(SYSCTL)).unwrap().trim(),
+        "",
+        "the agent namespace has its own list"
+    );
+    a.start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let req = |id: &str| pb::EnsureNetworkRequest {
+        sandbox_id: id.into(),
+        port_mappings: vec![pb::PortMapping { protocol: "tcp".into(), container_port: 8080, ..Default::default() }],
+        ..Default::default()
+    };
+    rt.block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        let r = c.ensure_network(req("sb-1")).await.unwrap().into_inner();
+        assert_eq!(r.port_mappings[0].host_port, 20003, "a reserved port was assigned: {r:?}");
+        let e = c.ensure_network(req("sb-2")).await.unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    });
+}
