@@ -30,6 +30,7 @@ use crate::{
     policy::{PolicyLimits, PolicyTable},
     ports::PortMaps,
     sandbox::SandboxTable,
+    sandbox_stats::SandboxStatsTable,
     sessions::Sessions,
     snat::SnatTable,
 };
@@ -69,7 +70,7 @@ pub enum AttachMode {
 pub struct MapLimits {
     /// Sessions per direction (`egress_sessions`, `ingress_sessions`).
     pub sessions: u32,
-    /// Sandboxes (`ifindex_to_mvmmeta`, `mvmip_to_ifindex`, `policy_gen`).
+    /// Sandboxes (`ifindex_to_mvmmeta`, `mvmip_to_ifindex`, `policy_gen`, `sandbox_stats`).
     pub sandboxes: u32,
     /// Port mappings per map.
     pub port_mappings: u32,
@@ -205,6 +206,7 @@ impl Datapath {
             .map_max_entries(map::IFINDEX_TO_MVMMETA, l.sandboxes)
             .map_max_entries(map::MVMIP_TO_IFINDEX, l.sandboxes)
             .map_max_entries(map::POLICY_GEN, l.sandboxes)
+            .map_max_entries(map::SANDBOX_STATS, l.sandboxes)
             .map_max_entries(map::ALLOW_OUT, policy_entries)
             .map_max_entries(map::DENY_OUT, policy_entries);
         for name in [
@@ -244,6 +246,7 @@ impl Datapath {
             policy: policy_table(&mut ebpf, l.policy(), map_dir.as_deref())?,
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
+            sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
         });
         let legacy = match opts.attach_mode {
             AttachMode::Tcx => false,

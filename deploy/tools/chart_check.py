@@ -8,7 +8,8 @@ Helm v4 as a C library) and checked in three layers:
 2. `kubernetes-validate --strict` (bundled OpenAPI schemas) on every rendered object;
 3. our asserts for what schemas miss: probe handlers, hostPath types, mount propagation
    values, no maxSurge with hostPort, volumes <-> mounts, the seed's mounts, config keys the
-   binaries really read, the CIDR passed to every consumer, upstream's chart defects.
+   binaries really read, the CIDR passed to every consumer, upstream's chart defects;
+4. every value of values.yaml documented with its default in the chart's README.
 
 Usage:
   chart_check.py check OUT_DIR            all variants; writes OUT_DIR/<variant>/*.yaml and the
@@ -331,6 +332,74 @@ def ca_checks(objs, variant, tmp):
     return errs
 
 
+def _flatten(v, prefix=""):
+    """Leaf paths of a values tree: scalars, lists and empty mappings, as dotted keys."""
+    if isinstance(v, dict) and v:
+        out = {}
+        for k, sub in v.items():
+            out.update(_flatten(sub, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: v}
+
+
+def _fmt_default(v):
+    """A default as the README writes it inside backticks."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return v if v else '""'
+    if isinstance(v, (dict, list)):
+        return yaml.safe_dump(v, default_flow_style=True, width=1000).strip()
+    return str(v)
+
+
+def readme_values_check(defaults, readme):
+    """Every value of values.yaml is in the README's "## Values" table with its default.
+
+    A row documents a key, or several (`a` / `b`, or `x.y.a` / `.b` relative to the first
+    key's parent), or a mapping (then every scalar under it must appear in the default cell,
+    e.g. `agent.resources` "requests 100m/64Mi, limit 512Mi"). A row's backticked defaults
+    must equal the values' (`""` for empty, `null`); a README key absent from values.yaml is
+    stale. Returns the failures."""
+    errors = []
+    section = readme.split("\n## Values", 1)[1].split("\n## ", 1)[0] if "\n## Values" in readme else ""
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`"):
+            continue
+        keys = re.findall(r"`([^`]+)`", cells[0])
+        full = []
+        for k in keys:
+            if k.startswith(".") and full:
+                k = full[0].rsplit(".", 1)[0] + k
+            full.append(k)
+        defaults_cell = re.findall(r"`([^`]*)`", cells[1])
+        for i, k in enumerate(full):
+            rows[k] = (defaults_cell[i] if len(defaults_cell) == len(full) else None, cells[1])
+    leaves = _flatten(defaults)
+    for path, value in leaves.items():
+        doc = [k for k in rows if k == path or path.startswith(k + ".")]
+        if not doc:
+            errors.append(f"values: {path} (default {_fmt_default(value)}) is not documented in README.md's Values table")
+            continue
+        key = max(doc, key=len)
+        want, cell = rows[key]
+        if key == path:
+            if want is None:
+                errors.append(f"values: README row of {path} gives no backticked default")
+            elif want != _fmt_default(value):
+                errors.append(f"values: README default of {path} is `{want}`, values.yaml has `{_fmt_default(value)}`")
+        elif not isinstance(value, (dict, list)) and str(value) not in cell:
+            errors.append(f"values: README row of {key} does not mention {path} = {value}")
+    for k in rows:
+        if not any(p == k or p.startswith(k + ".") for p in leaves):
+            errors.append(f"values: README documents {k}, which values.yaml does not have")
+    return errors
+
+
 def cmd_check(out):
     from helm_python import chart
 
@@ -341,6 +410,20 @@ def cmd_check(out):
         if str(m.get("severity", "")).upper() not in ("INFO", "1"):
             errors.append(f"lint: {m}")
     errors += [f"lint: {e}" for e in lint.get("errors", [])]
+    readme = open(os.path.join(CHART, "README.md")).read()
+    errors += readme_values_check(defaults, readme)
+    # The README check bites: an undocumented value, a wrong default, a stale row.
+    for name, (vals, text, fragment) in {
+        "undocumented": (merge(defaults, {"agent": {"newKnob": 1}}), readme, "agent.newKnob"),
+        "wrong-default": (merge(defaults, {"agent": {"mtu": 9000}}), readme, "README default of agent.mtu"),
+        "stale-row": (defaults, readme.replace("| `terminationGracePeriodSeconds`", "| `gone` | `1` | |\n| `terminationGracePeriodSeconds`"), "documents gone"),
+        "mapping-scalar": (merge(defaults, {"agent": {"resources": {"limits": {"memory": "777Mi"}}}}), readme, "777Mi"),
+    }.items():
+        got = readme_values_check(vals, text)
+        if not any(fragment in e for e in got):
+            errors.append(f"readme-mutation/{name}: not caught (want {fragment!r}; got {got})")
+        else:
+            print(f"readme-mutation/{name}: caught")
     tmp = tempfile.mkdtemp(prefix="cubenet-chart-")
     for variant, over in VARIANTS.items():
         values = merge(defaults, over)

@@ -62,7 +62,12 @@ fn podman(args: &[&str]) -> std::process::Output {
 
 fn podman_ok(args: &[&str]) -> String {
     let o = podman(args);
-    assert!(o.status.success(), "podman {args:?}: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "podman {args:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
@@ -135,7 +140,8 @@ fn slow_sink(topo: &Topology) -> SlowSink {
     let (tx, rx) = std::sync::mpsc::channel();
     let received = Arc::new(AtomicU64::new(0));
     let r = received.clone();
-    let listener = topo.world.run(|| TcpListener::bind(SocketAddrV4::new(Ipv4Addr::from(WORLD_IP), SINK_PORT)).unwrap());
+    let listener =
+        topo.world.run(|| TcpListener::bind(SocketAddrV4::new(Ipv4Addr::from(WORLD_IP), SINK_PORT)).unwrap());
     std::thread::spawn(move || {
         let res = (|| {
             let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
@@ -169,7 +175,8 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     if !require_root(T) {
         return;
     }
-    if Command::new("podman").arg("--version").output().is_err() || Command::new("buildah").arg("--version").output().is_err()
+    if Command::new("podman").arg("--version").output().is_err()
+        || Command::new("buildah").arg("--version").output().is_err()
     {
         eprintln!("\nSKIPPED: {T}: podman/buildah not installed (scripts/setup.sh installs them)\n");
         return;
@@ -349,7 +356,13 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
 
     let results = vm.wait_done(Duration::from_secs(150)).unwrap_or_else(|e| panic!("{e:#}\n{}", vm.console()));
     for res in &results {
-        eprintln!("[k8s-pod] guest {} {} {} ms {}", res.spec, if res.pass { "PASS" } else { "FAIL" }, res.ms, res.detail);
+        eprintln!(
+            "[k8s-pod] guest {} {} {} ms {}",
+            res.spec,
+            if res.pass { "PASS" } else { "FAIL" },
+            res.ms,
+            res.detail
+        );
     }
     let sunk = sink.result.recv_timeout(Duration::from_secs(10)).expect("sink result");
     assert_eq!(sunk, Ok(UPLOAD), "world sink");
