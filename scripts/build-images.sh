@@ -9,7 +9,8 @@
 #
 # Each image is FROM scratch: the binaries of this checkout plus a minimal root made of the
 # Debian packages they need (bash, coreutils, iproute2, util-linux for nsenter/mount,
-# busybox-static for wget/modprobe in probes and plumbing, iptables for the egress image),
+# busybox-static for wget/modprobe in probes and plumbing, iptables and ca-certificates (the
+# upstream TLS trust store) for the egress image),
 # fetched with `apt-get download` at the host's installed versions and unpacked with
 # `dpkg-deb -x` (no maintainer scripts run). The shared-library closure is found with ldd, so
 # the Rust binaries stay the ordinary glibc build (bookworm's glibc = the build host's).
@@ -175,12 +176,11 @@ make_rootfs() {
       ln -sfn "$f-nft" "$dir/usr/sbin/$f" # replaces the dangling /etc/alternatives link
     done
   fi
-  # update-alternatives does not run either: iptables = the nft variant, as on bookworm and
-  # current Kubernetes nodes (IPTABLES=iptables-legacy selects the other in cube-egress-net.sh).
-  if [[ -x "$dir/usr/sbin/xtables-nft-multi" ]]; then
-    for f in iptables iptables-save iptables-restore; do
-      ln -sfn "$f-nft" "$dir/usr/sbin/$f" # replaces the dangling /etc/alternatives link
-    done
+  # ca-certificates' postinst (update-ca-certificates) does not run: build the bundle it
+  # would, every Mozilla root, where rustls-native-certs / OpenSSL look first.
+  if [[ -d "$dir/usr/share/ca-certificates/mozilla" ]]; then
+    mkdir -p "$dir/etc/ssl/certs"
+    find "$dir/usr/share/ca-certificates/mozilla" -name '*.crt' -print0 | sort -z | xargs -0 cat >"$dir/etc/ssl/certs/ca-certificates.crt"
   fi
   printf '%s\n' "${!have[@]}" | sort >"$dir.packages"
 }
@@ -279,7 +279,7 @@ build_image network-agent \
   "$img/agent-prestop.sh:/usr/local/bin/agent-prestop.sh"
 build_image cube-egress \
   "CubeEgress: transparent L7 egress gateway of CubeSandbox, with its TPROXY plumbing" \
-  "bash coreutils util-linux iproute2 iptables busybox-static openssl" \
+  "bash coreutils util-linux iproute2 iptables busybox-static openssl ca-certificates" \
   '["/usr/local/bin/cube-egress-slot.sh"]' \
   "$bin/cube-egress:/usr/local/bin/cube-egress" \
   "$root/scripts/cube-egress-net.sh:/usr/local/bin/cube-egress-net.sh" \

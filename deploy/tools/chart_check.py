@@ -19,7 +19,8 @@ Usage:
                                           template as a Pod for `podman kube play` (podman 4.3
                                           takes no DaemonSet), ConfigMap and Secret volumes
                                           materialised as host directories under OUT_DIR, ports
-                                          dropped (a pod on `--network none` maps none).
+                                          dropped (a pod on `--network none` maps none),
+                                          init containers of podman's type "always".
 """
 
 import base64
@@ -509,6 +510,10 @@ def cmd_pod(out, values_json):
                      "annotations": tmpl["metadata"].get("annotations", {})},
         "spec": spec,
     }
+    # podman's default ("once") removes the init container right after it exits and races
+    # runc under load ("cannot remove container ... as it is running"); "always" keeps it
+    # (and reruns it on a pod restart, as the kubelet does for a new pod).
+    pod["metadata"]["annotations"]["io.podman.annotations.init.container.type"] = "always"
     pod["spec"].pop("nodeSelector", None)
     pod["spec"].pop("tolerations", None)
     pod["spec"].pop("priorityClassName", None)

@@ -257,18 +257,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     let t1 = Instant::now();
     let _ = podman(&["pod", "rm", "--force", "cubenet-node"]);
     let _pod = PodGuard("cubenet-node".into());
-    // podman 4.3 sometimes tries to remove the finished init container while runc still
-    // reports it running ("failed to remove once init container", seen under load): retry.
-    for attempt in 1.. {
-        let o = podman(&["kube", "play", "--network", "none", pod_yaml.to_str().unwrap()]);
-        if o.status.success() {
-            break;
-        }
-        let err = String::from_utf8_lossy(&o.stderr).into_owned();
-        assert!(attempt < 3 && err.contains("once init container"), "podman kube play: {err}");
-        eprintln!("[k8s-pod] kube play attempt {attempt}: {}; retrying", err.trim());
-        let _ = podman(&["pod", "rm", "--force", "--time", "0", "cubenet-node"]);
-    }
+    podman_ok(&["kube", "play", "--network", "none", pod_yaml.to_str().unwrap()]);
     let agent_c = "cubenet-node-network-agent";
     let ready = wait_for("agent /readyz", Duration::from_secs(120), || {
         exec_wget(agent_c, "http://127.0.0.1:19090/readyz", false).filter(|b| b.contains("ready"))
@@ -332,6 +321,14 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     let before = sink.received.load(Ordering::SeqCst);
     let t2 = Instant::now();
     let agent_c2 = "cubenet-node-network-agent-2";
+    // Stop first (SIGTERM, as the kubelet does), then clone: podman 4.3's `clone --destroy`
+    // of a running container races runc's state under load ("cannot remove container ... as
+    // it is running").
+    podman_ok(&["stop", "--time", "10", agent_c]);
+    wait_for("old agent container exited", Duration::from_secs(30), || {
+        let st = podman_ok(&["inspect", "--format", "{{.State.Status}}", agent_c]);
+        (st.trim() == "exited" || st.trim() == "stopped").then_some(st)
+    });
     podman_ok(&["container", "clone", "--destroy", agent_c, agent_c2, &newer]);
     podman_ok(&["start", agent_c2]);
     let swapped = t2.elapsed();
