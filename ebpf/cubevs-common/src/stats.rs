@@ -66,10 +66,11 @@ pub const fn drop_slot(counter: u32) -> Option<u32> {
         c::CUBE_DROP_PROTO => Some(drop::PROTOCOL),
         c::CUBE_DROP_MALFORMED => Some(drop::MALFORMED),
         c::CUBE_DROP_GATEWAY => Some(drop::GATEWAY),
-        c::CUBE_DROP_PORTMAP_SYN => Some(drop::PORTMAP), // PREMERGE
+        c::CUBE_DROP_PORTMAP_SYN | c::CUBE_DROP_PORTMAP_STALE | c::CUBE_DROP_PORTMAP_UNTRACKED => Some(drop::PORTMAP),
         c::CUBE_DROP_NO_SNAT => Some(drop::NO_SNAT_PORT),
         c::CUBE_DROP_FIB => Some(drop::NO_ROUTE),
         c::CUBE_NO_SESSION => Some(drop::NO_SESSION),
+        c::WORLD_DROP_RST_WINDOW => Some(drop::RST_WINDOW),
         _ => None,
     }
 }
@@ -110,7 +111,7 @@ mod tests {
         // Every counter a slot maps to is a named drop; forwarding verdicts map to none.
         assert_eq!(drop_slot(crate::counter::CUBE_ESTABLISHED), None);
         assert_eq!(drop_slot(crate::counter::CUBE_DROP_UNREGISTERED), None, "no sandbox to charge");
-        // PREMERGE assert_eq!(drop_slot(crate::counter::WORLD_DROP_STALE_VERSION), None, "never the next owner's");
+        assert_eq!(drop_slot(crate::counter::WORLD_DROP_STALE_VERSION), None, "never the next owner's");
         assert_eq!(drop_slot(crate::counter::CUBE_DENY), Some(drop::POLICY));
     }
 }

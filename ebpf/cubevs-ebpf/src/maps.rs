@@ -4,11 +4,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use cubevs_common::{
-    AllowValue, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, SandboxStats, SessionKey,
-    SnatIp, limits, stats,
+    AllowValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, PortmapKey,
+    PortmapSession, SandboxStats, SessionKey, SnatIp, limits, stats,
 };
 
 /// Sandbox mvm IP (NBO) → ifindex.
@@ -62,6 +62,15 @@ pub static POLICY_GEN: HashMap<u32, u32> = HashMap::with_max_entries(limits::SAN
 /// Node addresses at index 0.
 #[map(name = "node_config")]
 pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);
+
+/// Connections the world opened to a host port (guest-side key); LRU, no reaper needed.
+#[map(name = "portmap_sessions")]
+pub static PORTMAP_SESSIONS: LruHashMap<PortmapKey, PortmapSession> =
+    LruHashMap::with_max_entries(limits::PORTMAP_SESSIONS, 0);
+
+/// Fragmented world datagrams whose first fragment matched a session; LRU.
+#[map(name = "frag_sessions")]
+pub static FRAG_SESSIONS: LruHashMap<FragKey, FragTarget> = LruHashMap::with_max_entries(limits::FRAG_SESSIONS, 0);
 
 /// Verdict and drop-reason COUNTERS.
 #[map(name = "counters")]
