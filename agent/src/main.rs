@@ -113,7 +113,7 @@ fn step<R>(name: &str, f: impl FnOnce() -> anyhow::Result<R>) -> anyhow::Result<
 
 /// Log setup: filter from `RUST_LOG` (default `info`), to stderr. `NETWORK_AGENT_LOG_FORMAT=json`
 /// writes one JSON object per line (`timestamp`, `level`, `target`, the event's fields flattened
-/// — e.g. `sandbox` — and the current span's fields under `span`), for log collectors on
+/// — e.g. `sandbox_id` on the Ensure, Release and TAP fd events — and the current span's fields under `span`), for log collectors on
 /// Kubernetes; `text` (the default) is the human format. An unknown value exits with status 2.
 fn init_logging() {
     let filter = || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());

@@ -324,6 +324,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     // Stop first (SIGTERM, as the kubelet does), then clone: podman 4.3's `clone --destroy`
     // of a running container races runc's state under load ("cannot remove container ... as
     // it is running").
+    let old_log = logs(agent_c);
     podman_ok(&["stop", "--time", "10", agent_c]);
     wait_for("old agent container exited", Duration::from_secs(30), || {
         let st = podman_ok(&["inspect", "--format", "{{.State.Status}}", agent_c]);
@@ -366,6 +367,23 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     assert!(results.len() == checks.len() && results.iter().all(|r| r.pass), "{results:?}\n{}", vm.console());
     assert_eq!(results[1].detail, format!("got {UPLOAD}"));
     assert!(!world_http.peers().is_empty());
+
+    // Operations: the sandbox's datapath counters, read with the CLI inside the new agent
+    // container, count the whole upload (out) across the replacement; the agent's JSON log
+    // lines name the sandbox on Ensure and the fd hand-off.
+    let c = podman_ok(&["exec", agent_c2, "cubenet-cli", "--json", "sandbox", "sb-k8s"]);
+    let c: serde_json::Value = serde_json::from_str(&c).unwrap_or_else(|e| panic!("cubenet-cli: {e}: {c}"));
+    eprintln!("[k8s-pod] cubenet-cli sandbox sb-k8s: {c}");
+    assert!(c["out"]["bytes"].as_u64().unwrap() > UPLOAD, "the upload is not in the counters: {c}");
+    assert!(c["in"]["packets"].as_u64().unwrap() > 0, "{c}");
+    let metrics = exec_wget(agent_c2, "http://127.0.0.1:19090/metrics", false).expect("metrics");
+    assert!(metrics.contains(r#"cubenet_sandbox_bytes_total{direction="out",sandbox="sb-k8s"}"#), "{metrics}");
+    for msg in ["network ensured", "TAP fd handed out"] {
+        assert!(
+            old_log.lines().any(|l| l.contains(msg) && l.contains(r#""sandbox_id":"sb-k8s""#)),
+            "no JSON {msg:?} line with sandbox_id sb-k8s:\n{old_log}"
+        );
+    }
 
     // A new sandbox through the new agent.
     rt.block_on(async {

@@ -1,0 +1,85 @@
+//! JSON-lines logs (`NETWORK_AGENT_LOG_FORMAT=json`, what the Helm chart sets): every line
+//! the agent writes is one JSON object, and the Ensure, TAP fd and Release events carry the
+//! sandbox id as a `sandbox_id` field (a log collector can select one sandbox's history).
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    netns::ChildGuard,
+    require_root,
+};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+#[test]
+fn json_log_lines_carry_sandbox_id_on_ensure_fd_release() {
+    const T: &str = "json_log_lines_carry_sandbox_id_on_ensure_fd_release";
+    if !require_root(T) {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("jsonlog", 1, "");
+    let child = a.script_command().env("NETWORK_AGENT_LOG_FORMAT", "json").spawn().expect("spawn start script");
+    a.child = Some(ChildGuard::from_child(child));
+    a.wait_ready(std::time::Duration::from_secs(30));
+
+    let r = rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        let r = c
+            .ensure_network(pb::EnsureNetworkRequest { sandbox_id: "sb-log".into(), ..Default::default() })
+            .await
+            .expect("ensure")
+            .into_inner();
+        // A refused Ensure names its sandbox too.
+        let bad = c
+            .ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: "sb-bad".into(),
+                port_mappings: vec![pb::PortMapping {
+                    protocol: "tcp".into(),
+                    container_port: 80,
+                    host_port: 1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await;
+        assert!(bad.is_err());
+        r
+    });
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, "sb-log");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    drop(fd);
+    let (reply, _) = tap_fd(&a.tap_socket(), "z192.168.0.250", "sb-log");
+    assert_eq!(reply["errCode"], "1002", "{reply}");
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-log".into(), ..Default::default() })
+            .await
+            .expect("release");
+    });
+
+    // Every agent line is a JSON object (the start script's own lines are prefixed text).
+    let log = a.log();
+    let events: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.starts_with("[start-network-agent]") && !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}\n{log}")))
+        .collect();
+    let find = |msg: &str, id: &str| {
+        events
+            .iter()
+            .find(|e| e["message"] == msg && e["sandbox_id"] == id)
+            .unwrap_or_else(|| panic!("no {msg:?} event with sandbox_id {id}:\n{log}"))
+    };
+    let ensured = find("network ensured", "sb-log");
+    assert_eq!(ensured["level"], "INFO");
+    assert_eq!(ensured["tap"], r.interfaces[0].name.as_str());
+    assert!(ensured["ms"].is_number() && ensured["ifindex"].is_number(), "{ensured}");
+    let failed = find("ensure failed", "sb-bad");
+    assert_eq!(failed["level"], "WARN");
+    assert!(failed["error"].as_str().is_some_and(|e| e.contains("host_port")), "{failed}");
+    assert_eq!(find("TAP fd handed out", "sb-log")["tap"], r.interfaces[0].name.as_str());
+    assert_eq!(find("TAP fd refused: the sandbox holds no such TAP", "sb-log")["tap"], "z192.168.0.250");
+    assert_eq!(find("network released", "sb-log")["level"], "INFO");
+}
