@@ -1,5 +1,6 @@
 //! `cubenet-bench`: CubeNet benchmarks, each figure beside its baseline measured in the same
-//! run. Prints a table, writes JSON, refreshes `docs/benchmarks.md`. Never fails on time.
+//! run. Prints a table, writes JSON, refreshes `docs/benchmarks.md` (merged with the other
+//! families' latest rows kept in `docs/benchmarks.json`). Never fails on time.
 //! Run through `cargo xtask bench [NAME] [--json FILE]` (builds the eBPF object first). Root.
 
 mod agent;
@@ -42,7 +43,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(json) = &cli.render {
         let r: report::OwnedReport = serde_json::from_str(&std::fs::read_to_string(json)?)?;
-        let rep = report::Report { date: r.date, machine: r.machine, command: r.command, rows: &r.rows };
+        let rep = report::Report { date: r.date, machine: r.machine, command: r.command, runs: r.runs, rows: &r.rows };
         let out = cli.markdown.clone().unwrap_or_else(|| PathBuf::from("docs/benchmarks.md"));
         report::write(&out, &report::markdown(&rep, NOTES))?;
         eprintln!("wrote {}", out.display());
@@ -79,14 +80,37 @@ fn main() -> anyhow::Result<()> {
     )
     .trim()
     .to_string();
-    let rep = report::Report { date, machine: report::machine(), command, rows: &rows };
+    let rep = report::Report { date, machine: report::machine(), command, runs: Default::default(), rows: &rows };
     if let Some(p) = &cli.json {
         report::write(p, &serde_json::to_string_pretty(&rep)?)?;
         eprintln!("wrote {}", p.display());
     }
     if let Some(p) = &cli.markdown {
-        report::write(p, &report::markdown(&rep, NOTES))?;
-        eprintln!("wrote {}", p.display());
+        // The Markdown shows every family: this run's rows merged into the accumulated
+        // `<markdown>.json` (docs/benchmarks.json), which is rewritten with them.
+        let store = p.with_extension("json");
+        let merged = match std::fs::read_to_string(&store) {
+            Ok(t) => serde_json::from_str::<report::OwnedReport>(&t)?.merge(&rep),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => report::OwnedReport {
+                date: String::new(),
+                machine: String::new(),
+                command: String::new(),
+                runs: Default::default(),
+                rows: Vec::new(),
+            }
+            .merge(&rep),
+            Err(e) => return Err(e.into()),
+        };
+        let all = report::Report {
+            date: merged.date,
+            machine: merged.machine,
+            command: merged.command,
+            runs: merged.runs,
+            rows: &merged.rows,
+        };
+        report::write(&store, &serde_json::to_string_pretty(&all)?)?;
+        report::write(p, &report::markdown(&all, NOTES))?;
+        eprintln!("wrote {} and {}", p.display(), store.display());
     }
     Ok(())
 }
