@@ -219,6 +219,8 @@ pub struct Agent {
     started: AtomicBool,
     /// Wakes the maintenance loop (after Ensure: refill; after Release: trim).
     pub kick: tokio::sync::Notify,
+    /// CubeEgress push client, when `cube_egress_admin_url` is set ([`Agent::set_egress_sync`]).
+    egress: std::sync::OnceLock<Arc<crate::egress_sync::EgressSync>>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -260,6 +262,33 @@ impl Agent {
             warmed: AtomicBool::new(false),
             started: AtomicBool::new(false),
             kick: tokio::sync::Notify::new(),
+            egress: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Installs the CubeEgress push client (once; later calls are ignored).
+    pub fn set_egress_sync(&self, s: Arc<crate::egress_sync::EgressSync>) {
+        let _ = self.egress.set(s);
+    }
+
+    /// Every live sandbox with L7 rules as its gateway policy `(sandbox IP, {policy_id, rules})`
+    /// (what `GET /v1/policies/dump` serves and a gateway resync sends). Contains secrets.
+    pub fn egress_policies(&self) -> Vec<(std::net::Ipv4Addr, egress_policy::PolicySpec)> {
+        let inner = lock(&self.inner);
+        let mut v: Vec<_> = inner
+            .sandboxes
+            .values()
+            .filter_map(|r| crate::egress_sync::policy_spec(r.sandbox_ip, &r.policy.rules).map(|p| (r.sandbox_ip, p)))
+            .collect();
+        v.sort_by_key(|(ip, _)| *ip);
+        v
+    }
+
+    /// Sends `ip`'s L7 rules (none = DELETE) to the gateway: one attempt now, retries in the
+    /// background. No-op without a push client. Blocks up to the push timeout.
+    fn push_egress(&self, ip: std::net::Ipv4Addr, rules: Option<&[egress_policy::RuleSpec]>) {
+        if let Some(s) = self.egress.get() {
+            s.set_blocking(ip, rules.and_then(|r| crate::egress_sync::policy_spec(ip, r)));
         }
     }
 

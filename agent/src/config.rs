@@ -102,6 +102,11 @@ pub struct Config {
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
     /// `"false"` overrides it. `false` is upstream's behaviour (flows outlive the change).
     pub flush_sessions_on_policy_tighten: bool,
+    /// CubeEgress admin API base URL the agent pushes each sandbox's L7 rules to
+    /// (default `http://127.0.0.1:9091`; `""` disables the push). Only `http://host:port`.
+    pub cube_egress_admin_url: String,
+    /// Timeout of one push to the gateway, in milliseconds (default 2000, 1..60000).
+    pub cube_egress_push_timeout_ms: u64,
 }
 
 impl Default for Config {
@@ -132,6 +137,8 @@ impl Default for Config {
             maintenance_interval_secs: 5,
             policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             flush_sessions_on_policy_tighten: true,
+            cube_egress_admin_url: "http://127.0.0.1:9091".into(),
+            cube_egress_push_timeout_ms: 2000,
         }
     }
 }
@@ -333,6 +340,16 @@ impl Config {
             return Err(invalid(
                 "policy_entries_per_sandbox",
                 format!("{} outside 1..65536", self.policy_entries_per_sandbox),
+            ));
+        }
+        if !self.cube_egress_admin_url.is_empty() {
+            crate::egress_sync::parse_admin_url(&self.cube_egress_admin_url)
+                .map_err(|r| invalid("cube_egress_admin_url", r))?;
+        }
+        if !(1..=60000).contains(&self.cube_egress_push_timeout_ms) {
+            return Err(invalid(
+                "cube_egress_push_timeout_ms",
+                format!("{} outside 1..60000", self.cube_egress_push_timeout_ms),
             ));
         }
         Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range })

@@ -188,7 +188,7 @@ pub const POLICY_FIELD_PREFIX: &str = "cubevs_context.";
 pub fn from_cubevs(e: cubevs::Error) -> DataplaneError {
     match e {
         cubevs::Error::InvalidArgument { field, reason } => {
-            let policy = field.starts_with("allow_out") || field.starts_with("deny_out");
+            let policy = ["allow_out", "deny_out", "allow_fqdn", "rules"].iter().any(|f| field.starts_with(f));
             DataplaneError::Invalid {
                 field: if policy { format!("{POLICY_FIELD_PREFIX}{field}") } else { field },
                 reason,

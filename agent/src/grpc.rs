@@ -15,6 +15,7 @@ use crate::{
     dataplane::EgressPolicy,
     state::SandboxRecord,
 };
+use cubevs::policy::FqdnAllow;
 
 /// The service.
 #[derive(Clone, Debug)]
@@ -44,12 +45,55 @@ async fn blocking<R: Send + 'static>(f: impl FnOnce() -> Result<R, AgentError> +
     tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(format!("worker: {e}")))?.map_err(status)
 }
 
-fn policy(ctx: Option<pb::CubeVsContext>) -> Option<EgressPolicy> {
-    ctx.map(|c| EgressPolicy {
+/// One gRPC rule in the gateway's wire model (`egress_policy::RuleSpec`); validation is the
+/// gateway's own (`cubevs::policy::compile`). Absent `action` is the only error found here.
+fn rule(i: usize, r: pb::EgressRule) -> Result<egress_policy::RuleSpec, Status> {
+    use egress_policy::{ActionSpec, InjectSpec, MatchSpec, Ports, RuleSpec};
+    let m = r.r#match.unwrap_or_default();
+    let a = r.action.ok_or_else(|| {
+        status(AgentError::Invalid {
+            field: format!("{}rules[{i}].action", crate::dataplane::POLICY_FIELD_PREFIX),
+            reason: "required".into(),
+        })
+    })?;
+    let port = match m.port.len() {
+        0 => None,
+        1 => Some(Ports::One(m.port[0])),
+        _ => Some(Ports::Many(m.port)),
+    };
+    Ok(RuleSpec {
+        id: r.id,
+        matcher: MatchSpec {
+            sni: m.sni,
+            host: m.host,
+            method: (!m.method.is_empty()).then_some(m.method),
+            path: m.path,
+            scheme: m.scheme,
+            port,
+        },
+        action: ActionSpec {
+            allow: a.allow,
+            audit: a.audit,
+            inject: (!a.inject.is_empty()).then(|| {
+                a.inject
+                    .into_iter()
+                    .map(|j| InjectSpec { header: j.header, secret: j.secret, format: j.format })
+                    .collect()
+            }),
+            inject_plain_http: a.inject_plain_http,
+        },
+    })
+}
+
+fn policy(ctx: Option<pb::CubeVsContext>) -> Result<Option<EgressPolicy>, Status> {
+    let Some(c) = ctx else { return Ok(None) };
+    Ok(Some(EgressPolicy {
         allow_internet_access: c.allow_internet_access.unwrap_or(true),
         allow_out: c.allow_out,
         deny_out: c.deny_out,
-    })
+        allow_fqdn: c.allow_fqdn.into_iter().map(|f| FqdnAllow { name: f.name, ports: f.ports }).collect(),
+        rules: c.rules.into_iter().enumerate().map(|(i, r)| rule(i, r)).collect::<Result<_, _>>()?,
+    }))
 }
 
 /// `persist_metadata` key of a ReconcileNetworkRequest that overrides
@@ -154,7 +198,7 @@ impl NetworkAgent for Service {
         let er = EnsureRequest {
             sandbox_id: r.sandbox_id,
             ports: ports(&r.port_mappings)?,
-            policy: policy(r.cubevs_context),
+            policy: policy(r.cubevs_context)?,
             persist_metadata: r.persist_metadata.into_iter().collect::<BTreeMap<_, _>>(),
         };
         let agent = self.agent.clone();
@@ -182,7 +226,7 @@ impl NetworkAgent for Service {
         check_handle(&r.sandbox_id, &r.network_handle)?;
         let agent = self.agent.clone();
         let id = r.sandbox_id.clone();
-        let p = policy(r.cubevs_context);
+        let p = policy(r.cubevs_context)?;
         let flush = flush_override(&r.persist_metadata)?;
         let v = blocking(move || agent.reconcile(&id, p, flush)).await?;
         let s = shape(&v);

@@ -3,7 +3,8 @@
 //! are read at scrape time), and, to loopback clients only, `GET /v1/network/taps` (upstream
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
 //! sandboxes,portmaps,policies,counters}` (`counters`: every registered sandbox with its
-//! packets/bytes each way and drops by reason). Other methods get 405 with `Allow: GET`; non-loopback clients of the
+//! packets/bytes each way and drops by reason) and `GET /v1/policies/dump` (CubeEgress
+//! bootstrap, with secrets: [`crate::policy_dump`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
 //! `/v1/` paths get 403.
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
@@ -34,6 +35,15 @@ fn json(v: &impl serde::Serialize) -> Response<Full<Bytes>> {
     }
 }
 
+/// Whether a peer may read the `/v1/` paths: 127.0.0.0/8, `::1`, or `::ffff:127.x.y.z` (an IPv4
+/// loopback client of a dual-stack `[::]` listener). Everything else is refused.
+pub fn is_loopback_peer(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_loopback(),
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(v6.is_loopback(), |v4| v4.is_loopback()),
+    }
+}
+
 /// A request handler run on the blocking pool.
 type Job = Box<dyn FnOnce(&Agent) -> Response<Full<Bytes>> + Send>;
 
@@ -44,7 +54,7 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
         r.headers_mut().insert("allow", hyper::header::HeaderValue::from_static("GET"));
         return r;
     }
-    if path.starts_with("/v1/") && !peer.ip().is_loopback() {
+    if path.starts_with("/v1/") && !is_loopback_peer(peer.ip()) {
         return text(StatusCode::FORBIDDEN, "loopback only\n", "text/plain");
     }
     let a = agent.clone();
@@ -78,6 +88,7 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
             }))
             .await
         }
+        "/v1/policies/dump" => blocking(Box::new(|a: &Agent| json(&crate::policy_dump::dump(a)))).await,
         "/v1/dataplane/sessions" => {
             blocking(Box::new(|a: &Agent| match a.dataplane().sessions() {
                 Ok(s) => json(&serde_json::json!({"sessions": s})),
@@ -161,5 +172,20 @@ pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) -> std:
                 tracing::debug!("http client {peer}: {e}");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback_peer;
+
+    #[test]
+    fn loopback_peers() {
+        for ok in ["127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"] {
+            assert!(is_loopback_peer(ok.parse().unwrap()), "{ok}");
+        }
+        for bad in ["10.0.0.1", "192.168.0.2", "0.0.0.0", "::", "::ffff:10.0.0.1", "fe80::1", "::127.0.0.1"] {
+            assert!(!is_loopback_peer(bad.parse().unwrap()), "{bad}");
+        }
     }
 }

@@ -256,6 +256,19 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         Ok(tokio::net::TcpListener::from_std(l)?)
     })?;
     let health_task = tokio::spawn(http::serve(health, agent.clone()));
+    // CubeEgress push client (egress_sync.rs): before gRPC serves, so no Ensure skips it.
+    if !raw.cube_egress_admin_url.is_empty() {
+        let timeout = std::time::Duration::from_millis(raw.cube_egress_push_timeout_ms);
+        let sync = network_agent::egress_sync::EgressSync::new(
+            &raw.cube_egress_admin_url,
+            timeout,
+            tokio::runtime::Handle::current(),
+            agent.metrics.clone(),
+        )
+        .map_err(anyhow::Error::msg)?;
+        agent.set_egress_sync(sync.clone());
+        tokio::spawn(sync.run(Arc::downgrade(&agent)));
+    }
 
     // grpc.health.v1 ("" and the NetworkAgent service) follows readiness: SERVING only while
     // an Ensure can succeed now (`Agent::readiness`, also `/readyz`).

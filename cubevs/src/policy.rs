@@ -3,6 +3,7 @@
 //! - [`Cidr`] is the one strict IPv4 CIDR parser ([`cidr`]).
 //! - [`EgressPolicy`], [`compile`], [`CompiledPolicy`] and [`BASELINE_DENY`] are the policy
 //!   model: what a caller asks for, what it expands to, and the verdict ([`model`]).
+//! - [`FqdnAllow`] / [`FqdnPattern`]: DNS-name allow entries, strictly parsed ([`fqdn`]).
 //! - [`PolicyTable`] writes compiled policies into the kernel maps (this file).
 //!
 //! Entries are keyed `{ifindex, generation, address/len}`. A replace validates and expands
@@ -21,6 +22,7 @@
 //! another, and a replace by a smaller policy or a removal always has room.
 
 pub mod cidr;
+pub mod fqdn;
 pub mod model;
 
 use std::{
@@ -34,8 +36,10 @@ use aya::maps::{
 };
 pub use cidr::Cidr;
 use cubevs_common::{AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, map};
+pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 pub use model::{
-    BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, compile, parse_cidr,
+    BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, MAX_RULES_JSON_BYTES,
+    compile, parse_cidr, validate_rules,
 };
 
 use crate::{Error, error::is_not_found};

@@ -20,7 +20,8 @@ pub mod dns;
 pub mod handoff;
 pub mod metrics;
 pub mod net;
-pub mod policy;
+/// The rule model lives in the shared `egress-policy` crate (the agent validates with it too).
+pub use egress_policy as policy;
 pub mod proxy;
 pub mod store;
 

@@ -577,7 +577,7 @@ fn policy_deny_rst_bytes_and_allow_override() {
         .policy
         .replace(
             SB_IFINDEX,
-            &EgressPolicy { allow_internet_access: false, allow_out: vec!["10.1.0.0/16".into()], deny_out: vec![] },
+            &EgressPolicy { allow_internet_access: false, allow_out: vec!["10.1.0.0/16".into()], ..Default::default() },
         )
         .unwrap();
     let out = r.cube(guest_tcp(T { seq: 7, syn: true, ..Default::default() }));

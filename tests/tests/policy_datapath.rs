@@ -125,6 +125,7 @@ fn shared_policy_tries_are_shared_fairly() {
         allow_internet_access: true,
         allow_out: entries(0x0b00_0000 + seed * 0x100, 16),
         deny_out: entries(0x0c00_0000 + seed * 0x100, 16),
+        ..Default::default()
     };
     for ifx in 1..=3 {
         m.policy.replace(ifx, &full(ifx)).unwrap();

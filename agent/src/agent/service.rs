@@ -157,6 +157,8 @@ impl Agent {
             return Err(e);
         }
         lock(&self.inner).sandboxes.insert(id.clone(), rec.clone());
+        // The gateway gets the L7 rules before the guest can run (L3: never fails Ensure).
+        self.push_egress(ip, Some(&rec.policy.rules));
         Ok(self.view(&rec))
     }
 
@@ -215,6 +217,8 @@ impl Agent {
                 tracing::error!("{e}");
             }
         }
+        // Before the TAP (and so the IP) can be reused.
+        self.push_egress(rec.sandbox_ip, None);
         self.cleanup_tap(&rec.tap_name);
         Ok(true)
     }
@@ -276,6 +280,8 @@ impl Agent {
         }
         self.converge(&rec)?;
         lock(&self.inner).sandboxes.insert(sandbox_id.to_string(), rec.clone());
+        // Re-asserts the gateway's copy too (new rules, or the same ones).
+        self.push_egress(rec.sandbox_ip, Some(&rec.policy.rules));
         Ok(self.view(&rec))
     }
 

@@ -43,7 +43,7 @@ fn req(id: &str) -> EnsureRequest {
         policy: Some(EgressPolicy {
             allow_internet_access: false,
             allow_out: vec!["1.1.1.1/32".into()],
-            deny_out: vec![],
+            ..Default::default()
         }),
         persist_metadata: BTreeMap::new(),
     }

@@ -8,7 +8,10 @@
 
 use std::{collections::HashSet, net::Ipv4Addr};
 
-use super::cidr::Cidr;
+use super::{
+    cidr::Cidr,
+    fqdn::{FqdnAllow, FqdnPattern, parse_fqdn},
+};
 use crate::Error;
 
 /// Always-denied destinations of every sandbox: private, loopback and link-local ranges.
@@ -29,7 +32,8 @@ pub const EXTRA_ENTRIES: u32 = BASELINE_DENY.len() as u32 + 1;
 pub const DEFAULT_ENTRIES_PER_SANDBOX: u32 = 1024;
 
 /// What a caller asks for (cubelet's `CubeVSContext`). With the `serde` feature it
-/// (de)serialises as `{allow_internet_access, allow_out, deny_out}`.
+/// (de)serialises as `{allow_internet_access, allow_out, deny_out, allow_fqdn?, rules?}`
+/// (the last two omitted when empty and defaulted when absent: older JSON loads unchanged).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct EgressPolicy {
@@ -40,12 +44,49 @@ pub struct EgressPolicy {
     /// IPv4 addresses or CIDRs denied (ignored when `allow_internet_access` is false, but
     /// validated all the same).
     pub deny_out: Vec<String>,
+    /// DNS names allowed by DNS learning (exact or `*.` subdomains, optional ports).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub allow_fqdn: Vec<FqdnAllow>,
+    /// CubeEgress L7 rules (upstream rule model), pushed to the gateway; secrets inside.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub rules: Vec<egress_policy::RuleSpec>,
 }
 
 impl Default for EgressPolicy {
     fn default() -> Self {
-        Self { allow_internet_access: true, allow_out: Vec::new(), deny_out: Vec::new() }
+        Self {
+            allow_internet_access: true,
+            allow_out: Vec::new(),
+            deny_out: Vec::new(),
+            allow_fqdn: Vec::new(),
+            rules: Vec::new(),
+        }
     }
+}
+
+/// Largest JSON body of one sandbox's gateway policy, in bytes: CubeEgress's admin API refuses
+/// larger request bodies (`egress/src/admin.rs`, `MAX_BODY`), so a bigger policy could never
+/// reach the gateway.
+pub const MAX_RULES_JSON_BYTES: usize = 1 << 20;
+
+/// Validates L7 rules with the gateway's own validator (`egress_policy::Policy::compile`),
+/// so what the agent accepts the gateway accepts. Errors name the field (`rules[2].match.path`;
+/// `rules` when the policy's JSON exceeds [`MAX_RULES_JSON_BYTES`]). Reasons never quote a
+/// secret. An empty list is valid (no L7 policy).
+pub fn validate_rules(rules: &[egress_policy::RuleSpec]) -> Result<(), Error> {
+    if rules.is_empty() {
+        return Ok(());
+    }
+    // The policy id the agent sends is the sandbox IP (at most 15 bytes).
+    let spec = egress_policy::PolicySpec { policy_id: "255.255.255.255".into(), rules: rules.to_vec() };
+    let size = serde_json::to_vec(&spec).map(|v| v.len()).map_err(|e| Error::invalid("rules", e.to_string()))?;
+    if size > MAX_RULES_JSON_BYTES {
+        return Err(Error::invalid(
+            "rules",
+            format!("{size} bytes of JSON exceed the gateway's limit of {MAX_RULES_JSON_BYTES}"),
+        ));
+    }
+    egress_policy::Policy::compile(spec).map(|_| ()).map_err(|e| Error::invalid(e.field, e.reason))
 }
 
 /// Parses one policy entry (see [`Cidr::parse`]) and clears its host bits, as upstream's
@@ -61,18 +102,24 @@ pub struct CompiledPolicy {
     pub allow: Vec<Cidr>,
     /// `deny_out` entries (baseline included).
     pub deny: Vec<Cidr>,
+    /// Validated FQDN allow entries, sorted and deduplicated (input of DNS learning).
+    pub fqdn: Vec<FqdnPattern>,
 }
 
 /// Validates and expands `p`. `limit` is the per-sandbox maximum of each list as given
 /// (before deduplication). Errors are [`Error::InvalidArgument`] naming the field:
-/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` for a list over `limit`.
+/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` / `allow_fqdn` / `rules` for a list over
+/// `limit`, `allow_fqdn[1].name`, `rules[2].match.path`.
 pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
-    for (name, list) in [("allow_out", &p.allow_out), ("deny_out", &p.deny_out)] {
-        if list.len() > limit as usize {
-            return Err(Error::invalid(
-                name,
-                format!("{} entries exceed the limit of {limit} per sandbox", list.len()),
-            ));
+    let lens = [
+        ("allow_out", p.allow_out.len()),
+        ("deny_out", p.deny_out.len()),
+        ("allow_fqdn", p.allow_fqdn.len()),
+        ("rules", p.rules.len()),
+    ];
+    for (name, len) in lens {
+        if len > limit as usize {
+            return Err(Error::invalid(name, format!("{len} entries exceed the limit of {limit} per sandbox")));
         }
     }
     let mut allow = Vec::with_capacity(p.allow_out.len());
@@ -83,6 +130,11 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     for (i, s) in p.deny_out.iter().enumerate() {
         user_deny.push(parse_cidr(s, &format!("deny_out[{i}]"))?);
     }
+    let mut fqdn = Vec::with_capacity(p.allow_fqdn.len());
+    for (i, e) in p.allow_fqdn.iter().enumerate() {
+        fqdn.push(parse_fqdn(e, &format!("allow_fqdn[{i}]"))?);
+    }
+    validate_rules(&p.rules)?;
     let mut deny = BASELINE_DENY.to_vec();
     if p.allow_internet_access {
         deny.extend(user_deny);
@@ -93,7 +145,9 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     allow.dedup();
     deny.sort();
     deny.dedup();
-    Ok(CompiledPolicy { allow, deny })
+    fqdn.sort();
+    fqdn.dedup();
+    Ok(CompiledPolicy { allow, deny, fqdn })
 }
 
 /// Membership by longest-prefix candidates: 33 hash lookups per address.
@@ -157,6 +211,7 @@ mod tests {
             allow_internet_access: internet,
             allow_out: allow.iter().map(|s| s.to_string()).collect(),
             deny_out: deny.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
         }
     }
 
@@ -184,6 +239,62 @@ mod tests {
         assert!(matches!(&e, Error::InvalidArgument { field, reason } if field == "deny_out" && reason.contains("16")));
         let e = compile(&EgressPolicy { allow_out: many, ..Default::default() }, 16).unwrap_err();
         assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_out"), "{e}");
+    }
+
+    #[test]
+    fn compile_validates_fqdn_and_rules() {
+        let rule = |path: &str| -> egress_policy::RuleSpec {
+            serde_json::from_value(serde_json::json!({
+                "id": "r", "match": {"host": "api.example.com", "path": path}, "action": {"allow": true}
+            }))
+            .unwrap()
+        };
+        let ok = EgressPolicy {
+            allow_fqdn: vec![
+                FqdnAllow { name: "*.example.com".into(), ports: vec![] },
+                FqdnAllow { name: "*.EXAMPLE.com.".into(), ports: vec![] },
+            ],
+            rules: vec![rule("/v1/*")],
+            ..Default::default()
+        };
+        assert_eq!(compile(&ok, 16).unwrap().fqdn.len(), 1, "deduplicated");
+        let bad = EgressPolicy {
+            allow_fqdn: vec![ok.allow_fqdn[0].clone(), FqdnAllow { name: "a.*.com".into(), ports: vec![] }],
+            ..Default::default()
+        };
+        let e = compile(&bad, 16).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_fqdn[1].name"), "{e}");
+        let mut r2 = rule("/a");
+        r2.id = "r2".into();
+        r2.matcher.path = Some("/a*b*".into());
+        let e = compile(&EgressPolicy { rules: vec![rule("/a"), r2], ..Default::default() }, 16).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "rules[1].match.path"), "{e}");
+        // Over the gateway's body limit: 17 rules with a 64 KiB secret each.
+        let big: Vec<egress_policy::RuleSpec> = (0..17)
+            .map(|i| {
+                serde_json::from_value(serde_json::json!({"id": format!("r{i}"), "match": {"host": "a.example.com"},
+                    "action": {"allow": true, "inject": [{"header": "X-K", "secret": "s".repeat(65536)}]}}))
+                .unwrap()
+            })
+            .collect();
+        compile(&EgressPolicy { rules: big[..15].to_vec(), ..Default::default() }, 16).expect("under 1 MiB");
+        let e = compile(&EgressPolicy { rules: big.clone(), ..Default::default() }, 32).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "rules"), "{e}");
+        assert!(!e.to_string().contains("sss"), "the reason never quotes a secret: {e}");
+        let e = compile(&EgressPolicy { rules: big, ..Default::default() }, 16).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { field, reason } if field == "rules" && reason.contains("limit of 16"))
+        );
+    }
+
+    /// State written before the FQDN/L7 fields loads unchanged and is written back unchanged.
+    #[cfg(feature = "serde")]
+    #[test]
+    fn older_json_loads_and_round_trips() {
+        let old = r#"{"allow_internet_access":false,"allow_out":["1.1.1.1/32"],"deny_out":[]}"#;
+        let p: EgressPolicy = serde_json::from_str(old).unwrap();
+        assert!(p.allow_fqdn.is_empty() && p.rules.is_empty());
+        assert_eq!(serde_json::to_string(&p).unwrap(), old);
     }
 
     #[test]
