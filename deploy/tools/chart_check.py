@@ -60,6 +60,8 @@ REFUSED = {
     "max-surge": ({"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}}, "maxSurge must be 0"),
     "existing-secret-unnamed": ({"egress": {"ca": {"mode": "existingSecret"}}}, "existingSecret"),
     "drain-vs-grace": ({"egress": {"drainTimeoutSecs": 40}}, "drainTimeoutSecs"),
+    "agent-log-format": ({"agent": {"logFormat": "xml"}}, "agent.logFormat must be json or text"),
+    "egress-log-format": ({"egress": {"logFormat": "logfmt"}}, "egress.logFormat must be json or text"),
 }
 
 
@@ -87,6 +89,7 @@ MUTATIONS = {
     "unknown config key": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"] + 'log_level = "x"\n'}), "does not read: ['log_level']"),
     "health on loopback": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("0.0.0.0:", "127.0.0.1:")}), "could never pass"),
     "hostPID + shareProcessNamespace": (lambda o: _ds(o)["spec"]["template"]["spec"].update(shareProcessNamespace=True), "hostPID and shareProcessNamespace"),
+    "egress log format dropped": (lambda o: [c.update(env=[e for e in c["env"] if e["name"] != "CUBE_EGRESS_LOG_FORMAT"]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress-standby"], "CUBE_EGRESS_LOG_FORMAT is None"),
 }
 
 
@@ -171,6 +174,17 @@ class Checker:
                 hook = c.get("lifecycle", {}).get(h)
                 if hook is not None and len([k for k in ("exec", "httpGet", "tcpSocket", "sleep") if k in hook]) != 1:
                     self.fail(f"{c['name']}.lifecycle.{h} has no single handler")
+        # Log formats reach the binaries (JSON lines for collectors, the chart's default).
+        want_fmt = {"network-agent": ("NETWORK_AGENT_LOG_FORMAT", values["agent"]["logFormat"])}
+        if values["egress"]["enabled"]:
+            for slot in ("cube-egress", "cube-egress-standby")[: 2 if values["egress"]["standby"] else 1]:
+                want_fmt[slot] = ("CUBE_EGRESS_LOG_FORMAT", values["egress"]["logFormat"])
+        for c in pod["containers"]:
+            if c["name"] in want_fmt:
+                var, fmt = want_fmt[c["name"]]
+                got = {e["name"]: e.get("value") for e in c.get("env", [])}.get(var)
+                if got != fmt:
+                    self.fail(f"{c['name']}: {var} is {got!r}, values say {fmt!r}")
         for c in pod["containers"]:
             if c["name"] != "cube-egress-net" and "readinessProbe" not in c:
                 self.fail(f"{c['name']} has no readinessProbe")

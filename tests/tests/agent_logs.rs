@@ -1,4 +1,4 @@
-//! JSON-lines logs (`NETWORK_AGENT_LOG_FORMAT=json`, what the Helm chart sets): every line
+//! JSON-lines logs (`NETWORK_AGENT_LOG_FORMAT=json` / `CUBE_EGRESS_LOG_FORMAT=json`, what the Helm chart sets): every line
 //! the agent writes is one JSON object, and the Ensure, TAP fd and Release events carry the
 //! sandbox id as a `sandbox_id` field (a log collector can select one sandbox's history).
 
@@ -82,4 +82,58 @@ fn json_log_lines_carry_sandbox_id_on_ensure_fd_release() {
     assert_eq!(find("TAP fd handed out", "sb-log")["tap"], r.interfaces[0].name.as_str());
     assert_eq!(find("TAP fd refused: the sandbox holds no such TAP", "sb-log")["tap"], "z192.168.0.250");
     assert_eq!(find("network released", "sb-log")["level"], "INFO");
+}
+
+/// CubeEgress in the same format (`CUBE_EGRESS_LOG_FORMAT=json`, the chart's `egress.logFormat`):
+/// its start-up event is one JSON object with the listen addresses as fields; an unknown
+/// format is refused with status 2.
+#[test]
+fn cube_egress_json_log_lines() {
+    use std::{
+        io::{BufRead, BufReader},
+        process::{Command, Stdio},
+    };
+    const T: &str = "cube_egress_json_log_lines";
+    if !require_root(T) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("cubenet-egress-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = cubenet_tests::tls::make_ca("log test CA");
+    std::fs::write(dir.join("cube-root-ca.crt"), &ca.pem).unwrap();
+    std::fs::write(dir.join("cube-root-ca.key"), &ca.key_pem).unwrap();
+    let cmd = |fmt: &str| {
+        let mut c = Command::new(cubenet_tests::agent::workspace_bin("cube-egress"));
+        c.args(["--ca-dir", dir.to_str().unwrap(), "--audit-file", dir.join("a.jsonl").to_str().unwrap()])
+            .args(["--listen-ip", "127.0.0.1", "--http-port", "0", "--https-port", "0", "--admin-addr", "127.0.0.1:0"])
+            .env("CUBE_EGRESS_LOG_FORMAT", fmt)
+            .env("CUBE_EGRESS_LOG", "info")
+            .stdin(Stdio::null());
+        c
+    };
+    let bad = cmd("xml").output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("CUBE_EGRESS_LOG_FORMAT"), "{bad:?}");
+
+    let mut child = ChildGuard::from_child(cmd("json").stderr(Stdio::piped()).spawn().unwrap());
+    let stderr = child.child().stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut seen = Vec::new();
+    let listening = loop {
+        let l = rx.recv_timeout(std::time::Duration::from_secs(20)).unwrap_or_else(|e| panic!("{e}: {seen:?}"));
+        let v: serde_json::Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}"));
+        if v["message"] == "cube-egress listening" {
+            break v;
+        }
+        seen.push(l);
+    };
+    assert_eq!(listening["level"], "INFO");
+    assert!(listening["http"].as_str().is_some_and(|a| a.starts_with("127.0.0.1:")), "{listening}");
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -283,6 +283,10 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     });
     let parked = logs("cubenet-node-cube-egress") + &logs("cubenet-node-cube-egress-standby");
     assert!(parked.contains("parked as standby"), "no slot parked:\n{parked}");
+    assert!(
+        parked.lines().any(|l| l.starts_with('{') && l.contains(r#""message":"cube-egress listening""#)),
+        "CubeEgress does not log JSON lines (egress.logFormat json):\n{parked}"
+    );
 
     // 4. As cubelet.
     let grpc = format!("unix://{}", dir.join("cube/network-agent-grpc.sock").display());
