@@ -9,6 +9,15 @@ use crate::{
     state::{Phase, PortRecord, SandboxRecord, validate_sandbox_id},
 };
 
+/// An error as the log may show it: an invalid field by its name only (the reason can quote
+/// request values, e.g. an injected credential), everything else in full.
+fn loggable(e: &AgentError) -> String {
+    match e {
+        AgentError::Invalid { field, .. } => format!("invalid {field}"),
+        e => e.to_string(),
+    }
+}
+
 impl Agent {
     /// EnsureNetwork: idempotent per sandbox id; on failure nothing is left behind.
     /// Logs `network ensured` (info) or `ensure failed` (warn) with `sandbox_id`.
@@ -30,7 +39,7 @@ impl Agent {
                 ms,
                 "network ensured"
             ),
-            Err(e) => tracing::warn!(sandbox_id = %id, ms, error = %e, "ensure failed"),
+            Err(e) => tracing::warn!(sandbox_id = %id, ms, error = %loggable(e), "ensure failed"),
         }
         r
     }
@@ -149,7 +158,7 @@ impl Agent {
             self.store.advance(&id, Phase::Creating, Phase::Success).map_err(|e| internal(format!("commit {id}: {e}")))
         })();
         if let Err(e) = programmed {
-            tracing::warn!(sandbox_id = %id, error = %e, "ensure failed, rolling back");
+            tracing::warn!(sandbox_id = %id, error = %loggable(&e), "ensure failed, rolling back");
             if let Err(pe) = self.transit(&mut lock(&self.inner), &name, Transition::Release) {
                 tracing::error!("{pe}");
             }
@@ -186,7 +195,7 @@ impl Agent {
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         match &r {
             Ok(_) => tracing::info!(sandbox_id = %sandbox_id, ms, "network released"),
-            Err(e) => tracing::warn!(sandbox_id = %sandbox_id, ms, error = %e, "release failed"),
+            Err(e) => tracing::warn!(sandbox_id = %sandbox_id, ms, error = %loggable(e), "release failed"),
         }
         r
     }
