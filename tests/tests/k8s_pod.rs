@@ -15,8 +15,8 @@
 //!    replaced in the running pod by one from a newer image (`podman container clone
 //!    --destroy`: same pod, same netns and volumes — what the kubelet does for an in-place
 //!    image update); the upload completes byte-exact with no reset, because the datapath is
-//!    pinned and the TAP is held by QEMU; the new agent adopts the sandbox. (No fd hand-over
-//!    between agent processes exists yet: the new agent cannot hand out that TAP again.)
+//!    pinned and the TAP is held by QEMU; the new agent adopts the sandbox, and (asserted, the
+//!    limit of a restart, decision K14) cannot hand out that TAP again while QEMU holds it.
 //! 6. everything is removed (pod, containers, namespaces, bpffs, temp dir); images stay cached.
 
 use std::{
@@ -353,6 +353,10 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
         c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-k8s".into(), ..Default::default() }).await
     });
     assert!(got.is_ok(), "the new agent lost sb-k8s: {got:?}\n{new_log}");
+    // The documented limit (decision K14): a restarted agent cannot hand the TAP out again
+    // while QEMU holds it (no hand-over of TAP fds between containers).
+    let (again, fd_again) = tap_fd(&tap_sock, &i.name, "sb-k8s");
+    assert!(fd_again.is_none() && again["errCode"] != "0", "expected the restart limit, got {again}");
     let during = sink.received.load(Ordering::SeqCst);
     assert!(during < UPLOAD, "the upload ended before the replacement finished ({during} bytes): make it longer");
 
