@@ -122,3 +122,23 @@ impl SandboxStatsTable {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_cpu_values_are_summed_and_every_reason_named() {
+        let mut a = SandboxStats { out_packets: 2, out_bytes: 100, in_packets: 1, in_bytes: 60, ..Default::default() };
+        a.drops[drop::POLICY as usize] = 3;
+        let mut b = SandboxStats { out_packets: 5, out_bytes: 7, ..Default::default() };
+        b.drops[drop::POLICY as usize] = 1;
+        b.drops[drop::RST_WINDOW as usize] = 4;
+        b.drops[DROP_SLOTS - 1] = 9; // a reserved slot: no name, not reported
+        let c = SandboxCounters::sum(&[a, b]);
+        assert_eq!((c.out_packets, c.out_bytes, c.in_packets, c.in_bytes), (7, 107, 1, 60));
+        assert_eq!((c.drops["policy"], c.drops["rst_window"], c.drops["spoof"]), (4, 4, 0));
+        assert_eq!(c.drops.len(), drop::NAMES.len());
+        assert_eq!(c.dropped(), 8);
+    }
+}
