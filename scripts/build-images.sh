@@ -249,6 +249,9 @@ build_image() {
       "$ctr"
     buildah commit --quiet --rm --timestamp "$epoch" "$ctr" "$ref" >/dev/null
     trap - EXIT
+    # The previous build of this ref is now untagged: drop it (private storage only; an image
+    # a container still uses stays).
+    podman image prune --force >/dev/null 2>&1 || true
     log "$ref built in $((SECONDS - t0)) s ($(wc -l <"$rootfs.packages") Debian packages: $(tr '\n' ' ' <"$rootfs.packages"))"
   fi
   if ((save)); then

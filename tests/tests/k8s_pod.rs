@@ -256,7 +256,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     // 3. kube play.
     let t1 = Instant::now();
     let _ = podman(&["pod", "rm", "--force", "cubenet-node"]);
-    let _pod = PodGuard("cubenet-node".into());
+    let pod_guard = PodGuard("cubenet-node".into());
     podman_ok(&["kube", "play", "--network", "none", pod_yaml.to_str().unwrap()]);
     let agent_c = "cubenet-node-network-agent";
     let ready = wait_for("agent /readyz", Duration::from_secs(120), || {
@@ -401,5 +401,8 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
             .expect("ensure through the new agent");
     });
     drop(vm);
-    let _ = podman(&["rmi", &newer]);
+    // The pod first: its replaced agent container still uses the drill image.
+    drop(pod_guard);
+    let rmi = podman(&["rmi", &newer]);
+    assert!(rmi.status.success(), "podman rmi {newer}: {}", String::from_utf8_lossy(&rmi.stderr));
 }
