@@ -20,6 +20,9 @@ APT_PACKAGES=(
   # --- CubeEgress: TPROXY plumbing (scripts/cube-egress-net.sh) and the end-to-end test's
   # --- TLS client / certificate checks (tests/tests/egress.rs).
   iptables openssl curl ca-certificates
+  # --- Kubernetes (scripts/build-images.sh, tests/tests/k8s_pod.rs): OCI builds and pod runs
+  # --- offline; runc because crun fails on this host's hybrid cgroups (packaging.md).
+  podman buildah runc
 )
 
 missing=()
@@ -84,6 +87,14 @@ if ((need_linker)); then
     --no-default-features --features llvm-22
 else
   log "bpf-linker (LLVM 22) present"
+fi
+
+# Kubernetes tooling venv (helm-python-sdk, kubernetes-validate; pinned, target/k8s-venv).
+# A failure only warns: the chart tests then print SKIPPED.
+if bash "$setup_dir/k8s-venv.sh" >/dev/null; then
+  log "k8s venv present (target/k8s-venv)"
+else
+  log "warning: scripts/k8s-venv.sh failed (PyPI unreachable?); the k8s tests will be SKIPPED"
 fi
 
 log "done"

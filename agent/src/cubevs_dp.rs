@@ -3,6 +3,7 @@
 //! under `<bpffs_dir>/maps`, adopted on restart), and the session reaper thread.
 
 use std::{
+    collections::BTreeMap,
     net::Ipv4Addr,
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -13,8 +14,8 @@ use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, reaper::Reaper};
 
 use crate::{
     dataplane::{
-        Counters, Dataplane, DataplaneError, EgressPolicy, PolicyDump, PortMapping, Proto, SandboxEntry, Session,
-        SnatIp, from_cubevs,
+        Counters, Dataplane, DataplaneError, EgressPolicy, PolicyDump, PortMapping, Proto, SandboxCounters,
+        SandboxEntry, Session, SnatIp, from_cubevs,
     },
     host::NetnsHost,
 };
@@ -120,13 +121,22 @@ impl Dataplane for CubeVsDataplane {
         self.on_thread(move |dp| dp.attach_cube_dev(&n, ip)).map(drop)
     }
     fn register_sandbox(&self, e: &SandboxEntry) -> Result<(), DataplaneError> {
+        // A different sandbox (id or version) on this interface starts its counters at zero,
+        // before it is registered, so none of the previous owner's packets is charged to it;
+        // re-registering the same sandbox (recovery after a restart) keeps them.
+        let same =
+            self.maps.sandboxes.get(e.ifindex).map_err(err)?.is_some_and(|o| o.id == e.id && o.version == e.version);
+        if !same || self.maps.sandbox_stats.get(e.ifindex).map_err(err)?.is_none() {
+            self.maps.sandbox_stats.reset(e.ifindex).map_err(err)?;
+        }
         self.maps
             .sandboxes
             .register(&cubevs::SandboxEntry { ifindex: e.ifindex, ip: e.ip, version: e.version, id: e.id.clone() })
             .map_err(err)
     }
     fn unregister_sandbox(&self, ifindex: u32) -> Result<(), DataplaneError> {
-        self.maps.sandboxes.unregister(ifindex).map_err(err)
+        self.maps.sandboxes.unregister(ifindex).map_err(err)?;
+        self.maps.sandbox_stats.remove(ifindex).map_err(err)
     }
     fn sandbox(&self, ifindex: u32) -> Result<Option<SandboxEntry>, DataplaneError> {
         Ok(self.maps.sandboxes.get(ifindex).map_err(err)?.map(|e| SandboxEntry {
@@ -216,6 +226,12 @@ impl Dataplane for CubeVsDataplane {
     }
     fn delete_sessions_of(&self, ifindex: u32) -> Result<usize, DataplaneError> {
         self.maps.sessions.delete_of(ifindex).map_err(err)
+    }
+    fn sandbox_counters(&self, ifindex: u32) -> Result<Option<SandboxCounters>, DataplaneError> {
+        self.maps.sandbox_stats.get(ifindex).map_err(err)
+    }
+    fn all_sandbox_counters(&self) -> Result<BTreeMap<u32, SandboxCounters>, DataplaneError> {
+        self.maps.sandbox_stats.list().map_err(err)
     }
     fn counters(&self) -> Result<Counters, DataplaneError> {
         let mut c: Counters = self

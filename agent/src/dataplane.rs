@@ -123,6 +123,9 @@ pub struct Session {
 /// Datapath counters by name (verdicts, drops).
 pub type Counters = BTreeMap<String, u64>;
 
+/// One sandbox's datapath counters: cubevs's own type (`out_*`, `in_*`, `drops` by reason).
+pub use cubevs::SandboxCounters;
+
 /// Everything the agent needs from the datapath. Implementations are thread-safe; every
 /// method may block briefly (map syscalls, a hop to the netns thread) and must be called off
 /// async worker threads (`spawn_blocking`).
@@ -173,6 +176,12 @@ pub trait Dataplane: Send + Sync {
     fn delete_sessions_of(&self, ifindex: u32) -> Result<usize, DataplaneError>;
     /// Datapath counters.
     fn counters(&self) -> Result<Counters, DataplaneError>;
+    /// Per-sandbox counters of interface `ifindex` (packets and bytes each way, drops by
+    /// reason; `cubevs_common::stats`), `None` when no sandbox is registered there. They
+    /// start at zero when a different sandbox (id or version) registers on the interface.
+    fn sandbox_counters(&self, ifindex: u32) -> Result<Option<SandboxCounters>, DataplaneError>;
+    /// Per-sandbox counters of every interface that has them, by ifindex.
+    fn all_sandbox_counters(&self) -> Result<BTreeMap<u32, SandboxCounters>, DataplaneError>;
 }
 
 /// Prefix of the policy fields in the gRPC request.
@@ -209,6 +218,7 @@ pub struct MemTables {
     ports: HashMap<(Proto, u16), PortMapping>,
     policies: BTreeMap<u32, (u32, cubevs::policy::CompiledPolicy)>,
     snat: Vec<SnatIp>,
+    stats: BTreeMap<u32, SandboxCounters>,
     /// Per-sandbox entry limit (`cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX` when 0).
     pub policy_limit: u32,
 }
@@ -216,11 +226,26 @@ pub struct MemTables {
 impl MemTables {
     /// `register_sandbox`.
     pub fn register(&mut self, e: &SandboxEntry) {
+        let same = self.sandboxes.get(&e.ifindex).is_some_and(|o| o.id == e.id && o.version == e.version);
+        if !same || !self.stats.contains_key(&e.ifindex) {
+            self.stats.insert(e.ifindex, zero_counters());
+        }
         self.sandboxes.insert(e.ifindex, e.clone());
     }
     /// `unregister_sandbox`.
     pub fn unregister(&mut self, ifindex: u32) {
         self.sandboxes.remove(&ifindex);
+        self.stats.remove(&ifindex);
+    }
+    /// `sandbox_counters` / `all_sandbox_counters`.
+    pub fn stats(&self) -> &BTreeMap<u32, SandboxCounters> {
+        &self.stats
+    }
+    /// What the programs do to a registered sandbox's counters (tests): `f` on its entry.
+    pub fn count(&mut self, ifindex: u32, f: impl FnOnce(&mut SandboxCounters)) {
+        if let Some(c) = self.stats.get_mut(&ifindex) {
+            f(c);
+        }
     }
     /// `sandbox`.
     pub fn sandbox(&self, ifindex: u32) -> Option<SandboxEntry> {
@@ -423,6 +448,20 @@ impl Dataplane for FakeDataplane {
     }
     fn counters(&self) -> Result<Counters, DataplaneError> {
         Ok(Counters::new())
+    }
+    fn sandbox_counters(&self, ifindex: u32) -> Result<Option<SandboxCounters>, DataplaneError> {
+        Ok(self.tables.lock().unwrap().stats().get(&ifindex).cloned())
+    }
+    fn all_sandbox_counters(&self) -> Result<BTreeMap<u32, SandboxCounters>, DataplaneError> {
+        Ok(self.tables.lock().unwrap().stats().clone())
+    }
+}
+
+/// Zeroed counters with every drop reason present, as the real map reads after a reset.
+fn zero_counters() -> SandboxCounters {
+    SandboxCounters {
+        drops: cubevs_common::stats::drop::NAMES.iter().map(|(_, n)| (n.to_string(), 0)).collect(),
+        ..Default::default()
     }
 }
 

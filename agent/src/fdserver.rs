@@ -126,12 +126,19 @@ async fn handle(mut stream: UnixStream, agent: Arc<Agent>) -> std::io::Result<()
         return send(&stream, &reply(codes::PARSE), None).await;
     };
     let a = agent.clone();
+    let (tap, sandbox_id) = (req.name.clone(), req.sandbox_id.clone());
     let res = tokio::task::spawn_blocking(move || a.tap_fd(&req.name, &req.sandbox_id)).await;
     let (code, fd) = match res {
-        Ok(Ok(Some(fd))) => (codes::OK, Some(fd)),
-        Ok(Ok(None)) => (codes::NOT_FOUND, None),
+        Ok(Ok(Some(fd))) => {
+            tracing::info!(sandbox_id = %sandbox_id, tap = %tap, "TAP fd handed out");
+            (codes::OK, Some(fd))
+        }
+        Ok(Ok(None)) => {
+            tracing::warn!(sandbox_id = %sandbox_id, tap = %tap, "TAP fd refused: the sandbox holds no such TAP");
+            (codes::NOT_FOUND, None)
+        }
         Ok(Err(e)) => {
-            tracing::warn!("fd handoff: {e}");
+            tracing::warn!(sandbox_id = %sandbox_id, tap = %tap, error = %e, "TAP fd handoff failed");
             (codes::UNKNOWN, None)
         }
         Err(_) => (codes::UNKNOWN, None),

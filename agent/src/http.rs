@@ -2,8 +2,9 @@
 //! see [`Agent::readiness`]; 503 with the reason), `/metrics` (Prometheus; datapath figures
 //! are read at scrape time), and, to loopback clients only, `GET /v1/network/taps` (upstream
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
-//! sandboxes,portmaps,policies}` and `GET /v1/policies/dump` (CubeEgress bootstrap, with
-//! secrets: [`crate::policy_dump`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
+//! sandboxes,portmaps,policies,counters}` (`counters`: every registered sandbox with its
+//! packets/bytes each way and drops by reason) and `GET /v1/policies/dump` (CubeEgress
+//! bootstrap, with secrets: [`crate::policy_dump`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
 //! `/v1/` paths get 403.
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
@@ -99,6 +100,30 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
             blocking(Box::new(|a: &Agent| match a.dataplane().sandboxes() {
                 Ok(s) => json(&serde_json::json!({"sandboxes": s})),
                 Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+            }))
+            .await
+        }
+        "/v1/dataplane/counters" => {
+            blocking(Box::new(|a: &Agent| {
+                let dp = a.dataplane();
+                match dp.sandboxes().and_then(|s| Ok((s, dp.all_sandbox_counters()?))) {
+                    Ok((sandboxes, counters)) => {
+                        let out: Vec<_> = sandboxes
+                            .iter()
+                            .map(|s| {
+                                let c = counters.get(&s.ifindex).cloned().unwrap_or_default();
+                                serde_json::json!({
+                                    "sandboxID": s.id, "ifindex": s.ifindex, "ip": s.ip, "version": s.version,
+                                    "out": {"packets": c.out_packets, "bytes": c.out_bytes},
+                                    "in": {"packets": c.in_packets, "bytes": c.in_bytes},
+                                    "drops": c.drops,
+                                })
+                            })
+                            .collect();
+                        json(&serde_json::json!({"sandboxes": out}))
+                    }
+                    Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+                }
             }))
             .await
         }

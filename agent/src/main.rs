@@ -117,12 +117,34 @@ fn step<R>(name: &str, f: impl FnOnce() -> anyhow::Result<R>) -> anyhow::Result<
     r
 }
 
+/// Log setup: filter from `RUST_LOG` (default `info`), to stderr. `NETWORK_AGENT_LOG_FORMAT=json`
+/// writes one JSON object per line (`timestamp`, `level`, `target`, the event's fields flattened
+/// — e.g. `sandbox_id` on the Ensure, Release and TAP fd events — and the current span's fields under `span`), for log collectors on
+/// Kubernetes; `text` (the default) is the human format. An unknown value exits with status 2.
+fn init_logging() {
+    let filter = || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    match std::env::var("NETWORK_AGENT_LOG_FORMAT").as_deref() {
+        Ok("json") => tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .init(),
+        Ok("text") | Ok("") | Err(_) => {
+            tracing_subscriber::fmt().with_env_filter(filter()).with_writer(std::io::stderr).init()
+        }
+        Ok(other) => {
+            eprintln!("network-agent: NETWORK_AGENT_LOG_FORMAT: unknown format {other:?} (json or text)");
+            std::process::exit(2);
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging();
     let raw = match &args.config {
         Some(p) => match Config::load(p) {
             Ok(c) => c,

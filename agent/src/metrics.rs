@@ -12,6 +12,8 @@ use prometheus::{
 
 use crate::dataplane::Dataplane;
 
+mod sandbox;
+
 /// The agent's metrics and their registry.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -119,8 +121,11 @@ impl Metrics {
     /// `cubenet_datapath_packets_total{program,reason}` (the per-CPU `counters` map summed;
     /// `program` empty for a counter not in `cubevs_common::counter::NAMES`),
     /// `cubenet_reaper_runs_total` and `cubenet_reaper_removed_sessions_total`. Call once.
+    /// Also the per-sandbox counters (`cubenet_sandbox_{packets,bytes,drops}_total`, see
+    /// [`sandbox`]): one series set per registered sandbox, gone after its Release.
     pub fn register_datapath(&self, dp: Arc<dyn Dataplane>) -> prometheus::Result<()> {
-        self.registry.register(Box::new(DatapathCollector::new(dp)))
+        self.registry.register(Box::new(DatapathCollector::new(dp.clone())))?;
+        self.registry.register(Box::new(sandbox::SandboxCollector::new(dp)))
     }
 
     /// Text exposition format.
@@ -203,5 +208,35 @@ mod tests {
         assert!(t.contains("# TYPE cubenet_reaper_runs_total counter\ncubenet_reaper_runs_total 0\n"), "{t}");
         assert!(t.contains("# TYPE cubenet_reaper_removed_sessions_total counter"), "{t}");
         assert!(!t.contains("cubenet_datapath_counter") && !t.contains("cubenet_reaper_runs "), "{t}");
+    }
+
+    #[test]
+    fn sandbox_series_exist_only_while_registered_and_start_at_zero() {
+        use crate::dataplane::{Dataplane, FakeDataplane, SandboxEntry};
+        let dp = Arc::new(FakeDataplane::default());
+        let m = Metrics::new();
+        m.register_datapath(dp.clone()).unwrap();
+        let a = SandboxEntry { ifindex: 7, ip: "192.168.0.2".parse().unwrap(), version: 1, id: "sb-a".into() };
+        dp.register_sandbox(&a).unwrap();
+        dp.tables.lock().unwrap().count(7, |c| {
+            c.out_packets = 3;
+            c.out_bytes = 300;
+            c.in_packets = 2;
+            c.in_bytes = 140;
+            *c.drops.get_mut("policy").unwrap() = 5;
+        });
+        let t = m.render();
+        assert!(t.contains("# TYPE cubenet_sandbox_packets_total counter"), "{t}");
+        assert!(t.contains(r#"cubenet_sandbox_packets_total{direction="out",sandbox="sb-a"} 3"#), "{t}");
+        assert!(t.contains(r#"cubenet_sandbox_bytes_total{direction="in",sandbox="sb-a"} 140"#), "{t}");
+        assert!(t.contains(r#"cubenet_sandbox_drops_total{reason="policy",sandbox="sb-a"} 5"#), "{t}");
+        assert!(!t.contains(r#"reason="spoof""#), "zero drop reasons are not exported: {t}");
+        // Release: the series go; the TAP's next owner starts at zero.
+        dp.unregister_sandbox(7).unwrap();
+        assert!(!m.render().contains("sb-a"), "series of a released sandbox remain");
+        dp.register_sandbox(&SandboxEntry { id: "sb-b".into(), version: 2, ..a.clone() }).unwrap();
+        let t = m.render();
+        assert!(t.contains(r#"cubenet_sandbox_packets_total{direction="out",sandbox="sb-b"} 0"#), "{t}");
+        assert!(!t.contains("sb-a") && !t.contains(r#"reason="policy""#), "{t}");
     }
 }

@@ -188,5 +188,11 @@ pub fn run() -> Vec<Row> {
             )
         }),
     );
+    // Same run, same frame: the established path once more without the sandbox's
+    // `sandbox_stats` entry (lookup miss, no update). The difference to the row above is what
+    // per-sandbox counting adds.
+    m.sandbox_stats.remove(SB_IFINDEX).expect("remove stats entry");
+    add("from_cube established TCP, no per-sandbox counter entry", prog::FROM_CUBE, SB_IFINDEX, None, Box::new(est));
+    m.sandbox_stats.reset(SB_IFINDEX).expect("reset stats entry");
     rows
 }

@@ -31,6 +31,7 @@ use crate::{
     policy::{PolicyLimits, PolicyTable},
     ports::PortMaps,
     sandbox::SandboxTable,
+    sandbox_stats::SandboxStatsTable,
     sessions::Sessions,
     slots,
     snat::SnatTable,
@@ -71,7 +72,7 @@ pub enum AttachMode {
 pub struct MapLimits {
     /// Sessions per direction (`egress_sessions`, `ingress_sessions`).
     pub sessions: u32,
-    /// Sandboxes (`ifindex_to_mvmmeta`, `mvmip_to_ifindex`, `policy_gen`).
+    /// Sandboxes (`ifindex_to_mvmmeta`, `mvmip_to_ifindex`, `policy_gen`, `sandbox_stats`).
     pub sandboxes: u32,
     /// Port mappings per map.
     pub port_mappings: u32,
@@ -212,6 +213,7 @@ impl Datapath {
             (map::IFINDEX_TO_MVMMETA, l.sandboxes),
             (map::MVMIP_TO_IFINDEX, l.sandboxes),
             (map::POLICY_GEN, l.sandboxes),
+            (map::SANDBOX_STATS, l.sandboxes),
             (map::ALLOW_OUT, policy_entries),
             (map::DENY_OUT, policy_entries),
         ];
@@ -278,6 +280,7 @@ impl Datapath {
             policy,
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
+            sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
         });
         Ok(Self { ebpf, opts, maps, legacy, slot, owned_links: HashMap::new() })
     }

@@ -6,7 +6,7 @@
 //!   (uplink) and `from_envoy` (cube-dev) with pinned tcx links (legacy tc as fallback).
 //! - [`Maps`] is the typed, thread-safe API over every map, one wrapper per map family:
 //!   [`SandboxTable`], [`PortMaps`], [`Sessions`], [`SnatTable`], [`PolicyTable`],
-//!   [`NodeTable`], [`Counters`].
+//!   [`NodeTable`], [`Counters`], [`SandboxStatsTable`].
 //! - [`reaper`] expires idle sessions; [`testrun`] runs programs on crafted frames with
 //!   `BPF_PROG_TEST_RUN`.
 //!
@@ -24,6 +24,7 @@ pub mod policy;
 mod ports;
 pub mod reaper;
 mod sandbox;
+mod sandbox_stats;
 pub mod selftest;
 pub mod sessions;
 pub mod slots;
@@ -40,6 +41,7 @@ pub use node::NodeTable;
 pub use policy::{Cidr, EgressPolicy, PolicyDump, PolicyLimits, PolicyTable};
 pub use ports::{PortMapping, PortMaps, Proto};
 pub use sandbox::{SandboxEntry, SandboxTable};
+pub use sandbox_stats::{SandboxCounters, SandboxStatsTable};
 pub use sessions::{SessionView, Sessions};
 pub use snat::{SnatAddr, SnatTable};
 
@@ -63,6 +65,8 @@ pub struct Maps {
     pub node: NodeTable,
     /// `counters`.
     pub counters: Counters,
+    /// `sandbox_stats` (per-sandbox packets, bytes and drops).
+    pub sandbox_stats: SandboxStatsTable,
 }
 
 impl std::fmt::Debug for Maps {

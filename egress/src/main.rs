@@ -3,13 +3,32 @@
 use clap::Parser;
 use cube_egress::config::{Cli, Config};
 
+/// Log setup: filter from `CUBE_EGRESS_LOG` (default `info`), to stderr.
+/// `CUBE_EGRESS_LOG_FORMAT=json` writes one JSON object per line (`timestamp`, `level`,
+/// `target`, the event's fields flattened), as the Helm chart sets it; `text` (the default) is
+/// the human format. An unknown value exits with status 2.
+fn init_logging() -> Result<(), String> {
+    let filter = || tracing_subscriber::EnvFilter::try_from_env("CUBE_EGRESS_LOG").unwrap_or_else(|_| "info".into());
+    match std::env::var("CUBE_EGRESS_LOG_FORMAT").as_deref() {
+        Ok("json") => tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .init(),
+        Ok("text") | Ok("") | Err(_) => {
+            tracing_subscriber::fmt().with_env_filter(filter()).with_writer(std::io::stderr).init()
+        }
+        Ok(other) => return Err(format!("CUBE_EGRESS_LOG_FORMAT: unknown format {other:?} (json or text)")),
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUBE_EGRESS_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    if let Err(e) = init_logging() {
+        eprintln!("cube-egress: {e}");
+        return std::process::ExitCode::from(2);
+    }
     let cfg = match Config::load(Cli::parse()) {
         Ok(c) => c,
         Err(e) => {

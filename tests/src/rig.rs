@@ -1,5 +1,5 @@
 //! A datapath under `BPF_PROG_TEST_RUN`: the CubeVS object loaded (unpinned) with one
-//! registered sandbox, inside a fresh node/world topology so `from_cube`'s FIB lookup resolves
+//! registered sandbox (its `sandbox_stats` entry zeroed, as the agent does), inside a fresh node/world topology so `from_cube`'s FIB lookup resolves
 //! the uplink next hop to known MACs (permanent neighbour, forwarding on in the node netns).
 
 use std::{
@@ -71,6 +71,8 @@ impl Rig {
         maps.node.set_uplink(up, Ipv4Addr::from(NODE_IP)).expect("node config");
         maps.node.set_cube_dev(CUBE_DEV_IFINDEX, Ipv4Addr::from(CUBE_DEV_IP)).expect("node config");
         maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: up }]).expect("snat");
+        // As the agent does before registering: the sandbox's counters start at zero.
+        maps.sandbox_stats.reset(SB_IFINDEX).expect("sandbox stats");
         maps.sandboxes
             .register(&SandboxEntry {
                 ifindex: SB_IFINDEX,

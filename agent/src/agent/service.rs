@@ -9,14 +9,38 @@ use crate::{
     state::{Phase, PortRecord, SandboxRecord, validate_sandbox_id},
 };
 
+/// An error as the log may show it: an invalid field by its name only (the reason can quote
+/// request values, e.g. an injected credential), everything else in full.
+fn loggable(e: &AgentError) -> String {
+    match e {
+        AgentError::Invalid { field, .. } => format!("invalid {field}"),
+        e => e.to_string(),
+    }
+}
+
 impl Agent {
     /// EnsureNetwork: idempotent per sandbox id; on failure nothing is left behind.
+    /// Logs `network ensured` (info) or `ensure failed` (warn) with `sandbox_id`.
     pub fn ensure(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
         let t0 = Instant::now();
+        let id = req.sandbox_id.clone();
         let r = self.ensure_inner(req);
         self.kick.notify_one();
         self.metrics.ensure_seconds.observe(t0.elapsed().as_secs_f64());
         self.metrics.ensure.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        match &r {
+            Ok(v) => tracing::info!(
+                sandbox_id = %id,
+                tap = %v.record.tap_name,
+                ifindex = v.record.tap_ifindex,
+                sandbox_ip = %v.record.sandbox_ip,
+                version = v.record.version,
+                ms,
+                "network ensured"
+            ),
+            Err(e) => tracing::warn!(sandbox_id = %id, ms, error = %loggable(e), "ensure failed"),
+        }
         r
     }
 
@@ -134,7 +158,7 @@ impl Agent {
             self.store.advance(&id, Phase::Creating, Phase::Success).map_err(|e| internal(format!("commit {id}: {e}")))
         })();
         if let Err(e) = programmed {
-            tracing::warn!(sandbox = %id, "ensure failed, rolling back: {e}");
+            tracing::warn!(sandbox_id = %id, error = %loggable(&e), "ensure failed, rolling back");
             if let Err(pe) = self.transit(&mut lock(&self.inner), &name, Transition::Release) {
                 tracing::error!("{pe}");
             }
@@ -161,12 +185,18 @@ impl Agent {
     /// sandbox stays Active with its ports and registration; a retry works). After it, the
     /// call succeeds whatever the cleanup meets: the TAP goes through Cleaning back to Ready,
     /// or stays Cleaning for the maintenance loop (datapath error, or a VMM still holds it).
+    /// Logs `network released` (info) or `release failed` (warn) with `sandbox_id`.
     pub fn release(&self, sandbox_id: &str) -> Result<bool, AgentError> {
         let t0 = Instant::now();
         let r = self.release_inner(sandbox_id);
         self.kick.notify_one();
         self.metrics.release_seconds.observe(t0.elapsed().as_secs_f64());
         self.metrics.release.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        match &r {
+            Ok(_) => tracing::info!(sandbox_id = %sandbox_id, ms, "network released"),
+            Err(e) => tracing::warn!(sandbox_id = %sandbox_id, ms, error = %loggable(e), "release failed"),
+        }
         r
     }
 
@@ -271,7 +301,7 @@ impl Agent {
             self.store.write(&rec, Phase::Success).map_err(internal)?;
             self.dp.replace_policy(rec.tap_ifindex, &rec.policy)?;
             if let Some(ip) = tightened {
-                tracing::info!(sandbox = %sandbox_id, denied = %ip, flush, "policy tightened");
+                tracing::info!(sandbox_id = %sandbox_id, denied = %ip, flush, "policy tightened");
             }
             // With a new version, converge re-registers the sandbox (after the replace: a flow
             // opened in between is classified by the new policy).

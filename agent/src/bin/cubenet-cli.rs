@@ -1,4 +1,4 @@
-//! `cubenet-cli`: operator CLI for the network-agent. Networks via gRPC, TAPs and datapath
+//! `cubenet-cli`: operator CLI for the network-agent. Networks via gRPC; TAPs, per-sandbox counters and datapath
 //! dumps via the loopback HTTP endpoints; tables by default, `--json` for JSON.
 
 #[path = "cubenet-cli/datapath.rs"]
@@ -66,6 +66,12 @@ enum Cmd {
         /// Only this state (Ready, Active, Cleaning).
         #[arg(long)]
         state: Option<String>,
+    },
+    /// Datapath counters of one sandbox: packets and bytes each way (out = sent by the guest),
+    /// drops by reason.
+    Sandbox {
+        /// Sandbox id.
+        sandbox_id: String,
     },
     /// Dump datapath sessions.
     Sessions,
@@ -267,6 +273,19 @@ async fn main() -> anyhow::Result<()> {
                 println!("{}", j["stateCounts"]);
             }
         }
+        Cmd::Sandbox { sandbox_id } => {
+            let j = http_json(&cli.http, "/v1/dataplane/counters")?;
+            let Some(sb) =
+                j["sandboxes"].as_array().and_then(|a| a.iter().find(|s| s["sandboxID"] == sandbox_id.as_str()))
+            else {
+                bail!("sandbox {sandbox_id:?} is not registered in the datapath");
+            };
+            if cli.json {
+                println!("{sb}");
+            } else {
+                print_counters(sb);
+            }
+        }
         Cmd::Sessions | Cmd::Sandboxes | Cmd::Portmaps | Cmd::Policies => {
             let (path, key) = match cli.cmd {
                 Cmd::Sessions => ("/v1/dataplane/sessions", "sessions"),
@@ -329,4 +348,25 @@ fn print_network(
             ports_str(ports),
         ]],
     );
+}
+
+/// `cubenet-cli sandbox ID` as tables: identity, traffic each way, drops by reason.
+fn print_counters(sb: &serde_json::Value) {
+    let s = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    table(
+        &["SANDBOX", "IFINDEX", "IP", "VERSION"],
+        vec![vec![s(&sb["sandboxID"]), s(&sb["ifindex"]), s(&sb["ip"]), s(&sb["version"])]],
+    );
+    println!();
+    table(
+        &["DIRECTION", "PACKETS", "BYTES"],
+        ["out", "in"].iter().map(|d| vec![d.to_string(), s(&sb[d]["packets"]), s(&sb[d]["bytes"])]).collect(),
+    );
+    println!();
+    let drops =
+        sb["drops"].as_object().map(|m| m.iter().map(|(k, v)| vec![k.clone(), s(v)]).collect()).unwrap_or_default();
+    table(&["DROP_REASON", "PACKETS"], drops);
 }

@@ -25,6 +25,9 @@ macro_rules! pod {
     };
 }
 
+pub mod stats;
+pub use stats::SandboxStats;
+
 /// Name of the eBPF object file produced by `cargo xtask build-ebpf`.
 pub const OBJECT_FILE_NAME: &str = "cubevs.bpf.o";
 
@@ -73,6 +76,9 @@ pub mod map {
     pub const NODE_CONFIG: &str = "node_config";
     /// Per-CPU `u64` counters indexed by [`super::counter`].
     pub const COUNTERS: &str = "counters";
+    /// Per-CPU hash: `u32` ifindex → [`super::SandboxStats`] (per-sandbox packets, bytes and
+    /// drops; entries written by userspace only, see [`super::stats`]).
+    pub const SANDBOX_STATS: &str = "sandbox_stats";
     /// LRU: [`super::PortmapKey`] → [`super::PortmapSession`], connections the world opened to
     /// a host port; only their packets take the mapped fast path out (not in upstream).
     pub const PORTMAP_SESSIONS: &str = "portmap_sessions";
@@ -95,6 +101,7 @@ pub mod map {
         POLICY_GEN,
         NODE_CONFIG,
         COUNTERS,
+        SANDBOX_STATS,
         PORTMAP_SESSIONS,
         FRAG_SESSIONS,
     ];

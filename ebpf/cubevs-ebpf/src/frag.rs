@@ -13,7 +13,7 @@ use aya_ebpf::{
 use cubevs_common::{DatapathConfig, FragKey, FragTarget, counter};
 
 use crate::{
-    maps::{FRAG_SESSIONS, IFINDEX_TO_MVMMETA, count},
+    maps::{FRAG_SESSIONS, IFINDEX_TO_MVMMETA, count, sandbox_in},
     packet::{IP_DST_OFF, Ipv4, set_ip, set_macs},
 };
 
@@ -47,6 +47,7 @@ pub fn later(ctx: &TcContext, ip: &Ipv4, cfg: &DatapathConfig) -> i32 {
         return TC_ACT_SHOT;
     }
     count(counter::WORLD_FRAGMENT);
+    sandbox_in(t.ifindex, ctx.len());
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(t.ifindex, 0) as i32 }
 }

@@ -15,6 +15,9 @@
 //! 7. To the node address: policy, then delivered to the host through cube-dev.
 //! 8. Sessions: established flows follow their session; new flows are classified once
 //!    (ALLOW_OUT > DENY_OUT > allow), SNATed and tracked; denied TCP gets a RST.
+//!
+//! Every verdict after step 1 is also charged to the sandbox (`sandbox_stats`): forwarded
+//! packets as `out`, drops by reason (`cubevs_common::stats`); ARP is not counted.
 
 use aya_ebpf::{
     bindings::{BPF_F_INGRESS, TC_ACT_SHOT},
@@ -37,6 +40,7 @@ use crate::{
     forward::to_next_hop,
     maps::{
         EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, PORTMAP_SESSIONS, count, node,
+        sandbox_drop, sandbox_out,
     },
     nat,
     packet::{self, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len},
@@ -51,7 +55,7 @@ pub fn from_cube(ctx: TcContext) -> i32 {
     let cfg = config::get();
     // SAFETY: plain map lookup; the value is copied out.
     let Some((version, sandbox_ip)) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }).map(|m| (m.version, m.ip)) else {
-        return drop(counter::CUBE_DROP_UNREGISTERED);
+        return drop(ifindex, counter::CUBE_DROP_UNREGISTERED);
     };
     match packet::ethertype(&ctx) {
         Some(ether::P_ARP) => {
@@ -59,15 +63,40 @@ pub fn from_cube(ctx: TcContext) -> i32 {
             arp::proxy(&ctx, ifindex, cfg.gateway_mac)
         }
         Some(ether::P_IP) => ipv4(&ctx, &cfg, ifindex, version, sandbox_ip),
-        Some(_) => drop(counter::CUBE_DROP_PROTO),
-        None => drop(counter::CUBE_DROP_MALFORMED),
+        Some(_) => drop(ifindex, counter::CUBE_DROP_PROTO),
+        None => drop(ifindex, counter::CUBE_DROP_MALFORMED),
     }
 }
 
+/// Drops the packet: counts `reason` and charges it to the sandbox on `ifindex` (when it is a
+/// per-sandbox drop reason).
 #[inline(always)]
-fn drop(reason: u32) -> i32 {
+fn drop(ifindex: u32, reason: u32) -> i32 {
     count(reason);
+    sandbox_drop(ifindex, reason);
     TC_ACT_SHOT
+}
+
+/// A packet of the sandbox on `ifindex` redirected by `verdict` (gateway, host): charged as
+/// sent.
+#[inline(always)]
+fn sent(ctx: &TcContext, ifindex: u32, verdict: i32) -> i32 {
+    sandbox_out(ifindex, ctx.len());
+    verdict
+}
+
+/// Forwards the SNATed packet to its next hop; charges it to the sandbox as sent, or as a
+/// `no_route` drop when the FIB has no route.
+#[inline(always)]
+fn forward(ctx: &TcContext, ifindex: u32, oif: u32, src: u32, dst: u32, l4_proto: u8) -> i32 {
+    let len = ctx.len();
+    let v = to_next_hop(ctx, oif, src, dst, l4_proto);
+    if v == TC_ACT_SHOT {
+        sandbox_drop(ifindex, counter::CUBE_DROP_FIB);
+    } else {
+        sandbox_out(ifindex, len);
+    }
+    v
 }
 
 #[inline(always)]
@@ -77,14 +106,14 @@ fn syn_only(flags: u8) -> bool {
 
 #[inline(always)]
 fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandbox_ip: u32) -> i32 {
-    let Some(ip) = packet::ipv4(ctx) else { return drop(counter::CUBE_DROP_MALFORMED) };
+    let Some(ip) = packet::ipv4(ctx) else { return drop(ifindex, counter::CUBE_DROP_MALFORMED) };
     if ip.src != cfg.mvm_inner_ip {
-        return drop(counter::CUBE_DROP_SPOOF);
+        return drop(ifindex, counter::CUBE_DROP_SPOOF);
     }
     if ip.fragment || !matches!(ip.proto, proto::TCP | proto::UDP | proto::ICMP) {
-        return drop(counter::CUBE_DROP_PROTO);
+        return drop(ifindex, counter::CUBE_DROP_PROTO);
     }
-    let Some(l4) = packet::l4(ctx, &ip) else { return drop(counter::CUBE_DROP_MALFORMED) };
+    let Some(l4) = packet::l4(ctx, &ip) else { return drop(ifindex, counter::CUBE_DROP_MALFORMED) };
     let guest_ip = ip.src;
     let node = node();
 
@@ -95,15 +124,15 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
             || set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err()
             || set_ip(ctx, &ip, IP_DST_OFF, ip.dst, node.cube_dev_ip).is_err()
         {
-            return drop(counter::CUBE_DROP_GATEWAY);
+            return drop(ifindex, counter::CUBE_DROP_GATEWAY);
         }
         count(counter::CUBE_GATEWAY);
         // SAFETY: plain helper call.
-        return unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32;
+        return sent(ctx, ifindex, unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32);
     }
 
     if ip.proto == proto::ICMP && l4.icmp_type != ICMP_ECHO_REQUEST {
-        return drop(counter::CUBE_DROP_PROTO);
+        return drop(ifindex, counter::CUBE_DROP_PROTO);
     }
 
     if ip.dst == node.uplink_ip && node.uplink_ip != 0 {
@@ -111,11 +140,11 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
             return deny(ctx, cfg, &ip, &l4, ifindex);
         }
         if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err() {
-            return drop(counter::CUBE_DROP_MALFORMED);
+            return drop(ifindex, counter::CUBE_DROP_MALFORMED);
         }
         count(counter::CUBE_HOST);
         // SAFETY: plain helper call.
-        return unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32;
+        return sent(ctx, ifindex, unsafe { bpf_redirect(node.cube_dev_ifindex, BPF_F_INGRESS as u64) } as i32);
     }
 
     let key = SessionKey {
@@ -150,7 +179,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         count(counter::CUBE_ESTABLISHED);
         // SAFETY: valid map value pointer.
         let sess = unsafe { *s };
-        return snat_out(ctx, &ip, &l4, guest_ip, &sess);
+        return snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess);
     }
 
     // No session: a reply from a port-mapped guest port? (Checked after the session lookup, so
@@ -164,7 +193,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         .copied();
         if let Some(host_port) = host_port {
             if ip.proto == proto::TCP && syn_only(l4.tcp_flags) {
-                return drop(counter::CUBE_DROP_PORTMAP_SYN);
+                return drop(ifindex, counter::CUBE_DROP_PORTMAP_SYN);
             }
             let pk = PortmapKey {
                 ifindex,
@@ -177,35 +206,36 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
             // SAFETY: plain map lookup; the value is copied out.
             if let Some(ps) = unsafe { PORTMAP_SESSIONS.get(&pk) }.copied() {
                 if ps.version != version {
-                    return drop(counter::CUBE_DROP_PORTMAP_STALE);
+                    return drop(ifindex, counter::CUBE_DROP_PORTMAP_STALE);
                 }
                 let idle = if ip.proto == proto::TCP { timeout::TCP_ESTABLISHED } else { timeout::UDP_REPLIED };
                 // SAFETY: helper without arguments.
                 let fresh = unsafe { bpf_ktime_get_ns() }.wrapping_sub(ps.access_ns) <= idle;
                 if fresh {
                     if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
-                        return drop(counter::CUBE_DENY);
+                        return drop(ifindex, counter::CUBE_DENY);
                     }
                     if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, node.uplink_ip).is_err()
                         || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
                     {
-                        return drop(counter::CUBE_DROP_MALFORMED);
+                        return drop(ifindex, counter::CUBE_DROP_MALFORMED);
                     }
                     count(counter::CUBE_PORTMAP_REPLY);
-                    return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
+                    return forward(ctx, ifindex, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
                 }
             }
             // Not a connection the world opened to this host port. TCP: dropped, not answered
             // with a RST, so a live connection whose entry was evicted (LRU) survives: the
             // client's next segment re-records it. UDP: classified like any new flow below.
             if ip.proto == proto::TCP {
-                return drop(counter::CUBE_DROP_PORTMAP_UNTRACKED);
+                return drop(ifindex, counter::CUBE_DROP_PORTMAP_UNTRACKED);
             }
         }
     }
 
     if ip.proto == proto::TCP && !syn_only(l4.tcp_flags) {
         count(counter::CUBE_NO_SESSION);
+        sandbox_drop(ifindex, counter::CUBE_NO_SESSION);
         return rst::reply(ctx, cfg, &ip, &l4, ifindex);
     }
     if !policy::allowed(ifindex, ip.dst) {
@@ -217,24 +247,25 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         (udp::UNREPLIED, None)
     };
     let Some(sess) = nat::create_session(&key, ifindex, state, first) else {
-        return drop(counter::CUBE_DROP_NO_SNAT);
+        return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);
-    snat_out(ctx, &ip, &l4, guest_ip, &sess)
+    snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess)
 }
 
 #[inline(always)]
 fn deny(ctx: &TcContext, cfg: &DatapathConfig, ip: &Ipv4, l4: &L4, ifindex: u32) -> i32 {
     count(counter::CUBE_DENY);
+    sandbox_drop(ifindex, counter::CUBE_DENY);
     if ip.proto == proto::TCP { rst::reply(ctx, cfg, ip, l4, ifindex) } else { TC_ACT_SHOT }
 }
 
 #[inline(always)]
-fn snat_out(ctx: &TcContext, ip: &Ipv4, l4: &L4, guest_ip: u32, s: &NatSession) -> i32 {
+fn snat_out(ctx: &TcContext, ifindex: u32, ip: &Ipv4, l4: &L4, guest_ip: u32, s: &NatSession) -> i32 {
     if set_ip(ctx, ip, IP_SRC_OFF, guest_ip, s.node_ip).is_err()
         || set_port(ctx, ip, true, l4.sport, s.node_port).is_err()
     {
-        return drop(counter::CUBE_DROP_MALFORMED);
+        return drop(ifindex, counter::CUBE_DROP_MALFORMED);
     }
-    to_next_hop(ctx, s.node_ifindex, s.node_ip, ip.dst, ip.proto)
+    forward(ctx, ifindex, s.node_ifindex, s.node_ip, ip.dst, ip.proto)
 }

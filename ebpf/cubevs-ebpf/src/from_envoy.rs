@@ -2,14 +2,15 @@
 //!
 //! The destination mvm IP is DNATed to 169.254.68.6 and, when the host sent from cube-dev's
 //! own address, the source becomes the guest gateway 169.254.68.5 (so the guest answers its
-//! gateway, which `from_cube` maps back). Unknown destinations are dropped.
+//! gateway, which `from_cube` maps back). Unknown destinations are dropped. Delivered packets
+//! are charged to the sandbox as `in` (`sandbox_stats`).
 
 use aya_ebpf::{bindings::TC_ACT_SHOT, helpers::generated::bpf_redirect, macros::classifier, programs::TcContext};
 use cubevs_common::{counter, ether};
 
 use crate::{
     config,
-    maps::{MVMIP_TO_IFINDEX, count, node},
+    maps::{MVMIP_TO_IFINDEX, count, node, sandbox_in},
     packet::{self, IP_DST_OFF, IP_SRC_OFF, set_ip, set_macs},
 };
 
@@ -43,6 +44,7 @@ pub fn from_envoy(ctx: TcContext) -> i32 {
         return TC_ACT_SHOT;
     }
     count(counter::ENVOY_TO_SANDBOX);
+    sandbox_in(ifindex, ctx.len());
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as i32 }
 }

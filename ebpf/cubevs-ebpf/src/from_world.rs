@@ -5,7 +5,10 @@
 //! `portmap_sessions` so the guest's replies may leave (D20); reverse NAT of sessions (TCP,
 //! UDP, ICMP echo reply) with conntrack update, dropped when the session's sandbox version is
 //! no longer the one registered on its interface (D19) or for an RST outside the tracked
-//! window (D21); everything else continues into the host stack untouched.
+//! window (D21); everything else continues into the host stack untouched. What reaches a
+//! sandbox (DNAT, reverse NAT, ICMP errors, later fragments) is charged to it as `in`
+//! (`sandbox_stats`), an RST outside the window as its `rst_window` drop; a stale version's
+//! drops are never charged to the interface's current owner.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -23,7 +26,7 @@ use crate::{
     config, frag, icmp_err,
     maps::{
         EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, PORTMAP_SESSIONS, REMOTE_PORT_MAPPING,
-        REMOTE_PORT_MAPPING_UDP, count, node,
+        REMOTE_PORT_MAPPING_UDP, count, node, sandbox_drop, sandbox_in,
     },
     nat,
     packet::{self, ICMP_ECHO_REPLY, IP_DST_OFF, set_ip, set_macs, set_port},
@@ -90,6 +93,7 @@ pub fn from_world(ctx: TcContext) -> i32 {
                 return pass();
             }
             count(counter::WORLD_PORTMAP);
+            sandbox_in(mp.ifindex, ctx.len());
             // SAFETY: plain helper call.
             return unsafe { bpf_redirect(mp.ifindex, 0) } as i32;
         }
@@ -144,6 +148,7 @@ pub fn from_world(ctx: TcContext) -> i32 {
     if ip.proto == proto::TCP {
         if !track::tcp_segment(s, Dir::Reply, &ip, &l4, false) {
             count(counter::WORLD_DROP_RST_WINDOW);
+            sandbox_drop(vm_ifindex, counter::WORLD_DROP_RST_WINDOW);
             return TC_ACT_SHOT;
         }
     } else {
@@ -165,6 +170,7 @@ pub fn from_world(ctx: TcContext) -> i32 {
         frag::first(&ip, vm_ifindex, rv.version);
     }
     count(counter::WORLD_REVERSE_NAT);
+    sandbox_in(vm_ifindex, ctx.len());
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(vm_ifindex, 0) as i32 }
 }

@@ -19,7 +19,7 @@ use aya_ebpf::{
 use cubevs_common::{DatapathConfig, SessionKey, counter, proto};
 
 use crate::{
-    maps::{EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, count},
+    maps::{EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, count, sandbox_in},
     packet::{IP_DST_OFF, Ipv4, csum_replace2, csum_replace4, set_ip, set_macs},
 };
 
@@ -139,6 +139,7 @@ pub fn reverse(ctx: &TcContext, ip: &Ipv4, cfg: &DatapathConfig) -> i32 {
         return TC_ACT_SHOT;
     }
     count(counter::WORLD_ICMP_ERROR);
+    sandbox_in(vm_ifindex, ctx.len());
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(vm_ifindex, 0) as i32 }
 }

@@ -4,11 +4,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use cubevs_common::{
     AllowValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, PortmapKey,
-    PortmapSession, SessionKey, SnatIp, limits,
+    PortmapSession, SandboxStats, SessionKey, SnatIp, limits, stats,
 };
 
 /// Sandbox mvm IP (NBO) → ifindex.
@@ -94,4 +94,50 @@ pub fn node() -> NodeConfig {
         uplink_ifindex: 0,
         uplink_ip: 0,
     })
+}
+
+/// Per-sandbox counters (`cubevs_common::stats`): ifindex → per-CPU [`SandboxStats`]. Entries
+/// are created (zeroed) and deleted by userspace only; the helpers below add to an existing
+/// entry and do nothing for an interface without one.
+#[map(name = "sandbox_stats")]
+pub static SANDBOX_STATS: PerCpuHashMap<u32, SandboxStats> = PerCpuHashMap::with_max_entries(limits::SANDBOXES, 0);
+
+/// Charges one forwarded packet of `len` bytes sent by the sandbox on `ifindex`.
+#[inline(always)]
+pub fn sandbox_out(ifindex: u32, len: u32) {
+    if let Some(s) = SANDBOX_STATS.get_ptr_mut(&ifindex) {
+        // SAFETY: valid per-CPU map value pointer, no concurrent writer on this CPU.
+        unsafe {
+            (*s).out_packets += 1;
+            (*s).out_bytes += len as u64;
+        }
+    }
+}
+
+/// Charges one packet of `len` bytes delivered to the sandbox on `ifindex`.
+#[inline(always)]
+pub fn sandbox_in(ifindex: u32, len: u32) {
+    if let Some(s) = SANDBOX_STATS.get_ptr_mut(&ifindex) {
+        // SAFETY: valid per-CPU map value pointer, no concurrent writer on this CPU.
+        unsafe {
+            (*s).in_packets += 1;
+            (*s).in_bytes += len as u64;
+        }
+    }
+}
+
+/// Charges a drop counted as datapath counter `reason` to the sandbox on `ifindex`, when the
+/// reason is a per-sandbox drop (`cubevs_common::stats::drop_slot`).
+#[inline(always)]
+pub fn sandbox_drop(ifindex: u32, reason: u32) {
+    let Some(slot) = stats::drop_slot(reason) else { return };
+    if let Some(s) = SANDBOX_STATS.get_ptr_mut(&ifindex) {
+        // SAFETY: valid per-CPU map value pointer, no concurrent writer on this CPU; the slot
+        // is below DROP_SLOTS (asserted in cubevs_common::stats).
+        unsafe {
+            if let Some(d) = (*s).drops.get_mut(slot as usize) {
+                *d += 1;
+            }
+        }
+    }
 }

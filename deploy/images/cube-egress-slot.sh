@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Entrypoint of the two CubeEgress slots of the CubeNode pod (cube-egress, cube-egress-standby).
+# Both run this script with the same settings; whichever finds no serving gateway starts
+# cube-egress in the dataplane namespace (cubenet-netns-exec.sh), the other parks as a hot
+# standby polling the gateway's health (GET http://$CUBE_EGRESS_ADMIN_ADDR/admin/v1/health)
+# every second and starts as soon as it stops answering. An in-place image update of one slot
+# therefore never leaves the node without a gateway for longer than a restart of the other:
+# update the standby first, then the active one (README "Upgrades"). Two slots that start at
+# the same moment may both try to bind; the loser exits, is restarted and parks.
+set -euo pipefail
+admin=${CUBE_EGRESS_ADMIN_ADDR:-127.0.0.1:9091}
+run() { /usr/local/bin/cubenet-netns-exec.sh "$@"; }
+log() { printf '[cube-egress-slot %s] %s\n' "${CUBE_EGRESS_SLOT:-?}" "$*" >&2; }
+# busybox wget's -T segfaults in bookworm's static build: bound it with coreutils timeout.
+alive() { run timeout 3 wget -q -O /dev/null "http://$admin/admin/v1/health" 2>/dev/null; }
+
+# CA key format: Helm's genPrivateKey (selfSigned mode) and most tooling write SEC1
+# ("EC PRIVATE KEY") or PKCS#1 ("RSA PRIVATE KEY"); cube-egress loads PKCS#8. Convert into the
+# slot's memory-backed run directory and point CUBE_EGRESS_CA_DIR there (the Secret stays as is).
+ca=${CUBE_EGRESS_CA_DIR:-/etc/cube/ca}
+if [[ -r "$ca/cube-root-ca.key" ]]; then
+  first=$(head -n 1 "$ca/cube-root-ca.key")
+  if [[ "$first" == *"EC PRIVATE KEY"* || "$first" == *"RSA PRIVATE KEY"* ]]; then
+    conv="${CUBE_EGRESS_RUN_DIR:-/run/cube-egress}/${CUBE_EGRESS_SLOT:-a}/ca"
+    mkdir -p "$conv"; chmod 700 "$conv"
+    (umask 077; openssl pkcs8 -topk8 -nocrypt -in "$ca/cube-root-ca.key" -out "$conv/cube-root-ca.key")
+    cp "$ca/cube-root-ca.crt" "$conv/cube-root-ca.crt"
+    export CUBE_EGRESS_CA_DIR="$conv"
+    log "CA key converted to PKCS#8 in $conv"
+  fi
+fi
+
+trap 'exit 0' TERM INT
+if alive; then
+  log "a gateway already answers on $admin: parked as standby"
+  while alive; do sleep 1 & wait $!; done
+  log "the active gateway stopped answering: taking over"
+fi
+exec /usr/local/bin/cubenet-netns-exec.sh /usr/local/bin/cube-egress "$@"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# k8s-demo.sh — the CubeNode pod for real on this machine, in one command (root):
+# setup, eBPF + debug build, the images (scripts/build-images.sh, cached), then the pod drill
+# of tests/tests/k8s_pod.rs with its progress lines: the chart rendered in underlay mode onto a
+# test node namespace, `podman kube play` of its DaemonSet template, Ensure + TAP fd + a real
+# QEMU guest through the pod's sockets, CubeEgress health and TPROXY rules, then the agent
+# container replaced in place by a newer image while the guest uploads over TCP (no reset).
+# Everything it creates is removed at the end; images stay cached in target/k8s.
+# Exit status: that of the test (0 = every check passed).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+(( EUID == 0 )) || { echo "k8s-demo.sh: needs root" >&2; exit 2; }
+SETUP_QUIET=1 bash scripts/setup.sh
+cargo xtask build-ebpf --release
+cargo build --workspace --exclude cubevs-ebpf --bins
+bash scripts/build-images.sh --profile debug --no-save
+exec cargo test -p cubenet-tests --test k8s_pod -- --nocapture

@@ -1,0 +1,140 @@
+//! JSON-lines logs (`NETWORK_AGENT_LOG_FORMAT=json` / `CUBE_EGRESS_LOG_FORMAT=json`, what the Helm chart sets): every line
+//! the agent writes is one JSON object, and the Ensure, TAP fd and Release events carry the
+//! sandbox id as a `sandbox_id` field (a log collector can select one sandbox's history).
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    netns::ChildGuard,
+    require_root,
+};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+#[test]
+fn json_log_lines_carry_sandbox_id_on_ensure_fd_release() {
+    const T: &str = "json_log_lines_carry_sandbox_id_on_ensure_fd_release";
+    if !require_root(T) {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("jsonlog", 1, "");
+    let child = a.script_command().env("NETWORK_AGENT_LOG_FORMAT", "json").spawn().expect("spawn start script");
+    a.child = Some(ChildGuard::from_child(child));
+    a.wait_ready(std::time::Duration::from_secs(30));
+
+    let r = rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        let r = c
+            .ensure_network(pb::EnsureNetworkRequest { sandbox_id: "sb-log".into(), ..Default::default() })
+            .await
+            .expect("ensure")
+            .into_inner();
+        // A refused Ensure names its sandbox too.
+        let bad = c
+            .ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: "sb-bad".into(),
+                port_mappings: vec![pb::PortMapping {
+                    protocol: "tcp".into(),
+                    container_port: 80,
+                    host_port: 1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await;
+        assert!(bad.is_err());
+        r
+    });
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, "sb-log");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    drop(fd);
+    let (reply, _) = tap_fd(&a.tap_socket(), "z192.168.0.250", "sb-log");
+    assert_eq!(reply["errCode"], "1002", "{reply}");
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-log".into(), ..Default::default() })
+            .await
+            .expect("release");
+    });
+
+    // Every agent line is a JSON object (the start script's own lines are prefixed text).
+    let log = a.log();
+    let events: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.starts_with("[start-network-agent]") && !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}\n{log}")))
+        .collect();
+    let find = |msg: &str, id: &str| {
+        events
+            .iter()
+            .find(|e| e["message"] == msg && e["sandbox_id"] == id)
+            .unwrap_or_else(|| panic!("no {msg:?} event with sandbox_id {id}:\n{log}"))
+    };
+    let ensured = find("network ensured", "sb-log");
+    assert_eq!(ensured["level"], "INFO");
+    assert_eq!(ensured["tap"], r.interfaces[0].name.as_str());
+    assert!(ensured["ms"].is_number() && ensured["ifindex"].is_number(), "{ensured}");
+    let failed = find("ensure failed", "sb-bad");
+    assert_eq!(failed["level"], "WARN");
+    // The field, not the reason (a reason may quote request values such as a credential).
+    assert_eq!(failed["error"], "invalid port_mappings[0].host_port", "{failed}");
+    assert_eq!(find("TAP fd handed out", "sb-log")["tap"], r.interfaces[0].name.as_str());
+    assert_eq!(find("TAP fd refused: the sandbox holds no such TAP", "sb-log")["tap"], "z192.168.0.250");
+    assert_eq!(find("network released", "sb-log")["level"], "INFO");
+}
+
+/// CubeEgress in the same format (`CUBE_EGRESS_LOG_FORMAT=json`, the chart's `egress.logFormat`):
+/// its start-up event is one JSON object with the listen addresses as fields; an unknown
+/// format is refused with status 2.
+#[test]
+fn cube_egress_json_log_lines() {
+    use std::{
+        io::{BufRead, BufReader},
+        process::{Command, Stdio},
+    };
+    const T: &str = "cube_egress_json_log_lines";
+    if !require_root(T) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("cubenet-egress-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = cubenet_tests::tls::make_ca("log test CA");
+    std::fs::write(dir.join("cube-root-ca.crt"), &ca.pem).unwrap();
+    std::fs::write(dir.join("cube-root-ca.key"), &ca.key_pem).unwrap();
+    let cmd = |fmt: &str| {
+        let mut c = Command::new(cubenet_tests::agent::workspace_bin("cube-egress"));
+        c.args(["--ca-dir", dir.to_str().unwrap(), "--audit-file", dir.join("a.jsonl").to_str().unwrap()])
+            .args(["--listen-ip", "127.0.0.1", "--http-port", "0", "--https-port", "0", "--admin-addr", "127.0.0.1:0"])
+            .env("CUBE_EGRESS_LOG_FORMAT", fmt)
+            .env("CUBE_EGRESS_LOG", "info")
+            .stdin(Stdio::null());
+        c
+    };
+    let bad = cmd("xml").output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("CUBE_EGRESS_LOG_FORMAT"), "{bad:?}");
+
+    let mut child = ChildGuard::from_child(cmd("json").stderr(Stdio::piped()).spawn().unwrap());
+    let stderr = child.child().stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut seen = Vec::new();
+    let listening = loop {
+        let l = rx.recv_timeout(std::time::Duration::from_secs(20)).unwrap_or_else(|e| panic!("{e}: {seen:?}"));
+        let v: serde_json::Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}"));
+        if v["message"] == "cube-egress listening" {
+            break v;
+        }
+        seen.push(l);
+    };
+    assert_eq!(listening["level"], "INFO");
+    assert!(listening["http"].as_str().is_some_and(|a| a.starts_with("127.0.0.1:")), "{listening}");
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,408 @@
+//! The CubeNode pod for real, under podman (root; prints `SKIPPED:` without podman, the k8s
+//! venv or the guest image).
+//!
+//! 1. `scripts/build-images.sh --profile debug --no-save` (cached) builds the two images into
+//!    the private storage of `scripts/k8s-lib.sh`;
+//! 2. the chart is rendered in underlay mode with the node namespace of a test topology as the
+//!    dataplane (`underlay.netnsPath=/run/netns/<node>`), host paths under a temp dir and a
+//!    private bpffs, and its DaemonSet template converted to a Pod (`chart_check.py pod`);
+//! 3. `podman kube play --network none` runs it: preflight, network-agent, both CubeEgress slots
+//!    and cube-egress-net;
+//! 4. as cubelet: EnsureNetwork over the mounted gRPC socket, the TAP fd from the TAP socket, a
+//!    real QEMU guest that reaches world over it; CubeEgress answers its health in the node
+//!    namespace and its TPROXY rules are there;
+//! 5. while the guest streams a TCP upload to a slow world server, the agent container is
+//!    replaced in the running pod by one from a newer image (`podman container clone
+//!    --destroy`: same pod, same netns and volumes — what the kubelet does for an in-place
+//!    image update); the upload completes byte-exact with no reset, because the datapath is
+//!    pinned and the TAP is held by QEMU; the new agent adopts the sandbox, and (asserted, the
+//!    limit of a restart, decision K14) cannot hand out that TAP again while QEMU holds it.
+//! 6. everything is removed (pod, containers, namespaces, bpffs, temp dir); images stay cached.
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddrV4, TcpListener},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{
+    agent::tap_fd,
+    bpffs::BpfFs,
+    require_root, servers,
+    topology::{Topology, WORLD_IP},
+    vm::{Check, GuestConfig, GuestImage, Unavailable, Vm},
+};
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Bytes the guest uploads through the agent replacement.
+const UPLOAD: u64 = 12 * 1024 * 1024;
+const SINK_PORT: u16 = 9000;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
+}
+
+/// `podman` with the private configuration written by scripts/k8s-lib.sh.
+fn podman(args: &[&str]) -> std::process::Output {
+    let dir = root().join("target/k8s/containers");
+    Command::new("podman")
+        .env("CONTAINERS_CONF", dir.join("containers.conf"))
+        .env("CONTAINERS_STORAGE_CONF", dir.join("storage.conf"))
+        .args(args)
+        .output()
+        .expect("run podman")
+}
+
+fn podman_ok(args: &[&str]) -> String {
+    let o = podman(args);
+    assert!(
+        o.status.success(),
+        "podman {args:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn buildah(args: &[&str]) -> String {
+    let dir = root().join("target/k8s/containers");
+    let o = Command::new("buildah")
+        .env("CONTAINERS_CONF", dir.join("containers.conf"))
+        .env("CONTAINERS_STORAGE_CONF", dir.join("storage.conf"))
+        .args(args)
+        .output()
+        .expect("run buildah");
+    assert!(o.status.success(), "buildah {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+/// Removes the pod (all its containers) on drop, also on panic.
+struct PodGuard(String);
+impl Drop for PodGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The containers' logs explain most failures.
+            let ps = podman(&["ps", "-a", "--pod", "--format", "{{.Names}} {{.Status}}"]);
+            let ps = String::from_utf8_lossy(&ps.stdout).into_owned();
+            eprintln!("[k8s-pod] containers:\n{ps}");
+            for name in ps.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&self.0)) {
+                eprintln!("[k8s-pod] ---- logs of {name}:\n{}", logs(name));
+            }
+        }
+        let _ = podman(&["pod", "rm", "--force", "--time", "2", &self.0]);
+    }
+}
+
+/// `wget` inside a container of the pod (busybox in the images), optionally through
+/// cubenet-netns-exec.sh (the dataplane namespace).
+fn exec_wget(container: &str, url: &str, dataplane: bool) -> Option<String> {
+    let mut args = vec!["exec", container];
+    if dataplane {
+        args.push("/usr/local/bin/cubenet-netns-exec.sh");
+    }
+    args.extend(["timeout", "3", "wget", "-q", "-O", "-", url]);
+    let o = podman(&args);
+    o.status.success().then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<String>) -> String {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t0.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn logs(container: &str) -> String {
+    let o = podman(&["logs", container]);
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// A world server that reads slowly (64 KiB per 50 ms ≈ 1.3 MB/s), so an upload spans the
+/// agent replacement; reads `UPLOAD` bytes (or to EOF), fails on a reset or a timeout, then
+/// answers `got <n>` (busybox nc in the guest does not half-close after stdin's EOF).
+struct SlowSink {
+    received: Arc<AtomicU64>,
+    result: std::sync::mpsc::Receiver<Result<u64, String>>,
+}
+
+fn slow_sink(topo: &Topology) -> SlowSink {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let received = Arc::new(AtomicU64::new(0));
+    let r = received.clone();
+    let listener =
+        topo.world.run(|| TcpListener::bind(SocketAddrV4::new(Ipv4Addr::from(WORLD_IP), SINK_PORT)).unwrap());
+    std::thread::spawn(move || {
+        let res = (|| {
+            let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let mut buf = vec![0u8; 64 * 1024];
+            while r.load(Ordering::SeqCst) < UPLOAD {
+                match s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if buf[..n].iter().any(|&b| b != 0) {
+                            return Err("non-zero byte in the upload".to_string());
+                        }
+                        r.fetch_add(n as u64, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(e) => return Err(format!("read after {} bytes: {e}", r.load(Ordering::SeqCst))),
+                }
+            }
+            let n = r.load(Ordering::SeqCst);
+            let _ = writeln!(s, "got {n}");
+            Ok(n)
+        })();
+        let _ = tx.send(res);
+    });
+    SlowSink { received, result: rx }
+}
+
+#[test]
+fn cube_node_pod_under_podman_survives_agent_replacement() {
+    const T: &str = "cube_node_pod_under_podman_survives_agent_replacement";
+    if !require_root(T) {
+        return;
+    }
+    if Command::new("podman").arg("--version").output().is_err()
+        || Command::new("buildah").arg("--version").output().is_err()
+    {
+        eprintln!("\nSKIPPED: {T}: podman/buildah not installed (scripts/setup.sh installs them)\n");
+        return;
+    }
+    let venv = Command::new("bash").arg(root().join("scripts/k8s-venv.sh")).output().unwrap();
+    if !venv.status.success() {
+        eprintln!("\nSKIPPED: {T}: scripts/k8s-venv.sh failed: {}\n", String::from_utf8_lossy(&venv.stderr));
+        return;
+    }
+    let py = String::from_utf8(venv.stdout).unwrap().trim().to_string();
+    let img = match GuestImage::ensure() {
+        Ok(img) => img,
+        Err(e) if e.downcast_ref::<Unavailable>().is_some() => {
+            eprintln!("\nSKIPPED: {T}: {e}\n");
+            return;
+        }
+        Err(e) => panic!("{e:#}"),
+    };
+
+    // 1. Images (cached by their inputs digest).
+    let t0 = Instant::now();
+    let b = Command::new("bash")
+        .arg(root().join("scripts/build-images.sh"))
+        .args(["--profile", "debug", "--no-save"])
+        .output()
+        .unwrap();
+    assert!(b.status.success(), "build-images.sh: {}", String::from_utf8_lossy(&b.stderr));
+    let refs = String::from_utf8(b.stdout).unwrap();
+    let agent_ref = refs.lines().find(|l| l.contains("/network-agent:")).unwrap().to_string();
+    let egress_ref = refs.lines().find(|l| l.contains("/cube-egress:")).unwrap().to_string();
+    eprintln!("[k8s-pod] images {agent_ref} {egress_ref} ready in {:.1} s", t0.elapsed().as_secs_f64());
+
+    // 2. Topology, host paths, render → Pod.
+    let topo = Topology::new();
+    let bpffs = BpfFs::new();
+    let dir = std::env::temp_dir().join(format!("cubenet-k8s-pod-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for d in ["cube", "state", "log", "modules"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    struct DirGuard(PathBuf);
+    impl Drop for DirGuard {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _dir_guard = DirGuard(dir.clone());
+    let (repo_a, tag) = agent_ref.rsplit_once(':').unwrap();
+    let (repo_e, _) = egress_ref.rsplit_once(':').unwrap();
+    let values = serde_json::json!({
+        "mode": "underlay",
+        "cidr": "192.168.0.0/24",
+        "underlay": {"netnsPath": topo.node.path().to_str().unwrap(), "healthHostPort": null},
+        "images": {
+            "networkAgent": {"repository": repo_a, "tag": tag, "pullPolicy": "Never"},
+            "cubeEgress": {"repository": repo_e, "tag": tag, "pullPolicy": "Never"},
+        },
+        "agent": {"tapInitNum": 2, "logLevel": "info"},
+        "hostPaths": {
+            "socketDir": dir.join("cube"),
+            "bpffs": bpffs.path(),
+            "stateDir": dir.join("state"),
+            "logDir": dir.join("log"),
+            "modules": dir.join("modules"),
+        },
+    });
+    let out = Command::new(&py)
+        .arg(root().join("deploy/tools/chart_check.py"))
+        .arg("pod")
+        .arg(dir.join("render"))
+        .arg(values.to_string())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "chart_check.py pod: {}", String::from_utf8_lossy(&out.stderr));
+    let pod_yaml = dir.join("render/pod.yaml");
+
+    // 3. kube play.
+    let t1 = Instant::now();
+    let _ = podman(&["pod", "rm", "--force", "cubenet-node"]);
+    let pod_guard = PodGuard("cubenet-node".into());
+    podman_ok(&["kube", "play", "--network", "none", pod_yaml.to_str().unwrap()]);
+    let agent_c = "cubenet-node-network-agent";
+    let ready = wait_for("agent /readyz", Duration::from_secs(120), || {
+        exec_wget(agent_c, "http://127.0.0.1:19090/readyz", false).filter(|b| b.contains("ready"))
+    });
+    eprintln!("[k8s-pod] pod played, agent ready in {:.1} s ({})", t1.elapsed().as_secs_f64(), ready.trim());
+    let agent_log = logs(agent_c);
+    assert!(agent_log.contains("\"level\":\"INFO\""), "agent logs are not JSON lines:\n{agent_log}");
+    let pf = logs("cubenet-node-preflight");
+    assert!(pf.contains("overlaps no route") && pf.contains("bpffs at /sys/fs/bpf: ok"), "preflight:\n{pf}");
+
+    // CubeEgress: health in the node namespace (one slot serves, the other parks), and the
+    // TPROXY plumbing installed there.
+    let health = wait_for("CubeEgress health", Duration::from_secs(90), || {
+        exec_wget("cubenet-node-cube-egress", "http://127.0.0.1:9091/admin/v1/health", true)
+            .or_else(|| exec_wget("cubenet-node-cube-egress-standby", "http://127.0.0.1:9091/admin/v1/health", true))
+    });
+    assert!(health.contains("\"status\":\"ok\""), "{health}");
+    eprintln!("[k8s-pod] CubeEgress health: {}", health.trim());
+    wait_for("TPROXY chain in the node namespace", Duration::from_secs(60), || {
+        let s = topo.node.exec("iptables", &["-t", "mangle", "-S", "TRANSPROXY"]);
+        let s = String::from_utf8_lossy(&s.stdout).into_owned();
+        s.contains("TPROXY").then_some(s)
+    });
+    let parked = logs("cubenet-node-cube-egress") + &logs("cubenet-node-cube-egress-standby");
+    assert!(parked.contains("parked as standby"), "no slot parked:\n{parked}");
+    assert!(
+        parked.lines().any(|l| l.starts_with('{') && l.contains(r#""message":"cube-egress listening""#)),
+        "CubeEgress does not log JSON lines (egress.logFormat json):\n{parked}"
+    );
+
+    // 4. As cubelet.
+    let grpc = format!("unix://{}", dir.join("cube/network-agent-grpc.sock").display());
+    let tap_sock = dir.join("cube/network-agent-tap.sock");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let r = rt.block_on(async {
+        let mut c = network_agent::client::connect(&grpc).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest {
+            sandbox_id: "sb-k8s".into(),
+            cubevs_context: Some(pb::CubeVsContext { allow_internet_access: Some(true), ..Default::default() }),
+            ..Default::default()
+        })
+        .await
+        .expect("ensure")
+        .into_inner()
+    });
+    let i = &r.interfaces[0];
+    let (reply, fd) = tap_fd(&tap_sock, &i.name, "sb-k8s");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let world_http = servers::http(&topo.world, WORLD_IP, 80);
+    let sink = slow_sink(&topo);
+    let w = |port| SocketAddrV4::new(Ipv4Addr::from(WORLD_IP), port);
+    let checks = vec![Check::Http(w(80), "/".into()), Check::Send(w(SINK_PORT), UPLOAD)];
+    let cfg = GuestConfig { checks: checks.clone(), check_timeout_secs: 100, ..GuestConfig::cubevs() };
+    let vm = Vm::boot(&img, fd.expect("fd"), &cfg).expect("boot QEMU");
+    vm.wait_ready(BOOT_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+
+    // 5. The upload is flowing: replace the agent container in place with a newer image.
+    wait_for("upload under way", Duration::from_secs(60), || {
+        (sink.received.load(Ordering::SeqCst) > 256 * 1024).then(String::new)
+    });
+    let ctr = buildah(&["from", "--pull=never", &agent_ref]);
+    buildah(&["config", "--label", "io.cubenet.drill=in-place-update", &ctr]);
+    let newer = format!("{repo_a}:{tag}-drill");
+    buildah(&["commit", "--quiet", "--rm", &ctr, &newer]);
+    let before = sink.received.load(Ordering::SeqCst);
+    let t2 = Instant::now();
+    let agent_c2 = "cubenet-node-network-agent-2";
+    // Stop first (SIGTERM, as the kubelet does), then clone: podman 4.3's `clone --destroy`
+    // of a running container races runc's state under load ("cannot remove container ... as
+    // it is running").
+    let old_log = logs(agent_c);
+    podman_ok(&["stop", "--time", "10", agent_c]);
+    wait_for("old agent container exited", Duration::from_secs(30), || {
+        let st = podman_ok(&["inspect", "--format", "{{.State.Status}}", agent_c]);
+        (st.trim() == "exited" || st.trim() == "stopped").then_some(st)
+    });
+    podman_ok(&["container", "clone", "--destroy", agent_c, agent_c2, &newer]);
+    podman_ok(&["start", agent_c2]);
+    let swapped = t2.elapsed();
+    let image_now = podman_ok(&["inspect", "--format", "{{.ImageName}} {{.Pod}}", agent_c2]);
+    assert!(image_now.contains("-drill"), "{image_now}");
+    wait_for("new agent /readyz", Duration::from_secs(120), || {
+        exec_wget(agent_c2, "http://127.0.0.1:19090/readyz", false).filter(|b| b.contains("ready"))
+    });
+    eprintln!(
+        "[k8s-pod] agent container replaced by {newer} in {:.1} s, ready after {:.1} s; upload at {before} bytes then",
+        swapped.as_secs_f64(),
+        t2.elapsed().as_secs_f64()
+    );
+    let new_log = logs(agent_c2);
+    let got = rt.block_on(async {
+        let mut c = network_agent::client::connect(&grpc).await.unwrap();
+        c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-k8s".into(), ..Default::default() }).await
+    });
+    assert!(got.is_ok(), "the new agent lost sb-k8s: {got:?}\n{new_log}");
+    // The documented limit (decision K14): a restarted agent cannot hand the TAP out again
+    // while QEMU holds it (no hand-over of TAP fds between containers).
+    let (again, fd_again) = tap_fd(&tap_sock, &i.name, "sb-k8s");
+    assert!(fd_again.is_none() && again["errCode"] != "0", "expected the restart limit, got {again}");
+    let during = sink.received.load(Ordering::SeqCst);
+    assert!(during < UPLOAD, "the upload ended before the replacement finished ({during} bytes): make it longer");
+
+    let results = vm.wait_done(Duration::from_secs(150)).unwrap_or_else(|e| panic!("{e:#}\n{}", vm.console()));
+    for res in &results {
+        eprintln!(
+            "[k8s-pod] guest {} {} {} ms {}",
+            res.spec,
+            if res.pass { "PASS" } else { "FAIL" },
+            res.ms,
+            res.detail
+        );
+    }
+    let sunk = sink.result.recv_timeout(Duration::from_secs(10)).expect("sink result");
+    assert_eq!(sunk, Ok(UPLOAD), "world sink");
+    assert!(results.len() == checks.len() && results.iter().all(|r| r.pass), "{results:?}\n{}", vm.console());
+    assert_eq!(results[1].detail, format!("got {UPLOAD}"));
+    assert!(!world_http.peers().is_empty());
+
+    // Operations: the sandbox's datapath counters, read with the CLI inside the new agent
+    // container, count the whole upload (out) across the replacement; the agent's JSON log
+    // lines name the sandbox on Ensure and the fd hand-off.
+    let c = podman_ok(&["exec", agent_c2, "cubenet-cli", "--json", "sandbox", "sb-k8s"]);
+    let c: serde_json::Value = serde_json::from_str(&c).unwrap_or_else(|e| panic!("cubenet-cli: {e}: {c}"));
+    eprintln!("[k8s-pod] cubenet-cli sandbox sb-k8s: {c}");
+    assert!(c["out"]["bytes"].as_u64().unwrap() > UPLOAD, "the upload is not in the counters: {c}");
+    assert!(c["in"]["packets"].as_u64().unwrap() > 0, "{c}");
+    let metrics = exec_wget(agent_c2, "http://127.0.0.1:19090/metrics", false).expect("metrics");
+    assert!(metrics.contains(r#"cubenet_sandbox_bytes_total{direction="out",sandbox="sb-k8s"}"#), "{metrics}");
+    for msg in ["network ensured", "TAP fd handed out"] {
+        assert!(
+            old_log.lines().any(|l| l.contains(msg) && l.contains(r#""sandbox_id":"sb-k8s""#)),
+            "no JSON {msg:?} line with sandbox_id sb-k8s:\n{old_log}"
+        );
+    }
+
+    // A new sandbox through the new agent.
+    rt.block_on(async {
+        let mut c = network_agent::client::connect(&grpc).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: "sb-k8s-2".into(), ..Default::default() })
+            .await
+            .expect("ensure through the new agent");
+    });
+    drop(vm);
+    // The pod first: its replaced agent container still uses the drill image.
+    drop(pod_guard);
+    let rmi = podman(&["rmi", &newer]);
+    assert!(rmi.status.success(), "podman rmi {newer}: {}", String::from_utf8_lossy(&rmi.stderr));
+}
