@@ -3,7 +3,9 @@
 //! Pin layout under `LoadOptions::pin_dir` (a bpffs directory such as `/sys/fs/bpf/cubevs`):
 //! `maps/<name>` for every map (reused by the next load when compatible), and
 //! `links/<program>_<ifindex>` for every tcx link, so the datapath keeps forwarding after the
-//! process exits and a new process adopts the links instead of attaching twice.
+//! process exits and a new process adopts the links instead of attaching twice; the optional
+//! XDP link of the uplink is pinned the same way (`links/xdp_world_<mode>_<ifindex>`, see
+//! [`crate::xdp`]).
 
 use std::{
     collections::HashMap,
@@ -154,12 +156,14 @@ impl Default for LoadOptions {
 /// A loaded CubeVS datapath: programs (attach/detach need the dataplane netns thread) and
 /// the shared, thread-safe [`Maps`].
 pub struct Datapath {
-    ebpf: Ebpf,
-    opts: LoadOptions,
+    pub(crate) ebpf: Ebpf,
+    pub(crate) opts: LoadOptions,
     maps: Arc<Maps>,
     legacy: bool,
     /// Unpinned tcx links, keyed by (program, ifindex); detached when dropped.
     owned_links: HashMap<(&'static str, u32), SchedClassifierLink>,
+    /// Unpinned XDP links, keyed by ifindex; detached when dropped.
+    pub(crate) owned_xdp: HashMap<u32, aya::programs::xdp::XdpLink>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -168,7 +172,7 @@ impl std::fmt::Debug for Datapath {
     }
 }
 
-fn prog_err(what: impl Into<String>) -> impl FnOnce(aya::programs::ProgramError) -> Error {
+pub(crate) fn prog_err(what: impl Into<String>) -> impl FnOnce(aya::programs::ProgramError) -> Error {
     let what = what.into();
     move |source| Error::Program { what, source: Box::new(source) }
 }
@@ -227,6 +231,7 @@ impl Datapath {
         for &name in prog::ALL {
             Self::classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
         }
+        crate::xdp::xdp_program(&mut ebpf)?.load().map_err(prog_err(format!("load program {}", prog::XDP_WORLD)))?;
         let registrations = {
             use std::os::fd::AsFd;
             let m = ebpf.map(map::IFINDEX_TO_MVMMETA).ok_or(Error::Missing(map::IFINDEX_TO_MVMMETA))?;
@@ -264,7 +269,7 @@ impl Datapath {
             AttachMode::LegacyTc => true,
             AttachMode::Auto => KernelVersion::current().map(|v| v < KernelVersion::new(6, 6, 0)).unwrap_or(false),
         };
-        Ok(Self { ebpf, opts, maps, legacy, owned_links: HashMap::new() })
+        Ok(Self { ebpf, opts, maps, legacy, owned_links: HashMap::new(), owned_xdp: HashMap::new() })
     }
 
     fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier, Error> {
@@ -521,6 +526,6 @@ pub fn tcx_programs(ifname: &str, kind: TcAttachType) -> Result<Vec<String>, Err
     Ok(infos.iter().map(|i| i.name_as_str().unwrap_or("?").to_string()).collect())
 }
 
-fn ifindex(name: &str) -> Result<u32, Error> {
+pub(crate) fn ifindex(name: &str) -> Result<u32, Error> {
     cubenet_sys::ifindex(name).map_err(|source| Error::Interface { name: name.to_string(), source })
 }

@@ -3,7 +3,8 @@
 //! - [`Datapath`] loads the eBPF object (built by `cargo xtask build-ebpf`, see
 //!   [`default_object_path`]) with a [`DatapathConfig`] in its `CONFIG` global, creates or
 //!   adopts the pinned maps, and attaches `from_cube` (sandbox interfaces), `from_world`
-//!   (uplink) and `from_envoy` (cube-dev) with pinned tcx links (legacy tc as fallback).
+//!   (uplink) and `from_envoy` (cube-dev) with pinned tcx links (legacy tc as fallback), and
+//!   optionally `xdp_world` on the uplink ([`XdpMode`]).
 //! - [`Maps`] is the typed, thread-safe API over every map, one wrapper per map family:
 //!   [`SandboxTable`], [`PortMaps`], [`Sessions`], [`SnatTable`], [`PolicyTable`],
 //!   [`NodeTable`], [`Counters`].
@@ -24,6 +25,7 @@ mod sandbox;
 pub mod sessions;
 mod snat;
 pub mod testrun;
+mod xdp;
 
 pub use counters::{CounterValue, Counters};
 pub use cubevs_common::{DatapathConfig, guest, prog};
@@ -37,6 +39,7 @@ pub use ports::{PortMapping, PortMaps, Proto};
 pub use sandbox::{SandboxEntry, SandboxTable};
 pub use sessions::{SessionView, Sessions};
 pub use snat::{SnatAddr, SnatTable};
+pub use xdp::{XdpAttached, XdpMode};
 
 /// `BPF_NOEXIST` map update flag.
 pub(crate) const BPF_NOEXIST: u64 = 1;

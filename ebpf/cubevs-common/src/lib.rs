@@ -38,6 +38,8 @@ pub mod prog {
     pub const FROM_ENVOY: &str = "from_envoy";
     /// Returns `TC_ACT_OK` and nothing else: the per-packet cost floor for benchmarks.
     pub const BASELINE_PASS: &str = "baseline_pass";
+    /// XDP on the uplink: the fast reverse path (optional, `xdp_mode`); not in [`ALL`].
+    pub const XDP_WORLD: &str = "xdp_world";
     /// Every TC program in the object, in load order.
     pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS];
 }
