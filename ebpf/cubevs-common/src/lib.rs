@@ -481,6 +481,9 @@ pod!(
 
 /// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.
 pub mod counter {
+    /// xdp_world: reply or host-port frame rewritten and redirected into a sandbox by the XDP
+    /// fast path (also counted under its `from_world` verdict, e.g. `reverse_nat`).
+    pub const XDP_REDIRECT: u32 = 48;
     /// from_cube: ARP request proxied.
     pub const CUBE_ARP: u32 = 0;
     /// from_cube: dropped, interface has no registered sandbox.
@@ -551,6 +554,7 @@ pub mod counter {
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
+        (XDP_REDIRECT, "xdp_world", "redirect"),
         (CUBE_ARP, "from_cube", "arp_proxied"),
         (CUBE_DROP_UNREGISTERED, "from_cube", "drop_unregistered"),
         (CUBE_DROP_MALFORMED, "from_cube", "drop_malformed"),

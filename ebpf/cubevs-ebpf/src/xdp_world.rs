@@ -16,10 +16,12 @@ use aya_ebpf::{
     macros::xdp,
     programs::XdpContext,
 };
-use cubevs_common::{ether, proto};
+use cubevs_common::{counter, ether, proto};
 
 use crate::{
-    config, packet,
+    config,
+    maps::count,
+    packet,
     world::{self, Outcome},
 };
 
@@ -46,7 +48,10 @@ pub fn xdp_world(ctx: XdpContext) -> u32 {
         // second time on the TC path. Bounds were checked by the parser, so this never
         // happens in practice.
         Outcome::Drop | Outcome::Failed => XDP_DROP,
-        // SAFETY: plain helper call.
-        Outcome::Redirect { ifindex, .. } => unsafe { bpf_redirect(ifindex, 0) as u32 },
+        Outcome::Redirect { ifindex, .. } => {
+            count(counter::XDP_REDIRECT);
+            // SAFETY: plain helper call.
+            unsafe { bpf_redirect(ifindex, 0) as u32 }
+        }
     }
 }
