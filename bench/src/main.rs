@@ -10,6 +10,7 @@ mod per_packet;
 mod report;
 mod scale;
 mod throughput;
+mod xdp;
 
 use std::path::PathBuf;
 
@@ -21,7 +22,8 @@ struct Cli {
     /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
-    /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load).
+    /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
+    /// xdp: the XDP fast path beside the TC reverse path, ns/pkt and world → guest throughput).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -38,6 +40,7 @@ struct Cli {
 }
 
 const ALL: &[&str] = &["per-packet", "throughput", "scale", "agent", "agent-sessions"];
+// Not in ALL: `xdp` (per-packet and throughput with the XDP fast path on and off).
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -70,6 +73,7 @@ fn main() -> anyhow::Result<()> {
                 rows.extend(agent_sessions::run(100, n))
             }
             "gateway-swap" => rows.extend(gateway_swap::run()),
+            "xdp" => rows.extend(xdp::run(cli.rounds)),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }

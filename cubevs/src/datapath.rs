@@ -231,7 +231,9 @@ impl Datapath {
         for &name in prog::ALL {
             Self::classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
         }
-        crate::xdp::xdp_program(&mut ebpf)?.load().map_err(prog_err(format!("load program {}", prog::XDP_WORLD)))?;
+        for &name in prog::XDP_ALL {
+            crate::xdp::xdp_named(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
+        }
         let registrations = {
             use std::os::fd::AsFd;
             let m = ebpf.map(map::IFINDEX_TO_MVMMETA).ok_or(Error::Missing(map::IFINDEX_TO_MVMMETA))?;

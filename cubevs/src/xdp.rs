@@ -88,15 +88,25 @@ impl XdpAttached {
     }
 }
 
-/// The loaded `xdp_world` program of `ebpf`.
+/// The XDP program `name` of `ebpf` (one of `prog::XDP_ALL`).
+pub(crate) fn xdp_named<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Xdp, Error> {
+    ebpf.program_mut(name).and_then(|p| <&mut Xdp>::try_from(p).ok()).ok_or(Error::Missing(name))
+}
+
+/// The `xdp_world` program of `ebpf`.
 pub(crate) fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, Error> {
-    ebpf.program_mut(prog::XDP_WORLD).and_then(|p| <&mut Xdp>::try_from(p).ok()).ok_or(Error::Missing(prog::XDP_WORLD))
+    xdp_named(ebpf, prog::XDP_WORLD)
 }
 
 impl Datapath {
     /// The loaded `xdp_world` program (for test runs and inspection).
     pub fn xdp_program(&mut self) -> Result<&mut Xdp, Error> {
         xdp_program(&mut self.ebpf)
+    }
+
+    /// The loaded XDP program `name` (`prog::XDP_ALL`: `xdp_world`, `baseline_xdp_pass`).
+    pub fn xdp_program_named(&mut self, name: &'static str) -> Result<&mut Xdp, Error> {
+        xdp_named(&mut self.ebpf, name)
     }
 
     fn xdp_pin(&self, m: XdpAttached, ifindex: u32) -> Option<PathBuf> {

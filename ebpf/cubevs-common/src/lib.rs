@@ -40,6 +40,10 @@ pub mod prog {
     pub const BASELINE_PASS: &str = "baseline_pass";
     /// XDP on the uplink: the fast reverse path (optional, `xdp_mode`); not in [`ALL`].
     pub const XDP_WORLD: &str = "xdp_world";
+    /// Returns `XDP_PASS` and nothing else: the XDP per-packet floor for benchmarks.
+    pub const BASELINE_XDP_PASS: &str = "baseline_xdp_pass";
+    /// Every XDP program in the object.
+    pub const XDP_ALL: &[&str] = &[XDP_WORLD, BASELINE_XDP_PASS];
     /// Every TC program in the object, in load order.
     pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS];
 }
