@@ -134,6 +134,12 @@ warm pool = tap_init_num above the concurrency, empty pool = tap_init_num 0 (eve
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
+- xdp (`cargo xtask bench xdp`): BPF_PROG_TEST_RUN of `xdp_world` vs `from_world` on the same frames beside both \
+empty programs; then iperf3 -R (world sends) to a veth guest through the throughput topology with XDP off / generic / \
+native, the world side's TX checksum offload off (wire-like frames, which XDP needs: decision X3), plus one TC-path \
+row with the veth offloads on (GSO super-frames: what the guest loses with XDP). UDP 64 B pkt/s is bounded by the one \
+iperf3 sender. On this shared 2-core machine the throughput rows swing by 2x between runs (an earlier run had XDP \
+generic 1.21x and native 1.53x of the TC path); the ns/pkt rows are stable. XDP stays off by default (X5).\n\
 - egress (`cargo xtask bench egress`, not in this table): cube-egress vs mitmproxy with the same client, upstream \
 and CA; it prints its own table (see the CubeEgress section of the README).\n\n\
 ## Targets and misses (causes)\n\n\
