@@ -11,6 +11,7 @@ use aya::{
     programs::{
         Xdp, XdpMode as AyaXdpMode,
         links::{FdLink, PinnedLink},
+        xdp::XdpLink,
     },
 };
 use cubevs_common::prog;
@@ -134,7 +135,8 @@ impl Datapath {
         };
         if self.opts.pin_dir.is_some() {
             for &m in want {
-                if self.xdp_pin(m, idx).is_some_and(|p| p.exists()) {
+                if let Some(pin) = self.xdp_pin(m, idx).filter(|p| p.exists()) {
+                    self.refresh_xdp_link(&pin)?;
                     return Ok(Some(m));
                 }
             }
@@ -149,6 +151,22 @@ impl Datapath {
             }
         }
         Err(last.unwrap_or(Error::Missing(prog::XDP_WORLD)))
+    }
+
+    /// Makes the adopted link pinned at `pin` run this process's `xdp_world` (an upgraded
+    /// object replaces the old program atomically, `bpf_link_update`), like the tcx links.
+    fn refresh_xdp_link(&mut self, pin: &std::path::Path) -> Result<(), Error> {
+        let what = format!("update {}", pin.display());
+        let pe =
+            |e: &dyn std::fmt::Display| Error::Pin { what: what.clone(), source: std::io::Error::other(e.to_string()) };
+        let link = PinnedLink::from_pin(pin).map_err(|e| pe(&e))?;
+        let fd: FdLink = link.into();
+        let link = XdpLink::try_from(fd).map_err(|e| pe(&e))?;
+        let p = xdp_program(&mut self.ebpf)?;
+        let id = p.attach_to_link(link).map_err(prog_err(what.clone()))?;
+        // Closing our fd leaves the pinned link (and its new program) in place.
+        drop(p.take_link(id).map_err(prog_err(what.clone()))?);
+        Ok(())
     }
 
     fn attach_xdp_as(&mut self, idx: u32, ifname: &str, m: XdpAttached) -> Result<(), Error> {

@@ -173,12 +173,21 @@ fn replies_reach_the_guest(mode: XdpMode, want: XdpAttached) {
     };
     assert_eq!(got.len(), DOWNLOAD, "download after the loader exited");
     let mut dp = load(&n.bpffs);
+    let links = n.bpffs.path().join("cubevs/links");
     let readopted = n.topo.node.run(move || {
         let a = dp.attach_uplink_xdp(NODE_UPLINK, mode).expect("adopt");
+        // The adopted link now runs this process's program.
+        let pin = std::fs::read_dir(&links)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("xdp_world_"))
+            .expect("xdp pin");
+        let (_, running) = cubevs::slots::link_ids(&pin).expect("link ids");
+        let ours = dp.xdp_program().unwrap().info().unwrap().id();
         let off = dp.attach_uplink_xdp(NODE_UPLINK, XdpMode::Off).expect("off");
-        (a, off)
+        (a, running == ours, off)
     });
-    assert_eq!(readopted, (Some(want), None));
+    assert_eq!(readopted, (Some(want), true, None));
     let pins = std::fs::read_dir(n.bpffs.path().join("cubevs/links"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
