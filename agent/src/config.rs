@@ -120,6 +120,11 @@ pub struct Config {
     /// then stay idle until SIGTERM/SIGINT: for supervisors that restart a process that
     /// exits, such as a Kubernetes container with `restartPolicy: Always`).
     pub after_handover: AfterHandover,
+    /// XDP fast path on the uplink (`xdp_world`): `"off"` (default), `"generic"`, `"native"`
+    /// or `"auto"` (native when the driver supports it, else generic). Only for uplinks that
+    /// receive frames from a wire (physical NICs): XDP cannot see an skb's CHECKSUM_PARTIAL
+    /// state, so a veth uplink whose peer sends with TX checksum offload breaks (decision X3).
+    pub xdp_mode: String,
 }
 
 /// The `after_handover` key.
@@ -166,6 +171,7 @@ impl Default for Config {
             cube_egress_push_timeout_ms: 2000,
             handover_socket: PathBuf::new(),
             after_handover: AfterHandover::Exit,
+            xdp_mode: "off".into(),
         }
     }
 }
@@ -271,6 +277,8 @@ pub struct Validated {
     pub gw_mac: [u8; 6],
     /// `host_port_range` parsed.
     pub port_range: (u16, u16),
+    /// `xdp_mode` parsed.
+    pub xdp_mode: cubevs::XdpMode,
 }
 
 impl Config {
@@ -392,7 +400,8 @@ impl Config {
                 format!("{} outside 1..60000", self.cube_egress_push_timeout_ms),
             ));
         }
-        Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range })
+        let xdp_mode = self.xdp_mode.parse::<cubevs::XdpMode>().map_err(|r| invalid("xdp_mode", r))?;
+        Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range, xdp_mode })
     }
 }
 
@@ -413,6 +422,7 @@ mod tests {
         assert_eq!(v.cidr.to_string(), "192.168.0.0/18");
         assert_eq!(v.gateway_ip(), Ipv4Addr::new(192, 168, 0, 1));
         assert_eq!(v.port_range, (20000, 29999));
+        assert_eq!(v.xdp_mode, cubevs::XdpMode::Off);
         assert_eq!(Config::parse("").unwrap(), Config::default());
     }
 
@@ -429,6 +439,10 @@ mod tests {
         let e = Config::parse("grpc_listen = \"/tmp/x\"").unwrap().validate().unwrap_err().to_string();
         assert!(e.contains("`grpc_listen`"), "{e}");
         assert!(Config::parse("grpc_listen = \"tcp://127.0.0.1:9\"").unwrap().validate().is_ok());
+        let e = Config::parse("xdp_mode = \"fast\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`xdp_mode`") && e.contains("off, generic, native, auto"), "{e}");
+        let v = Config::parse("xdp_mode = \"auto\"").unwrap().validate().unwrap();
+        assert_eq!(v.xdp_mode, cubevs::XdpMode::Auto);
         let e = Config::parse("bogus = 1").unwrap_err();
         assert!(e.contains("bogus"), "{e}");
         let e = Config::parse("mtu = \"x\"").unwrap_err();

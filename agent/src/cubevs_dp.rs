@@ -116,6 +116,14 @@ impl Dataplane for CubeVsDataplane {
         let n = ifname.to_string();
         self.on_thread(move |dp| dp.attach_uplink(&n, ip)).map(drop)
     }
+    fn attach_uplink_xdp(
+        &self,
+        ifname: &str,
+        mode: cubevs::XdpMode,
+    ) -> Result<Option<cubevs::XdpAttached>, DataplaneError> {
+        let n = ifname.to_string();
+        self.on_thread(move |dp| dp.attach_uplink_xdp(&n, mode))
+    }
     fn attach_cube_dev(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError> {
         let n = ifname.to_string();
         self.on_thread(move |dp| dp.attach_cube_dev(&n, ip)).map(drop)

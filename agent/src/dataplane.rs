@@ -141,6 +141,13 @@ pub trait Dataplane: Send + Sync {
     fn detach_sandbox(&self, ifname: &str) -> Result<(), DataplaneError>;
     /// Attaches the uplink programs (`from_world`) to `ifname` whose address is `ip`.
     fn attach_uplink(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError>;
+    /// Attaches `xdp_world` to the uplink `ifname` in `mode` (pinned, adopted when already
+    /// attached in that mode), or detaches it for `off`. Returns how it is attached.
+    fn attach_uplink_xdp(
+        &self,
+        ifname: &str,
+        mode: cubevs::XdpMode,
+    ) -> Result<Option<cubevs::XdpAttached>, DataplaneError>;
     /// Attaches the cube-dev program (`from_envoy`) to `ifname` whose address is `ip`.
     fn attach_cube_dev(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError>;
     /// Registers (or overwrites) the sandbox behind `entry.ifindex`.
@@ -325,6 +332,8 @@ pub struct FakeDataplane {
     pub attached: Mutex<BTreeMap<String, u32>>,
     /// Uplink and cube-dev attachments seen.
     pub infra: Mutex<Vec<(String, Ipv4Addr)>>,
+    /// `attach_uplink_xdp` calls seen (interface, mode).
+    pub xdp: Mutex<Vec<(String, cubevs::XdpMode)>>,
     /// When set, `register_sandbox` fails (to test rollback).
     pub fail_register: std::sync::atomic::AtomicBool,
     /// When set, `delete_port_mapping` and `delete_port_mappings_of` fail (to test cleanup retries).
@@ -374,6 +383,18 @@ impl Dataplane for FakeDataplane {
     fn attach_uplink(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError> {
         self.infra.lock().unwrap().push((ifname.to_string(), ip));
         Ok(())
+    }
+    fn attach_uplink_xdp(
+        &self,
+        ifname: &str,
+        mode: cubevs::XdpMode,
+    ) -> Result<Option<cubevs::XdpAttached>, DataplaneError> {
+        self.xdp.lock().unwrap().push((ifname.to_string(), mode));
+        Ok(match mode {
+            cubevs::XdpMode::Off => None,
+            cubevs::XdpMode::Generic => Some(cubevs::XdpAttached::Generic),
+            cubevs::XdpMode::Native | cubevs::XdpMode::Auto => Some(cubevs::XdpAttached::Native),
+        })
     }
     fn attach_cube_dev(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError> {
         self.infra.lock().unwrap().push((ifname.to_string(), ip));

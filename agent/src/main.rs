@@ -235,6 +235,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             bail!("uplink {eth} must carry exactly one IPv4 address, has {ips:?}");
         }
         dp.attach_uplink(&eth, ips[0])?;
+        // After from_world: whatever XDP passes finds the TC path in place.
+        let xdp = dp.attach_uplink_xdp(&eth, cfg.xdp_mode)?;
+        tracing::info!(uplink = %eth, mode = %cfg.xdp_mode, attached = ?xdp, "xdp fast path");
         dp.set_snat_ips(&[SnatIp { ip: ips[0], ifindex }])?;
         if !raw.ip_local_port_range.is_empty() {
             host.netns_sysctl("ipv4/ip_local_port_range", &raw.ip_local_port_range)?;

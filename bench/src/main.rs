@@ -14,6 +14,7 @@ mod soak;
 mod throughput;
 mod upgrade;
 mod upgrade_agent;
+mod xdp;
 
 use std::path::PathBuf;
 
@@ -27,7 +28,8 @@ struct Cli {
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
-    /// upgrade: datapath switch/rollback, agent upgrade/restart and gateway swap under load).
+    /// upgrade: datapath switch/rollback, agent upgrade/restart and gateway swap under load;
+    /// xdp: the XDP fast path beside the TC reverse path, ns/pkt and world → guest throughput).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -47,6 +49,7 @@ struct Cli {
 }
 
 const ALL: &[&str] = &["per-packet", "throughput", "scale", "agent", "agent-sessions"];
+// Not in ALL: `xdp` (per-packet and throughput with the XDP fast path on and off).
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -82,6 +85,7 @@ fn main() -> anyhow::Result<()> {
             }
             "upgrade" => rows.extend(upgrade::run()),
             "gateway-swap" => rows.extend(gateway_swap::run()),
+            "xdp" => rows.extend(xdp::run(cli.rounds)),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
@@ -148,6 +152,12 @@ SIGKILLed and started again, timed to /readyz with all 500 adopted Active. The m
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
+- xdp (`cargo xtask bench xdp`): BPF_PROG_TEST_RUN of `xdp_world` vs `from_world` on the same frames beside both \
+empty programs; then iperf3 -R (world sends) to a veth guest through the throughput topology with XDP off / generic / \
+native, the world side's TX checksum offload off (wire-like frames, which XDP needs: decision X3), plus one TC-path \
+row with the veth offloads on (GSO super-frames: what the guest loses with XDP). UDP 64 B pkt/s is bounded by the one \
+iperf3 sender. On this shared 2-core machine the throughput rows swing by 2x between runs (an earlier run had XDP \
+generic 1.21x and native 1.53x of the TC path); the ns/pkt rows are stable. XDP stays off by default (X5).\n\
 - egress (`cargo xtask bench egress`, not in this table): cube-egress vs mitmproxy with the same client, upstream \
 and CA; it prints its own table (see the CubeEgress section of the README).\n\
 - upgrade: `datapath switch` / `datapath rollback` (tcx link program replacement) while a veth guest runs a long TCP \

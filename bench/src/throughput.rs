@@ -24,7 +24,7 @@ use crate::report::{Row, stats};
 
 /// The three paths compared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Path {
+pub(crate) enum Path {
     /// CubeVS eBPF datapath.
     Cubevs,
     /// Linux bridge + iptables MASQUERADE + nf_conntrack.
@@ -44,16 +44,16 @@ impl Path {
 }
 
 /// A topology with one guest behind the given path. Keeps everything alive until dropped.
-struct Setup {
+pub(crate) struct Setup {
     own_guest: Option<TestNetns>,
-    veth: Option<cubenet_tests::guest::VethGuest>,
-    _dp: Option<Datapath>,
+    pub(crate) veth: Option<cubenet_tests::guest::VethGuest>,
+    pub(crate) _dp: Option<Datapath>,
     _bpffs: Option<BpfFs>,
-    topo: Topology,
+    pub(crate) topo: Topology,
 }
 
 impl Setup {
-    fn guest(&self) -> &TestNetns {
+    pub(crate) fn guest(&self) -> &TestNetns {
         match (&self.own_guest, &self.veth) {
             (Some(g), _) => g,
             (None, Some(v)) => self.topo.guest_ns(v),
@@ -67,7 +67,7 @@ fn sh(ns: &TestNetns, args: &[&str]) {
     assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
-fn setup(path: Path) -> Setup {
+pub(crate) fn setup(path: Path) -> Setup {
     let mut topo = Topology::new();
     match path {
         Path::Cubevs => {

@@ -3,7 +3,9 @@
 //! Pin layout under `LoadOptions::pin_dir` (a bpffs directory such as `/sys/fs/bpf/cubevs`):
 //! `maps/<name>` for every map (reused by the next load when compatible), and
 //! `links/<program>_<ifindex>` for every tcx link, so the datapath keeps forwarding after the
-//! process exits and a new process adopts the links instead of attaching twice.
+//! process exits and a new process adopts the links instead of attaching twice; the optional
+//! XDP link of the uplink is pinned the same way (`links/xdp_world_<mode>_<ifindex>`, see
+//! [`crate::xdp`]).
 
 use std::{
     collections::HashMap,
@@ -157,14 +159,16 @@ impl Default for LoadOptions {
 /// A loaded CubeVS datapath: programs (attach/detach need the dataplane netns thread) and
 /// the shared, thread-safe [`Maps`].
 pub struct Datapath {
-    ebpf: Ebpf,
-    opts: LoadOptions,
+    pub(crate) ebpf: Ebpf,
+    pub(crate) opts: LoadOptions,
     maps: Arc<Maps>,
     legacy: bool,
     /// Slot activated at load (pinned tcx mode).
     slot: Option<usize>,
     /// Unpinned tcx links, keyed by (program, ifindex); detached when dropped.
     owned_links: HashMap<(&'static str, u32), SchedClassifierLink>,
+    /// Unpinned XDP links, keyed by ifindex; detached when dropped.
+    pub(crate) owned_xdp: HashMap<u32, aya::programs::xdp::XdpLink>,
 }
 
 impl std::fmt::Debug for Datapath {
@@ -173,7 +177,7 @@ impl std::fmt::Debug for Datapath {
     }
 }
 
-fn prog_err(what: impl Into<String>) -> impl FnOnce(aya::programs::ProgramError) -> Error {
+pub(crate) fn prog_err(what: impl Into<String>) -> impl FnOnce(aya::programs::ProgramError) -> Error {
     let what = what.into();
     move |source| Error::Program { what, source: Box::new(source) }
 }
@@ -282,7 +286,7 @@ impl Datapath {
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
             sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
         });
-        Ok(Self { ebpf, opts, maps, legacy, slot, owned_links: HashMap::new() })
+        Ok(Self { ebpf, opts, maps, legacy, slot, owned_links: HashMap::new(), owned_xdp: HashMap::new() })
     }
 
     /// Makes this process's programs the ones every pinned link runs (the fix for a new
@@ -597,6 +601,6 @@ pub fn tcx_programs(ifname: &str, kind: TcAttachType) -> Result<Vec<String>, Err
     Ok(infos.iter().map(|i| i.name_as_str().unwrap_or("?").to_string()).collect())
 }
 
-fn ifindex(name: &str) -> Result<u32, Error> {
+pub(crate) fn ifindex(name: &str) -> Result<u32, Error> {
     cubenet_sys::ifindex(name).map_err(|source| Error::Interface { name: name.to_string(), source })
 }

@@ -3,7 +3,8 @@
 //! - [`Datapath`] loads the eBPF object (built by `cargo xtask build-ebpf`, see
 //!   [`default_object_path`]) with a [`DatapathConfig`] in its `CONFIG` global, creates or
 //!   adopts the pinned maps, and attaches `from_cube` (sandbox interfaces), `from_world`
-//!   (uplink) and `from_envoy` (cube-dev) with pinned tcx links (legacy tc as fallback).
+//!   (uplink) and `from_envoy` (cube-dev) with pinned tcx links (legacy tc as fallback), and
+//!   optionally `xdp_world` on the uplink ([`XdpMode`]).
 //! - [`Maps`] is the typed, thread-safe API over every map, one wrapper per map family:
 //!   [`SandboxTable`], [`PortMaps`], [`Sessions`], [`SnatTable`], [`PolicyTable`],
 //!   [`NodeTable`], [`Counters`], [`SandboxStatsTable`].
@@ -30,6 +31,7 @@ pub mod sessions;
 pub mod slots;
 mod snat;
 pub mod testrun;
+mod xdp;
 
 pub use counters::{CounterValue, Counters};
 pub use cubevs_common::{DatapathConfig, guest, prog};
@@ -44,6 +46,7 @@ pub use sandbox::{SandboxEntry, SandboxTable};
 pub use sandbox_stats::{SandboxCounters, SandboxStatsTable};
 pub use sessions::{SessionView, Sessions};
 pub use snat::{SnatAddr, SnatTable};
+pub use xdp::{XdpAttached, XdpMode};
 
 /// `BPF_NOEXIST` map update flag.
 pub(crate) const BPF_NOEXIST: u64 = 1;

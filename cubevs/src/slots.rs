@@ -107,6 +107,9 @@ pub(crate) fn load_object(
     for &name in prog::ALL {
         classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
     }
+    for &name in prog::XDP_ALL {
+        crate::xdp::xdp_named(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
+    }
     Ok(ebpf)
 }
 

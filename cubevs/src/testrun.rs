@@ -1,4 +1,4 @@
-//! `BPF_PROG_TEST_RUN` for the datapath's TC programs: run a program once on a crafted frame
+//! `BPF_PROG_TEST_RUN` for the datapath's TC programs and `xdp_world`: run a program once on a crafted frame
 //! and get back its verdict and the (possibly rewritten) frame.
 //!
 //! Notes from the kernel: helpers such as `bpf_redirect` return their verdict
@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 
 use crate::Error;
 
@@ -101,6 +101,56 @@ pub fn run(prog: &SchedClassifier, frame: &[u8], ctx: SkBuffCtx, repeat: u32) ->
     let res = prog
         .test_run(opts)
         .map_err(|source| Error::Program { what: "BPF_PROG_TEST_RUN".into(), source: Box::new(source) })?;
+    out.truncate(res.data_size_out as usize);
+    Ok(TestRunOutput { verdict: res.return_value, data: out, duration: res.duration })
+}
+
+/// `XDP_DROP`.
+pub const XDP_DROP: u32 = 1;
+/// `XDP_PASS`: continue into the stack (the TC path).
+pub const XDP_PASS: u32 = 2;
+/// `XDP_REDIRECT`: returned by `bpf_redirect`.
+pub const XDP_REDIRECT: u32 = 4;
+
+/// The UAPI `struct xdp_md` (24 bytes) as `BPF_PROG_TEST_RUN` takes it: `data` and
+/// `data_meta` are 0 (no metadata), `data_end` the frame length (set by [`run_xdp`]);
+/// `ingress_ifindex` must name a device in the caller's netns (0: none) and `rx_queue_index`
+/// one of its RX queues.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct XdpMdCtx {
+    /// `ifindex` of the receiving device (`ctx->ingress_ifindex`).
+    pub ingress_ifindex: u32,
+    /// RX queue of that device.
+    pub rx_queue_index: u32,
+}
+
+impl XdpMdCtx {
+    /// The context as the kernel reads it for a frame of `len` bytes (`data`, `data_end`,
+    /// `data_meta`, `ingress_ifindex`, `rx_queue_index`, `egress_ifindex`; native byte order).
+    pub fn to_bytes(&self, len: usize) -> [u8; 24] {
+        let fields = [0, len as u32, 0, self.ingress_ifindex, self.rx_queue_index, 0u32];
+        let mut out = [0u8; 24];
+        for (chunk, v) in out.chunks_exact_mut(4).zip(fields) {
+            chunk.copy_from_slice(&v.to_ne_bytes());
+        }
+        out
+    }
+}
+
+/// Runs the XDP program `prog` on `frame` `repeat` times (at least once) with `ctx`; the
+/// verdict is an `XDP_*` action. A redirect is only reported, never performed.
+pub fn run_xdp(prog: &Xdp, frame: &[u8], ctx: XdpMdCtx, repeat: u32) -> Result<TestRunOutput, Error> {
+    let ctx_bytes = ctx.to_bytes(frame.len());
+    let mut out = vec![0u8; frame.len() + 256];
+    let mut opts = TestRunOptions::new();
+    opts.data_in = Some(frame);
+    opts.data_out = Some(&mut out);
+    opts.ctx_in = Some(&ctx_bytes);
+    opts.repeat = repeat.max(1);
+    let res = prog
+        .test_run(opts)
+        .map_err(|source| Error::Program { what: "BPF_PROG_TEST_RUN (xdp)".into(), source: Box::new(source) })?;
     out.truncate(res.data_size_out as usize);
     Ok(TestRunOutput { verdict: res.return_value, data: out, duration: res.duration })
 }

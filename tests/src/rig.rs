@@ -10,7 +10,7 @@ use std::{
 use cubenet_sys::netns::NetnsThread;
 use cubevs::{
     Datapath, LoadOptions, MapLimits, Maps, SandboxEntry, SnatAddr, prog,
-    testrun::{self, SkBuffCtx, TestRunOutput},
+    testrun::{self, SkBuffCtx, TestRunOutput, XdpMdCtx},
 };
 
 use crate::topology::{CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, mac_string};
@@ -152,6 +152,57 @@ impl Rig {
     /// `from_world` on the uplink.
     pub fn world(&self, frame: Vec<u8>) -> TestRunOutput {
         self.run(prog::FROM_WORLD, frame, self.uplink_ifindex)
+    }
+}
+
+impl Rig {
+    /// `xdp_world` on a frame received by the device `ingress_ifindex` (in the node netns;
+    /// normally [`Rig::uplink_ifindex`]).
+    pub fn xdp_on(&self, frame: Vec<u8>, ingress_ifindex: u32) -> TestRunOutput {
+        self.xdp_repeat(frame, ingress_ifindex, 1)
+    }
+
+    /// `xdp_world` on the uplink.
+    pub fn xdp(&self, frame: Vec<u8>) -> TestRunOutput {
+        self.xdp_on(frame, self.uplink_ifindex)
+    }
+
+    /// Runs the XDP program `program` `n` times on `frame(i)` received by `ingress_ifindex`, in
+    /// one hop to the node thread; returns the kernel-measured ns of each run.
+    pub fn xdp_many(
+        &self,
+        program: &'static str,
+        ingress_ifindex: u32,
+        n: usize,
+        frame: impl Fn(usize) -> Vec<u8> + Send + 'static,
+    ) -> Vec<u64> {
+        let dp = self.dp.clone();
+        self.thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let p = dp.xdp_program_named(program).expect("xdp program");
+                let ctx = XdpMdCtx { ingress_ifindex, rx_queue_index: 0 };
+                (0..n)
+                    .map(|i| {
+                        let f = frame(i);
+                        testrun::run_xdp(p, &f, ctx, 1).expect("xdp test run").duration.as_nanos() as u64
+                    })
+                    .collect()
+            })
+            .expect("node thread")
+    }
+
+    /// `xdp_world` `repeat` times inside one `BPF_PROG_TEST_RUN`; the last run's output.
+    pub fn xdp_repeat(&self, frame: Vec<u8>, ingress_ifindex: u32, repeat: u32) -> TestRunOutput {
+        let dp = self.dp.clone();
+        self.thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let p = dp.xdp_program().expect("xdp program");
+                testrun::run_xdp(p, &frame, XdpMdCtx { ingress_ifindex, rx_queue_index: 0 }, repeat)
+                    .expect("xdp test run")
+            })
+            .expect("node thread")
     }
 }
 

@@ -41,6 +41,12 @@ pub mod prog {
     pub const FROM_ENVOY: &str = "from_envoy";
     /// Returns `TC_ACT_OK` and nothing else: the per-packet cost floor for benchmarks.
     pub const BASELINE_PASS: &str = "baseline_pass";
+    /// XDP on the uplink: the fast reverse path (optional, `xdp_mode`); not in [`ALL`].
+    pub const XDP_WORLD: &str = "xdp_world";
+    /// Returns `XDP_PASS` and nothing else: the XDP per-packet floor for benchmarks.
+    pub const BASELINE_XDP_PASS: &str = "baseline_xdp_pass";
+    /// Every XDP program in the object.
+    pub const XDP_ALL: &[&str] = &[XDP_WORLD, BASELINE_XDP_PASS];
     /// Every TC program in the object, in load order.
     pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS];
 }
@@ -486,6 +492,9 @@ pod!(
 
 /// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.
 pub mod counter {
+    /// xdp_world: reply or host-port frame rewritten and redirected into a sandbox by the XDP
+    /// fast path (also counted under its `from_world` verdict, e.g. `reverse_nat`).
+    pub const XDP_REDIRECT: u32 = 48;
     /// from_cube: ARP request proxied.
     pub const CUBE_ARP: u32 = 0;
     /// from_cube: dropped, interface has no registered sandbox.
@@ -556,6 +565,7 @@ pub mod counter {
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
+        (XDP_REDIRECT, "xdp_world", "redirect"),
         (CUBE_ARP, "from_cube", "arp_proxied"),
         (CUBE_DROP_UNREGISTERED, "from_cube", "drop_unregistered"),
         (CUBE_DROP_MALFORMED, "from_cube", "drop_malformed"),

@@ -1,9 +1,19 @@
-//! `baseline_pass`: a TC program that only returns `TC_ACT_OK`. Never attached by the agent;
-//! benchmarks run it with BPF_PROG_TEST_RUN as the floor of per-packet cost.
+//! `baseline_pass` / `baseline_xdp_pass`: a TC and an XDP program that only let the packet
+//! continue. Never attached by the agent; benchmarks run them with BPF_PROG_TEST_RUN as the
+//! floor of per-packet cost of each hook.
 
-use aya_ebpf::{bindings::TC_ACT_OK, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, xdp_action::XDP_PASS},
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
 
 #[classifier]
 pub fn baseline_pass(_ctx: TcContext) -> i32 {
     TC_ACT_OK
+}
+
+#[xdp]
+pub fn baseline_xdp_pass(_ctx: XdpContext) -> u32 {
+    XDP_PASS
 }

@@ -5,12 +5,14 @@
 //! | `from_cube` | tcx ingress of every sandbox interface    | [`from_cube`]   |
 //! | `from_world`| tcx ingress of the uplink                 | [`from_world`]  |
 //! | `from_envoy`| tcx egress of cube-dev                    | [`from_envoy`]  |
+//! | `xdp_world` | XDP on the uplink (optional fast path)    | [`xdp_world`]   |
 //! | `baseline_pass` | never attached; benchmark floor       | [`baseline`]    |
 //!
 //! Helpers: [`maps`] (every map), [`packet`] (parsing, rewrites, checksums), [`policy`],
 //! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
 //! [`arp`] (proxy), [`config`] (load-time constants), [`track`] (TCP state and sequence
-//! tracking), [`icmp_err`] (ICMP errors from the world), [`frag`] (fragmented replies).
+//! tracking), [`icmp_err`] (ICMP errors from the world), [`frag`] (fragmented replies), [`world`] (reverse
+//! path shared by `from_world` and `xdp_world`).
 #![no_std]
 #![no_main]
 // Map keys are passed by reference on purpose: no struct copies on the hot path.
@@ -31,6 +33,8 @@ mod packet;
 mod policy;
 mod rst;
 mod track;
+mod world;
+mod xdp_world;
 
 #[cfg(not(test))]
 #[panic_handler]

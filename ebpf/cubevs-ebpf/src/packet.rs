@@ -1,12 +1,90 @@
 //! Packet access helpers: header parsing with bounds checks, field rewrites with incremental
 //! checksum updates (`bpf_l3_csum_replace` / `bpf_l4_csum_replace`, which also handle
 //! CHECKSUM_PARTIAL and GSO skbs), MAC rewrites and full checksums for synthesized headers.
+//!
+//! Parsing and rewrites are generic over [`Frame`], implemented for the TC context (skb) and
+//! the XDP context, so `from_world` and `xdp_world` share one rewrite code path (decision X1).
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    programs::TcContext,
+    programs::{TcContext, XdpContext},
 };
 use cubevs_common::{ether, proto};
+
+/// A packet the parsers and rewriters below can work on: direct packet access plus the L4
+/// checksum update with `bpf_l4_csum_replace` semantics (`flags`: size 2 or 4 in the low
+/// bits, `BPF_F_PSEUDO_HDR`, `BPF_F_MARK_MANGLED_0`; `from`/`to` in wire byte order).
+pub trait Frame {
+    /// Address of the first byte.
+    fn start(&self) -> usize;
+    /// Address one past the last directly readable byte.
+    fn end(&self) -> usize;
+    /// Updates the L4 checksum at `off` for a field changing from `from` to `to`.
+    fn l4_csum(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), i64>;
+    /// Length of the whole frame in bytes (TC: `skb->len`, paged data included; XDP: the
+    /// linear buffer), as charged to a sandbox's `sandbox_stats`.
+    fn wire_len(&self) -> u32;
+}
+
+impl Frame for TcContext {
+    #[inline(always)]
+    fn start(&self) -> usize {
+        self.data()
+    }
+    #[inline(always)]
+    fn end(&self) -> usize {
+        self.data_end()
+    }
+    #[inline(always)]
+    fn l4_csum(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), i64> {
+        self.l4_csum_replace(off, from, to, flags)
+    }
+    #[inline(always)]
+    fn wire_len(&self) -> u32 {
+        self.len()
+    }
+}
+
+impl Frame for XdpContext {
+    #[inline(always)]
+    fn start(&self) -> usize {
+        self.data()
+    }
+    #[inline(always)]
+    fn end(&self) -> usize {
+        self.data_end()
+    }
+    #[inline(always)]
+    fn wire_len(&self) -> u32 {
+        (self.data_end() - self.data()) as u32
+    }
+    /// XDP has no checksum helper for packet data: an RFC 1624 update in place. Frames seen
+    /// by XDP carry complete checksums (a NIC never hands over CHECKSUM_PARTIAL), so the
+    /// pseudo-header flag needs no special case; a zero UDP checksum stays zero and a
+    /// computed zero is written as 0xffff, as `BPF_F_MARK_MANGLED_0` does.
+    #[inline(always)]
+    fn l4_csum(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), i64> {
+        let p = ptr_mut::<[u8; 2], Self>(self, off).ok_or(-1i64)?;
+        let mangled0 = flags & BPF_F_MARK_MANGLED_0 as u64 != 0;
+        // SAFETY: bounds checked by ptr_mut.
+        unsafe {
+            let old = *p;
+            if mangled0 && old == [0, 0] {
+                return Ok(());
+            }
+            let mut new = if flags & 0xf == 4 {
+                csum_replace4(old, (from as u32).to_ne_bytes(), (to as u32).to_ne_bytes())
+            } else {
+                csum_replace2(old, (from as u16).to_ne_bytes(), (to as u16).to_ne_bytes())
+            };
+            if mangled0 && new == [0, 0] {
+                new = [0xff, 0xff];
+            }
+            *p = new;
+        }
+        Ok(())
+    }
+}
 
 /// Offset of the IPv4 header.
 pub const IP_OFF: usize = ether::HDR_LEN;
@@ -75,9 +153,9 @@ pub fn ensure_linear(ctx: &TcContext, len: usize) {
 }
 
 #[inline(always)]
-fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*const T> {
-    let start = ctx.data();
-    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+fn ptr_at<T, C: Frame>(ctx: &C, off: usize) -> Option<*const T> {
+    let start = ctx.start();
+    if start + off + core::mem::size_of::<T>() > ctx.end() {
         return None;
     }
     Some((start + off) as *const T)
@@ -85,16 +163,16 @@ fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*const T> {
 
 /// EtherType of the frame (host order), `None` when shorter than an Ethernet header.
 #[inline(always)]
-pub fn ethertype(ctx: &TcContext) -> Option<u16> {
-    let p = ptr_at::<[u8; 2]>(ctx, 12)?;
+pub fn ethertype<C: Frame>(ctx: &C) -> Option<u16> {
+    let p = ptr_at::<[u8; 2], C>(ctx, 12)?;
     // SAFETY: bounds checked by ptr_at.
     Some(u16::from_be_bytes(unsafe { *p }))
 }
 
 /// Parses the IPv4 header (caller checked the EtherType).
 #[inline(always)]
-pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
-    let h = ptr_at::<[u8; 20]>(ctx, IP_OFF)?;
+pub fn ipv4<C: Frame>(ctx: &C) -> Option<Ipv4> {
+    let h = ptr_at::<[u8; 20], C>(ctx, IP_OFF)?;
     // SAFETY: bounds checked by ptr_at.
     let h = unsafe { &*h };
     if h[0] >> 4 != 4 {
@@ -120,14 +198,14 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
 
 /// Parses the L4 header of `ip` (TCP, UDP or ICMP); `None` if truncated or another protocol.
 #[inline(always)]
-pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
+pub fn l4<C: Frame>(ctx: &C, ip: &Ipv4) -> Option<L4> {
     let off = ip.l4_off;
     if off > 14 + 60 {
         return None;
     }
     match ip.proto {
         proto::TCP => {
-            let t = ptr_at::<[u8; 20]>(ctx, off)?;
+            let t = ptr_at::<[u8; 20], C>(ctx, off)?;
             // SAFETY: bounds checked by ptr_at.
             let t = unsafe { &*t };
             Some(L4 {
@@ -142,7 +220,7 @@ pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
             })
         }
         proto::UDP => {
-            let u = ptr_at::<[u8; 8]>(ctx, off)?;
+            let u = ptr_at::<[u8; 8], C>(ctx, off)?;
             // SAFETY: bounds checked by ptr_at.
             let u = unsafe { &*u };
             Some(L4 {
@@ -157,7 +235,7 @@ pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
             })
         }
         proto::ICMP => {
-            let i = ptr_at::<[u8; 8]>(ctx, off)?;
+            let i = ptr_at::<[u8; 8], C>(ctx, off)?;
             // SAFETY: bounds checked by ptr_at.
             let i = unsafe { &*i };
             Some(L4 {
@@ -212,8 +290,8 @@ fn pseudo_flags(proto: u8) -> u64 {
 }
 
 #[inline(always)]
-fn ptr_mut<T>(ctx: &TcContext, off: usize) -> Option<*mut T> {
-    ptr_at::<T>(ctx, off).map(|p| p as *mut T)
+fn ptr_mut<T, C: Frame>(ctx: &C, off: usize) -> Option<*mut T> {
+    ptr_at::<T, C>(ctx, off).map(|p| p as *mut T)
 }
 
 /// RFC 1624 incremental update of a 16-bit one's-complement checksum (`csum`, wire bytes)
@@ -244,15 +322,15 @@ pub fn csum_replace4(csum: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
 /// CHECKSUM_PARTIAL and GSO skbs); the IP header checksum (always complete) is updated
 /// incrementally in place, and the address is written directly.
 #[inline(always)]
-pub fn set_ip(ctx: &TcContext, ip: &Ipv4, addr_off: usize, old: u32, new: u32) -> Result<(), i64> {
+pub fn set_ip<C: Frame>(ctx: &C, ip: &Ipv4, addr_off: usize, old: u32, new: u32) -> Result<(), i64> {
     if old == new {
         return Ok(());
     }
     if ip.proto == proto::TCP || ip.proto == proto::UDP {
-        ctx.l4_csum_replace(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, pseudo_flags(ip.proto))?;
+        ctx.l4_csum(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, pseudo_flags(ip.proto))?;
     }
     // Packet pointers are invalid after a helper that may change the skb: look them up again.
-    let hdr = ptr_mut::<[u8; 20]>(ctx, IP_OFF).ok_or(-1i64)?;
+    let hdr = ptr_mut::<[u8; 20], C>(ctx, IP_OFF).ok_or(-1i64)?;
     // SAFETY: bounds checked by ptr_mut; `addr_off` is IP_SRC_OFF or IP_DST_OFF (inside the
     // 20-byte header).
     unsafe {
@@ -274,7 +352,7 @@ pub fn set_ip(ctx: &TcContext, ip: &Ipv4, addr_off: usize, old: u32, new: u32) -
 /// echo id of an ICMP header (either flag), with its checksum. Ports are not part of the
 /// pseudo-header: no pseudo flag (`reference/upstream.md §8.7`).
 #[inline(always)]
-pub fn set_port(ctx: &TcContext, ip: &Ipv4, src: bool, old: u16, new: u16) -> Result<(), i64> {
+pub fn set_port<C: Frame>(ctx: &C, ip: &Ipv4, src: bool, old: u16, new: u16) -> Result<(), i64> {
     if old == new {
         return Ok(());
     }
@@ -287,11 +365,11 @@ pub fn set_port(ctx: &TcContext, ip: &Ipv4, src: bool, old: u16, new: u16) -> Re
     if ip.proto == proto::UDP {
         flags |= BPF_F_MARK_MANGLED_0 as u64;
     }
-    ctx.l4_csum_replace(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, flags)?;
+    ctx.l4_csum(ip.l4_off + l4_csum_off(ip.proto), old as u64, new as u64, flags)?;
     if ip.l4_off + field > 14 + 60 + 4 {
         return Err(-1);
     }
-    let p = ptr_mut::<[u8; 2]>(ctx, ip.l4_off + field).ok_or(-1i64)?;
+    let p = ptr_mut::<[u8; 2], C>(ctx, ip.l4_off + field).ok_or(-1i64)?;
     // SAFETY: bounds checked by ptr_mut.
     unsafe { *p = new.to_ne_bytes() };
     Ok(())
@@ -299,8 +377,8 @@ pub fn set_port(ctx: &TcContext, ip: &Ipv4, src: bool, old: u16, new: u16) -> Re
 
 /// Writes the Ethernet destination and source MACs.
 #[inline(always)]
-pub fn set_macs(ctx: &TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), i64> {
-    let p = ptr_mut::<[u8; 12]>(ctx, 0).ok_or(-1i64)?;
+pub fn set_macs<C: Frame>(ctx: &C, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), i64> {
+    let p = ptr_mut::<[u8; 12], C>(ctx, 0).ok_or(-1i64)?;
     // SAFETY: bounds checked by ptr_mut.
     let m = unsafe { &mut *p };
     m[..6].copy_from_slice(dst);
