@@ -75,7 +75,10 @@ fn rule(i: usize, r: pb::EgressRule) -> Result<egress_policy::RuleSpec, Status> 
             allow: a.allow,
             audit: a.audit,
             inject: (!a.inject.is_empty()).then(|| {
-                a.inject.into_iter().map(|j| InjectSpec { header: j.header, secret: j.secret, format: j.format }).collect()
+                a.inject
+                    .into_iter()
+                    .map(|j| InjectSpec { header: j.header, secret: j.secret, format: j.format })
+                    .collect()
             }),
             inject_plain_http: a.inject_plain_http,
         },

@@ -35,8 +35,8 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 pub use cidr::Cidr;
-pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 use cubevs_common::{AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, map};
+pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 pub use model::{
     BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, compile, parse_cidr,
     validate_rules,

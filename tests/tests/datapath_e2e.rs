@@ -202,7 +202,11 @@ fn sandbox_paths_end_to_end() {
         .policy
         .replace(
             n.veth.node_ifindex,
-            &EgressPolicy { allow_internet_access: false, allow_out: vec!["10.99.0.0/24".into()], ..Default::default() },
+            &EgressPolicy {
+                allow_internet_access: false,
+                allow_out: vec!["10.99.0.0/24".into()],
+                ..Default::default()
+            },
         )
         .expect("no internet");
     let e = gns

@@ -120,7 +120,9 @@ mod tests {
         assert_eq!(e, FqdnPattern { name: "api.example.com".into(), subdomains: false, ports: vec![80, 443] });
         assert!(e.matches("api.example.COM.") && !e.matches("x.api.example.com"));
         let w = p("*.example.com", &[]).unwrap();
-        assert!(w.subdomains && w.matches("a.b.example.com") && !w.matches("example.com") && !w.matches("badexample.com"));
+        assert!(
+            w.subdomains && w.matches("a.b.example.com") && !w.matches("example.com") && !w.matches("badexample.com")
+        );
     }
 
     #[test]

@@ -100,10 +100,7 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     let lens = [("allow_out", p.allow_out.len()), ("deny_out", p.deny_out.len()), ("allow_fqdn", p.allow_fqdn.len())];
     for (name, len) in lens {
         if len > limit as usize {
-            return Err(Error::invalid(
-                name,
-                format!("{len} entries exceed the limit of {limit} per sandbox"),
-            ));
+            return Err(Error::invalid(name, format!("{len} entries exceed the limit of {limit} per sandbox")));
         }
     }
     let mut allow = Vec::with_capacity(p.allow_out.len());

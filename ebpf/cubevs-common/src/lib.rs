@@ -25,6 +25,10 @@ macro_rules! pod {
     };
 }
 
+pub mod dns;
+
+pod!(dns::DnsAllowKey, dns::DnsAllowValue, dns::DnsQueryKey, dns::DnsQueryValue, dns::LearnedKey, dns::LearnedValue);
+
 /// Name of the eBPF object file produced by `cargo xtask build-ebpf`.
 pub const OBJECT_FILE_NAME: &str = "cubevs.bpf.o";
 
@@ -67,6 +71,17 @@ pub mod map {
     pub const ALLOW_OUT: &str = "allow_out";
     /// LPM trie: [`super::PolicyLpmData`] → `u32` (1).
     pub const DENY_OUT: &str = "deny_out";
+    /// Hash: [`super::dns::DnsAllowKey`] → [`super::dns::DnsAllowValue`], FQDN allow patterns
+    /// per (ifindex, generation).
+    pub const DNS_ALLOW: &str = "dns_allow";
+    /// LRU: [`super::dns::DnsQueryKey`] → [`super::dns::DnsQueryValue`], guest queries for
+    /// allowed names waiting for their response.
+    pub const DNS_QUERY_TRACK: &str = "dns_query_track";
+    /// Hash: [`super::dns::LearnedKey`] → [`super::dns::LearnedValue`], addresses learned from
+    /// answers, with expiry.
+    pub const DNS_LEARNED: &str = "dns_learned";
+    /// Per-CPU [`super::dns::Scratch`] (not pinned: no state across packets).
+    pub const DNS_SCRATCH: &str = "dns_scratch";
     /// `u32` ifindex → `u32` active policy generation.
     pub const POLICY_GEN: &str = "policy_gen";
     /// `u32` 0 → [`super::NodeConfig`].
@@ -86,6 +101,9 @@ pub mod map {
         SNAT_IPLIST,
         ALLOW_OUT,
         DENY_OUT,
+        DNS_ALLOW,
+        DNS_QUERY_TRACK,
+        DNS_LEARNED,
         POLICY_GEN,
         NODE_CONFIG,
         COUNTERS,
@@ -111,6 +129,14 @@ pub mod limits {
     pub const SNAT_IPS: u32 = 4;
     /// Counter slots.
     pub const COUNTERS: u32 = 64;
+    /// FQDN allow patterns summed over all sandboxes and two generations each (`dns_allow`;
+    /// userspace sizes it at load).
+    pub const DNS_ALLOW: u32 = 1 << 16;
+    /// Queries in flight (`dns_query_track`, LRU: the oldest is evicted first).
+    pub const DNS_QUERIES: u32 = 1 << 16;
+    /// Learned (address, port) entries over all sandboxes (`dns_learned`); when full, new
+    /// answers are not learned (counted), never evicting another sandbox's entries.
+    pub const DNS_LEARNED: u32 = 1 << 18;
 }
 
 /// Name of the load-time global holding [`DatapathConfig`].
@@ -431,6 +457,33 @@ pub mod counter {
     pub const ENVOY_TO_SANDBOX: u32 = 30;
     /// from_envoy: dropped, unknown destination.
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
+    /// from_cube: a guest query (UDP/53, IN A) for an allowed name, tracked.
+    pub const DNS_QUERY_TRACKED: u32 = 40;
+    /// from_cube: a guest query for a name no FQDN pattern allows (forwarded, not tracked).
+    pub const DNS_QUERY_NOT_ALLOWED: u32 = 41;
+    /// from_cube: UDP/53 that is not a standard single-question IN A query (forwarded).
+    pub const DNS_QUERY_UNPARSED: u32 = 42;
+    /// from_cube: query from an interface without a policy generation (not tracked).
+    pub const DNS_QUERY_NO_POLICY: u32 = 43;
+    /// from_world: A records learned (one per record).
+    pub const DNS_RESP_LEARNED: u32 = 44;
+    /// from_world: UDP from port 53 for a session without a tracked query (wrong id, no
+    /// query, or an expired one): nothing learned.
+    pub const DNS_RESP_UNSOLICITED: u32 = 45;
+    /// from_world: tracked id but a different question: nothing learned, the query stays.
+    pub const DNS_RESP_MISMATCH: u32 = 46;
+    /// from_world: truncated (TC) response: its complete A records learned, counted.
+    pub const DNS_RESP_TRUNCATED: u32 = 47;
+    /// from_world: response not parsable as a standard IN A response: nothing learned.
+    pub const DNS_RESP_UNPARSED: u32 = 48;
+    /// from_world: response with an error RCODE: nothing learned.
+    pub const DNS_RESP_RCODE: u32 = 49;
+    /// from_world: `dns_learned` full: a record was not learned.
+    pub const DNS_LEARN_FULL: u32 = 50;
+    /// from_world: answers not walked (beyond 16 or beyond the 1,024-byte window).
+    pub const DNS_NOT_WALKED: u32 = 51;
+    /// from_cube: a new flow allowed by a learned entry (no static allow entry matched).
+    pub const DNS_LEARNED_FLOW: u32 = 52;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (CUBE_ARP, "from_cube", "arp_proxied"),
@@ -455,6 +508,19 @@ pub mod counter {
         (WORLD_STALE, "from_world", "stale"),
         (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
         (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
+        (DNS_QUERY_TRACKED, "from_cube", "dns_query_tracked"),
+        (DNS_QUERY_NOT_ALLOWED, "from_cube", "dns_query_not_allowed"),
+        (DNS_QUERY_UNPARSED, "from_cube", "dns_query_unparsed"),
+        (DNS_QUERY_NO_POLICY, "from_cube", "dns_query_no_policy"),
+        (DNS_RESP_LEARNED, "from_world", "dns_learned"),
+        (DNS_RESP_UNSOLICITED, "from_world", "dns_unsolicited"),
+        (DNS_RESP_MISMATCH, "from_world", "dns_mismatch"),
+        (DNS_RESP_TRUNCATED, "from_world", "dns_truncated"),
+        (DNS_RESP_UNPARSED, "from_world", "dns_unparsed"),
+        (DNS_RESP_RCODE, "from_world", "dns_rcode"),
+        (DNS_LEARN_FULL, "from_world", "dns_learn_full"),
+        (DNS_NOT_WALKED, "from_world", "dns_not_walked"),
+        (DNS_LEARNED_FLOW, "from_cube", "dns_learned_flow"),
     ];
 }
 

@@ -12,7 +12,8 @@
 //! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop.
 //! 7. To the node address: policy, then delivered to the host through cube-dev.
 //! 8. Sessions: established flows follow their session; new flows are classified once
-//!    (ALLOW_OUT > DENY_OUT > allow), SNATed and tracked; denied TCP gets a RST.
+//!    (ALLOW_OUT > learned DNS answers > DENY_OUT > allow), SNATed and tracked; denied TCP
+//!    gets a RST. UDP to port 53 that leaves this way is offered to the DNS learning hook.
 
 use aya_ebpf::{
     bindings::{BPF_F_INGRESS, TC_ACT_SHOT},
@@ -31,7 +32,7 @@ use cubevs_common::{
 };
 
 use crate::{
-    arp, config,
+    arp, config, dns,
     forward::to_next_hop,
     maps::{EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, count, node},
     nat,
@@ -129,7 +130,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         let sess = unsafe { *s };
         if ip.proto == proto::TCP {
             let reopen = syn_only(l4.tcp_flags) && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
-            if reopen && !policy::allowed(ifindex, ip.dst) {
+            if reopen && !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
                 // The guest reuses the port of a closed connection, and policy changed since.
                 nat::delete_session(&key, &sess);
                 return deny(ctx, cfg, &ip, &l4, ifindex);
@@ -146,6 +147,9 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         }
         nat::touch(s);
         count(counter::CUBE_ESTABLISHED);
+        if is_dns_query(&ip, &l4) {
+            dns::on_query(ctx, &ip, ifindex, version, l4.sport);
+        }
         return snat_out(ctx, &ip, &l4, guest_ip, &sess);
     }
 
@@ -179,7 +183,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         count(counter::CUBE_NO_SESSION);
         return rst::reply(ctx, cfg, &ip, &l4, ifindex);
     }
-    if !policy::allowed(ifindex, ip.dst) {
+    if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }
     let state = if ip.proto == proto::TCP { tcp::SYN_SENT } else { udp::UNREPLIED };
@@ -187,7 +191,16 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         return drop(counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);
+    if is_dns_query(&ip, &l4) {
+        dns::on_query(ctx, &ip, ifindex, version, l4.sport);
+    }
     snat_out(ctx, &ip, &l4, guest_ip, &sess)
+}
+
+/// UDP to port 53: a DNS query for the learning hook (only once policy let it through).
+#[inline(always)]
+fn is_dns_query(ip: &Ipv4, l4: &L4) -> bool {
+    ip.proto == proto::UDP && l4.dport == cubevs_common::dns::SERVER_PORT.to_be()
 }
 
 #[inline(always)]

@@ -2,7 +2,8 @@
 //!
 //! Host-port DNAT (TCP and UDP) to `169.254.68.6:<guest port>` on the sandbox interface;
 //! reverse NAT of sessions (TCP, UDP, ICMP echo reply) with conntrack update; everything
-//! else continues into the host stack untouched.
+//! else continues into the host stack untouched. Session replies from UDP port 53 are
+//! offered to the DNS learning hook first.
 
 use aya_ebpf::{bindings::TC_ACT_OK, helpers::generated::bpf_redirect, macros::classifier, programs::TcContext};
 use cubevs_common::{
@@ -12,7 +13,7 @@ use cubevs_common::{
 };
 
 use crate::{
-    config,
+    config, dns,
     maps::{EGRESS_SESSIONS, INGRESS_SESSIONS, REMOTE_PORT_MAPPING, REMOTE_PORT_MAPPING_UDP, count, node},
     nat,
     packet::{self, ICMP_ECHO_REPLY, IP_DST_OFF, set_ip, set_macs, set_port},
@@ -103,6 +104,9 @@ pub fn from_world(ctx: TcContext) -> i32 {
         }
         (*s).vm_ifindex
     };
+    if ip.proto == proto::UDP && l4.sport == cubevs_common::dns::SERVER_PORT.to_be() {
+        dns::on_response(&ctx, &ip, vm_ifindex, rv.vm_port, rv.version);
+    }
     nat::touch(s);
     if set_ip(&ctx, &ip, IP_DST_OFF, ip.dst, cfg.mvm_inner_ip).is_err()
         || set_port(&ctx, &ip, false, our_port, rv.vm_port).is_err()

@@ -9,7 +9,7 @@
 //!
 //! Helpers: [`maps`] (every map), [`packet`] (parsing, rewrites, checksums), [`policy`],
 //! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
-//! [`arp`] (proxy), [`config`] (load-time constants).
+//! [`arp`] (proxy), [`config`] (load-time constants), [`dns`] (DNS learning).
 #![no_std]
 #![no_main]
 // Map keys are passed by reference on purpose: no struct copies on the hot path.
@@ -18,6 +18,7 @@
 mod arp;
 mod baseline;
 mod config;
+mod dns;
 mod forward;
 mod from_cube;
 mod from_envoy;

@@ -2,12 +2,15 @@
 //! `cubevs_common::map` constants (userspace pins each under `<pin_dir>/maps/<name>`), and
 //! sizes are the `cubevs_common::limits` defaults, which userspace may override at load.
 
+use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use cubevs_common::{
-    AllowValue, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, SessionKey, SnatIp, limits,
+    AllowValue, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, SessionKey, SnatIp,
+    dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
+    limits,
 };
 
 /// Sandbox mvm IP (NBO) → ifindex.
@@ -53,6 +56,23 @@ pub static ALLOW_OUT: LpmTrie<PolicyLpmData, AllowValue> = LpmTrie::with_max_ent
 /// Denied destinations per (ifindex, generation).
 #[map(name = "deny_out")]
 pub static DENY_OUT: LpmTrie<PolicyLpmData, u32> = LpmTrie::with_max_entries(limits::POLICY_ENTRIES, 0);
+
+/// FQDN allow patterns per (ifindex, generation).
+#[map(name = "dns_allow")]
+pub static DNS_ALLOW: HashMap<DnsAllowKey, DnsAllowValue> = HashMap::with_max_entries(limits::DNS_ALLOW, 0);
+
+/// Guest queries for allowed names waiting for their response.
+#[map(name = "dns_query_track")]
+pub static DNS_QUERY_TRACK: LruHashMap<DnsQueryKey, DnsQueryValue> =
+    LruHashMap::with_max_entries(limits::DNS_QUERIES, 0);
+
+/// Addresses learned from answers.
+#[map(name = "dns_learned")]
+pub static DNS_LEARNED: HashMap<LearnedKey, LearnedValue> = HashMap::with_max_entries(limits::DNS_LEARNED, 0);
+
+/// Per-CPU DNS parser scratch.
+#[map(name = "dns_scratch")]
+pub static DNS_SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// ifindex → active policy generation (missing = 0).
 #[map(name = "policy_gen")]

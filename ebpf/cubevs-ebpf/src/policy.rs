@@ -10,47 +10,88 @@
 //! the flow is denied: never fail open. The two reads and the lookups are separate helper
 //! calls and loads the compiler cannot merge or reorder (`read_volatile`); x86-64 keeps loads
 //! in order.
+//!
+//! Addresses learned from DNS answers ([`crate::dns`]) rank with `ALLOW_OUT`: a new flow
+//! that no static allow entry covers is allowed by an unexpired learned entry for its
+//! (address, port) or (address, any port) before `DENY_OUT` is consulted ([`allowed_flow`]).
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, maps::lpm_trie::Key};
-use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData};
+use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData, counter};
 
-use crate::maps::{ALLOW_OUT, DENY_OUT, POLICY_GEN};
+use crate::{
+    dns,
+    maps::{ALLOW_OUT, DENY_OUT, POLICY_GEN, count},
+};
 
 /// Lookups against a generation that changed underneath are retried this many times.
 const ATTEMPTS: usize = 3;
 
 /// The active policy generation of `ifindex`, `None` when it has no policy.
 #[inline(always)]
-fn generation(ifindex: u32) -> Option<u32> {
+pub fn generation(ifindex: u32) -> Option<u32> {
     let p = POLICY_GEN.get_ptr(&ifindex)?;
     // SAFETY: a valid map value pointer from the lookup helper; read once, not cached.
     Some(unsafe { core::ptr::read_volatile(p) })
 }
 
+/// What the tries of one generation say about an address.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// An unexpired `ALLOW_OUT` entry covers it.
+    Allow,
+    /// No allow entry, a `DENY_OUT` entry covers it.
+    Deny,
+    /// Neither: default allow.
+    Open,
+}
+
 /// The verdict of generation `generation` of `ifindex` for `daddr` (NBO).
 #[inline(always)]
-fn classify(ifindex: u32, generation: u32, daddr: u32) -> bool {
+fn classify(ifindex: u32, generation: u32, daddr: u32) -> Verdict {
     let key = Key::new(POLICY_PREFIX_BITS + 32, PolicyLpmData { ifindex, generation, ip: daddr });
     if let Some(v) = ALLOW_OUT.get(&key) {
         // SAFETY: helper without arguments.
         if v.expires_ns == 0 || v.expires_ns > unsafe { bpf_ktime_get_ns() } {
-            return true;
+            return Verdict::Allow;
         }
     }
-    DENY_OUT.get(&key).is_none()
+    if DENY_OUT.get(&key).is_none() { Verdict::Open } else { Verdict::Deny }
 }
 
-/// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO).
+/// The verdict of the active generation, `None` (deny) without one or when it kept changing.
 #[inline(always)]
-pub fn allowed(ifindex: u32, daddr: u32) -> bool {
-    let Some(mut seen) = generation(ifindex) else { return false };
+fn verdict(ifindex: u32, daddr: u32) -> Option<Verdict> {
+    let mut seen = generation(ifindex)?;
     for _ in 0..ATTEMPTS {
         let verdict = classify(ifindex, seen, daddr);
         match generation(ifindex) {
-            Some(now) if now == seen => return verdict,
+            Some(now) if now == seen => return Some(verdict),
             Some(now) => seen = now,
-            None => return false,
+            None => return None,
         }
     }
-    false
+    None
+}
+
+/// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO), static entries only.
+#[inline(always)]
+pub fn allowed(ifindex: u32, daddr: u32) -> bool {
+    matches!(verdict(ifindex, daddr), Some(Verdict::Allow | Verdict::Open))
+}
+
+/// True when the sandbox on `ifindex` (at `version`) may open a new flow to `daddr`:`dport`
+/// (NBO; `dport` 0 for ICMP): static allow, else a learned address, else not denied.
+#[inline(always)]
+pub fn allowed_flow(ifindex: u32, version: u32, daddr: u32, dport: u16) -> bool {
+    match verdict(ifindex, daddr) {
+        None => false,
+        Some(Verdict::Allow) => true,
+        Some(v) => {
+            if dns::learned_allows(ifindex, version, daddr, dport) {
+                count(counter::DNS_LEARNED_FLOW);
+                return true;
+            }
+            v == Verdict::Open
+        }
+    }
 }
