@@ -206,7 +206,8 @@ impl Datapath {
             .map_max_entries(map::MVMIP_TO_IFINDEX, l.sandboxes)
             .map_max_entries(map::POLICY_GEN, l.sandboxes)
             .map_max_entries(map::ALLOW_OUT, policy_entries)
-            .map_max_entries(map::DENY_OUT, policy_entries);
+            .map_max_entries(map::DENY_OUT, policy_entries)
+            .map_max_entries(map::DNS_ALLOW, policy_entries);
         for name in [
             map::REMOTE_PORT_MAPPING,
             map::LOCAL_PORT_MAPPING,
@@ -460,7 +461,12 @@ fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -
             });
         }
     }
-    Ok(PolicyTable::new(allow, deny, generation, limits))
+    let dns = crate::policy::dns::DnsMaps {
+        allow: take(ebpf, map::DNS_ALLOW)?,
+        learned: take(ebpf, map::DNS_LEARNED)?,
+        queries: take(ebpf, map::DNS_QUERY_TRACK)?,
+    };
+    Ok(PolicyTable::new(allow, deny, generation, dns, limits))
 }
 
 /// Rejects pinned maps whose type, key size or value size differ from the object's.

@@ -143,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
                         allow_internet_access: Some(!no_internet),
                         allow_out,
                         deny_out,
+                        ..Default::default()
                     }),
                     ..Default::default()
                 })

@@ -2,7 +2,7 @@
 //! `cubevs_common::map` constants (userspace pins each under `<pin_dir>/maps/<name>`), and
 //! sizes are the `cubevs_common::limits` defaults, which userspace may override at load.
 
-use aya_ebpf::maps::LruHashMap;
+use aya_ebpf::{bindings::BPF_F_NO_PREALLOC, maps::LruHashMap};
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
@@ -59,7 +59,10 @@ pub static DENY_OUT: LpmTrie<PolicyLpmData, u32> = LpmTrie::with_max_entries(lim
 
 /// FQDN allow patterns per (ifindex, generation).
 #[map(name = "dns_allow")]
-pub static DNS_ALLOW: HashMap<DnsAllowKey, DnsAllowValue> = HashMap::with_max_entries(limits::DNS_ALLOW, 0);
+/// Not preallocated: userspace sizes it like the policy tries (every sandbox, two
+/// generations, at its limit), so the size costs memory only when used.
+pub static DNS_ALLOW: HashMap<DnsAllowKey, DnsAllowValue> =
+    HashMap::with_max_entries(limits::DNS_ALLOW, BPF_F_NO_PREALLOC);
 
 /// Guest queries for allowed names waiting for their response.
 #[map(name = "dns_query_track")]
@@ -68,7 +71,8 @@ pub static DNS_QUERY_TRACK: LruHashMap<DnsQueryKey, DnsQueryValue> =
 
 /// Addresses learned from answers.
 #[map(name = "dns_learned")]
-pub static DNS_LEARNED: HashMap<LearnedKey, LearnedValue> = HashMap::with_max_entries(limits::DNS_LEARNED, 0);
+pub static DNS_LEARNED: HashMap<LearnedKey, LearnedValue> =
+    HashMap::with_max_entries(limits::DNS_LEARNED, BPF_F_NO_PREALLOC);
 
 /// Per-CPU DNS parser scratch.
 #[map(name = "dns_scratch")]
