@@ -228,6 +228,7 @@ impl Datapath {
         for &name in prog::ALL {
             Self::classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
         }
+        fill_dns_progs(&mut ebpf)?;
         let maps = Arc::new(Maps {
             sandboxes: SandboxTable::new(
                 take(&mut ebpf, map::IFINDEX_TO_MVMMETA)?,
@@ -431,6 +432,32 @@ fn nix_if_exists(ifindex: u32) -> bool {
     let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
     // SAFETY: buffer of IF_NAMESIZE bytes as required.
     !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
+}
+
+/// Fills `dns_progs` with this load's programs: the return slots first, so a DNS program is
+/// never reachable before the program it returns to.
+fn fill_dns_progs(ebpf: &mut Ebpf) -> Result<(), Error> {
+    use cubevs_common::dns::slot;
+    let mut fds = Vec::new();
+    for (slot, name) in [
+        (slot::FROM_CUBE, prog::FROM_CUBE),
+        (slot::FROM_WORLD, prog::FROM_WORLD),
+        (slot::QUERY, prog::DNS_QUERY),
+        (slot::RESPONSE, prog::DNS_RESPONSE),
+    ] {
+        let fd = Datapath::classifier(ebpf, name)?
+            .fd()
+            .map_err(prog_err(format!("fd of {name}")))?
+            .try_clone()
+            .map_err(|e| Error::Map { map: map::DNS_PROGS, op: "dup program fd", source: Box::new(e.into()) })?;
+        fds.push((slot, fd));
+    }
+    let m = ebpf.map_mut(map::DNS_PROGS).ok_or(Error::Missing(map::DNS_PROGS))?;
+    let mut arr = aya::maps::ProgramArray::try_from(m).map_err(|_| Error::Missing(map::DNS_PROGS))?;
+    for (slot, fd) in &fds {
+        arr.set(*slot, fd, 0).map_err(Error::map(map::DNS_PROGS, "update"))?;
+    }
+    Ok(())
 }
 
 /// The policy table over the loaded maps, after checking that the (possibly adopted) tries

@@ -216,8 +216,7 @@ impl PolicyTable {
         dns: dns::DnsMaps,
         limits: PolicyLimits,
     ) -> Self {
-        let mut t =
-            Tries { allow, deny, generation, index: Default::default(), interfaces: Default::default(), dns };
+        let mut t = Tries { allow, deny, generation, index: Default::default(), interfaces: Default::default(), dns };
         t.scan();
         Self { inner: Mutex::new(t), limits }
     }

@@ -25,6 +25,7 @@
 //! [`skip`], which prints `SKIPPED: <test>: <reason>` and records it for `scripts/test.sh`.
 pub mod agent;
 pub mod bpffs;
+pub mod dns;
 pub mod frames;
 pub mod guest;
 pub mod netns;

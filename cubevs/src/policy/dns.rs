@@ -124,8 +124,13 @@ impl DnsMaps {
             absent_ok(self.learned.remove(&k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
             r.learned += 1;
         }
-        let expired: Vec<DnsQueryKey> =
-            self.queries.iter().filter_map(Result::ok).filter(|(_, v)| v.expires_ns <= now_ns).map(|(k, _)| k).collect();
+        let expired: Vec<DnsQueryKey> = self
+            .queries
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| v.expires_ns <= now_ns)
+            .map(|(k, _)| k)
+            .collect();
         for k in expired {
             absent_ok(self.queries.remove(&k)).map_err(Error::map(map::DNS_QUERY_TRACK, "delete"))?;
             r.queries += 1;

@@ -17,6 +17,25 @@
 //! Byte order: `*_ip` and `*port*` fields are network byte order (as on the wire); hashes,
 //! expiries, counts and DNS ids are host order.
 
+/// Slots of the `dns_progs` program array. The main programs tail-call the DNS programs
+/// (which have their own 512-byte stack: `from_cube` alone uses ~440) and are tail-called
+/// back, marked by [`CB_MAGIC`] in `skb->cb[0]` so they do not enter DNS twice.
+pub mod slot {
+    /// `dns_query`.
+    pub const QUERY: u32 = 0;
+    /// `from_cube` (back from `dns_query`).
+    pub const FROM_CUBE: u32 = 1;
+    /// `dns_response`.
+    pub const RESPONSE: u32 = 2;
+    /// `from_world` (back from `dns_response`).
+    pub const FROM_WORLD: u32 = 3;
+    /// Slots in the array.
+    pub const COUNT: u32 = 4;
+}
+
+/// `skb->cb[0]` value meaning "the DNS hook already ran for this packet".
+pub const CB_MAGIC: u32 = 0xd45c_0de5;
+
 /// DNS server port (host order). Only UDP to/from this port is parsed.
 pub const SERVER_PORT: u16 = 53;
 /// Bytes of a DNS message the datapath copies and parses (the rest of a longer EDNS answer
@@ -160,14 +179,18 @@ pub struct Scratch {
     pub msg: [u8; MSG_WINDOW],
     /// Offsets (relative to the name start) of each label's length byte.
     pub starts: [u8; MAX_LABELS],
+    /// Loop state of [`walk_answers`] (position, records walked, phase). Kept in the map
+    /// value rather than on the stack on purpose: the verifier does not track map contents,
+    /// so the loop body's states converge at once instead of once per position.
+    pub walk: [u32; 4],
     /// Reserved; contents undefined.
-    pub _spare: [u8; 128],
+    pub _spare: [u8; 112],
 }
 const _: () = assert!(core::mem::size_of::<Scratch>() == 1280);
 
 impl Scratch {
     /// An all-zero scratch (userspace tests).
-    pub const ZERO: Self = Self { msg: [0; MSG_WINDOW], starts: [0; MAX_LABELS], _spare: [0; 128] };
+    pub const ZERO: Self = Self { msg: [0; MSG_WINDOW], starts: [0; MAX_LABELS], walk: [0; 4], _spare: [0; 112] };
 }
 
 /// FNV-1a 64 offset basis.
@@ -245,72 +268,97 @@ pub fn header(s: &Scratch, len: usize) -> Result<Header, Reject> {
     Ok(Header { id: be16(s, 0), flags: be16(s, 2), qdcount: be16(s, 4), ancount: be16(s, 6) })
 }
 
+/// Runs a loop body at most `n` times (index 0, 1, …) until it returns false. The datapath
+/// implements it with `bpf_loop` (the verifier checks the body once instead of unrolling
+/// every iteration: the plain bounded loops of this parser exceeded the 1M-instruction
+/// limit); userspace with a plain loop ([`PlainLoop`]). The parser is generic over it so one
+/// implementation runs in both places.
+pub trait Loop {
+    /// Calls `body(i)` for i in 0..n while it returns true.
+    fn run<F: FnMut(u32) -> bool>(n: u32, body: F);
+}
+
+/// [`Loop`] as an ordinary `for` loop (userspace, tests).
+pub struct PlainLoop;
+
+impl Loop for PlainLoop {
+    #[inline(always)]
+    fn run<F: FnMut(u32) -> bool>(n: u32, mut body: F) {
+        let mut i = 0;
+        while i < n {
+            if !body(i) {
+                break;
+            }
+            i += 1;
+        }
+    }
+}
+
 /// An uncompressed name at `off`: its wire length without the terminating zero and its
 /// label count; label offsets (relative to `off`) go to `s.starts`. Compression pointers are
 /// refused (a question never needs one).
 #[inline(always)]
-pub fn walk_name(s: &mut Scratch, len: usize, off: usize) -> Result<(usize, usize), Reject> {
-    let mut pos = 0usize;
-    let mut labels = 0usize;
-    while labels < MAX_LABELS {
-        if off + pos >= len {
-            return Err(Reject::Malformed);
+pub fn walk_name<L: Loop>(s: &mut Scratch, len: usize, off: usize) -> Result<(usize, usize), Reject> {
+    // (position, labels, 0 running / 1 done / 2 bad)
+    let mut st = (0usize, 0usize, 0u8);
+    L::run(MAX_LABELS as u32, |_| {
+        let (pos, labels) = (st.0, st.1);
+        if off + pos >= len || pos > MAX_NAME_WIRE {
+            st.2 = 2;
+            return false;
         }
         let l = byte(s, off + pos) as usize;
         if l == 0 {
-            return if labels == 0 { Err(Reject::Malformed) } else { Ok((pos, labels)) };
+            st.2 = if labels == 0 { 2 } else { 1 };
+            return false;
         }
         if l > 63 {
-            return Err(Reject::Malformed);
+            st.2 = 2;
+            return false;
         }
         s.starts[labels & LABEL_MASK] = pos as u8;
-        labels += 1;
-        pos += l + 1;
-        if pos > MAX_NAME_WIRE {
-            return Err(Reject::Malformed);
-        }
-    }
-    Err(Reject::Malformed)
+        st.1 = labels + 1;
+        st.0 = pos + l + 1;
+        true
+    });
+    if st.2 == 1 && st.0 <= MAX_NAME_WIRE { Ok((st.0, st.1)) } else { Err(Reject::Malformed) }
 }
 
 /// The [`name_hash`] of the name [`walk_name`] found at `off` (`wire` bytes, `labels`
 /// labels). `on_suffix(hash, subdomain)` is called for every suffix starting at a label,
 /// shortest first: `subdomain` is true for proper suffixes (candidates for `*.` patterns)
-/// and false for the whole name (exact patterns); it returns false to stop.
+/// and false for the whole name (exact patterns).
 #[inline(always)]
-pub fn hash_name(
+pub fn hash_name<L: Loop>(
     s: &Scratch,
     off: usize,
     wire: usize,
     labels: usize,
-    mut on_suffix: impl FnMut(u64, bool) -> bool,
+    mut on_suffix: impl FnMut(u64, bool),
 ) -> u64 {
-    let mut h = FNV_BASIS;
-    if labels == 0 {
-        return h;
+    if labels == 0 || wire == 0 {
+        return FNV_BASIS;
     }
-    let mut j = labels - 1;
-    let mut next = s.starts[j & LABEL_MASK] as usize;
-    let mut k = 0usize;
-    while k < MAX_NAME_WIRE {
+    // (hash, label index j, offset of label j)
+    let mut st = (FNV_BASIS, labels - 1, s.starts[(labels - 1) & LABEL_MASK] as usize);
+    L::run(MAX_NAME_WIRE as u32, |k| {
+        let k = k as usize;
         if k >= wire {
-            break;
+            return false;
         }
         let i = wire - 1 - k;
-        h = fnv(h, lower(byte(s, off + i)));
-        if i == next {
-            if !on_suffix(h, i != 0) {
-                break;
+        st.0 = fnv(st.0, lower(byte(s, off + i)));
+        if i == st.2 {
+            on_suffix(st.0, i != 0);
+            if st.1 == 0 {
+                return false;
             }
-            if j == 0 {
-                break;
-            }
-            j -= 1;
-            next = s.starts[j & LABEL_MASK] as usize;
+            st.1 -= 1;
+            st.2 = s.starts[st.1 & LABEL_MASK] as usize;
         }
-        k += 1;
-    }
-    h
+        true
+    });
+    st.0
 }
 
 /// A query the datapath may track.
@@ -326,12 +374,12 @@ pub struct Query {
 /// question IN A with an uncompressed name. `on_suffix` sees every suffix hash (see
 /// [`hash_name`]).
 #[inline(always)]
-pub fn parse_query(s: &mut Scratch, len: usize, on_suffix: impl FnMut(u64, bool) -> bool) -> Result<Query, Reject> {
+pub fn parse_query<L: Loop>(s: &mut Scratch, len: usize, on_suffix: impl FnMut(u64, bool)) -> Result<Query, Reject> {
     let h = header(s, len)?;
     if h.flags & (flags::QR | flags::OPCODE) != 0 || h.qdcount != 1 || h.ancount != 0 {
         return Err(Reject::NotStandard);
     }
-    let (wire, labels) = walk_name(s, len, 12)?;
+    let (wire, labels) = walk_name::<L>(s, len, 12)?;
     let q = 12 + wire + 1;
     if q + 4 > len {
         return Err(Reject::Malformed);
@@ -339,7 +387,7 @@ pub fn parse_query(s: &mut Scratch, len: usize, on_suffix: impl FnMut(u64, bool)
     if be16(s, q) != TYPE_A || be16(s, q + 2) != CLASS_IN {
         return Err(Reject::NotStandard);
     }
-    let name_hash = hash_name(s, 12, wire, labels, on_suffix);
+    let name_hash = hash_name::<L>(s, 12, wire, labels, on_suffix);
     Ok(Query { id: h.id, name_hash })
 }
 
@@ -358,12 +406,12 @@ pub struct Walk {
 /// question IN A, uncompressed. Returns the header, the question's [`name_hash`] and the
 /// offset of the answer section.
 #[inline(always)]
-pub fn response_question(s: &mut Scratch, len: usize) -> Result<(Header, u64, usize), Reject> {
+pub fn response_question<L: Loop>(s: &mut Scratch, len: usize) -> Result<(Header, u64, usize), Reject> {
     let h = header(s, len)?;
     if h.flags & flags::QR == 0 || h.flags & flags::OPCODE != 0 || h.qdcount != 1 {
         return Err(Reject::NotStandard);
     }
-    let (wire, labels) = walk_name(s, len, 12)?;
+    let (wire, labels) = walk_name::<L>(s, len, 12)?;
     let q = 12 + wire + 1;
     if q + 4 > len {
         return Err(Reject::Malformed);
@@ -371,32 +419,11 @@ pub fn response_question(s: &mut Scratch, len: usize) -> Result<(Header, u64, us
     if be16(s, q) != TYPE_A || be16(s, q + 2) != CLASS_IN {
         return Err(Reject::NotStandard);
     }
-    Ok((h, hash_name(s, 12, wire, labels, |_, _| true), q + 4))
+    Ok((h, hash_name::<L>(s, 12, wire, labels, |_, _| {}), q + 4))
 }
 
-/// Skips a possibly compressed owner name at `pos`; returns the offset after it.
-#[inline(always)]
-fn skip_name(s: &Scratch, len: usize, mut pos: usize) -> Option<usize> {
-    let mut n = 0;
-    while n < 64 {
-        if pos >= len {
-            return None;
-        }
-        let b = byte(s, pos);
-        if b == 0 {
-            return Some(pos + 1);
-        }
-        if b & 0xc0 == 0xc0 {
-            return if pos + 2 <= len { Some(pos + 2) } else { None };
-        }
-        if b & 0xc0 != 0 {
-            return None;
-        }
-        pos += b as usize + 1;
-        n += 1;
-    }
-    None
-}
+/// Steps [`walk_answers`] may take: one per label of an owner name plus one per record.
+pub const MAX_WALK_STEPS: u32 = 256;
 
 /// Walks the answer section of a `len`-byte message from `pos` (`ancount` records, at most
 /// [`MAX_ANSWERS`]): owner names skipped (compression pointers allowed), every IN A record
@@ -404,34 +431,69 @@ fn skip_name(s: &Scratch, len: usize, mut pos: usize) -> Option<usize> {
 /// skipped. The owner names are not compared with the question: the resolver that answered
 /// the tracked query vouches for the chain (Cilium#39926 reached the same conclusion), and
 /// CNAME chains resolve naturally. A record cut by the window or the message ends the walk.
+///
+/// One flat loop of [`MAX_WALK_STEPS`] steps (a label of an owner name, or a record's fixed
+/// part), not a loop over records with a loop over labels inside: nested `bpf_loop`
+/// callbacks multiply the verifier's work past its limit.
 #[inline(always)]
-pub fn walk_answers(s: &Scratch, len: usize, mut pos: usize, ancount: u16, mut on_a: impl FnMut(u32, u32)) -> Walk {
+pub fn walk_answers<L: Loop>(
+    s: &mut Scratch,
+    len: usize,
+    pos: usize,
+    ancount: u16,
+    mut on_a: impl FnMut(u32, u32),
+) -> Walk {
     let mut w = Walk::default();
-    let mut n = 0u32;
-    while n < MAX_ANSWERS {
-        if n >= ancount as u32 {
-            return w;
-        }
-        let Some(p) = skip_name(s, len, pos) else { break };
-        if p + 10 > len {
-            break;
-        }
-        let (typ, class, ttl, rdlen) = (be16(s, p), be16(s, p + 2), be32(s, p + 4), be16(s, p + 8) as usize);
-        let data = p + 10;
-        if data + rdlen > len {
-            break;
-        }
-        if typ == TYPE_A && class == CLASS_IN && rdlen == 4 {
-            let ip = u32::from_ne_bytes([byte(s, data), byte(s, data + 1), byte(s, data + 2), byte(s, data + 3)]);
-            on_a(ip, ttl);
-            w.a_records += 1;
-        } else {
-            w.other += 1;
-        }
-        pos = data + rdlen;
-        n += 1;
+    let want = if (ancount as u32) < MAX_ANSWERS { ancount as u32 } else { MAX_ANSWERS };
+    // walk = [position, records walked, 1 when in the record's fixed part]
+    s.walk = [pos as u32, 0, 0, 0];
+    if want > 0 {
+        L::run(MAX_WALK_STEPS, |_| {
+            let pos = s.walk[0] as usize;
+            if pos > MSG_WINDOW {
+                return false;
+            }
+            if s.walk[2] == 0 {
+                // A label of the owner name, its terminating zero, or a pointer.
+                if pos >= len {
+                    return false;
+                }
+                let b = byte(s, pos);
+                if b == 0 {
+                    s.walk[0] = (pos + 1) as u32;
+                    s.walk[2] = 1;
+                } else if b & 0xc0 == 0xc0 {
+                    s.walk[0] = (pos + 2) as u32;
+                    s.walk[2] = 1;
+                } else if b & 0xc0 != 0 {
+                    return false;
+                } else {
+                    s.walk[0] = (pos + b as usize + 1) as u32;
+                }
+                return true;
+            }
+            if pos + 10 > len {
+                return false;
+            }
+            let (typ, class, ttl, rdlen) =
+                (be16(s, pos), be16(s, pos + 2), be32(s, pos + 4), be16(s, pos + 8) as usize);
+            let data = pos + 10;
+            if data + rdlen > len {
+                return false;
+            }
+            if typ == TYPE_A && class == CLASS_IN && rdlen == 4 {
+                let ip = u32::from_ne_bytes([byte(s, data), byte(s, data + 1), byte(s, data + 2), byte(s, data + 3)]);
+                on_a(ip, ttl);
+                w.a_records += 1;
+            } else {
+                w.other += 1;
+            }
+            let n = s.walk[1] + 1;
+            s.walk = [(data + rdlen) as u32, n, 0, 0];
+            n < want
+        });
     }
-    w.not_walked = (ancount as u32).saturating_sub(n);
+    w.not_walked = (ancount as u32).saturating_sub(s.walk[1]);
     w
 }
 
@@ -484,11 +546,7 @@ mod tests {
     fn suffix_hashes_match_pattern_hashes() {
         let (mut s, len) = msg(0x0100, 0, "Api.Example.COM", &[]);
         let mut seen = Vec::new();
-        let q = parse_query(&mut s, len, |h, sub| {
-            seen.push((h, sub));
-            true
-        })
-        .unwrap();
+        let q = parse_query::<PlainLoop>(&mut s, len, |h, sub| seen.push((h, sub))).unwrap();
         assert_eq!(q.id, 0x1234);
         assert_eq!(q.name_hash, name_hash("api.example.com"));
         assert_eq!(
@@ -500,14 +558,14 @@ mod tests {
     #[test]
     fn rejects_non_a_and_responses_as_queries() {
         let (mut s, len) = msg(0x8180, 0, "a.com", &[]);
-        assert_eq!(parse_query(&mut s, len, |_, _| true), Err(Reject::NotStandard));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _| {}), Err(Reject::NotStandard));
         let (mut s, len) = msg(0x0100, 0, "a.com", &[]);
         s.msg[len - 3] = 28; // AAAA
-        assert_eq!(parse_query(&mut s, len, |_, _| true), Err(Reject::NotStandard));
-        assert_eq!(parse_query(&mut s, 11, |_, _| true), Err(Reject::Malformed));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _| {}), Err(Reject::NotStandard));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, 11, |_, _| {}), Err(Reject::Malformed));
         let (mut s, len) = msg(0x0100, 0, "a.com", &[]);
         s.msg[12] = 0xc0; // pointer in the question
-        assert_eq!(parse_query(&mut s, len, |_, _| true), Err(Reject::Malformed));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _| {}), Err(Reject::Malformed));
     }
 
     #[test]
@@ -525,14 +583,14 @@ mod tests {
             a.extend_from_slice(&ip);
         }
         let (mut s, len) = msg(0x8180, 3, "a.com", &a);
-        let (h, qh, pos) = response_question(&mut s, len).unwrap();
+        let (h, qh, pos) = response_question::<PlainLoop>(&mut s, len).unwrap();
         assert_eq!((h.id, h.ancount, qh), (0x1234, 3, name_hash("a.com")));
         let mut got = Vec::new();
-        let w = walk_answers(&s, len, pos, h.ancount, |ip, ttl| got.push((ip.to_ne_bytes(), ttl)));
+        let w = walk_answers::<PlainLoop>(&mut s, len, pos, h.ancount, |ip, ttl| got.push((ip.to_ne_bytes(), ttl)));
         assert_eq!(got, [([1, 2, 3, 4], 0), ([5, 6, 7, 8], 7200)]);
         assert_eq!(w, Walk { a_records: 2, other: 1, not_walked: 0 });
         // Cut inside the last record: only the first A is learned.
-        let w = walk_answers(&s, len - 1, pos, h.ancount, |_, _| {});
+        let w = walk_answers::<PlainLoop>(&mut s, len - 1, pos, h.ancount, |_, _| {});
         assert_eq!((w.a_records, w.not_walked), (1, 1));
     }
 

@@ -42,8 +42,13 @@ pub mod prog {
     pub const FROM_ENVOY: &str = "from_envoy";
     /// Returns `TC_ACT_OK` and nothing else: the per-packet cost floor for benchmarks.
     pub const BASELINE_PASS: &str = "baseline_pass";
+    /// Tail-called by `from_cube` for a guest DNS query: tracks it, tail-calls `from_cube`
+    /// back (slot [`super::dns::slot`]).
+    pub const DNS_QUERY: &str = "dns_query";
+    /// Tail-called by `from_world` for a DNS response: learns it, tail-calls `from_world` back.
+    pub const DNS_RESPONSE: &str = "dns_response";
     /// Every TC program in the object, in load order.
-    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS];
+    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS, DNS_QUERY, DNS_RESPONSE];
 }
 
 /// Map names (pinned under `<pin_dir>/maps/<name>`). Upstream names and layouts where they
@@ -82,6 +87,10 @@ pub mod map {
     pub const DNS_LEARNED: &str = "dns_learned";
     /// Per-CPU [`super::dns::Scratch`] (not pinned: no state across packets).
     pub const DNS_SCRATCH: &str = "dns_scratch";
+    /// Program array of the DNS tail calls ([`super::dns::slot`]); pinned so the entries
+    /// survive an agent restart (the kernel clears an unpinned array when its last user
+    /// reference goes), re-filled on every load.
+    pub const DNS_PROGS: &str = "dns_progs";
     /// `u32` ifindex → `u32` active policy generation.
     pub const POLICY_GEN: &str = "policy_gen";
     /// `u32` 0 → [`super::NodeConfig`].
@@ -104,6 +113,7 @@ pub mod map {
         DNS_ALLOW,
         DNS_QUERY_TRACK,
         DNS_LEARNED,
+        DNS_PROGS,
         POLICY_GEN,
         NODE_CONFIG,
         COUNTERS,
@@ -484,6 +494,12 @@ pub mod counter {
     pub const DNS_NOT_WALKED: u32 = 51;
     /// from_cube: a new flow allowed by a learned entry (no static allow entry matched).
     pub const DNS_LEARNED_FLOW: u32 = 52;
+    /// from_cube / from_world: the tail call into the DNS program failed (empty slot during
+    /// a load): the packet went on untouched, not learned from.
+    pub const DNS_TAIL_CALL_FAILED: u32 = 53;
+    /// dns_query / dns_response: the tail call back into the main program failed; the query
+    /// was dropped (TAP side) or the response passed to the host (uplink side).
+    pub const DNS_TAIL_BACK_FAILED: u32 = 54;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (CUBE_ARP, "from_cube", "arp_proxied"),
@@ -521,6 +537,8 @@ pub mod counter {
         (DNS_LEARN_FULL, "from_world", "dns_learn_full"),
         (DNS_NOT_WALKED, "from_world", "dns_not_walked"),
         (DNS_LEARNED_FLOW, "from_cube", "dns_learned_flow"),
+        (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
+        (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),
     ];
 }
 

@@ -85,6 +85,10 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
     let Some(l4) = packet::l4(ctx, &ip) else { return drop(counter::CUBE_DROP_MALFORMED) };
     let guest_ip = ip.src;
     let node = node();
+    if is_dns_query(&ip, &l4) && ip.dst != cfg.mvm_gateway_ip && ip.dst != node.uplink_ip {
+        // Tail call to `dns_query`, which comes back here; returns only if it already ran.
+        dns::enter(ctx, cubevs_common::dns::slot::QUERY);
+    }
 
     if ip.dst == cfg.mvm_gateway_ip {
         let ok = ip.proto == proto::ICMP || (ip.proto == proto::TCP && !syn_only(l4.tcp_flags));
@@ -147,9 +151,6 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         }
         nat::touch(s);
         count(counter::CUBE_ESTABLISHED);
-        if is_dns_query(&ip, &l4) {
-            dns::on_query(ctx, &ip, ifindex, version, l4.sport);
-        }
         return snat_out(ctx, &ip, &l4, guest_ip, &sess);
     }
 
@@ -191,13 +192,10 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
         return drop(counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);
-    if is_dns_query(&ip, &l4) {
-        dns::on_query(ctx, &ip, ifindex, version, l4.sport);
-    }
     snat_out(ctx, &ip, &l4, guest_ip, &sess)
 }
 
-/// UDP to port 53: a DNS query for the learning hook (only once policy let it through).
+/// UDP to port 53 (not to the gateway or the node): a DNS query for the learning hook.
 #[inline(always)]
 fn is_dns_query(ip: &Ipv4, l4: &L4) -> bool {
     ip.proto == proto::UDP && l4.dport == cubevs_common::dns::SERVER_PORT.to_be()

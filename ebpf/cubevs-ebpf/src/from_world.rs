@@ -38,6 +38,10 @@ pub fn from_world(ctx: TcContext) -> i32 {
     let Some(l4) = packet::l4(&ctx, &ip) else { return pass() };
     let cfg = config::get();
     let node = node();
+    if ip.proto == proto::UDP && l4.sport == cubevs_common::dns::SERVER_PORT.to_be() {
+        // Tail call to `dns_response`, which comes back here; returns only if it already ran.
+        dns::enter(&ctx, cubevs_common::dns::slot::RESPONSE);
+    }
 
     if ip.dst == node.uplink_ip && (ip.proto == proto::TCP || ip.proto == proto::UDP) {
         // SAFETY: plain map lookups; values are copied out.
@@ -104,9 +108,6 @@ pub fn from_world(ctx: TcContext) -> i32 {
         }
         (*s).vm_ifindex
     };
-    if ip.proto == proto::UDP && l4.sport == cubevs_common::dns::SERVER_PORT.to_be() {
-        dns::on_response(&ctx, &ip, vm_ifindex, rv.vm_port, rv.version);
-    }
     nat::touch(s);
     if set_ip(&ctx, &ip, IP_DST_OFF, ip.dst, cfg.mvm_inner_ip).is_err()
         || set_port(&ctx, &ip, false, our_port, rv.vm_port).is_err()

@@ -2,7 +2,10 @@
 //! `cubevs_common::map` constants (userspace pins each under `<pin_dir>/maps/<name>`), and
 //! sizes are the `cubevs_common::limits` defaults, which userspace may override at load.
 
-use aya_ebpf::{bindings::BPF_F_NO_PREALLOC, maps::LruHashMap};
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    maps::{LruHashMap, ProgramArray},
+};
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
@@ -73,6 +76,10 @@ pub static DNS_QUERY_TRACK: LruHashMap<DnsQueryKey, DnsQueryValue> =
 #[map(name = "dns_learned")]
 pub static DNS_LEARNED: HashMap<LearnedKey, LearnedValue> =
     HashMap::with_max_entries(limits::DNS_LEARNED, BPF_F_NO_PREALLOC);
+
+/// DNS tail-call targets (`cubevs_common::dns::slot`), filled by userspace at load.
+#[map(name = "dns_progs")]
+pub static DNS_PROGS: ProgramArray = ProgramArray::with_max_entries(cubevs_common::dns::slot::COUNT, 0);
 
 /// Per-CPU DNS parser scratch.
 #[map(name = "dns_scratch")]
