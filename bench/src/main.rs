@@ -1,8 +1,11 @@
 //! `cubenet-bench`: CubeNet benchmarks, each figure beside its baseline measured in the same
-//! run. Prints a table, writes JSON, refreshes `docs/benchmarks.md`. Never fails on time.
+//! run. Prints a table, writes JSON, refreshes `docs/benchmarks.md` (merged with the other
+//! families' latest rows kept in `docs/benchmarks.json`). Never fails on time.
 //! Run through `cargo xtask bench [NAME] [--json FILE]` (builds the eBPF object first). Root.
 
 mod agent;
+mod agent_sessions;
+mod gateway_swap;
 mod per_packet;
 mod report;
 mod scale;
@@ -15,8 +18,10 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-scale (default: the first
-    /// four; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes).
+    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale
+    /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
+    /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
+    /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -32,13 +37,13 @@ struct Cli {
     rounds: usize,
 }
 
-const ALL: &[&str] = &["per-packet", "throughput", "scale", "agent"];
+const ALL: &[&str] = &["per-packet", "throughput", "scale", "agent", "agent-sessions"];
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(json) = &cli.render {
         let r: report::OwnedReport = serde_json::from_str(&std::fs::read_to_string(json)?)?;
-        let rep = report::Report { date: r.date, machine: r.machine, command: r.command, rows: &r.rows };
+        let rep = report::Report { date: r.date, machine: r.machine, command: r.command, runs: r.runs, rows: &r.rows };
         let out = cli.markdown.clone().unwrap_or_else(|| PathBuf::from("docs/benchmarks.md"));
         report::write(&out, &report::markdown(&rep, NOTES))?;
         eprintln!("wrote {}", out.display());
@@ -59,6 +64,12 @@ fn main() -> anyhow::Result<()> {
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
+            "agent-sessions" => {
+                // CUBENET_BENCH_SESSIONS overrides the 1,000,000 sessions (quick checks).
+                let n = std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+                rows.extend(agent_sessions::run(100, n))
+            }
+            "gateway-swap" => rows.extend(gateway_swap::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
@@ -69,14 +80,37 @@ fn main() -> anyhow::Result<()> {
     )
     .trim()
     .to_string();
-    let rep = report::Report { date, machine: report::machine(), command, rows: &rows };
+    let rep = report::Report { date, machine: report::machine(), command, runs: Default::default(), rows: &rows };
     if let Some(p) = &cli.json {
         report::write(p, &serde_json::to_string_pretty(&rep)?)?;
         eprintln!("wrote {}", p.display());
     }
     if let Some(p) = &cli.markdown {
-        report::write(p, &report::markdown(&rep, NOTES))?;
-        eprintln!("wrote {}", p.display());
+        // The Markdown shows every family: this run's rows merged into the accumulated
+        // `<markdown>.json` (docs/benchmarks.json), which is rewritten with them.
+        let store = p.with_extension("json");
+        let merged = match std::fs::read_to_string(&store) {
+            Ok(t) => serde_json::from_str::<report::OwnedReport>(&t)?.merge(&rep),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => report::OwnedReport {
+                date: String::new(),
+                machine: String::new(),
+                command: String::new(),
+                runs: Default::default(),
+                rows: Vec::new(),
+            }
+            .merge(&rep),
+            Err(e) => return Err(e.into()),
+        };
+        let all = report::Report {
+            date: merged.date,
+            machine: merged.machine,
+            command: merged.command,
+            runs: merged.runs,
+            rows: &merged.rows,
+        };
+        report::write(&store, &serde_json::to_string_pretty(&all)?)?;
+        report::write(p, &report::markdown(&all, NOTES))?;
+        eprintln!("wrote {} and {}", p.display(), store.display());
     }
     Ok(())
 }
@@ -93,6 +127,9 @@ path in a fresh topology, 3 rounds.\n\
 - agent: the release network-agent started by scripts/start-network-agent.sh in its own namespace, dataplane in \
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \
 warm pool = tap_init_num above the concurrency, empty pool = tap_init_num 0 (every Ensure creates its TAP).\n\
+- agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
+1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
+BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
 - egress (`cargo xtask bench egress`, not in this table): cube-egress vs mitmproxy with the same client, upstream \
 and CA; it prints its own table (see the CubeEgress section of the README).\n\n\
 ## Targets and misses (causes)\n\n\

@@ -34,7 +34,7 @@ fn measure(
 pub fn run() -> Vec<Row> {
     let rig = Rig::new();
     let m = &rig.maps;
-    let (wm, um) = (rig.world_mac, rig.up_mac);
+    let (wm, um, up) = (rig.world_mac, rig.up_mac, rig.uplink_ifindex);
     let est = |_| {
         tcp(
             GUEST_MAC,
@@ -136,7 +136,7 @@ pub fn run() -> Vec<Row> {
     add(
         "from_world reverse NAT (TCP)",
         prog::FROM_WORLD,
-        0,
+        up,
         None,
         Box::new(move |_| {
             tcp(
@@ -152,7 +152,7 @@ pub fn run() -> Vec<Row> {
     add(
         "from_world host-port DNAT (TCP)",
         prog::FROM_WORLD,
-        0,
+        up,
         None,
         Box::new(move |_| {
             tcp(
@@ -168,7 +168,7 @@ pub fn run() -> Vec<Row> {
     add(
         "from_world pass-through (not ours)",
         prog::FROM_WORLD,
-        0,
+        up,
         None,
         Box::new(move |_| udp(wm, um, WORLD_IP, NODE_IP, 53, 31999, b"x")),
     );

@@ -1,4 +1,5 @@
-//! Batched map reads and deletes (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_DELETE_BATCH`).
+//! Batched map reads, updates and deletes (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`,
+//! `BPF_MAP_DELETE_BATCH`).
 //!
 //! Own code rather than aya's: aya 0.14 has no batch API, and iterating a 1M-entry session map
 //! one `get_next_key` + `lookup` pair at a time takes seconds (two syscalls per entry). These
@@ -9,6 +10,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use aya::Pod;
 
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 
 /// The `batch` member of `union bpf_attr` (UAPI `<linux/bpf.h>`).
@@ -37,6 +39,15 @@ fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
 /// Errors: the kernel's (`EINVAL` on kernels or map types without batch support, < 5.6).
 pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize) -> std::io::Result<Vec<(K, V)>> {
     let mut out = Vec::new();
+    for_each(fd, chunk, |k: &K, v: &V| out.push((*k, *v)))?;
+    Ok(out)
+}
+
+/// Calls `f` on every (key, value) of the hash map `fd`, reading `chunk` entries per syscall
+/// into one reused buffer (memory: one chunk, whatever the map's size).
+///
+/// Errors: as [`lookup_all`].
+pub fn for_each<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize, mut f: impl FnMut(&K, &V)) -> std::io::Result<()> {
     // SAFETY: Pod types are valid for all-zero bytes.
     let (zk, zv): (K, V) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
     let mut keys = vec![zk; chunk];
@@ -56,10 +67,12 @@ pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize) -> std::io::
         };
         let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut a);
         let n = a.count as usize;
-        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        for (k, v) in keys[..n].iter().zip(values[..n].iter()) {
+            f(k, v);
+        }
         match r {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
             Err(e) => return Err(e),
         }
         in_tok = out_tok;
@@ -89,6 +102,27 @@ pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K], chunk: usize) -> std::io::
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => rest = &rest[(deleted + 1).min(rest.len())..],
             Err(e) => return Err(e),
         }
+    }
+    Ok(done)
+}
+
+/// Inserts or overwrites `keys[i]` → `values[i]` in the map `fd`, `chunk` entries per syscall;
+/// returns how many were written. Errors: the kernel's (`E2BIG` when the map is full).
+pub fn update<K: Pod, V: Pod>(fd: BorrowedFd<'_>, keys: &[K], values: &[V], chunk: usize) -> std::io::Result<usize> {
+    assert_eq!(keys.len(), values.len(), "one value per key");
+    let mut done = 0;
+    while done < keys.len() {
+        let n = (keys.len() - done).min(chunk);
+        let mut a = BatchAttr {
+            keys: keys[done..].as_ptr() as u64,
+            values: values[done..].as_ptr() as u64,
+            count: n as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        let r = bpf(BPF_MAP_UPDATE_BATCH, &mut a);
+        done += a.count as usize;
+        r?;
     }
     Ok(done)
 }

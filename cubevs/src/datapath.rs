@@ -228,6 +228,19 @@ impl Datapath {
         for &name in prog::ALL {
             Self::classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
         }
+        let registrations = {
+            use std::os::fd::AsFd;
+            let m = ebpf.map(map::IFINDEX_TO_MVMMETA).ok_or(Error::Missing(map::IFINDEX_TO_MVMMETA))?;
+            let data = match m {
+                aya::maps::Map::HashMap(d) => d,
+                _ => return Err(Error::Missing(map::IFINDEX_TO_MVMMETA)),
+            };
+            data.fd().as_fd().try_clone_to_owned().map_err(|source| Error::MapSyscall {
+                map: map::IFINDEX_TO_MVMMETA,
+                op: "dup fd",
+                source,
+            })?
+        };
         fill_dns_progs(&mut ebpf)?;
         let maps = Arc::new(Maps {
             sandboxes: SandboxTable::new(
@@ -241,6 +254,7 @@ impl Datapath {
             sessions: Arc::new(Sessions::new(
                 take(&mut ebpf, map::EGRESS_SESSIONS)?,
                 take(&mut ebpf, map::INGRESS_SESSIONS)?,
+                Some(registrations),
             )),
             snat: SnatTable::new(take(&mut ebpf, map::SNAT_IPLIST)?),
             policy: policy_table(&mut ebpf, l.policy(), map_dir.as_deref())?,

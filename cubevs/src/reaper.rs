@@ -1,6 +1,16 @@
 //! Session reaper: every interval, deletes both directions of sessions idle longer than
 //! their state's timeout (`reference/upstream.md §3.5`; CLOCK_MONOTONIC ns, like
-//! `bpf_ktime_get_ns`).
+//! `bpf_ktime_get_ns`) and of sessions whose sandbox version is no longer registered on their
+//! interface (released or reused TAPs, decision D19) in the same batched pass.
+//!
+//! Deletes of expired sessions are compare-and-delete (decision D23): a victim is re-read just
+//! before it is deleted and kept when its value changed since the scan (a guest reopened it in
+//! place, a packet advanced its state or refreshed it). The residual race is the time between
+//! that re-read and the batched delete of its chunk ([`CONFIRM_CHUNK`] lookups, ~0.1 ms idle):
+//! a packet landing on the session in that window can still lose it. Stale-version sessions
+//! are deleted as read, without the re-read: no packet can change them any more (the datapath
+//! drops their packets in both directions), unless the very same (interface, version) is
+//! registered again between the scan and the delete.
 
 use std::{
     sync::{
@@ -12,7 +22,7 @@ use std::{
 };
 
 use cubevs_common::{
-    NatSession, SessionKey,
+    MvmMeta, NatSession, SessionKey,
     conntrack::{tcp, timeout, udp},
     map, proto,
 };
@@ -114,50 +124,163 @@ pub struct SweepStats {
     pub removed: usize,
     /// Expired TCP sessions that were not CLOSE/TIME_WAIT (idle established flows).
     pub removed_open_tcp: usize,
+    /// Victims whose sandbox version is no longer registered on their interface.
+    pub stale: usize,
+    /// Victims kept because their value changed between the scan and the delete.
+    pub changed: usize,
     /// Wall time of the sweep.
     pub took: Duration,
 }
 
+/// Sessions a sweep decided to remove, as they were read.
+#[derive(Clone, Debug, Default)]
+pub struct Victims {
+    /// (key, value as read) of each expired victim: removed by [`remove_unchanged`].
+    pub entries: Vec<(SessionKey, NatSession)>,
+    /// (key, value as read) of each stale-version victim: removed by [`remove_stale`].
+    pub stale_entries: Vec<(SessionKey, NatSession)>,
+    /// Egress sessions examined.
+    pub scanned: usize,
+    /// How many victims are stale-version (`stale_entries.len()`).
+    pub stale: usize,
+    /// Expired TCP sessions that were not CLOSE/TIME_WAIT.
+    pub open_tcp: usize,
+}
+
 /// Entries read or deleted per batch syscall.
 const BATCH: usize = 4096;
+/// Victims re-read before each batched delete: bounds the compare-and-delete race window.
+pub const CONFIRM_CHUNK: usize = 256;
 
-/// Deletes every session idle longer than its timeout at `now_ns`: ingress entries first,
-/// then egress (`reference/upstream.md §3.5`). Reads and deletes in batches of 4096.
-pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStats, Error> {
+/// Reads the registrations `{ifindex → version}` (one batched read), or `None` when the
+/// sessions were built without access to them.
+fn registrations(g: &crate::sessions::SessionMaps) -> Result<Option<std::collections::HashMap<u32, u32>>, Error> {
+    use std::os::fd::AsFd;
+    let Some(fd) = &g.registrations else { return Ok(None) };
+    let mut m = std::collections::HashMap::new();
+    batch::for_each(fd.as_fd(), 1024, |i: &u32, meta: &MvmMeta| {
+        m.insert(*i, meta.version);
+    })
+    .map_err(|source| Error::MapSyscall { map: map::IFINDEX_TO_MVMMETA, op: "batch lookup", source })?;
+    Ok(Some(m))
+}
+
+/// Scans the sessions (batched reads, keeping only candidates: memory is O(victims), not
+/// O(sessions)): victims are sessions idle longer than their timeout at `now_ns`, and sessions
+/// whose (interface, version) is registered neither before nor after the scan (so a sandbox
+/// registered during the scan cannot make its new sessions look stale).
+pub fn victims(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<Victims, Error> {
     use std::os::fd::AsFd;
 
     use aya::maps::IterableMap;
 
-    let start = Instant::now();
     let g = sessions.inner.lock().expect("sessions lock");
-    let egress_fd = g.egress.map().fd().as_fd();
-    let ingress_fd = g.ingress.map().fd().as_fd();
-    let all: Vec<(SessionKey, NatSession)> = batch::lookup_all(egress_fd, BATCH)
-        .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
-    let mut stats = SweepStats { scanned: all.len(), ..Default::default() };
-    let mut egress_keys = Vec::new();
-    let mut ingress_keys = Vec::new();
-    for (k, s) in &all {
-        if now_ns > s.access_ns.saturating_add(t.of(k.proto, s)) {
+    let before = registrations(&g)?;
+    let mut v = Victims::default();
+    let mut maybe_stale = Vec::new();
+    batch::for_each(g.egress.map().fd().as_fd(), BATCH, |k: &SessionKey, s: &NatSession| {
+        v.scanned += 1;
+        if before.as_ref().is_some_and(|r| r.get(&s.vm_ifindex) != Some(&k.version)) {
+            maybe_stale.push((*k, *s));
+        } else if now_ns > s.access_ns.saturating_add(t.of(k.proto, s)) {
             if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
-                stats.removed_open_tcp += 1;
+                v.open_tcp += 1;
             }
-            ingress_keys.push(k.reverse(s.node_ip, s.node_port));
-            egress_keys.push(*k);
+            v.entries.push((*k, *s));
+        }
+    })
+    .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
+    let after = registrations(&g)?;
+    drop(g);
+    for (k, s) in maybe_stale {
+        if after.as_ref().is_some_and(|r| r.get(&s.vm_ifindex) != Some(&k.version)) {
+            v.stale_entries.push((k, s));
+        } else if now_ns > s.access_ns.saturating_add(t.of(k.proto, &s)) {
+            if k.proto == proto::TCP && !matches!(s.state, tcp::CLOSE | tcp::TIME_WAIT) {
+                v.open_tcp += 1;
+            }
+            v.entries.push((k, s));
         }
     }
-    batch::delete(ingress_fd, &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
+    v.stale = v.stale_entries.len();
+    Ok(v)
+}
+
+/// Deletes both directions (ingress first, as upstream) of every victim whose egress value
+/// is still exactly the one read; returns (removed, changed). Victims are confirmed
+/// [`CONFIRM_CHUNK`] at a time, each chunk deleted with batched syscalls right after.
+pub fn remove_unchanged(sessions: &Sessions, victims: &[(SessionKey, NatSession)]) -> Result<(usize, usize), Error> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+
+    let g = sessions.inner.lock().expect("sessions lock");
+    let (mut removed, mut changed) = (0, 0);
+    let mut ingress_keys = Vec::with_capacity(CONFIRM_CHUNK);
+    let mut egress_keys = Vec::with_capacity(CONFIRM_CHUNK);
+    for chunk in victims.chunks(CONFIRM_CHUNK) {
+        ingress_keys.clear();
+        egress_keys.clear();
+        for (k, s) in chunk {
+            match g.egress.get(k, 0) {
+                Ok(now) if now == *s => {
+                    ingress_keys.push(k.reverse(s.node_ip, s.node_port));
+                    egress_keys.push(*k);
+                }
+                // Gone already (another deleter) or changed since the scan: keep.
+                Ok(_) => changed += 1,
+                Err(e) if crate::error::is_not_found(&e) => {}
+                Err(e) => return Err(Error::map(map::EGRESS_SESSIONS, "lookup")(e)),
+            }
+        }
+        batch::delete(g.ingress.map().fd().as_fd(), &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
+            map: map::INGRESS_SESSIONS,
+            op: "batch delete",
+            source,
+        })?;
+        removed += batch::delete(g.egress.map().fd().as_fd(), &egress_keys, BATCH)
+            .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch delete", source })?;
+    }
+    Ok((removed, changed))
+}
+
+/// Deletes both directions of the stale-version `victims` with batched deletes, without
+/// re-reading them (see the module docs); returns how many were removed.
+pub fn remove_stale(sessions: &Sessions, victims: &[(SessionKey, NatSession)]) -> Result<usize, Error> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+
+    let g = sessions.inner.lock().expect("sessions lock");
+    let ingress_keys: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+    let egress_keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
+    batch::delete(g.ingress.map().fd().as_fd(), &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
         map: map::INGRESS_SESSIONS,
         op: "batch delete",
         source,
     })?;
-    stats.removed = batch::delete(egress_fd, &egress_keys, BATCH).map_err(|source| Error::MapSyscall {
+    batch::delete(g.egress.map().fd().as_fd(), &egress_keys, BATCH).map_err(|source| Error::MapSyscall {
         map: map::EGRESS_SESSIONS,
         op: "batch delete",
         source,
-    })?;
-    stats.took = start.elapsed();
-    Ok(stats)
+    })
+}
+
+/// One pass: [`victims`], then [`remove_stale`] and [`remove_unchanged`].
+pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStats, Error> {
+    let start = Instant::now();
+    let v = victims(sessions, t, now_ns)?;
+    let stale_removed = remove_stale(sessions, &v.stale_entries)?;
+    let (removed, changed) = remove_unchanged(sessions, &v.entries)?;
+    let removed = removed + stale_removed;
+    Ok(SweepStats {
+        scanned: v.scanned,
+        removed,
+        removed_open_tcp: v.open_tcp,
+        stale: v.stale,
+        changed,
+        took: start.elapsed(),
+    })
 }
 
 /// Counters of a running reaper.

@@ -1,6 +1,6 @@
 //! Conntrack/NAT sessions: `egress_sessions` (guest side) and `ingress_sessions` (world side).
 
-use std::{net::Ipv4Addr, sync::Mutex};
+use std::{net::Ipv4Addr, os::fd::OwnedFd, sync::Mutex};
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{IngressValue, NatSession, SessionKey, conntrack, map, proto};
@@ -72,9 +72,13 @@ impl SessionView {
     }
 }
 
+/// The session maps and a registrations fd, behind [`Sessions`]' lock.
 pub(crate) struct SessionMaps {
     pub(crate) egress: HashMap<MapData, SessionKey, NatSession>,
     pub(crate) ingress: HashMap<MapData, SessionKey, IngressValue>,
+    /// A second fd of `ifindex_to_mvmmeta`: the reaper reads the registrations once per pass
+    /// to purge sessions of released or reused interfaces (decision D19).
+    pub(crate) registrations: Option<OwnedFd>,
 }
 
 /// Typed access to the two session maps.
@@ -86,8 +90,9 @@ impl Sessions {
     pub(crate) fn new(
         egress: HashMap<MapData, SessionKey, NatSession>,
         ingress: HashMap<MapData, SessionKey, IngressValue>,
+        registrations: Option<OwnedFd>,
     ) -> Self {
-        Self { inner: Mutex::new(SessionMaps { egress, ingress }) }
+        Self { inner: Mutex::new(SessionMaps { egress, ingress, registrations }) }
     }
 
     /// Every egress session with its entry (batched reads).
@@ -120,9 +125,12 @@ impl Sessions {
 
         use aya::maps::IterableMap;
         let g = self.inner.lock().expect("sessions lock");
-        let e = crate::batch::lookup_all::<SessionKey, NatSession>(g.egress.map().fd().as_fd(), 4096).map(|v| v.len());
-        let i =
-            crate::batch::lookup_all::<SessionKey, IngressValue>(g.ingress.map().fd().as_fd(), 4096).map(|v| v.len());
+        // Counted chunk by chunk: memory is one chunk, not a copy of the maps.
+        let (mut ne, mut ni) = (0usize, 0usize);
+        let e = crate::batch::for_each(g.egress.map().fd().as_fd(), 4096, |_: &SessionKey, _: &NatSession| ne += 1)
+            .map(|()| ne);
+        let i = crate::batch::for_each(g.ingress.map().fd().as_fd(), 4096, |_: &SessionKey, _: &IngressValue| ni += 1)
+            .map(|()| ni);
         (e.unwrap_or_else(|_| g.egress.keys().count()), i.unwrap_or_else(|_| g.ingress.keys().count()))
     }
 
@@ -132,14 +140,56 @@ impl Sessions {
         delete_locked(&mut g, k, s)
     }
 
-    /// Deletes every session of the sandbox interface `ifindex`; returns how many.
+    /// Inserts (or overwrites) the egress sessions `entries` and their reverse entries with
+    /// batched updates (4096 per syscall); returns how many sessions were written. For restores
+    /// and benchmarks that need maps full of sessions quickly.
+    ///
+    /// Errors: [`Error::MapSyscall`] (e.g. `E2BIG` once `max_entries` is reached; the entries
+    /// written before stay).
+    pub fn insert_batch(&self, entries: &[(SessionKey, NatSession)]) -> Result<usize, Error> {
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
+        let g = self.inner.lock().expect("sessions lock");
+        let rev_keys: Vec<SessionKey> = entries.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+        let rev_values: Vec<IngressValue> = entries
+            .iter()
+            .map(|(k, _)| IngressValue { version: k.version, vm_ip: k.src_ip, vm_port: k.sport, _pad: [0; 3] })
+            .collect();
+        crate::batch::update(g.ingress.map().fd().as_fd(), &rev_keys, &rev_values, 4096)
+            .map_err(|source| Error::MapSyscall { map: map::INGRESS_SESSIONS, op: "batch update", source })?;
+        let keys: Vec<SessionKey> = entries.iter().map(|(k, _)| *k).collect();
+        let values: Vec<NatSession> = entries.iter().map(|(_, s)| *s).collect();
+        crate::batch::update(g.egress.map().fd().as_fd(), &keys, &values, 4096).map_err(|source| Error::MapSyscall {
+            map: map::EGRESS_SESSIONS,
+            op: "batch update",
+            source,
+        })
+    }
+
+    /// Deletes every session of the sandbox interface `ifindex` (one batched read of the egress
+    /// map, batched deletes); returns how many. Release does not need it: unregistering makes
+    /// the sessions dead in both directions and the reaper purges them (decision D19).
     pub fn delete_of(&self, ifindex: u32) -> Result<usize, Error> {
-        let mut g = self.inner.lock().expect("sessions lock");
-        let victims: Vec<_> = g.egress.iter().filter_map(Result::ok).filter(|(_, s)| s.vm_ifindex == ifindex).collect();
-        for (k, s) in &victims {
-            delete_locked(&mut g, k, s)?;
-        }
-        Ok(victims.len())
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
+        let g = self.inner.lock().expect("sessions lock");
+        let all: Vec<(SessionKey, NatSession)> = crate::batch::lookup_all(g.egress.map().fd().as_fd(), 4096)
+            .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
+        let victims: Vec<_> = all.into_iter().filter(|(_, s)| s.vm_ifindex == ifindex).collect();
+        let rev: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+        let keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
+        crate::batch::delete(g.ingress.map().fd().as_fd(), &rev, 4096).map_err(|source| Error::MapSyscall {
+            map: map::INGRESS_SESSIONS,
+            op: "batch delete",
+            source,
+        })?;
+        crate::batch::delete(g.egress.map().fd().as_fd(), &keys, 4096).map_err(|source| Error::MapSyscall {
+            map: map::EGRESS_SESSIONS,
+            op: "batch delete",
+            source,
+        })
     }
 }
 

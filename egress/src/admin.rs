@@ -10,7 +10,8 @@
 //! | `GET /metrics` | Prometheus text |
 //!
 //! Bodies are limited to 1 MiB; bad JSON or an invalid policy → 400 `{"error": "<field>: <reason>"}`;
-//! wrong method → 405 with `Allow`; unknown path → 404 `{"error":"not found"}`.
+//! wrong method → 405 with `Allow`; unknown path → 404 `{"error":"not found"}`; a change while
+//! a swap hands the state to a successor → 503 with `Retry-After: 1` (E18).
 
 use std::sync::Arc;
 
@@ -52,6 +53,22 @@ async fn body(req: Request<Incoming>) -> Result<Bytes, Response<Full<Bytes>>> {
         Ok(b) => Ok(b.to_bytes()),
         Err(_) => Err(error(StatusCode::PAYLOAD_TOO_LARGE, format!("body larger than {MAX_BODY} bytes"))),
     }
+}
+
+/// Applies one admin change unless a swap has frozen the state (E18): from the moment the
+/// state is captured for a successor, changes get 503 with `Retry-After: 1` and
+/// `Connection: close`, so the retry reaches the successor (or this process again, unfrozen,
+/// when the swap failed). The freeze lock is held across `f`, so no change can slip in between
+/// a check and the snapshot.
+fn mutate(app: &App, f: impl FnOnce() -> Response<Full<Bytes>>) -> Response<Full<Bytes>> {
+    let frozen = app.admin_frozen.read().unwrap_or_else(|e| e.into_inner());
+    if *frozen {
+        let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "gateway is handing over to a successor; retry");
+        r.headers_mut().insert(header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+        r.headers_mut().insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+        return r;
+    }
+    f()
 }
 
 /// Serves one admin request.
@@ -111,11 +128,11 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Full<Byte
                         Err(r) => return r,
                     };
                     match Policy::from_json(&b) {
-                        Ok(pol) => {
+                        Ok(pol) => mutate(&app, || {
                             app.store.put(ip, pol);
                             tracing::info!(%ip, "policy replaced");
                             reply(StatusCode::OK, json!({"ok": true}))
-                        }
+                        }),
                         Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
                     }
                 }
@@ -133,18 +150,18 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Full<Byte
                             return error(StatusCode::BAD_REQUEST, format!("{field}: {}", e.inner()));
                         }
                     };
-                    match app.store.patch_rule(ip, rule) {
+                    mutate(&app, || match app.store.patch_rule(ip, rule) {
                         Ok(true) => reply(StatusCode::OK, json!({"ok": true})),
                         Ok(false) => error(StatusCode::NOT_FOUND, "policy not found"),
                         Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
-                    }
+                    })
                 }
-                Method::DELETE => {
+                Method::DELETE => mutate(&app, || {
                     app.store.delete(ip);
                     // A reused sandbox IP must not inherit the old sandbox's learned names.
                     app.dest.clear_learned(ip);
                     reply(StatusCode::OK, json!({"ok": true}))
-                }
+                }),
                 _ => not_allowed("GET, PUT, PATCH, DELETE"),
             }
         }
@@ -173,15 +190,15 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Full<Byte
                             return error(StatusCode::BAD_REQUEST, format!("{field}: {}", e.inner()));
                         }
                     };
-                    match app.dest.set_learned(ip, &spec) {
+                    mutate(&app, || match app.dest.set_learned(ip, &spec) {
                         Ok(()) => reply(StatusCode::OK, json!({"ok": true})),
                         Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
-                    }
+                    })
                 }
-                Method::DELETE => {
+                Method::DELETE => mutate(&app, || {
                     app.dest.clear_learned(ip);
                     reply(StatusCode::OK, json!({"ok": true}))
-                }
+                }),
                 _ => not_allowed("GET, PUT, DELETE"),
             }
         }

@@ -11,20 +11,47 @@ use std::{
         atomic::{AtomicU64, Ordering},
         mpsc,
     },
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use prometheus::IntCounter;
 use serde_json::{Value, json};
+
+/// Largest batch of whole lines handed to one `write(2)`, bytes.
+pub const MAX_WRITE_BYTES: usize = 64 * 1024;
+
+/// What the writer thread receives.
+#[derive(Debug)]
+enum Msg {
+    Record(Value),
+    /// Answer on the channel once everything queued before it is written.
+    Flush(mpsc::Sender<()>),
+}
+
+/// Appends `v` as one line to `batch`, first writing the batch out when the line would not fit.
+fn push_line(sink: &mut impl Write, batch: &mut Vec<u8>, v: &Value) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(v).unwrap_or_default();
+    line.push(b'\n');
+    if !batch.is_empty() && batch.len() + line.len() > MAX_WRITE_BYTES {
+        sink.write_all(batch)?;
+        batch.clear();
+    }
+    batch.extend_from_slice(&line);
+    Ok(())
+}
 
 /// Appends audit records to a file from a dedicated writer thread (records are queued, so the
 /// proxy never blocks on disk). The queue is bounded: when the writer falls behind, new records
 /// are dropped (drop-newest), counted in `cube_egress_audit_dropped_total`, and the writer
 /// records how many it lost in a `security_event` (`audit_records_dropped`) as soon as it
 /// catches up (decision E15).
+///
+/// Records reach the file in `write(2)` calls that each hold whole lines (at most
+/// [`MAX_WRITE_BYTES`] of them, or one longer line alone): with `O_APPEND`, two gateway processes
+/// appending to the same file during a swap never interleave inside a line (E19).
 #[derive(Debug, Clone)]
 pub struct AuditLog {
-    tx: mpsc::SyncSender<Value>,
+    tx: mpsc::SyncSender<Msg>,
     pending_drops: Arc<AtomicU64>,
     dropped: IntCounter,
 }
@@ -48,29 +75,38 @@ impl AuditLog {
         capacity: usize,
         dropped: IntCounter,
     ) -> anyhow::Result<AuditLog> {
-        let (tx, rx) = mpsc::sync_channel::<Value>(capacity.max(1));
+        let (tx, rx) = mpsc::sync_channel::<Msg>(capacity.max(1));
         let pending_drops = Arc::new(AtomicU64::new(0));
         let pending = pending_drops.clone();
         std::thread::Builder::new().name("audit-writer".into()).spawn(move || {
-            let mut w = std::io::BufWriter::new(sink);
-            while let Ok(v) = rx.recv() {
-                let mut write = |v: &Value| {
-                    let _ = serde_json::to_writer(&mut w, v);
-                    let _ = w.write_all(b"\n");
-                };
-                write(&v);
-                while let Ok(v) = rx.try_recv() {
-                    write(&v);
+            let mut sink = sink;
+            let mut batch = Vec::with_capacity(MAX_WRITE_BYTES);
+            let mut waiters = Vec::new();
+            while let Ok(first) = rx.recv() {
+                let mut res = Ok(());
+                let mut next = Some(first);
+                while let Some(m) = next.take() {
+                    match m {
+                        Msg::Record(v) => res = res.and_then(|()| push_line(&mut sink, &mut batch, &v)),
+                        Msg::Flush(w) => waiters.push(w),
+                    }
+                    next = rx.try_recv().ok();
                 }
                 let lost = pending.swap(0, Ordering::Relaxed);
                 if lost > 0 {
-                    write(&json!({
+                    let ev = json!({
                         "ts": now_rfc3339(), "event": "security_event",
                         "security": {"reason": "audit_records_dropped", "dropped": lost},
-                    }));
+                    });
+                    res = res.and_then(|()| push_line(&mut sink, &mut batch, &ev));
                 }
-                if let Err(e) = w.flush() {
+                res = res.and_then(|()| sink.write_all(&batch)).and_then(|()| sink.flush());
+                batch.clear();
+                if let Err(e) = res {
                     tracing::warn!(file = %what, error = %e, "audit write failed");
+                }
+                for w in waiters.drain(..) {
+                    let _ = w.send(());
                 }
             }
         })?;
@@ -82,11 +118,18 @@ impl AuditLog {
         if let Value::Object(m) = &mut record {
             m.entry("ts").or_insert_with(|| json!(now_rfc3339()));
         }
-        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(record) {
+        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(Msg::Record(record)) {
             self.dropped.inc();
             // The writer reports this on its next wake-up, which the full queue guarantees.
             self.pending_drops.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Waits until every record queued before this call is written (at most `timeout`);
+    /// `false` on timeout or when the writer is gone. Blocking: call off the async workers.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (tx, rx) = mpsc::channel();
+        self.tx.send(Msg::Flush(tx)).is_ok() && rx.recv_timeout(timeout).is_ok()
     }
 
     /// Queues a `security_event` record.
@@ -265,6 +308,40 @@ mod tests {
         let ev = lines.iter().find(|l| l["security"]["reason"] == "audit_records_dropped").expect("drop report");
         assert_eq!(ev["security"]["dropped"].as_u64(), Some(10_000 - 8));
         assert_eq!(lines.len(), 1 + 8 + 1, "first record, the 8 queued ones, the drop report");
+    }
+
+    /// Records the byte counts of each `write` call.
+    struct Calls(Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+    impl Write for Calls {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().push(b.to_vec());
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Two processes append to one file during a swap: every `write(2)` must hold whole lines
+    /// (a line split across two writes could interleave with the other process's lines).
+    #[test]
+    fn writes_hold_whole_lines_and_flush_waits() {
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = AuditLog::with_writer(Calls(calls.clone()), "t".into(), 4096, counter()).unwrap();
+        let pad = "x".repeat(3000);
+        for i in 0..200 {
+            log.write(json!({"event": "http_request", "n": i, "pad": pad}));
+        }
+        log.write(json!({"event": "http_request", "big": "y".repeat(MAX_WRITE_BYTES * 2)}));
+        assert!(log.flush(Duration::from_secs(10)), "flush returns once everything is written");
+        let calls = calls.lock().unwrap();
+        let mut n = 0;
+        for c in calls.iter() {
+            assert!(c.ends_with(b"\n"), "a write ends inside a line");
+            assert!(c.len() <= MAX_WRITE_BYTES || c.iter().filter(|b| **b == b'\n').count() == 1);
+            n += c.iter().filter(|b| **b == b'\n').count();
+        }
+        assert_eq!(n, 201, "every record written before flush returned");
     }
 
     #[test]

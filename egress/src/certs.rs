@@ -299,25 +299,75 @@ impl CertCache {
                 self.metrics.mint_rate_limited.inc();
                 return Err(MintError::RateLimited);
             }
-            let ca = self.ca.clone();
-            let n = name.clone();
-            let cfg = tokio::task::spawn_blocking(move || -> anyhow::Result<ServerConfig> {
-                let (chain, key) = ca.mint(&n)?;
-                let mut cfg = ServerConfig::builder_with_provider(provider())
-                    .with_safe_default_protocol_versions()?
-                    .with_no_client_auth()
-                    .with_single_cert(chain, key)?;
-                cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-                Ok(cfg)
-            })
-            .await
-            .map_err(|e| MintError::Failed(e.to_string()))?
-            .map_err(|e| MintError::Failed(e.to_string()))?;
-            self.metrics.mints.inc();
-            Ok(Arc::new(cfg))
+            self.mint_config(name.clone()).await
         })
         .await
         .cloned()
+    }
+
+    async fn mint_config(&self, name: CertName) -> Result<Arc<ServerConfig>, MintError> {
+        let ca = self.ca.clone();
+        let cfg = tokio::task::spawn_blocking(move || -> anyhow::Result<ServerConfig> {
+            let (chain, key) = ca.mint(&name)?;
+            let mut cfg = ServerConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()?
+                .with_no_client_auth()
+                .with_single_cert(chain, key)?;
+            cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+            Ok(cfg)
+        })
+        .await
+        .map_err(|e| MintError::Failed(e.to_string()))?
+        .map_err(|e| MintError::Failed(e.to_string()))?;
+        self.metrics.mints.inc();
+        Ok(Arc::new(cfg))
+    }
+
+    /// Cache keys of the (at most `max`) most recently minted fresh leaves, newest first: what a
+    /// successor mints before it takes over (E18). Keys are SNI names or `ip:<addr>`.
+    pub fn recent_names(&self, max: usize) -> Vec<String> {
+        let slots = self.slots.lock().expect("cache lock");
+        let mut v: Vec<(&String, Instant)> = slots
+            .iter()
+            .filter(|(_, s)| s.cell.initialized() && s.created.elapsed() < LEAF_CACHE_TTL)
+            .map(|(k, s)| (k, s.created))
+            .collect();
+        v.sort_by_key(|e| std::cmp::Reverse(e.1));
+        v.into_iter().take(max).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// Mints leaves for cache keys from [`Self::recent_names`] (not charged to any sandbox:
+    /// the predecessor already admitted them); returns how many are cached afterwards. Keys
+    /// that are neither a host name nor `ip:<addr>` are skipped.
+    pub async fn premint(&self, keys: &[String]) -> usize {
+        let mut n = 0;
+        for k in keys {
+            let name = match k.strip_prefix("ip:") {
+                Some(ip) => match ip.parse() {
+                    Ok(ip) => CertName::Ip(ip),
+                    Err(_) => continue,
+                },
+                None => match crate::dest::normalize_dns_name(k) {
+                    Some(d) => CertName::Dns(d),
+                    None => continue,
+                },
+            };
+            let cell = {
+                let mut slots = self.slots.lock().expect("cache lock");
+                if slots.len() >= self.capacity {
+                    break;
+                }
+                let slot = slots
+                    .entry(name.cache_key())
+                    .or_insert_with(|| Slot { cell: Arc::new(tokio::sync::OnceCell::new()), created: Instant::now() });
+                slot.cell.clone()
+            };
+            match cell.get_or_try_init(|| self.mint_config(name.clone())).await {
+                Ok(_) => n += 1,
+                Err(e) => tracing::warn!(name = %k, error = %e, "pre-mint failed"),
+            }
+        }
+        n
     }
 
     /// Seconds until the CA expires, as measured at load.

@@ -52,8 +52,12 @@ pub struct Config {
     pub drain_timeout_secs: u64,
     /// Serve the listening sockets to a successor on this Unix socket path.
     pub handoff_socket: Option<PathBuf>,
-    /// Take the listening sockets from a predecessor's `handoff_socket` instead of binding.
+    /// Take the listening sockets and the state from a predecessor's `handoff_socket` instead
+    /// of binding (E18).
     pub takeover_socket: Option<PathBuf>,
+    /// With `takeover_socket`: bind fresh when nobody serves that path (no file or a stale one)
+    /// instead of failing; lets both slots of a pair run the same command (default false).
+    pub takeover_optional: bool,
     /// DNS servers (`ip:port`) the gateway resolves Host/SNI names with to check that the
     /// original destination belongs to the name (E14). Empty (default) = the `nameserver`
     /// lines of `/etc/resolv.conf`.
@@ -86,6 +90,7 @@ impl Default for Config {
             drain_timeout_secs: 30,
             handoff_socket: None,
             takeover_socket: None,
+            takeover_optional: false,
             dns_servers: Vec::new(),
             dns_timeout_ms: 2000,
             audit_queue_capacity: 16_384,
@@ -148,6 +153,9 @@ pub struct Cli {
     /// Unix socket of a predecessor to take the listeners from.
     #[arg(long, env = "CUBE_EGRESS_TAKEOVER_SOCKET")]
     pub takeover_socket: Option<PathBuf>,
+    /// Bind fresh when nobody serves `--takeover-socket` instead of failing.
+    #[arg(long, env = "CUBE_EGRESS_TAKEOVER_OPTIONAL")]
+    pub takeover_optional: bool,
     /// DNS servers for the destination check (`ip:port`, comma-separated or repeated).
     #[arg(long = "dns-server", env = "CUBE_EGRESS_DNS_SERVERS", value_delimiter = ',')]
     pub dns_servers: Option<Vec<SocketAddr>>,
@@ -176,6 +184,9 @@ impl Config {
         }
         if cli.takeover_socket.is_some() {
             c.takeover_socket = cli.takeover_socket;
+        }
+        if cli.takeover_optional {
+            c.takeover_optional = true;
         }
         c.validate()?;
         Ok(c)

@@ -84,6 +84,20 @@ pub struct LearnedSpec {
     pub ttl_secs: Option<u64>,
 }
 
+/// One learned address of one sandbox with its remaining lifetime (state hand-over, E18).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnedAddr {
+    /// The sandbox (mvm IP) that learned it.
+    pub sandbox: Ipv4Addr,
+    /// Normalised DNS name.
+    pub name: String,
+    /// The address the name resolved to for that sandbox.
+    pub addr: Ipv4Addr,
+    /// Remaining lifetime, milliseconds.
+    pub ttl_ms: u64,
+}
+
 type AddrSet = HashMap<Ipv4Addr, Instant>;
 
 struct Resolved {
@@ -229,6 +243,52 @@ impl Destinations {
             }
         }
         Some(LearnedSpec { names, ttl_secs: None })
+    }
+
+    /// Every live learned address of every sandbox with its remaining lifetime (hand-over to a
+    /// successor, E18), sorted by sandbox, name, address.
+    pub fn export_learned(&self) -> Vec<LearnedAddr> {
+        let now = Instant::now();
+        let g = self.learned.read().expect("learned lock");
+        let mut v = Vec::new();
+        for (sb, m) in g.iter() {
+            for (name, set) in m {
+                for (ip, e) in set.iter().filter(|(_, e)| **e > now) {
+                    let ttl_ms = e.duration_since(now).as_millis() as u64;
+                    v.push(LearnedAddr { sandbox: *sb, name: name.clone(), addr: *ip, ttl_ms });
+                }
+            }
+        }
+        v.sort_by(|a, b| (a.sandbox, &a.name, a.addr).cmp(&(b.sandbox, &b.name, b.addr)));
+        v
+    }
+
+    /// Replaces the whole learned table with `entries` (from [`Self::export_learned`] of a
+    /// predecessor). Errors: an invalid name, a lifetime over [`LEARNED_TTL_MAX`], or more than
+    /// [`MAX_LEARNED_NAMES`] names / [`MAX_LEARNED_ADDRS`] addresses for one sandbox; nothing
+    /// changes then.
+    pub fn import_learned(&self, entries: &[LearnedAddr]) -> Result<(), ValidationError> {
+        let err = |f: String, r: &str| ValidationError { field: f, reason: r.to_string() };
+        let now = Instant::now();
+        let mut table: HashMap<Ipv4Addr, HashMap<String, AddrSet>> = HashMap::new();
+        for (i, e) in entries.iter().enumerate() {
+            let name =
+                normalize_dns_name(&e.name).ok_or_else(|| err(format!("learned[{i}].name"), "invalid host name"))?;
+            if e.ttl_ms > LEARNED_TTL_MAX * 1000 {
+                return Err(err(format!("learned[{i}].ttl_ms"), "longer than 86400 s"));
+            }
+            let names = table.entry(e.sandbox).or_default();
+            if !names.contains_key(&name) && names.len() >= MAX_LEARNED_NAMES {
+                return Err(err(format!("learned[{i}]"), "more than 1024 names for one sandbox"));
+            }
+            let set = names.entry(name).or_default();
+            if set.len() >= MAX_LEARNED_ADDRS {
+                return Err(err(format!("learned[{i}]"), "more than 32 addresses for one name"));
+            }
+            set.insert(e.addr, now + Duration::from_millis(e.ttl_ms));
+        }
+        *self.learned.write().expect("learned lock") = table;
+        Ok(())
     }
 
     /// Forgets the learned addresses of `sandbox` (policy deleted, sandbox released).

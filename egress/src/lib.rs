@@ -5,7 +5,8 @@
 //! sandbox's policy ([`policy`]), HTTPS is intercepted with leaves minted from the node CA
 //! ([`certs`]), credentials are injected under gates, and every request and security event is
 //! written to a JSON Lines audit log ([`audit`]). Policies are managed through the admin API
-//! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]). The original destination
+//! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]), or taken with the
+//! listening sockets from a predecessor in a swap ([`handoff`]). The original destination
 //! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). Behaviour follows
 //! `reference/upstream.md §4` unless a decision in `docs/decisions.md` (E-entries) says otherwise.
 
@@ -16,6 +17,7 @@ pub mod certs;
 pub mod config;
 pub mod dest;
 pub mod dns;
+pub mod handoff;
 pub mod metrics;
 pub mod net;
 /// The rule model lives in the shared `egress-policy` crate (the agent validates with it too).
@@ -25,14 +27,14 @@ pub mod store;
 
 use std::{
     sync::{
-        Arc,
+        Arc, RwLock,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
 };
 
 use anyhow::Context;
-use hyper_util::{rt::TokioIo, server::graceful::GracefulShutdown};
+use hyper_util::rt::TokioIo;
 use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
@@ -61,6 +63,10 @@ pub struct App {
     pub connect_timeout: Duration,
     /// Destination binding (resolver cache, learned addresses).
     pub dest: dest::Destinations,
+    /// Set while (and after) the state is handed to a successor: admin changes get 503 (E18).
+    pub admin_frozen: RwLock<bool>,
+    /// `true` once the process drains; every open connection holds a receiver (E19).
+    pub drain: watch::Sender<bool>,
     ids: AtomicU64,
 }
 
@@ -82,6 +88,8 @@ impl App {
             upstream_tls: Arc::new(tls),
             connect_timeout: cfg.connect_timeout(),
             dest: dest::Destinations::new(cfg.dns_servers()?, Duration::from_millis(cfg.dns_timeout_ms)),
+            admin_frozen: RwLock::new(false),
+            drain: watch::channel(false).0,
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
                     as u64,
@@ -95,13 +103,38 @@ impl App {
     }
 }
 
-async fn accept_loop(
-    app: Arc<App>,
-    l: TcpListener,
-    scheme: Option<Scheme>,
-    graceful: Arc<GracefulShutdown>,
-    mut stop: watch::Receiver<bool>,
-) {
+/// How long a connection may stay open after the drain started (or after it was accepted,
+/// when later) before it is asked to shut down gracefully: HTTP/1 keep-alive connections that
+/// send a request in that time get it answered with `Connection: close` (the client reconnects
+/// — to the successor after a swap); those still idle then are closed; HTTP/2 gets GOAWAY
+/// (E19). Bounded by `drain_timeout_secs`.
+pub const DRAIN_IDLE_GRACE: Duration = Duration::from_secs(2);
+
+/// Resolves [`DRAIN_IDLE_GRACE`] after the drain started (never, while it has not).
+pub(crate) async fn drain_started(drain: &mut watch::Receiver<bool>) {
+    if drain.wait_for(|d| *d).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(DRAIN_IDLE_GRACE).await;
+}
+
+async fn serve_admin(app: Arc<App>, s: tokio::net::TcpStream, mut drain: watch::Receiver<bool>) {
+    let svc = hyper::service::service_fn(move |req| {
+        let app = app.clone();
+        async move { Ok::<_, std::convert::Infallible>(admin::handle(app, req).await) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc);
+    tokio::pin!(conn);
+    let _ = tokio::select! {
+        r = conn.as_mut() => r,
+        () = drain_started(&mut drain) => {
+            conn.as_mut().graceful_shutdown();
+            conn.as_mut().await
+        }
+    };
+}
+
+async fn accept_loop(app: Arc<App>, l: TcpListener, scheme: Option<Scheme>, mut stop: watch::Receiver<bool>) {
     loop {
         let (s, _) = tokio::select! {
             _ = stop.changed() => return,
@@ -114,63 +147,92 @@ async fn accept_loop(
                 }
             },
         };
-        let app = app.clone();
-        let watcher = graceful.watcher();
+        // Held by the connection task until it ends: the drain waits for every one of them.
+        let drain = app.drain.subscribe();
         match scheme {
-            Some(sc) => {
-                tokio::spawn(proxy::serve_conn(app, s, sc, watcher));
-            }
-            None => {
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        let app = app.clone();
-                        async move { Ok::<_, std::convert::Infallible>(admin::handle(app, req).await) }
-                    });
-                    let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc);
-                    let _ = watcher.watch(conn).await;
-                });
-            }
-        }
+            Some(sc) => tokio::spawn(proxy::serve_conn(app.clone(), s, sc, drain)),
+            None => tokio::spawn(serve_admin(app.clone(), s, drain)),
+        };
     }
 }
 
-/// How long a successor (`takeover_socket`) waits for its bootstrap before taking the listeners.
-pub const TAKEOVER_BOOTSTRAP_WAIT: Duration = Duration::from_secs(30);
-
-/// Runs the gateway until SIGTERM/SIGINT (or a handoff to a successor), then drains in-flight
-/// requests for at most `drain_timeout_secs`.
-pub async fn run(cfg: Config) -> anyhow::Result<()> {
-    let app = Arc::new(App::new(&cfg)?);
-    let gw = cfg.gateway_ip()?;
-    tokio::spawn(bootstrap::run(
-        app.clone(),
-        cfg.bootstrap_url.clone(),
-        cfg.bootstrap_attempts,
-        Duration::from_secs(cfg.bootstrap_retry_secs),
-    ));
-    let listeners = match &cfg.takeover_socket {
+/// The listeners of this process: taken from a predecessor (with its state installed) or bound.
+async fn listeners(app: &Arc<App>, cfg: &Config) -> anyhow::Result<(Listeners, Option<handoff::ReadySignal>)> {
+    let taken = match cfg.takeover_socket.clone() {
         Some(p) => {
-            // Load policies before taking traffic from the predecessor, so the takeover does
-            // not turn into a window of fail-closed 403s (bounded wait).
-            let deadline = tokio::time::Instant::now() + TAKEOVER_BOOTSTRAP_WAIT;
-            while !app.store.status().serving() && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            let l = net::take_listeners(p)?;
-            tracing::info!(socket = %p.display(), "took over listeners from predecessor");
-            l
+            let optional = cfg.takeover_optional;
+            tokio::task::spawn_blocking(move || handoff::take(&p, optional)).await??
         }
-        None => Listeners {
+        None => None,
+    };
+    let spawn_bootstrap = || {
+        tokio::spawn(bootstrap::run(
+            app.clone(),
+            cfg.bootstrap_url.clone(),
+            cfg.bootstrap_attempts,
+            Duration::from_secs(cfg.bootstrap_retry_secs),
+        ))
+    };
+    let Some(t) = taken else {
+        spawn_bootstrap();
+        let gw = cfg.gateway_ip()?;
+        let l = Listeners {
             http: net::bind((gw, cfg.http_port).into(), true)?,
             https: net::bind((gw, cfg.https_port).into(), true)?,
             admin: net::bind(cfg.admin_addr, false)?,
-        },
+        };
+        return Ok((l, None));
     };
+    let handoff::Taken { listeners, state, ready } = t;
+    match state {
+        Some(st) => {
+            let (policies, learned) = (st.policies.len(), st.learned.len());
+            let leaves = st.leaf_names.clone();
+            let status = st.install(app).context("install the predecessor's state")?;
+            let minted = app.certs.premint(&leaves).await;
+            tracing::info!(policies, learned, minted, predecessor_status = status.as_str(), "state taken over");
+            if status.serving() {
+                app.store.set_status(status);
+            } else {
+                // The predecessor had no authoritative policies either: bootstrap as usual.
+                spawn_bootstrap();
+            }
+        }
+        None => {
+            tracing::warn!("version-1 predecessor: no state handed over; bootstrapping (fail closed until ready)");
+            spawn_bootstrap();
+        }
+    }
+    Ok((listeners, Some(ready)))
+}
+
+/// Runs the gateway until SIGTERM/SIGINT (or a hand-over to a successor), then drains in-flight
+/// requests for at most `drain_timeout_secs` and flushes the audit log.
+///
+/// With `takeover_socket`, the predecessor's listeners and state are installed and the
+/// predecessor told READY before anything is accepted ([`handoff`]); an error before that
+/// (bad state, handoff socket not bindable) exits without serving and leaves the predecessor
+/// serving.
+pub async fn run(cfg: Config) -> anyhow::Result<()> {
+    let app = Arc::new(App::new(&cfg)?);
+    let (listeners, ready) = listeners(&app, &cfg).await?;
+    let handoff = match &cfg.handoff_socket {
+        Some(p) => {
+            let l = net::handoff_listener(p)?;
+            let ino = std::fs::metadata(p).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok();
+            Some((tokio::net::UnixListener::from_std(l)?, p.clone(), ino))
+        }
+        None => None,
+    };
+    if let Some(r) = ready {
+        r.send().context("tell the predecessor we are ready")?;
+        tracing::info!(socket = ?cfg.takeover_socket, "took over listeners and state from predecessor");
+    }
     tracing::info!(
         http = %listeners.http.local_addr()?, https = %listeners.https.local_addr()?,
         admin = %listeners.admin.local_addr()?, ca_expires_in_days = app.certs_ca_days(), "cube-egress listening"
     );
-    let graceful = Arc::new(GracefulShutdown::new());
+    let listeners = Arc::new(listeners);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
     for (l, sc) in [
@@ -179,32 +241,30 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         (listeners.admin.try_clone()?, None),
     ] {
         let l = TcpListener::from_std(l)?;
-        tasks.push(tokio::spawn(accept_loop(app.clone(), l, sc, graceful.clone(), stop_rx.clone())));
+        tasks.push(tokio::spawn(accept_loop(app.clone(), l, sc, stop_rx.clone())));
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-    let handoff = match &cfg.handoff_socket {
-        Some(p) => Some(tokio::net::UnixListener::from_std(net::handoff_listener(p)?)?),
-        None => None,
-    };
     let reason = loop {
         tokio::select! {
             _ = term.recv() => break "SIGTERM",
             _ = int.recv() => break "SIGINT",
-            r = async { match &handoff { Some(h) => h.accept().await, None => std::future::pending().await } } => {
+            r = async { match &handoff { Some((h, _, _)) => h.accept().await, None => std::future::pending().await } } => {
                 match r.and_then(|(s, _)| s.into_std()) {
                     Ok(s) if !net::peer_allowed(&s) => {
                         let uid = net::peer_uid(&s).ok();
                         tracing::warn!(?uid, "handoff refused: peer is neither our uid nor root");
                         app.audit.security_event("handoff_peer_refused", "", serde_json::json!({"peer": {"uid": uid}}));
                     }
-                    Ok(s) => {
-                        let _ = s.set_nonblocking(false);
-                        match net::send_listeners(&s, &listeners) {
-                            Ok(()) => break "handoff",
-                            Err(e) => tracing::warn!(error = %e, "handoff failed; still serving"),
+                    Ok(s) => match offer(&app, &listeners, s).await {
+                        Ok(()) => break "handoff",
+                        Err(e) => {
+                            tracing::warn!(error = %format!("{e:#}"), "handoff failed; still serving");
+                            app.audit.security_event(
+                                "handoff_aborted", "", serde_json::json!({"handoff": {"error": format!("{e:#}")}}),
+                            );
                         }
-                    }
+                    },
                     Err(e) => tracing::warn!(error = %e, "handoff accept failed"),
                 }
             }
@@ -216,15 +276,41 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         let _ = t.await;
     }
     drop(listeners);
-    if let Some(p) = &cfg.handoff_socket {
-        let _ = std::fs::remove_file(p);
+    if let Some((h, p, ino)) = handoff {
+        drop(h);
+        // A successor may already have placed its own socket at the same path: only ours goes.
+        let now = std::fs::metadata(&p).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok();
+        if now.is_some() && now == ino {
+            let _ = std::fs::remove_file(&p);
+        }
     }
-    let graceful = Arc::try_unwrap(graceful).map_err(|_| anyhow::anyhow!("graceful handle still shared"))?;
-    match tokio::time::timeout(Duration::from_secs(cfg.drain_timeout_secs), graceful.shutdown()).await {
+    app.drain.send_replace(true);
+    match tokio::time::timeout(Duration::from_secs(cfg.drain_timeout_secs), app.drain.closed()).await {
         Ok(()) => tracing::info!("drained"),
         Err(_) => tracing::warn!("drain deadline reached; closing remaining connections"),
     }
+    let a = app.clone();
+    if !tokio::task::spawn_blocking(move || a.audit.flush(Duration::from_secs(5))).await.unwrap_or(false) {
+        tracing::warn!("audit log not flushed in 5 s");
+    }
     Ok(())
+}
+
+/// Offers listeners and a frozen snapshot of the state to a connected successor; unfreezes
+/// when the successor does not take over.
+async fn offer(app: &Arc<App>, l: &Arc<Listeners>, s: std::os::unix::net::UnixStream) -> anyhow::Result<()> {
+    let state = {
+        let mut frozen = app.admin_frozen.write().unwrap_or_else(|e| e.into_inner());
+        *frozen = true;
+        handoff::HandoffState::capture(app)
+    };
+    let l = l.clone();
+    let res = tokio::task::spawn_blocking(move || handoff::offer(&s, &l, &state)).await.map_err(anyhow::Error::from);
+    let res = res.and_then(|r| r);
+    if res.is_err() {
+        *app.admin_frozen.write().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+    res
 }
 
 impl App {

@@ -29,10 +29,10 @@ use hyper_util::{
         connect::{HttpConnector, dns::Name},
     },
     rt::{TokioExecutor, TokioIo, TokioTimer},
-    server::{conn::auto, graceful::Watcher},
+    server::conn::auto,
 };
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, sync::watch};
 
 use crate::{
     App,
@@ -121,8 +121,10 @@ fn addrs(s: &TcpStream) -> Option<(Ipv4Addr, SocketAddrV4)> {
     }
 }
 
-/// Serves one accepted connection of the `scheme` listener until it closes (or drains).
-pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, watcher: Watcher) {
+/// Serves one accepted connection of the `scheme` listener until it closes (or drains: see
+/// [`crate::DRAIN_IDLE_GRACE`]). `drain` is held for the whole connection, TLS handshake
+/// included, so the process waits for it before exiting.
+pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, drain: watch::Receiver<bool>) {
     let Some((sandbox, dst)) = addrs(&stream) else { return };
     let _ = stream.set_nodelay(true);
     let conn_id = app.next_id();
@@ -131,23 +133,43 @@ pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, watche
             let client = new_client(&app, IpAddr::V4(*dst.ip()));
             let ctx =
                 Arc::new(Conn { sandbox, dst, scheme, sni: None, tls: None, client, conn_id, reqs: AtomicU64::new(0) });
-            serve_http(app, ctx, TokioIo::new(stream), watcher).await;
+            serve_http(app, ctx, TokioIo::new(stream), drain).await;
         }
-        Scheme::Https => serve_tls(app, stream, sandbox, dst, conn_id, watcher).await,
+        Scheme::Https => serve_tls(app, stream, sandbox, dst, conn_id, drain).await,
     }
 }
 
-async fn serve_http<I>(app: Arc<App>, ctx: Arc<Conn>, io: I, watcher: Watcher)
+async fn serve_http<I>(app: Arc<App>, ctx: Arc<Conn>, io: I, mut drain: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let svc = hyper::service::service_fn(move |req| handle(app.clone(), ctx.clone(), req));
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let (app, ctx) = (app.clone(), ctx.clone());
+        async move {
+            let http1 = req.version() < http::Version::HTTP_2;
+            let mut resp = handle(app.clone(), ctx, req).await?;
+            // Draining: answer this request, then close, so a keep-alive client reconnects
+            // (to the successor after a swap) instead of racing our close on an idle socket.
+            if http1 && *app.drain.borrow() {
+                resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Ok::<_, Infallible>(resp)
+        }
+    });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // A timer enables HTTP/1 header-read timeouts (slow clients) and HTTP/2 keep-alive.
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
     builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(io, svc).into_owned();
-    if let Err(e) = watcher.watch(conn).await {
+    tokio::pin!(conn);
+    let res = tokio::select! {
+        r = conn.as_mut() => r,
+        () = crate::drain_started(&mut drain) => {
+            conn.as_mut().graceful_shutdown();
+            conn.as_mut().await
+        }
+    };
+    if let Err(e) = res {
         tracing::debug!(error = %e, "downstream connection ended with error");
     }
 }
@@ -158,7 +180,7 @@ async fn serve_tls(
     sandbox: Ipv4Addr,
     dst: SocketAddrV4,
     conn_id: u64,
-    watcher: Watcher,
+    drain: watch::Receiver<bool>,
 ) {
     let acceptor = tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream);
     let start = match tokio::time::timeout(HELLO_TIMEOUT, acceptor).await {
@@ -221,7 +243,7 @@ async fn serve_tls(
         conn_id,
         reqs: AtomicU64::new(0),
     });
-    serve_http(app, ctx, TokioIo::new(tls), watcher).await;
+    serve_http(app, ctx, TokioIo::new(tls), drain).await;
 }
 
 fn plain(status: StatusCode, msg: &str) -> Response<ProxyBody> {

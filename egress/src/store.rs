@@ -32,6 +32,13 @@ impl BootstrapStatus {
         }
     }
 
+    /// The inverse of [`Self::as_str`].
+    pub fn parse(s: &str) -> Option<BootstrapStatus> {
+        [BootstrapStatus::Pending, BootstrapStatus::Ready, BootstrapStatus::Skipped, BootstrapStatus::Failed]
+            .into_iter()
+            .find(|b| b.as_str() == s)
+    }
+
     /// Whether policies are authoritative (fail closed otherwise).
     pub fn serving(self) -> bool {
         matches!(self, BootstrapStatus::Ready | BootstrapStatus::Skipped)
@@ -75,6 +82,12 @@ impl PolicyStore {
         let p = Policy::compile(spec)?;
         map.insert(ip, Arc::new(p));
         Ok(true)
+    }
+
+    /// Replaces every policy at once (state hand-over from a predecessor, E18).
+    pub fn replace_all(&self, all: HashMap<Ipv4Addr, Policy>) {
+        let m = all.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
+        *self.policies.write().expect("policy lock") = m;
     }
 
     /// Removes a sandbox's policy (no error when absent).

@@ -26,6 +26,7 @@
 pub mod agent;
 pub mod bpffs;
 pub mod dns;
+pub mod egress_swap;
 pub mod frames;
 pub mod guest;
 pub mod netns;

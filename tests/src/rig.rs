@@ -34,6 +34,8 @@ pub struct Rig {
     pub world_mac: [u8; 6],
     /// MAC of the node uplink.
     pub up_mac: [u8; 6],
+    /// ifindex of the node uplink (recorded in `node_config`; `world` frames arrive on it).
+    pub uplink_ifindex: u32,
     _topo: Topology,
 }
 
@@ -79,7 +81,7 @@ impl Rig {
             .expect("register");
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, _topo: topo }
+        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, _topo: topo }
     }
 
     /// Runs `program` once on `frame` arriving on `ingress_ifindex` (in the node netns).
@@ -147,7 +149,7 @@ impl Rig {
 
     /// `from_world` on the uplink.
     pub fn world(&self, frame: Vec<u8>) -> TestRunOutput {
-        self.run(prog::FROM_WORLD, frame, 0)
+        self.run(prog::FROM_WORLD, frame, self.uplink_ifindex)
     }
 }
 

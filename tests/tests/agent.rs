@@ -46,6 +46,7 @@ fn ensure_req(id: &str, ports: &[u32]) -> pb::EnsureNetworkRequest {
             allow_internet_access: Some(false),
             allow_out: vec!["198.51.100.0/24".into()],
             deny_out: vec![],
+            ..Default::default()
         }),
         ..Default::default()
     }

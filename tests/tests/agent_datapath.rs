@@ -110,8 +110,15 @@ fn guest_on_agent_tap_reaches_world_and_host_port_reaches_guest() {
         let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
         c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-w".into(), ..Default::default() }).await.unwrap();
     });
-    let sessions = a.http_json("/v1/dataplane/sessions");
+    // Release unregisters and walks no session map (decision D19): the old flows are dead at
+    // once and the reaper's next pass (every 5 s) deletes them.
     let old_ifindex = r.persist_metadata["host_tap_name"].clone();
+    let t = StdInstant::now();
+    let mut sessions = a.http_json("/v1/dataplane/sessions");
+    while !sessions["sessions"].as_array().unwrap().is_empty() && t.elapsed() < Duration::from_secs(12) {
+        std::thread::sleep(Duration::from_millis(200));
+        sessions = a.http_json("/v1/dataplane/sessions");
+    }
     assert!(sessions["sessions"].as_array().unwrap().is_empty(), "old flows of {old_ifindex} survived: {sessions}");
     let r2 = ensure(&a, "sb-w2", None);
     assert_eq!(r2.interfaces[0].name, r.interfaces[0].name);

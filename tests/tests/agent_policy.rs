@@ -36,7 +36,7 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 fn ctx(internet: bool, allow: Vec<String>, deny: Vec<String>) -> pb::CubeVsContext {
-    pb::CubeVsContext { allow_internet_access: Some(internet), allow_out: allow, deny_out: deny }
+    pb::CubeVsContext { allow_internet_access: Some(internet), allow_out: allow, deny_out: deny, ..Default::default() }
 }
 
 /// `n` distinct /32 addresses in 11.0.0.0/8.

@@ -1,6 +1,7 @@
 //! Issue 2 proof: the `from_cube` ARP proxy, loaded and attached by `cubevs` inside harness
 //! namespaces, answers a TAP guest and a veth guest, and BPF_PROG_TEST_RUN agrees byte for
-//! byte. Every test checks that it leaves no namespace, TAP or pin behind.
+//! byte. Every test checks that it leaves no namespace, TAP or pin behind. The proxy answers
+//! only on interfaces with a registered sandbox (decision D25).
 
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use cubenet_tests::{
     topology::{Topology, mac_string},
 };
 use cubevs::{
-    Datapath, DatapathConfig, LoadOptions, prog, tcx_ingress_programs,
+    Datapath, DatapathConfig, LoadOptions, SandboxEntry, prog, tcx_ingress_programs,
     testrun::{self, SkBuffCtx, TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
 
@@ -27,6 +28,14 @@ fn load(config: DatapathConfig, pin_dir: Option<&BpfFs>) -> Datapath {
         ..LoadOptions::new()
     })
     .unwrap_or_else(|e| panic!("load datapath: {e}"))
+}
+
+/// Registers a sandbox on `ifindex` (the proxy answers nothing on an unregistered interface).
+fn register(dp: &Datapath, ifindex: u32) {
+    dp.maps()
+        .sandboxes
+        .register(&SandboxEntry { ifindex, ip: [192, 168, 0, 2].into(), version: 1, id: "sb".into() })
+        .expect("register");
 }
 
 /// Asserts the namespaces and bpffs of a finished test are gone.
@@ -52,6 +61,7 @@ fn tap_guest_gets_exact_arp_reply() {
         let opts = TapOptions { offload: 0, ..TapOptions::POOL };
         let (tap, ifindex) = topo.add_tap("z192.168.0.2", opts);
         let mut dp = load(DatapathConfig::DEFAULT, Some(&bpffs));
+        register(&dp, ifindex);
         let dp_ifindex = topo.node.run(move || {
             let i = dp.attach_sandbox("z192.168.0.2").expect("attach");
             (i, dp)
@@ -110,6 +120,7 @@ fn veth_guest_kernel_resolves_gateway() {
         let guest = topo.add_veth_guest(0);
         names = vec![topo.node.name().to_string(), topo.world.name().to_string(), guest.ns_name.clone()];
         let mut dp = load(DatapathConfig::DEFAULT, Some(&bpffs));
+        register(&dp, guest.node_ifindex);
         let node_if = guest.node_if.clone();
         let _dp = topo.node.run(move || {
             dp.attach_sandbox(&node_if).expect("attach");
@@ -135,8 +146,12 @@ fn test_run_produces_same_reply_bytes() {
         return;
     }
     let mut dp = load(DatapathConfig::DEFAULT, None);
+    register(&dp, 1);
     let p = dp.program(prog::FROM_CUBE).expect("program");
     let req = packet::arp_request(GUEST_MAC, GUEST_IP, GATEWAY_IP);
+    // Not on an interface without a registered sandbox.
+    let unregistered = SkBuffCtx { ingress_ifindex: 2, ..Default::default() };
+    assert_eq!(testrun::run(p, &req, unregistered, 1).expect("test run").verdict, TC_ACT_SHOT);
     let ctx = SkBuffCtx { ingress_ifindex: 1, ..Default::default() };
     let out = testrun::run(p, &req, ctx, 1).expect("test run");
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
@@ -156,9 +171,10 @@ fn config_global_sets_the_answered_mac() {
     }
     let mac = [0x02, 0x11, 0x22, 0x33, 0x44, 0x55];
     let mut dp = load(DatapathConfig { gateway_mac: mac, ..DatapathConfig::DEFAULT }, None);
+    register(&dp, 1);
     let p = dp.program(prog::FROM_CUBE).expect("program");
     let req = packet::arp_request(GUEST_MAC, GUEST_IP, GATEWAY_IP);
-    let out = testrun::run(p, &req, SkBuffCtx::default(), 1).expect("test run");
+    let out = testrun::run(p, &req, SkBuffCtx { ingress_ifindex: 1, ..Default::default() }, 1).expect("test run");
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, packet::arp_reply(mac, GATEWAY_IP, GUEST_MAC, GUEST_IP));
 }

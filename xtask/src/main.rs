@@ -28,8 +28,8 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Names: per-packet, throughput, scale, agent (cubenet-bench) and egress (cube-egress vs
-    /// mitmproxy; BENCH_SECS, BENCH_CONC); default: the first four. Never fails on time.
+    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap (cubenet-bench)
+    /// and egress (cube-egress vs mitmproxy; BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.
         names: Vec<String>,
@@ -164,6 +164,9 @@ fn main() -> Result<()> {
                 "-p",
                 "cubenet-bench",
             ]);
+            if names.iter().any(|n| n == "gateway-swap") {
+                build.args(["-p", "cube-egress"]);
+            }
             run(build)?;
             let mut cmd = Command::new("cargo");
             cmd.current_dir(&root).args(["run", "--release", "--quiet", "-p", "cubenet-bench", "--"]).args(&names);

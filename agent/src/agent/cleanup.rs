@@ -65,9 +65,11 @@ impl Agent {
 
     /// Part 1 of [`Agent::cleanup_tap`] in the datapath and the state store.
     fn scrub(&self, name: &str, ifindex: u32, owner: Option<&str>) -> Result<(), String> {
-        self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
-        self.dp.delete_sessions_of(ifindex).map_err(|e| e.to_string())?;
+        // Unregister first: from then on the datapath drops the old sandbox's packets in both
+        // directions and its sessions are dead; the reaper purges them in its next batched
+        // pass (decision D19), so Release costs O(1) in sessions.
         self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
+        self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
         if self.dp.sandbox(ifindex).map_err(|e| e.to_string())?.is_some() {
             return Err(format!("{name}: sandbox entry still present after unregister"));
         }

@@ -64,12 +64,13 @@ pub mod tcp {
     }
 }
 
-/// UDP and ICMP session states.
+/// UDP and ICMP session states, numbered as upstream (`reference/upstream.md §3.5`): a tool
+/// reading the pinned `egress_sessions` map sees the same values for the same meaning.
 pub mod udp {
-    /// Only the original direction has been seen.
-    pub const UNREPLIED: u8 = 1;
-    /// A reply has been seen.
-    pub const REPLIED: u8 = 2;
+    /// Only the original direction has been seen (upstream 0).
+    pub const UNREPLIED: u8 = 0;
+    /// A reply has been seen (upstream 1).
+    pub const REPLIED: u8 = 1;
 
     /// Lower-case name as dumps print it.
     pub const fn name(state: u8) -> &'static str {
@@ -179,6 +180,60 @@ pub fn tcp_step(state: u8, close_dir: u8, active_close: u8, dir: Dir, tcp_flags:
     out
 }
 
+/// Window scale assumed for a raw advertised window when the RST window is computed: the
+/// datapath does not parse TCP options, and 7 is what Linux advertises with its default buffer
+/// sizes. A peer scaling by more, with more than `maxwin << 7` bytes in flight, may see a
+/// legitimate RST judged out of window: it is then handled as such (decision D21).
+pub const ASSUMED_WSCALE: u32 = 7;
+
+/// True when `a` is after `b` in sequence space (RFC 793 modular comparison).
+#[inline(always)]
+pub const fn seq_after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+/// Sequence tracking of one direction after a segment: `(end, maxwin)` become the highest
+/// `seq + len` (`len` counts payload, SYN and FIN) and the largest raw window, as nf_conntrack's
+/// `td_end` / `td_maxwin`. `seen` says whether `end` / `maxwin` hold anything yet.
+#[inline(always)]
+pub const fn track(seen: bool, end: u32, maxwin: u32, seq: u32, len: u32, win: u16) -> (u32, u32) {
+    let new_end = seq.wrapping_add(len);
+    let end = if !seen || seq_after(new_end, end) { new_end } else { end };
+    let win = win as u32;
+    let maxwin = if !seen || win > maxwin { win } else { maxwin };
+    (end, maxwin)
+}
+
+/// True when an RST with sequence number `seq` is inside the tracked window: the sender can
+/// only reset with a sequence number the receiver still accepts, i.e. one in
+/// `[sender_end - receiver_maxwin << ASSUMED_WSCALE, sender_end]` (nf_conntrack
+/// `tcp_in_window`, reduced to the RST case). When nothing was seen from the sender yet (an RST
+/// answering a SYN), the RST must carry an ACK of exactly `receiver_end` (what the SYN side
+/// sent).
+#[inline(always)]
+pub const fn rst_in_window(
+    seq: u32,
+    ack: Option<u32>,
+    sender_seen: bool,
+    sender_end: u32,
+    receiver_seen: bool,
+    receiver_end: u32,
+    receiver_maxwin: u32,
+) -> bool {
+    if !sender_seen {
+        return match ack {
+            Some(a) => receiver_seen && a == receiver_end,
+            None => false,
+        };
+    }
+    let mut win = receiver_maxwin;
+    if win == 0 {
+        win = 1;
+    }
+    let win = (win as u64) << ASSUMED_WSCALE;
+    (sender_end.wrapping_sub(seq) as u64) <= win
+}
+
 /// Idle timeouts (ns) of the reaper (`reference/upstream.md §3.5`).
 pub mod timeout {
     const S: u64 = 1_000_000_000;
@@ -257,6 +312,31 @@ mod tests {
         let s = run(&[(Original, SYN), (Reply, SYN | ACK), (Original, ACK), (Original, RST)]);
         assert_eq!(s.state, CLOSE);
         assert_eq!(tcp_step(CLOSE, 0, 0, Original, SYN).state, SYN_SENT);
+    }
+
+    #[test]
+    fn rst_window() {
+        // Sender sent up to 1000, receiver advertised 100 (x128 = 12,800).
+        assert!(rst_in_window(1000, None, true, 1000, true, 5, 100));
+        assert!(rst_in_window(1000u32.wrapping_sub(12_800), None, true, 1000, true, 5, 100));
+        assert!(!rst_in_window(1000u32.wrapping_sub(12_801), None, true, 1000, true, 5, 100));
+        assert!(!rst_in_window(1001, None, true, 1000, true, 5, 100), "beyond what was sent");
+        assert!(!rst_in_window(0x8000_0000, None, true, 1000, true, 5, 100));
+        // Wrap-around.
+        assert!(rst_in_window(u32::MAX - 10, None, true, 20, true, 5, 100));
+        // RST answering a SYN: only with the exact ACK.
+        assert!(rst_in_window(0, Some(101), false, 0, true, 101, 100));
+        assert!(!rst_in_window(0, Some(102), false, 0, true, 101, 100));
+        assert!(!rst_in_window(0, None, false, 0, true, 101, 100));
+    }
+
+    #[test]
+    fn track_keeps_the_highest_end() {
+        let (e, w) = track(false, 0, 0, 100, 1, 500);
+        assert_eq!((e, w), (101, 500));
+        assert_eq!(track(true, e, w, 50, 10, 200), (101, 500), "old segment");
+        assert_eq!(track(true, e, w, 101, 10, 600), (111, 600));
+        assert_eq!(track(true, u32::MAX - 1, 1, u32::MAX - 1, 4, 1), (2, 1), "wraps");
     }
 
     #[test]

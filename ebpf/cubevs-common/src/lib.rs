@@ -97,6 +97,12 @@ pub mod map {
     pub const NODE_CONFIG: &str = "node_config";
     /// Per-CPU `u64` counters indexed by [`super::counter`].
     pub const COUNTERS: &str = "counters";
+    /// LRU: [`super::PortmapKey`] → [`super::PortmapSession`], connections the world opened to
+    /// a host port; only their packets take the mapped fast path out (not in upstream).
+    pub const PORTMAP_SESSIONS: &str = "portmap_sessions";
+    /// LRU: [`super::FragKey`] → [`super::FragTarget`], fragmented replies from the world whose
+    /// first fragment matched a session; later fragments follow it (not in upstream).
+    pub const FRAG_SESSIONS: &str = "frag_sessions";
     /// Every map of the datapath (all pinned).
     pub const ALL: &[&str] = &[
         MVMIP_TO_IFINDEX,
@@ -117,6 +123,8 @@ pub mod map {
         POLICY_GEN,
         NODE_CONFIG,
         COUNTERS,
+        PORTMAP_SESSIONS,
+        FRAG_SESSIONS,
     ];
 }
 
@@ -139,6 +147,10 @@ pub mod limits {
     pub const SNAT_IPS: u32 = 4;
     /// Counter slots.
     pub const COUNTERS: u32 = 64;
+    /// Tracked host-port connections (`portmap_sessions`, LRU: the oldest is evicted first).
+    pub const PORTMAP_SESSIONS: u32 = 1 << 18;
+    /// Fragmented datagrams in flight from the world (`frag_sessions`, LRU).
+    pub const FRAG_SESSIONS: u32 = 1 << 14;
     /// FQDN allow patterns summed over all sandboxes and two generations each (`dns_allow`;
     /// userspace sizes it at load).
     pub const DNS_ALLOW: u32 = 1 << 16;
@@ -172,8 +184,10 @@ pub mod snat {
     pub const PORT_MIN: u16 = 30000;
     /// Number of SNAT ports per SNAT IP.
     pub const PORT_SPAN: u32 = 65536 - PORT_MIN as u32;
-    /// Insert-if-absent attempts before a new flow is dropped.
-    pub const MAX_TRIES: u32 = 10;
+    /// Insert-if-absent attempts (each a fresh random port) before a new flow is dropped;
+    /// upstream makes 10 sequential ones. With a fraction `u` of one remote endpoint's ports in
+    /// use, a new flow to it is dropped with probability `u^32` (decision D22).
+    pub const MAX_TRIES: u32 = 32;
     /// Seed of the SNAT slot hash (`HASH_SEED`).
     pub const HASH_SEED: u32 = 0xebcf_0700;
 }
@@ -335,10 +349,84 @@ pub struct NatSession {
     pub l7_scheme: u8,
     /// Direction that sent the first FIN (0 none, 1 original/guest, 2 reply/world).
     pub close_dir: u8,
+    /// TCP: which directions [`Self::td_end`] holds (bit 0 original/guest, bit 1 reply/world).
+    pub td_seen: u8,
+    /// Padding; zero.
+    pub _pad0: [u8; 2],
+    /// TCP, per direction (0 guest, 1 world): highest `seq + payload + SYN + FIN` sent (host
+    /// order), as nf_conntrack's `td_end`. RSTs are checked against it.
+    pub td_end: [u32; 2],
+    /// TCP, per direction: largest raw (unscaled) window advertised, nf_conntrack's
+    /// `td_maxwin` before scaling.
+    pub td_maxwin: [u32; 2],
     /// Reserved; zero.
-    pub _reserved: [u8; 31],
+    pub _reserved: [u8; 12],
 }
 const _: () = assert!(core::mem::size_of::<NatSession>() == 64);
+
+/// Key of `portmap_sessions` (16 bytes): a connection the world opened to a host port, seen
+/// from the guest side `{sandbox ifindex, remote ip, guest port, remote port, proto}`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PortmapKey {
+    /// Sandbox interface ifindex.
+    pub ifindex: u32,
+    /// Remote (world client) address (NBO).
+    pub remote_ip: u32,
+    /// Guest listen port (NBO).
+    pub guest_port: u16,
+    /// Remote port (NBO).
+    pub remote_port: u16,
+    /// IP protocol number (TCP or UDP).
+    pub proto: u8,
+    /// Padding; zero.
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<PortmapKey>() == 16);
+
+/// Value of `portmap_sessions` (16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortmapSession {
+    /// Last packet from the world, `bpf_ktime_get_ns`.
+    pub access_ns: u64,
+    /// Sandbox version when the world opened the connection.
+    pub version: u32,
+    /// Host port the world addressed (NBO).
+    pub host_port: u16,
+    /// Padding; zero.
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<PortmapSession>() == 16);
+
+/// Key of `frag_sessions` (12 bytes): a fragmented datagram from the world, as the IP header
+/// identifies it (`{src, dst, IP id, proto}`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    /// Source address (NBO).
+    pub src_ip: u32,
+    /// Destination address (NBO): the SNAT address.
+    pub dst_ip: u32,
+    /// IP identification (NBO).
+    pub ip_id: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// Padding; zero.
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
+
+/// Value of `frag_sessions` (8 bytes): where the first fragment went.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FragTarget {
+    /// Sandbox interface ifindex.
+    pub ifindex: u32,
+    /// Sandbox version of the session the first fragment matched.
+    pub version: u32,
+}
+const _: () = assert!(core::mem::size_of::<FragTarget>() == 8);
 
 /// Reverse NAT entry (`ingress_sessions` value, 16 bytes).
 #[repr(C)]
@@ -357,10 +445,10 @@ const _: () = assert!(core::mem::size_of::<IngressValue>() == 16);
 
 /// One SNAT address (`snat_iplist` value, 16 bytes).
 ///
-/// Upstream keeps a `bpf_spin_lock` and a `u16` watermark in its 16 bytes; we keep the size but
-/// use a lock-free 64-bit cursor: ports are `PORT_MIN + cursor % PORT_SPAN`, and
-/// insert-if-absent on the reverse key is what guarantees uniqueness (two CPUs racing on the
-/// cursor only cost one retry).
+/// Upstream keeps a `bpf_spin_lock` and a `u16` watermark in its 16 bytes; we keep the size.
+/// Each attempt at a new flow's SNAT port is `PORT_MIN + bpf_get_prandom_u32() % PORT_SPAN`
+/// (at most `MAX_TRIES`), and insert-if-absent on the reverse key is what guarantees
+/// uniqueness; `port_cursor` only counts attempts.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SnatIp {
@@ -368,7 +456,7 @@ pub struct SnatIp {
     pub ifindex: u32,
     /// SNAT address (NBO); 0 = slot unused.
     pub ip: u32,
-    /// Port cursor (host order), advanced by the datapath on every attempt.
+    /// Port attempts made on this slot (host order), advanced by the datapath on every try.
     pub port_cursor: u64,
 }
 const _: () = assert!(core::mem::size_of::<SnatIp>() == 16);
@@ -418,7 +506,11 @@ pod!(
     IngressValue,
     SnatIp,
     PolicyLpmData,
-    AllowValue
+    AllowValue,
+    PortmapKey,
+    PortmapSession,
+    FragKey,
+    FragTarget
 );
 
 /// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.
@@ -455,6 +547,16 @@ pub mod counter {
     pub const CUBE_HOST: u32 = 14;
     /// from_cube: dropped, source address is not the guest's.
     pub const CUBE_DROP_SPOOF: u32 = 15;
+    /// from_cube: dropped, a port-mapped reply whose tracked connection belongs to an earlier
+    /// sandbox version.
+    pub const CUBE_DROP_PORTMAP_STALE: u32 = 16;
+    /// from_cube: guest RST outside the tracked window (state kept, forwarded).
+    pub const CUBE_RST_OUT_OF_WINDOW: u32 = 17;
+    /// from_cube: session insert lost a race with another CPU; the winner's session was used.
+    pub const CUBE_INSERT_RACE: u32 = 18;
+    /// from_cube: dropped, TCP from a port-mapped guest port that is not part of a connection
+    /// the world opened to the host port (nor of a session).
+    pub const CUBE_DROP_PORTMAP_UNTRACKED: u32 = 19;
     /// from_world: host-port DNAT to a sandbox.
     pub const WORLD_PORTMAP: u32 = 20;
     /// from_world: reverse NAT of a session.
@@ -463,6 +565,20 @@ pub mod counter {
     pub const WORLD_PASS: u32 = 22;
     /// from_world: reverse entry without egress session (stale), passed.
     pub const WORLD_STALE: u32 = 23;
+    /// from_world: dropped, the session's sandbox version is no longer the one registered on
+    /// its interface (released or reused TAP).
+    pub const WORLD_DROP_STALE_VERSION: u32 = 24;
+    /// from_world: RST outside the tracked window: dropped, session state kept.
+    pub const WORLD_DROP_RST_WINDOW: u32 = 25;
+    /// from_world: to a host port but not arriving on the registered uplink: not DNATed, passed.
+    pub const WORLD_PORTMAP_WRONG_DEV: u32 = 26;
+    /// from_world: host port mapped to an interface without a registered sandbox: dropped.
+    pub const WORLD_DROP_PORTMAP_UNREGISTERED: u32 = 27;
+    /// from_world: ICMP error (unreachable, time exceeded) for a session, reverse-translated
+    /// (outer destination and embedded header) into the sandbox.
+    pub const WORLD_ICMP_ERROR: u32 = 28;
+    /// from_world: later fragment of a datagram whose first fragment matched a session.
+    pub const WORLD_FRAGMENT: u32 = 29;
     /// from_envoy: host → sandbox DNAT.
     pub const ENVOY_TO_SANDBOX: u32 = 30;
     /// from_envoy: dropped, unknown destination.
@@ -518,10 +634,20 @@ pub mod counter {
         (CUBE_DROP_FIB, "from_cube", "drop_fib"),
         (CUBE_HOST, "from_cube", "host"),
         (CUBE_DROP_SPOOF, "from_cube", "drop_spoof"),
+        (CUBE_DROP_PORTMAP_STALE, "from_cube", "drop_portmap_stale"),
+        (CUBE_RST_OUT_OF_WINDOW, "from_cube", "rst_out_of_window"),
+        (CUBE_INSERT_RACE, "from_cube", "insert_race"),
+        (CUBE_DROP_PORTMAP_UNTRACKED, "from_cube", "drop_portmap_untracked"),
         (WORLD_PORTMAP, "from_world", "portmap"),
         (WORLD_REVERSE_NAT, "from_world", "reverse_nat"),
         (WORLD_PASS, "from_world", "pass"),
         (WORLD_STALE, "from_world", "stale"),
+        (WORLD_DROP_STALE_VERSION, "from_world", "drop_stale_version"),
+        (WORLD_DROP_RST_WINDOW, "from_world", "drop_rst_window"),
+        (WORLD_PORTMAP_WRONG_DEV, "from_world", "portmap_wrong_dev"),
+        (WORLD_DROP_PORTMAP_UNREGISTERED, "from_world", "drop_portmap_unregistered"),
+        (WORLD_ICMP_ERROR, "from_world", "icmp_error"),
+        (WORLD_FRAGMENT, "from_world", "fragment"),
         (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
         (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
         (DNS_QUERY_TRACKED, "from_cube", "dns_query_tracked"),

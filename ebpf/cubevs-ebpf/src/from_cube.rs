@@ -1,14 +1,16 @@
 //! `from_cube`: tcx ingress of every sandbox interface — everything a guest sends
 //! (`reference/upstream.md §3.4`, with the changes of issue 3).
 //!
-//! 1. ARP → proxy; other non-IPv4 → drop.
-//! 2. No registered sandbox on the interface → drop.
+//! 1. No registered sandbox on the interface → drop everything, ARP included (decision D25).
+//! 2. ARP → proxy; other non-IPv4 → drop.
 //! 3. Source must be the guest address; every path below treats it as the sandbox's mvm IP
 //!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
 //! 4. To the gateway (169.254.68.5): ICMP and TCP non-SYN are DNATed to cube-dev and
 //!    redirected into cube-dev ingress (replies to host-originated flows); the rest dropped.
-//! 5. From a port-mapped guest port: SYN dropped, replies SNATed to the node address and host
-//!    port (TCP fast path; UDP checks policy first).
+//! 5. From a port-mapped guest port (no session): SYN dropped; packets of a connection the world
+//!    opened to that host port (`portmap_sessions`, same sandbox version) are SNATed to the node
+//!    address and host port (TCP fast path; UDP checks policy first); other TCP is dropped,
+//!    other UDP classified like any new flow (decision D20).
 //! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop.
 //! 7. To the node address: policy, then delivered to the host through cube-dev.
 //! 8. Sessions: established flows follow their session; new flows are classified once
@@ -17,16 +19,16 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_INGRESS, TC_ACT_SHOT},
-    helpers::generated::bpf_redirect,
+    helpers::{bpf_ktime_get_ns, generated::bpf_redirect},
     macros::classifier,
     programs::TcContext,
 };
 use cubevs_common::{
-    DatapathConfig, MvmPort, NatSession, SessionKey,
+    DatapathConfig, MvmPort, NatSession, PortmapKey, SessionKey,
     conntrack::{
         Dir,
         flags::{ACK, FIN, RST, SYN},
-        tcp, tcp_step, udp,
+        tcp, timeout, udp,
     },
     counter, ether, proto,
 };
@@ -34,10 +36,12 @@ use cubevs_common::{
 use crate::{
     arp, config, dns,
     forward::to_next_hop,
-    maps::{EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, count, node},
+    maps::{
+        EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, PORTMAP_SESSIONS, count, node,
+    },
     nat,
-    packet::{self, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port},
-    policy, rst,
+    packet::{self, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len},
+    policy, rst, track,
 };
 
 #[classifier]
@@ -46,12 +50,16 @@ pub fn from_cube(ctx: TcContext) -> i32 {
     // SAFETY: `skb` is the context pointer the kernel passed in.
     let ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     let cfg = config::get();
+    // SAFETY: plain map lookup; the value is copied out.
+    let Some((version, sandbox_ip)) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }).map(|m| (m.version, m.ip)) else {
+        return drop(counter::CUBE_DROP_UNREGISTERED);
+    };
     match packet::ethertype(&ctx) {
         Some(ether::P_ARP) => {
             count(counter::CUBE_ARP);
             arp::proxy(&ctx, ifindex, cfg.gateway_mac)
         }
-        Some(ether::P_IP) => ipv4(&ctx, &cfg, ifindex),
+        Some(ether::P_IP) => ipv4(&ctx, &cfg, ifindex, version, sandbox_ip),
         Some(_) => drop(counter::CUBE_DROP_PROTO),
         None => drop(counter::CUBE_DROP_MALFORMED),
     }
@@ -69,12 +77,7 @@ fn syn_only(flags: u8) -> bool {
 }
 
 #[inline(always)]
-fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
-    // SAFETY: plain map lookup; the value is copied out.
-    let Some(meta) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }) else {
-        return drop(counter::CUBE_DROP_UNREGISTERED);
-    };
-    let (version, sandbox_ip) = (meta.version, meta.ip);
+fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandbox_ip: u32) -> i32 {
     let Some(ip) = packet::ipv4(ctx) else { return drop(counter::CUBE_DROP_MALFORMED) };
     if ip.src != cfg.mvm_inner_ip {
         return drop(counter::CUBE_DROP_SPOOF);
@@ -131,26 +134,27 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
     };
     if let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) {
         // SAFETY: valid map value pointer.
-        let sess = unsafe { *s };
+        let state = unsafe { (*s).state };
         if ip.proto == proto::TCP {
-            let reopen = syn_only(l4.tcp_flags) && (sess.state == tcp::CLOSE || sess.state == tcp::TIME_WAIT);
+            let reopen = syn_only(l4.tcp_flags) && track::is_reopen(state);
             if reopen && !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
-                // The guest reuses the port of a closed connection, and policy changed since.
+                // The guest reuses the port of a finished connection, and policy changed since.
+                // SAFETY: valid map value pointer.
+                let sess = unsafe { *s };
                 nat::delete_session(&key, &sess);
                 return deny(ctx, cfg, &ip, &l4, ifindex);
             }
-            let st = tcp_step(sess.state, sess.close_dir, sess.active_close, Dir::Original, l4.tcp_flags);
-            // SAFETY: valid map value pointer.
-            unsafe {
-                (*s).state = st.state;
-                // A reopened port starts a new connection on the same SNAT port: the
-                // remote sees the guest's own 4-tuple reused, which its TIME_WAIT accepts.
-                (*s).close_dir = if reopen { 0 } else { st.close_dir };
-                (*s).active_close = if reopen { 0 } else { st.active_close };
+            // A reopened port starts a new connection on the same SNAT port: the remote sees
+            // the guest's own 4-tuple reused, which its TIME_WAIT accepts (D15).
+            if !track::tcp_segment(s, Dir::Original, &ip, &l4, reopen) {
+                // The guest's own stack decides what its RST means; only our state is kept.
+                count(counter::CUBE_RST_OUT_OF_WINDOW);
             }
         }
         nat::touch(s);
         count(counter::CUBE_ESTABLISHED);
+        // SAFETY: valid map value pointer.
+        let sess = unsafe { *s };
         return snat_out(ctx, &ip, &l4, guest_ip, &sess);
     }
 
@@ -167,16 +171,41 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
             if ip.proto == proto::TCP && syn_only(l4.tcp_flags) {
                 return drop(counter::CUBE_DROP_PORTMAP_SYN);
             }
-            if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
-                return drop(counter::CUBE_DENY);
+            let pk = PortmapKey {
+                ifindex,
+                remote_ip: ip.dst,
+                guest_port: l4.sport,
+                remote_port: l4.dport,
+                proto: ip.proto,
+                _pad: [0; 3],
+            };
+            // SAFETY: plain map lookup; the value is copied out.
+            if let Some(ps) = unsafe { PORTMAP_SESSIONS.get(&pk) }.copied() {
+                if ps.version != version {
+                    return drop(counter::CUBE_DROP_PORTMAP_STALE);
+                }
+                let idle = if ip.proto == proto::TCP { timeout::TCP_ESTABLISHED } else { timeout::UDP_REPLIED };
+                // SAFETY: helper without arguments.
+                let fresh = unsafe { bpf_ktime_get_ns() }.wrapping_sub(ps.access_ns) <= idle;
+                if fresh {
+                    if ip.proto == proto::UDP && !policy::allowed(ifindex, ip.dst) {
+                        return drop(counter::CUBE_DENY);
+                    }
+                    if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, node.uplink_ip).is_err()
+                        || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
+                    {
+                        return drop(counter::CUBE_DROP_MALFORMED);
+                    }
+                    count(counter::CUBE_PORTMAP_REPLY);
+                    return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
+                }
             }
-            if set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, node.uplink_ip).is_err()
-                || set_port(ctx, &ip, true, l4.sport, host_port).is_err()
-            {
-                return drop(counter::CUBE_DROP_MALFORMED);
+            // Not a connection the world opened to this host port. TCP: dropped, not answered
+            // with a RST, so a live connection whose entry was evicted (LRU) survives: the
+            // client's next segment re-records it. UDP: classified like any new flow below.
+            if ip.proto == proto::TCP {
+                return drop(counter::CUBE_DROP_PORTMAP_UNTRACKED);
             }
-            count(counter::CUBE_PORTMAP_REPLY);
-            return to_next_hop(ctx, node.uplink_ifindex, node.uplink_ip, ip.dst, ip.proto);
         }
     }
 
@@ -187,8 +216,12 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32) -> i32 {
     if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }
-    let state = if ip.proto == proto::TCP { tcp::SYN_SENT } else { udp::UNREPLIED };
-    let Some(sess) = nat::create_session(&key, ifindex, state) else {
+    let (state, first) = if ip.proto == proto::TCP {
+        (tcp::SYN_SENT, nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 })
+    } else {
+        (udp::UNREPLIED, nat::FirstSeg { seen: 0, end: 0, win: 0 })
+    };
+    let Some(sess) = nat::create_session(&key, ifindex, state, first) else {
         return drop(counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);

@@ -25,8 +25,10 @@ pub fn from_envoy(ctx: TcContext) -> i32 {
         count(counter::ENVOY_DROP_UNKNOWN);
         return TC_ACT_SHOT;
     };
-    if ip.fragment {
-        // No L4 header to fix in a non-first fragment; only the IP checksum changes.
+    if ip.later_fragment {
+        // No L4 header in a later fragment; only the IP checksum changes. A first fragment
+        // carries the L4 header and its checksum covers the whole datagram: it is updated
+        // incrementally like any other packet.
         ip.proto = 0;
     }
     let cfg = config::get();

@@ -9,7 +9,9 @@
 //!
 //! Helpers: [`maps`] (every map), [`packet`] (parsing, rewrites, checksums), [`policy`],
 //! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
-//! [`arp`] (proxy), [`config`] (load-time constants), [`dns`] (DNS learning).
+//! [`arp`] (proxy), [`config`] (load-time constants), [`track`] (TCP state and sequence
+//! tracking), [`icmp_err`] (ICMP errors from the world), [`frag`] (fragmented replies),
+//! [`dns`] (DNS learning).
 #![no_std]
 #![no_main]
 // Map keys are passed by reference on purpose: no struct copies on the hot path.
@@ -20,14 +22,17 @@ mod baseline;
 mod config;
 mod dns;
 mod forward;
+mod frag;
 mod from_cube;
 mod from_envoy;
 mod from_world;
+mod icmp_err;
 mod maps;
 mod nat;
 mod packet;
 mod policy;
 mod rst;
+mod track;
 
 #[cfg(not(test))]
 #[panic_handler]

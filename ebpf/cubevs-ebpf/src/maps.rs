@@ -4,14 +4,12 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    maps::{LruHashMap, ProgramArray},
-};
-use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
 };
 use cubevs_common::{
-    AllowValue, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, SessionKey, SnatIp,
+    AllowValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, PortmapKey,
+    PortmapSession, SessionKey, SnatIp,
     dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits,
 };
@@ -92,6 +90,15 @@ pub static POLICY_GEN: HashMap<u32, u32> = HashMap::with_max_entries(limits::SAN
 /// Node addresses at index 0.
 #[map(name = "node_config")]
 pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);
+
+/// Connections the world opened to a host port (guest-side key); LRU, no reaper needed.
+#[map(name = "portmap_sessions")]
+pub static PORTMAP_SESSIONS: LruHashMap<PortmapKey, PortmapSession> =
+    LruHashMap::with_max_entries(limits::PORTMAP_SESSIONS, 0);
+
+/// Fragmented world datagrams whose first fragment matched a session; LRU.
+#[map(name = "frag_sessions")]
+pub static FRAG_SESSIONS: LruHashMap<FragKey, FragTarget> = LruHashMap::with_max_entries(limits::FRAG_SESSIONS, 0);
 
 /// Verdict and drop-reason COUNTERS.
 #[map(name = "counters")]

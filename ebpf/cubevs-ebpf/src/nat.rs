@@ -1,14 +1,19 @@
 //! SNAT port allocation and session creation (`reference/upstream.md §3.5`).
 //!
-//! The SNAT slot is `jhash_1word(sandbox ip, HASH_SEED) % 4`; a port is taken from the slot's
-//! cursor and reserved by inserting the reverse (world-side) key with `BPF_NOEXIST`,
-//! at most `MAX_TRIES` times. The egress session is then inserted with `BPF_NOEXIST`; if that
-//! fails the reserved reverse key is released.
+//! The SNAT slot is `jhash_1word(sandbox ip, HASH_SEED) % 4`. Every attempt draws a port with
+//! `bpf_get_prandom_u32` (an off-path host cannot guess live ports, and a guest resolver's
+//! source-port randomisation survives SNAT), at most `MAX_TRIES` attempts (independent draws:
+//! no clustering, unlike probing the following ports). A port is reserved by inserting the reverse (world-side) key with
+//! `BPF_NOEXIST`. The egress session is then inserted with `BPF_NOEXIST`; if another CPU won
+//! that race, the reserved reverse key is released and the winner's session is used.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
-use cubevs_common::{IngressValue, NatSession, SessionKey, SnatIp, conntrack::CLASS_SNAT, limits, snat};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+};
+use cubevs_common::{IngressValue, NatSession, SessionKey, SnatIp, conntrack::CLASS_SNAT, counter, limits, snat};
 
-use crate::maps::{EGRESS_SESSIONS, INGRESS_SESSIONS, SNAT_IPLIST};
+use crate::maps::{EGRESS_SESSIONS, INGRESS_SESSIONS, SNAT_IPLIST, count};
 
 /// Bob Jenkins' `jhash_1word` as the kernel defines it.
 #[inline(always)]
@@ -45,31 +50,45 @@ fn snat_slot(sandbox_ip: u32) -> Option<*mut SnatIp> {
     Some(p)
 }
 
+/// TCP sequence tracking of the segment that opens a session: `(td_end, td_maxwin)` of the
+/// guest side (0, 0 for UDP/ICMP).
+#[derive(Clone, Copy)]
+pub struct FirstSeg {
+    /// 1 for TCP (the fields below are valid), 0 otherwise. A flag rather than an `Option`:
+    /// the `None` of an `Option` left an undefined register that LLVM spilled, which the
+    /// verifier rejects (`R2 !read_ok`).
+    pub seen: u8,
+    /// `seq + len` of the first segment, host order.
+    pub end: u32,
+    /// Its raw window.
+    pub win: u32,
+}
+
 /// Creates a session for the egress `key` (guest side, `src_ip` = sandbox IP) from
-/// `vm_ifindex`. `state` is the initial conntrack state. Returns the session, or `None` when
-/// no SNAT IP is configured or no port could be reserved.
+/// `vm_ifindex`. `state` is the initial conntrack state, `first` the TCP tracking of the
+/// opening segment. Returns the session (another CPU's, when it inserted the same key first),
+/// or `None` when no SNAT IP is configured or no port could be reserved.
 #[inline(always)]
-pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8) -> Option<NatSession> {
+pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: FirstSeg) -> Option<NatSession> {
     let slot = snat_slot(key.src_ip)?;
     // SAFETY: valid map value pointer.
     let (snat_ip, snat_ifindex) = unsafe { ((*slot).ip, (*slot).ifindex) };
     let rev_value = IngressValue { version: key.version, vm_ip: key.src_ip, vm_port: key.sport, _pad: [0; 3] };
     let mut i = 0;
     while i < snat::MAX_TRIES {
-        i += 1;
-        // The bpfel target has no atomic read-modify-write in Rust's core; a racing CPU may
-        // read the same cursor, and the BPF_NOEXIST insert below then makes one of them retry.
+        // The bpfel target has no atomic read-modify-write in Rust's core; the counter is
+        // statistics only, a lost increment costs nothing.
         // SAFETY: valid map value pointer.
-        let c = unsafe {
-            let c = (*slot).port_cursor;
-            (*slot).port_cursor = c.wrapping_add(1);
-            c
-        };
-        let port = ((snat::PORT_MIN as u64 + c % snat::PORT_SPAN as u64) as u16).to_be();
+        unsafe { (*slot).port_cursor = (*slot).port_cursor.wrapping_add(1) };
+        // SAFETY: helper without arguments.
+        let port = ((snat::PORT_MIN as u32 + unsafe { bpf_get_prandom_u32() } % snat::PORT_SPAN) as u16).to_be();
+        i += 1;
         let rev = key.reverse(snat_ip, port);
         if INGRESS_SESSIONS.insert(&rev, &rev_value, BPF_NOEXIST as u64).is_err() {
             continue;
         }
+        // `first.seen` 0: not TCP (no tracking yet).
+        let (seen, end, win) = (first.seen, first.end, first.win);
         let session = NatSession {
             // SAFETY: helper without arguments.
             access_ns: unsafe { bpf_ktime_get_ns() },
@@ -84,11 +103,19 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8) -> Option<Na
             packet_class: CLASS_SNAT,
             l7_scheme: 0,
             close_dir: 0,
-            _reserved: [0; 31],
+            td_seen: seen,
+            _pad0: [0; 2],
+            td_end: [end, 0],
+            td_maxwin: [win, 0],
+            _reserved: [0; 12],
         };
         if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
+            // Another CPU created the session of this 5-tuple between our lookup and insert:
+            // give our port back and follow the winner's session.
             let _ = INGRESS_SESSIONS.remove(&rev);
-            return None;
+            count(counter::CUBE_INSERT_RACE);
+            // SAFETY: plain map lookup; the value is copied out.
+            return unsafe { EGRESS_SESSIONS.get(key) }.copied();
         }
         return Some(session);
     }

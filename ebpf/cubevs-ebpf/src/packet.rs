@@ -28,10 +28,14 @@ pub struct Ipv4 {
     pub l4_off: usize,
     /// Fragment (MF set or non-zero offset).
     pub fragment: bool,
+    /// A fragment other than the first (non-zero offset): no L4 header.
+    pub later_fragment: bool,
     /// Total length from the IP header.
     pub tot_len: u16,
     /// Header length in bytes.
     pub ihl: usize,
+    /// IP identification (NBO).
+    pub id: u16,
 }
 
 /// L4 fields: ports (NBO; ICMP: echo id in `sport`, 0 in `dport`), TCP flags, ICMP type.
@@ -47,6 +51,12 @@ pub struct L4 {
     pub icmp_type: u8,
     /// TCP data offset in bytes (0 for others).
     pub tcp_hlen: usize,
+    /// TCP sequence number, host order (0 for others).
+    pub seq: u32,
+    /// TCP acknowledgment number, host order (0 for others).
+    pub ack: u32,
+    /// TCP raw window, host order (0 for others).
+    pub win: u16,
 }
 
 /// ICMP echo request type.
@@ -101,8 +111,10 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
         proto: h[9],
         l4_off: IP_OFF + ihl,
         fragment: frag & 0x3fff != 0,
+        later_fragment: frag & 0x1fff != 0,
         tot_len: u16::from_be_bytes([h[2], h[3]]),
         ihl,
+        id: u16::from_ne_bytes([h[4], h[5]]),
     })
 }
 
@@ -124,6 +136,9 @@ pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
                 tcp_flags: t[13],
                 icmp_type: 0,
                 tcp_hlen: ((t[12] >> 4) as usize) * 4,
+                seq: u32::from_be_bytes([t[4], t[5], t[6], t[7]]),
+                ack: u32::from_be_bytes([t[8], t[9], t[10], t[11]]),
+                win: u16::from_be_bytes([t[14], t[15]]),
             })
         }
         proto::UDP => {
@@ -136,16 +151,43 @@ pub fn l4(ctx: &TcContext, ip: &Ipv4) -> Option<L4> {
                 tcp_flags: 0,
                 icmp_type: 0,
                 tcp_hlen: 0,
+                seq: 0,
+                ack: 0,
+                win: 0,
             })
         }
         proto::ICMP => {
             let i = ptr_at::<[u8; 8]>(ctx, off)?;
             // SAFETY: bounds checked by ptr_at.
             let i = unsafe { &*i };
-            Some(L4 { sport: u16::from_ne_bytes([i[4], i[5]]), dport: 0, tcp_flags: 0, icmp_type: i[0], tcp_hlen: 0 })
+            Some(L4 {
+                sport: u16::from_ne_bytes([i[4], i[5]]),
+                dport: 0,
+                tcp_flags: 0,
+                icmp_type: i[0],
+                tcp_hlen: 0,
+                seq: 0,
+                ack: 0,
+                win: 0,
+            })
         }
         _ => None,
     }
+}
+
+/// Sequence space a TCP segment occupies: payload bytes, plus one each for SYN and FIN.
+#[inline(always)]
+pub fn tcp_seg_len(ip: &Ipv4, l4: &L4) -> u32 {
+    let hdrs = ip.ihl as u32 + l4.tcp_hlen as u32;
+    let tot = ip.tot_len as u32;
+    let mut n = tot.saturating_sub(hdrs);
+    if l4.tcp_flags & 0x02 != 0 {
+        n += 1;
+    }
+    if l4.tcp_flags & 0x01 != 0 {
+        n += 1;
+    }
+    n
 }
 
 /// Offset of the L4 checksum for `proto` relative to the L4 header.
@@ -175,9 +217,19 @@ fn ptr_mut<T>(ctx: &TcContext, off: usize) -> Option<*mut T> {
 }
 
 /// RFC 1624 incremental update of a 16-bit one's-complement checksum (`csum`, wire bytes)
+/// for a 16-bit field changing from `old` to `new` (wire bytes).
+#[inline(always)]
+pub fn csum_replace2(csum: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {
+    let mut sum = !u16::from_be_bytes(csum) as u32;
+    sum += !u16::from_be_bytes(old) as u32;
+    sum += u16::from_be_bytes(new) as u32;
+    csum_fold(sum).to_be_bytes()
+}
+
+/// RFC 1624 incremental update of a 16-bit one's-complement checksum (`csum`, wire bytes)
 /// for a 32-bit field changing from `old` to `new` (wire bytes).
 #[inline(always)]
-fn csum_replace4(csum: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
+pub fn csum_replace4(csum: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
     let mut sum = !u16::from_be_bytes(csum) as u32;
     sum += !u16::from_be_bytes([old[0], old[1]]) as u32;
     sum += !u16::from_be_bytes([old[2], old[3]]) as u32;

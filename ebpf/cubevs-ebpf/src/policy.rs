@@ -34,64 +34,69 @@ pub fn generation(ifindex: u32) -> Option<u32> {
     Some(unsafe { core::ptr::read_volatile(p) })
 }
 
-/// What the tries of one generation say about an address.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Verdict {
+/// What the tries of one generation say about an address (plain integers: an
+/// `Option<enum>` here once compiled to a spill of an undefined register, which the verifier
+/// rejects).
+mod v {
+    /// No generation, or it kept changing: deny.
+    pub const NONE: u8 = 0;
     /// An unexpired `ALLOW_OUT` entry covers it.
-    Allow,
+    pub const ALLOW: u8 = 1;
     /// No allow entry, a `DENY_OUT` entry covers it.
-    Deny,
+    pub const DENY: u8 = 2;
     /// Neither: default allow.
-    Open,
+    pub const OPEN: u8 = 3;
 }
 
 /// The verdict of generation `generation` of `ifindex` for `daddr` (NBO).
 #[inline(always)]
-fn classify(ifindex: u32, generation: u32, daddr: u32) -> Verdict {
+fn classify(ifindex: u32, generation: u32, daddr: u32) -> u8 {
     let key = Key::new(POLICY_PREFIX_BITS + 32, PolicyLpmData { ifindex, generation, ip: daddr });
-    if let Some(v) = ALLOW_OUT.get(&key) {
+    if let Some(e) = ALLOW_OUT.get(&key) {
         // SAFETY: helper without arguments.
-        if v.expires_ns == 0 || v.expires_ns > unsafe { bpf_ktime_get_ns() } {
-            return Verdict::Allow;
+        if e.expires_ns == 0 || e.expires_ns > unsafe { bpf_ktime_get_ns() } {
+            return v::ALLOW;
         }
     }
-    if DENY_OUT.get(&key).is_none() { Verdict::Open } else { Verdict::Deny }
+    if DENY_OUT.get(&key).is_none() { v::OPEN } else { v::DENY }
 }
 
-/// The verdict of the active generation, `None` (deny) without one or when it kept changing.
+/// The verdict of the active generation ([`v`]).
 #[inline(always)]
-fn verdict(ifindex: u32, daddr: u32) -> Option<Verdict> {
-    let mut seen = generation(ifindex)?;
+fn verdict(ifindex: u32, daddr: u32) -> u8 {
+    let Some(mut seen) = generation(ifindex) else { return v::NONE };
     for _ in 0..ATTEMPTS {
         let verdict = classify(ifindex, seen, daddr);
         match generation(ifindex) {
-            Some(now) if now == seen => return Some(verdict),
+            Some(now) if now == seen => return verdict,
             Some(now) => seen = now,
-            None => return None,
+            None => return v::NONE,
         }
     }
-    None
+    v::NONE
 }
 
 /// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO), static entries only.
 #[inline(always)]
 pub fn allowed(ifindex: u32, daddr: u32) -> bool {
-    matches!(verdict(ifindex, daddr), Some(Verdict::Allow | Verdict::Open))
+    let r = verdict(ifindex, daddr);
+    r == v::ALLOW || r == v::OPEN
 }
 
 /// True when the sandbox on `ifindex` (at `version`) may open a new flow to `daddr`:`dport`
 /// (NBO; `dport` 0 for ICMP): static allow, else a learned address, else not denied.
 #[inline(always)]
 pub fn allowed_flow(ifindex: u32, version: u32, daddr: u32, dport: u16) -> bool {
-    match verdict(ifindex, daddr) {
-        None => false,
-        Some(Verdict::Allow) => true,
-        Some(v) => {
-            if dns::learned_allows(ifindex, version, daddr, dport) {
-                count(counter::DNS_LEARNED_FLOW);
-                return true;
-            }
-            v == Verdict::Open
-        }
+    let r = verdict(ifindex, daddr);
+    if r == v::NONE {
+        return false;
     }
+    if r == v::ALLOW {
+        return true;
+    }
+    if dns::learned_allows(ifindex, version, daddr, dport) {
+        count(counter::DNS_LEARNED_FLOW);
+        return true;
+    }
+    r == v::OPEN
 }

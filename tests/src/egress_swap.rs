@@ -1,0 +1,458 @@
+//! CubeEgress swap rig: a gateway behind the real TPROXY path, an HTTPS world server that counts
+//! every request it sees, and a load generator in the sandbox namespace (keep-alive and
+//! connection-per-request HTTPS clients) that records every failure. Shared by
+//! `tests/tests/egress_swap.rs` (asserts) and the `gateway swap` benchmark rows (reports).
+//!
+//! ```text
+//!  sandbox ns 192.168.0.2 ─veth─ node ns: cube-dev 192.168.0.1/18, marks + cube-egress-net.sh up ─ world ns
+//!   load generator                 cube-egress (slot A, then slot B after the swap)              198.51.100.1:443
+//! ```
+
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Output,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::{Request, Response, body::Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{Value, json};
+
+use crate::{
+    netns::{ChildGuard, TestNetns},
+    tls,
+    topology::Topology,
+};
+
+/// The sandbox's address.
+pub const SANDBOX_IP: &str = "192.168.0.2";
+/// The gateway address (cube-dev).
+pub const GATEWAY: &str = "192.168.0.1";
+/// The world server's address.
+pub const WORLD: &str = "198.51.100.1";
+/// The name the sandbox asks for (SNI and Host).
+pub const NAME: &str = "api.example.test";
+/// The credential the policy injects (only when the destination belongs to [`NAME`], which
+/// only the learned-address table says here: no DNS server answers).
+pub const SECRET: &str = "sk-swap-0123456789";
+/// The admin API.
+pub const ADMIN: &str = "http://127.0.0.1:9091/admin/v1";
+
+/// What the world server saw of one request path.
+#[derive(Debug, Clone, Default)]
+pub struct Seen {
+    /// How many times the path arrived.
+    pub count: u32,
+    /// How many of those carried the injected credential.
+    pub with_credential: u32,
+}
+
+/// The namespaces, servers and files of one swap scenario; removes everything on drop.
+pub struct SwapRig {
+    /// The gateway and world servers' runtime.
+    pub rt: tokio::runtime::Runtime,
+    /// Node and world namespaces.
+    pub topo: Topology,
+    /// The sandbox namespace.
+    pub sb: TestNetns,
+    /// Working directory (CA, audit file, handoff socket).
+    pub dir: PathBuf,
+    /// Gateway CA certificate (PEM), trusted by the load generator.
+    pub ca_pem: String,
+    /// Path → what the world server saw.
+    pub seen: Arc<Mutex<HashMap<String, Seen>>>,
+}
+
+impl Drop for SwapRig {
+    fn drop(&mut self) {
+        let _ = self.topo.node.exec("bash", &[script().to_str().unwrap_or_default(), "down"]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `scripts/cube-egress-net.sh`.
+pub fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/cube-egress-net.sh")
+}
+
+/// The `cube-egress` binary: `CUBE_EGRESS_BIN`, else beside the running test or benchmark
+/// binary in `target/<profile>/`.
+pub fn egress_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("CUBE_EGRESS_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().expect("exe dir");
+    let candidates = [dir.join("cube-egress"), dir.parent().expect("profile dir").join("cube-egress")];
+    let found = candidates.iter().find(|p| p.exists()).cloned();
+    found.unwrap_or_else(|| panic!("cube-egress missing next to {}: run `cargo build -p cube-egress`", exe.display()))
+}
+
+/// Formats a command's status and output for assertion messages.
+pub fn text(o: &Output) -> String {
+    format!(
+        "status {}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Polls `f` every 50 ms for up to `timeout`; panics naming `what` when it never holds.
+pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+async fn world_handler(
+    seen: Arc<Mutex<HashMap<String, Seen>>>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let path = req.uri().path().to_string();
+    let cred =
+        req.headers().get("authorization").is_some_and(|v| v.as_bytes() == format!("Bearer {SECRET}").as_bytes());
+    {
+        let mut s = seen.lock().expect("seen lock");
+        let e = s.entry(path.clone()).or_default();
+        e.count += 1;
+        e.with_credential += u32::from(cred);
+    }
+    Ok(Response::new(Full::new(Bytes::from(format!("ok {path}\n")))))
+}
+
+impl SwapRig {
+    /// Builds the namespaces, the world server (trusting a world CA the gateway trusts), the
+    /// datapath stand-in (marks on sandbox port-443 traffic) and `cube-egress-net.sh up`.
+    /// Root only.
+    pub fn new() -> SwapRig {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
+        let dir = std::env::temp_dir().join(format!("cube-egress-swap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("ca")).expect("tmp dir");
+        let topo = Topology::new();
+        let sb = sandbox_net(&topo);
+        let gw_ca = tls::make_ca("CubeSandbox Egress swap CA");
+        let world_ca = tls::make_ca("world swap CA");
+        std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).expect("write CA");
+        std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).expect("write CA key");
+        std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).expect("write world CA");
+        let seen: Arc<Mutex<HashMap<String, Seen>>> = Arc::default();
+        let addr: SocketAddr = format!("{WORLD}:443").parse().expect("addr");
+        let l = topo.world.run(move || std::net::TcpListener::bind(addr)).expect("bind world");
+        l.set_nonblocking(true).expect("nonblocking");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls::server_config(&world_ca, NAME)));
+        let s = seen.clone();
+        rt.spawn(async move {
+            let l = tokio::net::TcpListener::from_std(l).expect("world listener");
+            loop {
+                let Ok((stream, _)) = l.accept().await else { continue };
+                let (s, acceptor) = (s.clone(), acceptor.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |r| world_handler(s.clone(), r));
+                    if let Ok(t) = acceptor.accept(stream).await {
+                        let b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                        let _ = b.serve_connection(TokioIo::new(t), svc).await;
+                    }
+                });
+            }
+        });
+        let rig = SwapRig { rt, topo, sb, dir, ca_pem: gw_ca.pem, seen };
+        let o = rig.topo.node.exec("bash", &[script().to_str().expect("utf-8 path"), "up"]);
+        assert!(o.status.success(), "cube-egress-net.sh up: {}", text(&o));
+        rig
+    }
+
+    /// The handoff socket both slots use.
+    pub fn handoff_socket(&self) -> PathBuf {
+        self.dir.join("handoff.sock")
+    }
+
+    /// The shared audit file.
+    pub fn audit_file(&self) -> PathBuf {
+        self.dir.join("log/access.jsonl")
+    }
+
+    /// The command line of one gateway slot (no bootstrap URL: the policy comes from the admin
+    /// API, so only a state hand-over can give it to a successor) plus `extra`.
+    pub fn gateway_args(&self, extra: &[&str]) -> Vec<String> {
+        let d = |p: &str| self.dir.join(p).to_string_lossy().into_owned();
+        let mut a: Vec<String> = [
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            &d("ca"),
+            "--upstream-extra-ca",
+            &d("world-ca.pem"),
+            "--audit-file",
+            &self.audit_file().to_string_lossy(),
+            "--bootstrap-url",
+            "",
+            "--drain-timeout-secs",
+            "15",
+            "--handoff-socket",
+            &self.handoff_socket().to_string_lossy(),
+            // Nothing answers here: only learned addresses bind names to destinations.
+            "--dns-server",
+            "127.0.0.1:9",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+
+    /// Starts one gateway slot in the node namespace.
+    pub fn spawn_gateway(&self, extra: &[&str]) -> ChildGuard {
+        let args = self.gateway_args(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = self.topo.node.command(egress_bin().to_str().expect("utf-8 path"));
+        cmd.args(&args).env("CUBE_EGRESS_LOG", "info").stdin(std::process::Stdio::null());
+        ChildGuard::from_child(cmd.spawn().expect("spawn cube-egress"))
+    }
+
+    /// `curl` against the admin API in the node namespace: (HTTP code or 0, body).
+    pub fn admin(&self, args: &[&str]) -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = self.topo.node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    /// Waits for the admin API, then installs the sandbox's policy (allow [`NAME`], inject
+    /// [`SECRET`]) and its learned address for [`NAME`].
+    pub fn configure(&self) {
+        wait_for("admin health", Duration::from_secs(15), || self.admin(&[&format!("{ADMIN}/health")]).0 == 200);
+        let policy = json!({"policy_id": "swap", "rules": [{"id": "api", "match": {"sni": NAME},
+            "action": {"allow": true, "inject": [{"header": "Authorization", "secret": SECRET, "format": "Bearer ${SECRET}"}]}}]});
+        let (code, body) =
+            self.admin(&["-X", "PUT", "--data", &policy.to_string(), &format!("{ADMIN}/policies/{SANDBOX_IP}")]);
+        assert_eq!(code, 200, "PUT policy: {body}");
+        let learned = json!({"names": {NAME: [WORLD]}, "ttl_secs": 600});
+        let (code, body) =
+            self.admin(&["-X", "PUT", "--data", &learned.to_string(), &format!("{ADMIN}/learned/{SANDBOX_IP}")]);
+        assert_eq!(code, 200, "PUT learned: {body}");
+    }
+
+    /// Every audit line (each must be JSON).
+    pub fn audit_lines(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.audit_file())
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("audit line is not JSON ({e}): {l}")))
+            .collect()
+    }
+
+    /// Starts the load generator in the sandbox namespace for `dur`.
+    pub fn start_load(&self, keepalive: usize, fresh: usize, dur: Duration) -> std::thread::JoinHandle<LoadReport> {
+        let ca = self.ca_pem.clone();
+        self.sb.spawn_thread(move || {
+            // A runtime on this thread only: its sockets are created in the sandbox namespace.
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("load runtime");
+            rt.block_on(load(tls::client_config(&ca), keepalive, fresh, dur))
+        })
+    }
+}
+
+/// The sandbox namespace behind `cube-dev` and the datapath stand-in (mark on port 443 from
+/// `cube-dev`, as CubeVS marks L7 flows).
+fn sandbox_net(topo: &Topology) -> TestNetns {
+    let node = &topo.node;
+    let sb = TestNetns::new("sb");
+    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
+    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
+    node.ip(&["link", "set", "cube-dev", "up"]);
+    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
+    sb.ip(&["link", "set", "eth0", "up"]);
+    sb.ip(&["route", "add", "default", "via", GATEWAY]);
+    let mark = ["-t", "mangle", "-I", "PREROUTING", "-i", "cube-dev", "-p", "tcp", "--dport", "443"];
+    let o = node.exec("iptables", &[&mark[..], &["-j", "MARK", "--set-mark", "0xCE020000"]].concat());
+    assert!(o.status.success(), "mark rule: {}", text(&o));
+    sb
+}
+
+/// What the load generator saw.
+#[derive(Debug, Default, Clone)]
+pub struct LoadReport {
+    /// Requests answered 200 with their own path echoed.
+    pub ok: u64,
+    /// TCP connects or TLS handshakes that failed.
+    pub failed_connects: u64,
+    /// Requests sent that got no answer, an error or a wrong answer.
+    pub failed_requests: u64,
+    /// Failures whose cause was a TCP reset.
+    pub resets: u64,
+    /// Longest interval without any completed request, from the first to the last completion.
+    pub max_gap: Duration,
+    /// When that interval began, from the start of the load.
+    pub max_gap_at: Duration,
+    /// Paths answered 200 (each exactly once by construction: unique per request).
+    pub ok_paths: Vec<String>,
+    /// The first failures, for messages.
+    pub errors: Vec<String>,
+    /// Requests answered with `Connection: close` (reconnects asked by a draining gateway).
+    pub closes: u64,
+}
+
+#[derive(Default)]
+struct Tally {
+    r: LoadReport,
+    done: Vec<Instant>,
+}
+
+impl Tally {
+    fn fail(&mut self, connect: bool, what: String, err: &(dyn std::error::Error + 'static)) {
+        if connect {
+            self.r.failed_connects += 1;
+        } else {
+            self.r.failed_requests += 1;
+        }
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if let Some(io) = e.downcast_ref::<std::io::Error>()
+                && io.kind() == std::io::ErrorKind::ConnectionReset
+            {
+                self.r.resets += 1;
+                break;
+            }
+            cur = e.source();
+        }
+        if self.r.errors.len() < 20 {
+            self.r.errors.push(format!("{what}: {err} ({err:?})"));
+        }
+    }
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+async fn connect(tls: &tokio_rustls::TlsConnector) -> Result<Sender, Box<dyn std::error::Error + Send + Sync>> {
+    let tcp = tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(format!("{WORLD}:443")))
+        .await
+        .map_err(|_| "connect timeout")??;
+    tcp.set_nodelay(true)?;
+    let name = rustls::pki_types::ServerName::try_from(NAME)?.to_owned();
+    let t =
+        tokio::time::timeout(Duration::from_secs(10), tls.connect(name, tcp)).await.map_err(|_| "TLS timeout")??;
+    let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(t)).await?;
+    tokio::spawn(conn);
+    Ok(s)
+}
+
+/// One request on `s`: `Ok(close)` when answered 200 with its path (close = the server asked
+/// to close the connection), `Err` otherwise.
+async fn request(s: &mut Sender, path: &str) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
+    let req = Request::get(path).header("host", NAME).body(Empty::<Bytes>::new())?;
+    let resp =
+        tokio::time::timeout(Duration::from_secs(20), s.send_request(req)).await.map_err(|_| "no response")??;
+    let status = resp.status();
+    let close = resp.headers().get("connection").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+    let body = resp.into_body().collect().await?.to_bytes();
+    if status != 200 || body != format!("ok {path}\n").as_bytes() {
+        return Err(format!("HTTP {status}: {}", String::from_utf8_lossy(&body)).into());
+    }
+    Ok(close)
+}
+
+/// Distinguishes the paths of successive load runs in one process.
+static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, dur: Duration) -> LoadReport {
+    let run = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tls = tokio_rustls::TlsConnector::from(tls);
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let deadline = tokio::time::Instant::now() + dur;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..keepalive + fresh {
+        let (tls, tally) = (tls.clone(), tally.clone());
+        let keep = w < keepalive;
+        tasks.push(tokio::spawn(async move {
+            let mut sender: Option<Sender> = None;
+            let mut n = 0u64;
+            while tokio::time::Instant::now() < deadline {
+                // A real client checks a pooled connection before reuse; one the server closed
+                // while idle is replaced, not counted (no request was sent on it).
+                if let Some(s) = sender.as_mut()
+                    && (s.is_closed() || s.ready().await.is_err())
+                {
+                    sender = None;
+                }
+                let mut s = match sender.take() {
+                    Some(s) => s,
+                    None => match connect(&tls).await {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tally.lock().expect("tally").fail(true, format!("worker {w} connect"), &*e);
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            continue;
+                        }
+                    },
+                };
+                n += 1;
+                let path = format!("/swap/{run}/{}{w}-{n}", if keep { "k" } else { "f" });
+                let res = request(&mut s, &path).await;
+                let mut t = tally.lock().expect("tally");
+                match res {
+                    Ok(close) => {
+                        t.r.ok += 1;
+                        t.r.closes += u64::from(close);
+                        t.r.ok_paths.push(path);
+                        t.done.push(Instant::now());
+                        if keep && !close {
+                            sender = Some(s);
+                        }
+                    }
+                    Err(e) => t.fail(false, path, &*e),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let mut t = std::mem::take(&mut *tally.lock().expect("tally"));
+    t.done.sort();
+    if let Some(w) = t.done.windows(2).max_by_key(|w| w[1] - w[0]) {
+        t.r.max_gap = w[1] - w[0];
+        t.r.max_gap_at = w[0] - started;
+    }
+    t.r
+}
+
+/// Sends SIGTERM to a child we spawned.
+pub fn sigterm(child: &ChildGuard) {
+    // SAFETY: kill(2) on the PID of a child we spawned and still own.
+    let _ = unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+}
+
+/// Waits up to `timeout` for `child` to exit.
+pub fn wait_exit(child: &mut ChildGuard, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if let Ok(Some(s)) = child.child().try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+impl Default for SwapRig {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,116 @@
+//! CubeEgress active/standby swap under load, through the real TPROXY path (rig:
+//! `cubenet_tests::egress_swap`).
+//!
+//! `egress_gateway_swap_under_load`: 12 keep-alive HTTPS clients and 4 connection-per-request
+//! HTTPS clients run for the whole test. Meanwhile: a successor with a bad config exits and
+//! changes nothing; a successor that takes the sockets and dies before READY leaves the old
+//! gateway serving with its admin API unfrozen; then slot B takes over from slot A. Asserted:
+//! 0 failed handshakes, 0 failed requests, every request answered once and seen once by the
+//! world, the credential injected on every request (the learned address moved with the policy),
+//! one complete audit record per request, the old gateway exits 0 after draining.
+
+use std::{
+    collections::{HashMap, HashSet},
+    io::Read,
+    time::Duration,
+};
+
+use cubenet_tests::{
+    egress_swap::{ADMIN, NAME, SANDBOX_IP, SwapRig, egress_bin, sigterm, text, wait_exit, wait_for},
+    require_root,
+};
+
+#[test]
+fn egress_gateway_swap_under_load() {
+    if !require_root("egress_gateway_swap_under_load") {
+        return;
+    }
+    let rig = SwapRig::new();
+    let mut a = rig.spawn_gateway(&[]);
+    rig.configure();
+    // Warm the leaf cache so the first handshakes do not race the per-sandbox mint budget.
+    let warm = rig.start_load(1, 0, Duration::from_millis(300)).join().unwrap();
+    assert!(warm.ok > 0 && warm.failed_requests + warm.failed_connects == 0, "warm-up: {warm:?}");
+
+    let load = rig.start_load(12, 4, Duration::from_secs(9));
+    std::thread::sleep(Duration::from_millis(1000));
+
+    // 1. A successor with a bad configuration exits 2 before touching the handoff socket.
+    let sock = rig.handoff_socket();
+    let mut bad_args = rig.gateway_args(&["--takeover-socket", sock.to_str().unwrap()]);
+    let cidr = bad_args.iter().position(|x| x == "--sandbox-cidr").unwrap();
+    bad_args[cidr + 1] = "not-a-cidr".into();
+    let o = rig.topo.node.command(egress_bin().to_str().unwrap()).args(&bad_args).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "bad config must fail: {}", text(&o));
+    assert!(a.child().try_wait().unwrap().is_none(), "the running gateway must survive a failed successor");
+
+    // 2. A successor that takes the sockets and the state, then dies before READY.
+    let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut first = [0u8; 23];
+    c.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"cube-egress-handoff v2\n");
+    drop(c);
+    let learned = serde_json::json!({"names": {NAME: ["198.51.100.1"]}, "ttl_secs": 600}).to_string();
+    let put_learned = || rig.admin(&["-X", "PUT", "--data", &learned, &format!("{ADMIN}/learned/{SANDBOX_IP}")]);
+    wait_for("admin unfrozen after the aborted hand-over", Duration::from_secs(12), || put_learned().0 == 200);
+    assert!(a.child().try_wait().unwrap().is_none(), "the old gateway keeps serving after an aborted hand-over");
+    std::thread::sleep(Duration::from_millis(1000));
+
+    // 3. The swap: slot B takes the listeners and the state; slot A drains and exits.
+    let mut b = rig.spawn_gateway(&["--takeover-socket", sock.to_str().unwrap()]);
+    let status = wait_exit(&mut a, Duration::from_secs(25)).expect("old gateway exits after draining");
+    assert!(status.success(), "old gateway exit: {status}");
+    assert!(b.child().try_wait().unwrap().is_none(), "successor running");
+    let report = load.join().unwrap();
+    eprintln!(
+        "swap load: ok {} closes {} failed connects {} failed requests {} resets {} max gap {:?}",
+        report.ok, report.closes, report.failed_connects, report.failed_requests, report.resets, report.max_gap
+    );
+    assert_eq!(
+        (report.failed_connects, report.failed_requests, report.resets),
+        (0, 0, 0),
+        "failures during the swap: {:#?}",
+        report.errors
+    );
+    assert!(report.ok > 100, "too little load to prove anything: {report:?}");
+    assert!(report.closes > 0, "keep-alive clients were asked to reconnect by the draining gateway");
+
+    // The successor has the policy and the learned table (moved, not re-learned).
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let (code, l) = rig.admin(&[&format!("{ADMIN}/learned/{SANDBOX_IP}")]);
+    assert!(code == 200 && l.contains(NAME), "learned table on the successor: {l}");
+
+    // Exactly once at the world, with the credential (learned binding) every time.
+    let seen = rig.seen.lock().unwrap().clone();
+    let ok: HashSet<&String> = report.ok_paths.iter().collect();
+    assert_eq!(ok.len(), report.ok_paths.len(), "a path answered twice");
+    for p in &report.ok_paths {
+        let s = seen.get(p).unwrap_or_else(|| panic!("{p} answered but never reached the world"));
+        assert_eq!(s.count, 1, "{p} reached the world {} times", s.count);
+        assert_eq!(s.with_credential, 1, "{p} lacks the injected credential");
+    }
+    let answered: HashSet<&String> = ok.iter().copied().chain(warm.ok_paths.iter()).collect();
+    let extra: Vec<_> = seen.keys().filter(|k| k.starts_with("/swap/") && !answered.contains(k)).collect();
+    assert!(extra.is_empty(), "requests that reached the world without an answer: {extra:?}");
+
+    // Audit: after the successor stops, one complete allow record per request.
+    sigterm(&b);
+    let status = wait_exit(&mut b, Duration::from_secs(25)).expect("successor exits on SIGTERM");
+    assert!(status.success(), "successor exit: {status}");
+    let lines = rig.audit_lines();
+    let mut per_path: HashMap<&str, u32> = HashMap::new();
+    for l in lines.iter().filter(|l| l["event"] == "http_request") {
+        let p = l["http"]["path"].as_str().unwrap_or_default();
+        if p.starts_with("/swap/") {
+            assert_eq!(l["http"]["status"], 200, "{l}");
+            assert_eq!(l["policy"]["decision"], "allow", "{l}");
+            *per_path.entry(p).or_default() += 1;
+        }
+    }
+    for p in &report.ok_paths {
+        assert_eq!(per_path.get(p.as_str()).copied(), Some(1), "audit records of {p}");
+    }
+    assert!(lines.iter().any(|l| l["security"]["reason"] == "handoff_aborted"), "the aborted hand-over is audited");
+}
