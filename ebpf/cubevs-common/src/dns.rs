@@ -500,13 +500,7 @@ pub fn walk_answers<L: Loop>(
 /// Lifetime in ns of an entry learned from a record with `ttl` seconds.
 #[inline(always)]
 pub fn learned_lifetime_ns(ttl: u32) -> u64 {
-    let t = if ttl < TTL_FLOOR_S {
-        TTL_FLOOR_S
-    } else if ttl > TTL_CAP_S {
-        TTL_CAP_S
-    } else {
-        ttl
-    };
+    let t = ttl.clamp(TTL_FLOOR_S, TTL_CAP_S);
     t as u64 * 1_000_000_000
 }
 
