@@ -1,26 +1,37 @@
 //! Pushes each sandbox's L7 rules to the CubeEgress admin API (`reference/upstream.md §4.4`):
 //! `PUT /admin/v1/policies/<sandboxIP>` on Ensure and Reconcile, `DELETE` on Release.
 //!
-//! - Each change bumps a per-IP generation and marks the IP dirty; the caller then makes one
-//!   attempt at once (bounded by `cube_egress_push_timeout_ms`), so the gateway normally has the
-//!   policy before Ensure returns. A push that fails transiently (connect error, timeout, 5xx)
-//!   stays dirty and the background loop retries it with backoff (200 ms doubling to 5 s). A
-//!   push completes an IP only if its generation is still current, so a slow stale push can
-//!   never leave an old policy behind: the IP stays dirty and the current one is re-sent.
+//! - Each change bumps a per-IP generation and marks the IP dirty. While the gateway is
+//!   believed up, the caller then makes one attempt at once (bounded by
+//!   `cube_egress_push_timeout_ms`), so the gateway normally has the policy before Ensure
+//!   returns; while it is down the call returns at once and the background loop sends it. A
+//!   push that fails transiently (connect error, timeout, 5xx) stays dirty and the loop
+//!   retries it with backoff (200 ms doubling to 5 s). A push completes an IP only if its
+//!   generation is still current, so a slow stale push can never leave an old policy behind:
+//!   the IP stays dirty and the current one is re-sent.
 //! - A 4xx is permanent (the gateway refused the body): logged, not retried. The agent
 //!   validates rules with the gateway's own validator (`egress_policy`) first, so this only
 //!   happens across versions (decision L3: it does not fail Ensure).
-//! - The loop polls `GET /admin/v1/health` every second; when the gateway comes back (first
-//!   contact, or after being unreachable) it re-sends the full set (every live sandbox with
-//!   rules), because a restarted gateway holds nothing until its bootstrap or this resync.
+//! - The loop polls `GET /admin/v1/health` every second. When the gateway comes back (first
+//!   contact, after being unreachable) or its `policy_count` cannot match what the agent knows
+//!   (fewer than acknowledged: a restart between two polls; more than acknowledged plus owed:
+//!   a policy the agent does not want) it runs a full sync: every live sandbox with rules is
+//!   re-sent, and every policy the gateway holds for an address without one (left by a
+//!   sandbox released while the agent was down) is deleted, so a reused address never
+//!   inherits another sandbox's rules or credentials.
+//! - A sandbox without rules that the agent never pushed needs no request (nothing to delete),
+//!   except before the first full sync, when the gateway's contents are unknown.
 //!
-//! Secrets: bodies are never logged; errors carry the status and the gateway's error text
-//! (which names a field, never a value).
+//! Secrets: bodies are never logged; errors carry the method, path, status and the gateway's
+//! error text (which names a field, never a value).
 
 use std::{
     collections::HashMap,
     net::Ipv4Addr,
-    sync::{Arc, Mutex, Weak},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -29,7 +40,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, body::Bytes};
 use hyper_util::rt::TokioIo;
 
-use crate::agent::Agent;
+use crate::{agent::Agent, metrics::Metrics};
 
 /// Parses the admin base URL: `http://host:port` (no path, query or TLS). Returns the
 /// `host:port` authority.
@@ -46,6 +57,18 @@ pub fn parse_admin_url(url: &str) -> Result<String, String> {
         return Err(format!("{url:?}: no path or query allowed"));
     }
     Ok(auth.as_str().to_string())
+}
+
+/// `text` (a gateway error, logged) with every secret of `spec` replaced by `***`: the
+/// gateway's errors name fields, but a parser's message may quote a value.
+fn scrub(text: &str, spec: Option<&PolicySpec>) -> String {
+    let mut out = text.to_string();
+    for r in spec.map(|s| s.rules.as_slice()).unwrap_or_default() {
+        for i in r.action.inject.iter().flatten().filter(|i| !i.secret.is_empty()) {
+            out = out.replace(&i.secret, "***");
+        }
+    }
+    out
 }
 
 /// Outcome of one push.
@@ -65,6 +88,11 @@ struct Entry {
     /// `Some` = PUT this, `None` = DELETE.
     desired: Option<PolicySpec>,
     dirty: bool,
+    /// The gateway acknowledged the current `Some` state (a 2xx for this generation).
+    acked: bool,
+    /// A request for this address is on the wire: nobody else sends one (requests for one
+    /// address are strictly sequential, so the gateway applies them in generation order).
+    in_flight: bool,
 }
 
 /// The push client and its pending work.
@@ -72,9 +100,15 @@ struct Entry {
 pub struct EgressSync {
     authority: String,
     timeout: Duration,
+    /// Wanted gateway state per sandbox IP. Lock order: this lock, then the agent's state.
     entries: Mutex<HashMap<Ipv4Addr, Entry>>,
+    /// The last health poll succeeded (callers skip the immediate attempt when false).
+    up: AtomicBool,
+    /// A full sync has completed since start (before that, deletes are never skipped).
+    synced: AtomicBool,
     wake: tokio::sync::Notify,
     rt: tokio::runtime::Handle,
+    metrics: Metrics,
 }
 
 /// The gateway body of a sandbox: `{policy_id: "<ip>", rules}` (upstream's Cubelet sets
@@ -84,14 +118,23 @@ pub fn policy_spec(ip: Ipv4Addr, rules: &[egress_policy::RuleSpec]) -> Option<Po
 }
 
 impl EgressSync {
-    /// A client of `admin_url` (validated by [`parse_admin_url`]); `rt` runs the pushes.
-    pub fn new(admin_url: &str, timeout: Duration, rt: tokio::runtime::Handle) -> Result<Arc<Self>, String> {
+    /// A client of `admin_url` (validated by [`parse_admin_url`]); `rt` runs the pushes;
+    /// `metrics` gets `cubenet_egress_{push_total,pending,up}`.
+    pub fn new(
+        admin_url: &str,
+        timeout: Duration,
+        rt: tokio::runtime::Handle,
+        metrics: Metrics,
+    ) -> Result<Arc<Self>, String> {
         Ok(Arc::new(Self {
             authority: parse_admin_url(admin_url)?,
             timeout,
             entries: Mutex::new(HashMap::new()),
+            up: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
             rt,
+            metrics,
         }))
     }
 
@@ -99,36 +142,84 @@ impl EgressSync {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records the wanted state of `ip` (`None` = no policy) and makes one attempt now. Blocks
-    /// up to the push timeout; call from a blocking thread, never a tokio worker. Failures
-    /// are left to the background loop.
-    pub fn set_blocking(&self, ip: Ipv4Addr, desired: Option<PolicySpec>) {
-        let generation = {
-            let mut m = self.lock();
-            let e = m.entry(ip).or_default();
-            e.generation += 1;
-            e.desired = desired.clone();
-            e.dirty = true;
-            e.generation
-        };
-        let r = self.rt.block_on(self.push(ip, desired.as_ref()));
-        self.complete(ip, generation, r);
+    /// Addresses whose gateway copy is not (yet) what the agent wants.
+    pub fn pending(&self) -> usize {
+        self.lock().values().filter(|e| e.dirty).count()
     }
 
-    /// Marks every sandbox of `all` dirty with its current policy (full resync).
-    fn resync(&self, all: Vec<(Ipv4Addr, PolicySpec)>) {
+    /// Records the wanted state of `ip` (`None` = no policy) and, while the gateway is up,
+    /// makes one attempt now. Blocks up to the push timeout; call from a blocking thread,
+    /// never a tokio worker. Failures are left to the background loop.
+    pub fn set_blocking(&self, ip: Ipv4Addr, desired: Option<PolicySpec>) {
+        {
+            let mut m = self.lock();
+            if desired.is_none() && !m.contains_key(&ip) && self.synced.load(Ordering::Acquire) {
+                // Never pushed and the gateway was cleaned by a full sync: nothing to delete.
+                return;
+            }
+            let e = m.entry(ip).or_default();
+            e.generation += 1;
+            e.desired = desired;
+            e.dirty = true;
+            e.acked = false;
+        }
+        if !self.up.load(Ordering::Acquire) {
+            // Down (or not contacted yet): the loop sends it on the gateway's return.
+            self.wake.notify_one();
+            return;
+        }
+        // Another request for this address in flight: its completion sees the new
+        // generation and the loop sends this one.
+        if let Some((generation, desired)) = self.begin(ip) {
+            let r = self.rt.block_on(self.push(ip, desired.as_ref()));
+            self.complete(ip, generation, r);
+        }
+    }
+
+    /// Claims `ip` for one request: its generation and wanted state, unless it is clean or
+    /// already in flight.
+    fn begin(&self, ip: Ipv4Addr) -> Option<(u64, Option<PolicySpec>)> {
         let mut m = self.lock();
-        for (ip, spec) in all {
+        let e = m.get_mut(&ip).filter(|e| e.dirty && !e.in_flight)?;
+        e.in_flight = true;
+        Some((e.generation, e.desired.clone()))
+    }
+
+    /// Full sync: every sandbox of the agent with rules is marked for a PUT, every address
+    /// the gateway holds (`on_gateway`) without one for a DELETE. The agent's state is read
+    /// under this client's lock, so a Release or Ensure running meanwhile records its own
+    /// change after this one (generation order) and is never overwritten by the snapshot.
+    fn mark_full_sync(&self, agent: &Agent, on_gateway: &[Ipv4Addr]) -> usize {
+        let mut m = self.lock();
+        let want: HashMap<Ipv4Addr, PolicySpec> = agent.egress_policies().into_iter().collect();
+        let n = want.len();
+        for ip in on_gateway.iter().filter(|ip| !want.contains_key(ip)) {
+            let e = m.entry(*ip).or_default();
+            e.generation += 1;
+            e.desired = None;
+            e.dirty = true;
+            e.acked = false;
+        }
+        for (ip, spec) in want {
             let e = m.entry(ip).or_default();
             e.generation += 1;
             e.desired = Some(spec);
             e.dirty = true;
+            e.acked = false;
         }
+        n
     }
 
     fn complete(&self, ip: Ipv4Addr, generation: u64, r: Push) {
+        let result = match &r {
+            Push::Done => "ok",
+            Push::Transient(_) => "retry",
+            Push::Permanent(_) => "refused",
+        };
+        self.metrics.egress_push.with_label_values(&[result]).inc();
         let mut m = self.lock();
         let Some(e) = m.get_mut(&ip) else { return };
+        e.in_flight = false;
         if e.generation != generation {
             // Changed meanwhile: the current state still has to go out.
             self.wake.notify_one();
@@ -137,6 +228,7 @@ impl EgressSync {
         match r {
             Push::Done => {
                 e.dirty = false;
+                e.acked = e.desired.is_some();
                 if e.desired.is_none() {
                     m.remove(&ip);
                 }
@@ -186,49 +278,98 @@ impl EgressSync {
         };
         match self.request(method.clone(), &path, body).await {
             Ok((s, _)) if (200..300).contains(&s) => Push::Done,
+            // Deleting what is not there is done.
+            Ok((404, _)) if method == Method::DELETE => Push::Done,
             Ok((s, b)) if (400..500).contains(&s) => {
-                Push::Permanent(format!("{method} {path}: {s} {}", String::from_utf8_lossy(&b).trim()))
+                let text = scrub(String::from_utf8_lossy(&b).trim(), desired);
+                Push::Permanent(format!("{method} {path}: {s} {text}"))
             }
             Ok((s, _)) => Push::Transient(format!("{method} {path}: {s}")),
             Err(e) => Push::Transient(format!("{method} {path}: {e}")),
         }
     }
 
-    async fn healthy(&self) -> bool {
-        matches!(self.request(Method::GET, "/admin/v1/health", Vec::new()).await, Ok((200, _)))
+    /// The gateway's `policy_count` when its health endpoint answers 200.
+    async fn health(&self) -> Option<u64> {
+        match self.request(Method::GET, "/admin/v1/health", Vec::new()).await {
+            Ok((200, b)) => serde_json::from_slice::<serde_json::Value>(&b).ok()?["policy_count"].as_u64(),
+            _ => None,
+        }
     }
 
-    /// The background loop: health poll, full resync when the gateway (re)appears, retries of
+    /// The addresses the gateway holds a policy for (`GET /admin/v1/policies`, redacted).
+    async fn gateway_addresses(&self) -> Result<Vec<Ipv4Addr>, String> {
+        let (s, b) = self.request(Method::GET, "/admin/v1/policies", Vec::new()).await?;
+        if s != 200 {
+            return Err(format!("GET /admin/v1/policies: {s}"));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&b).map_err(|e| format!("GET /admin/v1/policies: {e}"))?;
+        let map = v.as_object().ok_or("GET /admin/v1/policies: not an object")?;
+        Ok(map.keys().filter_map(|k| k.parse().ok()).collect())
+    }
+
+    /// One request per dirty address not already in flight; true when one failed transiently.
+    async fn push_dirty(&self) -> bool {
+        let mut failed = false;
+        let work: Vec<Ipv4Addr> = self.lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
+        for ip in work {
+            let Some((generation, desired)) = self.begin(ip) else { continue };
+            let r = self.push(ip, desired.as_ref()).await;
+            failed |= matches!(r, Push::Transient(_));
+            self.complete(ip, generation, r);
+        }
+        failed
+    }
+
+    /// Whether the gateway's `policy_count` proves its contents differ from what the agent
+    /// knows: fewer than acknowledged (it lost some: a restart between two polls), or more
+    /// than acknowledged plus every address with a request owed (it holds one the agent does
+    /// not want: e.g. a PUT that timed out here and was applied after a newer DELETE).
+    fn count_mismatch(&self, count: u64) -> bool {
+        let m = self.lock();
+        let acked = m.values().filter(|e| e.acked).count() as u64;
+        let owed = m.values().filter(|e| e.dirty).count() as u64;
+        count < acked || count > acked + owed
+    }
+
+    /// The background loop: health poll, full sync when the gateway (re)appears, retries of
     /// dirty IPs with backoff. Ends when the agent is dropped.
     pub async fn run(self: Arc<Self>, agent: Weak<Agent>) {
-        let mut up = false;
         let mut backoff = Duration::from_millis(200);
         loop {
             let Some(a) = agent.upgrade() else { return };
-            let now_up = self.healthy().await;
-            if now_up && !up {
-                tracing::info!(gateway = %self.authority, "cube-egress reachable: full policy resync");
-                self.resync(a.egress_policies());
+            let was_up = self.up.load(Ordering::Acquire);
+            let mut up = false;
+            if let Some(count) = self.health().await {
+                let mismatch = self.count_mismatch(count);
+                if !was_up || mismatch {
+                    match self.gateway_addresses().await {
+                        Ok(held) => {
+                            let n = self.mark_full_sync(&a, &held);
+                            tracing::info!(gateway = %self.authority, sandboxes = n, gateway_held = held.len(), mismatch, "cube-egress reachable: full policy sync");
+                            up = true;
+                        }
+                        Err(e) => tracing::warn!(gateway = %self.authority, "cube-egress full sync: {e}"),
+                    }
+                } else {
+                    up = true;
+                }
             }
-            if up && !now_up {
+            if was_up && !up {
                 tracing::warn!(gateway = %self.authority, "cube-egress unreachable");
             }
-            up = now_up;
             drop(a);
             let mut failed = false;
             if up {
-                let work: Vec<(Ipv4Addr, u64, Option<PolicySpec>)> = self
-                    .lock()
-                    .iter()
-                    .filter(|(_, e)| e.dirty)
-                    .map(|(ip, e)| (*ip, e.generation, e.desired.clone()))
-                    .collect();
-                for (ip, generation, desired) in work {
-                    let r = self.push(ip, desired.as_ref()).await;
-                    failed |= matches!(r, Push::Transient(_));
-                    self.complete(ip, generation, r);
+                failed = self.push_dirty().await;
+                if !failed {
+                    self.synced.store(true, Ordering::Release);
                 }
             }
+            // Published after the sync's pushes: a caller that sees `up` pushes on top of them.
+            self.up.store(up, Ordering::Release);
+            self.metrics.egress_up.set(i64::from(up));
+            self.metrics.egress_pending.set(self.pending() as i64);
             let pause = if failed || (!up && self.lock().values().any(|e| e.dirty)) {
                 let p = backoff;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -239,7 +380,7 @@ impl EgressSync {
             };
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
-                _ = self.wake.notified(), if !failed => {}
+                _ = self.wake.notified(), if up && !failed => {}
             }
         }
     }
@@ -248,6 +389,123 @@ impl EgressSync {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::convert::Infallible;
+
+    /// A fake admin API: records each PUT/DELETE when its handler finishes; a PUT whose body
+    /// contains `slow` takes 400 ms first, one containing `refuse` gets a 400 (not recorded).
+    async fn fake_gateway() -> (String, Arc<Mutex<Vec<(String, String)>>>) {
+        let applied: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let log = applied.clone();
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                        let log = log.clone();
+                        async move {
+                            let m = req.method().to_string();
+                            let body = req.into_body().collect().await.unwrap().to_bytes();
+                            let b = String::from_utf8_lossy(&body).into_owned();
+                            if b.contains("slow") {
+                                tokio::time::sleep(Duration::from_millis(400)).await;
+                            }
+                            if b.contains("refuse") {
+                                let mut r = hyper::Response::new(Full::new(Bytes::from_static(b"{\"error\":\"x\"}")));
+                                *r.status_mut() = hyper::StatusCode::BAD_REQUEST;
+                                return Ok::<_, Infallible>(r);
+                            }
+                            log.lock().unwrap().push((m, b));
+                            Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(b"{}"))))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
+                });
+            }
+        });
+        (url, applied)
+    }
+
+    fn spec(id: &str) -> PolicySpec {
+        serde_json::from_value(serde_json::json!({"policy_id": "p", "rules": [{"id": id, "action": {"allow": true}}]}))
+            .unwrap()
+    }
+
+    /// A change made while a request for the same address is on the wire is sent after it,
+    /// never beside it: the gateway ends with the newest state (here: deleted), even though
+    /// the older request is the slower one.
+    #[test]
+    fn requests_for_one_address_are_sequential() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        sync.up.store(true, Ordering::Release);
+        let ip: Ipv4Addr = "192.168.0.2".parse().unwrap();
+        let s2 = sync.clone();
+        let slow = std::thread::spawn(move || s2.set_blocking(ip, Some(spec("slow"))));
+        std::thread::sleep(Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        sync.set_blocking(ip, None);
+        assert!(t.elapsed() < Duration::from_millis(200), "waited for the request in flight");
+        slow.join().unwrap();
+        assert_eq!(sync.pending(), 1, "the delete is still owed");
+        assert!(!rt.block_on(sync.push_dirty()));
+        let log = applied.lock().unwrap().clone();
+        let methods: Vec<&str> = log.iter().map(|(m, _)| m.as_str()).collect();
+        assert_eq!(methods, ["PUT", "DELETE"], "{log:?}");
+        assert_eq!(sync.pending(), 0);
+        assert!(sync.lock().is_empty(), "a completed delete forgets the address");
+    }
+
+    #[test]
+    fn gateway_errors_are_scrubbed_of_secrets() {
+        let spec: PolicySpec = serde_json::from_value(serde_json::json!({"policy_id": "p", "rules": [{"id": "r",
+            "action": {"allow": true, "inject": [{"header": "X-K", "secret": "hunter2-secret"}]}}]}))
+        .unwrap();
+        let t = scrub(r#"{"error":"rules[0]: invalid value \"hunter2-secret\""}"#, Some(&spec));
+        assert!(!t.contains("hunter2") && t.contains("rules[0]"), "{t}");
+        assert_eq!(scrub("plain", None), "plain");
+    }
+
+    /// A refused policy is not retried and does not count as held by the gateway (no full
+    /// sync every poll); the counts that do prove a difference are recognised.
+    #[test]
+    fn refused_is_final_and_counts_are_exact() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        sync.up.store(true, Ordering::Release);
+        sync.set_blocking("192.168.0.5".parse().unwrap(), Some(spec("refuse")));
+        assert_eq!(sync.metrics.egress_push.with_label_values(&["refused"]).get(), 1);
+        assert_eq!(sync.pending(), 0, "not retried");
+        assert!(!sync.count_mismatch(0));
+        sync.set_blocking("192.168.0.6".parse().unwrap(), Some(spec("ok")));
+        assert_eq!(applied.lock().unwrap().len(), 1);
+        assert!(!sync.count_mismatch(1));
+        assert!(sync.count_mismatch(0), "the gateway lost one");
+        assert!(sync.count_mismatch(2), "the gateway holds one the agent does not want");
+        sync.up.store(false, Ordering::Release);
+        sync.set_blocking("192.168.0.7".parse().unwrap(), Some(spec("owed")));
+        assert!(!sync.count_mismatch(2), "an owed push may already have landed");
+        assert!(sync.count_mismatch(3));
+    }
+
+    /// Without a full sync yet, a delete for an unknown address is still sent (the gateway
+    /// may hold one from before a restart); after it, it is skipped.
+    #[test]
+    fn deletes_are_skipped_only_after_a_full_sync() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        sync.up.store(true, Ordering::Release);
+        sync.set_blocking("192.168.0.3".parse().unwrap(), None);
+        sync.synced.store(true, Ordering::Release);
+        sync.set_blocking("192.168.0.4".parse().unwrap(), None);
+        assert_eq!(applied.lock().unwrap().len(), 1);
+        assert_eq!(sync.metrics.egress_push.with_label_values(&["ok"]).get(), 1);
+    }
 
     #[test]
     fn admin_url_is_strict() {

@@ -34,6 +34,15 @@ fn json(v: &impl serde::Serialize) -> Response<Full<Bytes>> {
     }
 }
 
+/// Whether a peer may read the `/v1/` paths: 127.0.0.0/8, `::1`, or `::ffff:127.x.y.z` (an IPv4
+/// loopback client of a dual-stack `[::]` listener). Everything else is refused.
+pub fn is_loopback_peer(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_loopback(),
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(v6.is_loopback(), |v4| v4.is_loopback()),
+    }
+}
+
 /// A request handler run on the blocking pool.
 type Job = Box<dyn FnOnce(&Agent) -> Response<Full<Bytes>> + Send>;
 
@@ -44,7 +53,7 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
         r.headers_mut().insert("allow", hyper::header::HeaderValue::from_static("GET"));
         return r;
     }
-    if path.starts_with("/v1/") && !peer.ip().is_loopback() {
+    if path.starts_with("/v1/") && !is_loopback_peer(peer.ip()) {
         return text(StatusCode::FORBIDDEN, "loopback only\n", "text/plain");
     }
     let a = agent.clone();
@@ -138,5 +147,20 @@ pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) -> std:
                 tracing::debug!("http client {peer}: {e}");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback_peer;
+
+    #[test]
+    fn loopback_peers() {
+        for ok in ["127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"] {
+            assert!(is_loopback_peer(ok.parse().unwrap()), "{ok}");
+        }
+        for bad in ["10.0.0.1", "192.168.0.2", "0.0.0.0", "::", "::ffff:10.0.0.1", "fe80::1", "::127.0.0.1"] {
+            assert!(!is_loopback_peer(bad.parse().unwrap()), "{bad}");
+        }
     }
 }

@@ -241,6 +241,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             &raw.cube_egress_admin_url,
             timeout,
             tokio::runtime::Handle::current(),
+            agent.metrics.clone(),
         )
         .map_err(anyhow::Error::msg)?;
         agent.set_egress_sync(sync.clone());

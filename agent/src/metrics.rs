@@ -33,6 +33,12 @@ pub struct Metrics {
     pub sessions: IntGauge,
     /// `cubenet_tap_create_failures_total`.
     pub tap_create_failures: IntCounterVec,
+    /// `cubenet_egress_push_total{result}`: CubeEgress pushes (`ok`, `retry`, `refused`).
+    pub egress_push: IntCounterVec,
+    /// `cubenet_egress_pending`: sandbox addresses whose gateway copy is out of date.
+    pub egress_pending: IntGauge,
+    /// `cubenet_egress_up`: 1 while the gateway's health endpoint answers.
+    pub egress_up: IntGauge,
 }
 
 impl Metrics {
@@ -59,8 +65,18 @@ impl Metrics {
         let tap_create_failures =
             IntCounterVec::new(Opts::new("cubenet_tap_create_failures_total", "Failed TAP creations"), &["stage"])
                 .unwrap();
+        let egress_push =
+            IntCounterVec::new(Opts::new("cubenet_egress_push_total", "CubeEgress policy pushes"), &["result"])
+                .unwrap();
+        let egress_pending =
+            IntGauge::new("cubenet_egress_pending", "Sandbox addresses whose CubeEgress policy is out of date")
+                .unwrap();
+        let egress_up = IntGauge::new("cubenet_egress_up", "CubeEgress admin API reachable").unwrap();
         for c in [
             Box::new(pool.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(egress_push.clone()),
+            Box::new(egress_pending.clone()),
+            Box::new(egress_up.clone()),
             Box::new(ensure.clone()),
             Box::new(release.clone()),
             Box::new(ensure_seconds.clone()),
@@ -81,6 +97,9 @@ impl Metrics {
             fd_handoffs,
             sessions,
             tap_create_failures,
+            egress_push,
+            egress_pending,
+            egress_up,
         }
     }
 

@@ -13,5 +13,14 @@ pub mod v1 {
     tonic::include_proto!("network_agent.api.v1");
 }
 
+/// The API as it was before the CubeNet additions (`CubeVSContext` fields 1–3 only; source
+/// `tests/network_agent_v1_old.proto`): messages and client, for tests proving that old
+/// clients keep working byte for byte. Not for production use.
+#[doc(hidden)]
+pub mod v1_old {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    include!(concat!(env!("OUT_DIR"), "/v1_old/network_agent.api.v1.rs"));
+}
+
 /// The protobuf source, for tools that want to generate their own client.
 pub const PROTO_SOURCE: &str = include_str!("../proto/network_agent.proto");

@@ -45,7 +45,6 @@ fn ensure_req(id: &str, ports: &[u32]) -> pb::EnsureNetworkRequest {
         cubevs_context: Some(pb::CubeVsContext {
             allow_internet_access: Some(false),
             allow_out: vec!["198.51.100.0/24".into()],
-            deny_out: vec![],
             ..Default::default()
         }),
         ..Default::default()

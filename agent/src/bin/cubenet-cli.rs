@@ -42,6 +42,9 @@ enum Cmd {
         /// Denied CIDR; repeatable.
         #[arg(long)]
         deny_out: Vec<String>,
+        /// Allowed DNS name `NAME[:PORT[,PORT…]]` (`*.suffix` for subdomains); repeatable.
+        #[arg(long)]
+        allow_fqdn: Vec<String>,
     },
     /// Release a sandbox network.
     Release {
@@ -69,6 +72,17 @@ enum Cmd {
     Portmaps,
     /// Dump per-TAP egress policies.
     Policies,
+}
+
+/// `NAME[:PORT[,PORT…]]` → an FQDN allow entry (the agent validates the name and ports).
+fn parse_fqdn(s: &str) -> anyhow::Result<pb::FqdnAllow> {
+    let (name, ports) = s.split_once(':').unwrap_or((s, ""));
+    let ports = ports
+        .split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse().with_context(|| format!("port {p:?} in {s:?}")))
+        .collect::<anyhow::Result<_>>()?;
+    Ok(pb::FqdnAllow { name: name.to_string(), ports })
 }
 
 fn parse_port(s: &str) -> anyhow::Result<pb::PortMapping> {
@@ -133,7 +147,7 @@ fn http_json(addr: &str, path: &str) -> anyhow::Result<serde_json::Value> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Ensure { sandbox_id, ports, no_internet, allow_out, deny_out } => {
+        Cmd::Ensure { sandbox_id, ports, no_internet, allow_out, deny_out, allow_fqdn } => {
             let mut c = connect(&cli.grpc).await?;
             let r = c
                 .ensure_network(pb::EnsureNetworkRequest {
@@ -143,7 +157,8 @@ async fn main() -> anyhow::Result<()> {
                         allow_internet_access: Some(!no_internet),
                         allow_out,
                         deny_out,
-                        ..Default::default()
+                        allow_fqdn: allow_fqdn.iter().map(|f| parse_fqdn(f)).collect::<anyhow::Result<_>>()?,
+                        rules: Vec::new(),
                     }),
                     ..Default::default()
                 })

@@ -4,8 +4,15 @@
 //!
 //! Accepted: an exact name (`api.example.com`) or a leading `*.` wildcard (`*.example.com`:
 //! any-depth subdomains, not the apex), case-insensitive, one trailing dot ignored. Rejected:
-//! blank, whitespace, IP literals (they belong in `allow_out`), middle wildcards, empty or
-//! over-long labels (> 63 bytes), names over 253 bytes, bytes outside `[a-z0-9-_]`.
+//! blank, whitespace, IP literals and CIDRs (they belong in `allow_out`), a wildcard anywhere
+//! but as the whole leftmost label, empty or over-long labels (> 63 bytes), names over 253
+//! bytes (the name a wildcard matches is at least two bytes longer, so its suffix may have at
+//! most 251), labels with bytes outside `[a-z0-9-_]` or starting/ending with `-`, an
+//! all-numeric last label (no TLD is numeric; `1.2.3.4` is an address).
+//!
+//! Internationalised names: only the ASCII (A-label, `xn--…`) form is accepted, as it appears
+//! on the wire in DNS queries; a Unicode name is refused with a hint to send its punycode form
+//! (decision L2: no IDNA mapping tables in the agent, and no two spellings of one name).
 
 use crate::Error;
 
@@ -59,19 +66,27 @@ pub fn parse_fqdn(e: &FqdnAllow, field: &str) -> Result<FqdnPattern, Error> {
     if raw.chars().any(|c| c.is_whitespace()) {
         return Err(Error::invalid(nf, "must not contain whitespace"));
     }
+    if !raw.is_ascii() {
+        return Err(Error::invalid(nf, "non-ASCII name: send its punycode (xn--) form"));
+    }
     let lower = raw.to_ascii_lowercase();
     let s = lower.strip_suffix('.').unwrap_or(&lower);
     let (subdomains, name) = match s.strip_prefix("*.") {
         Some(rest) => (true, rest),
         None => (false, s),
     };
-    if name.len() > 253 {
-        return Err(Error::invalid(nf, "longer than 253 bytes"));
+    let max = if subdomains { 251 } else { 253 };
+    if name.len() > max {
+        return Err(Error::invalid(
+            nf,
+            format!("longer than {max} bytes{}", if subdomains { " after `*.`" } else { "" }),
+        ));
     }
     if name.contains('*') {
         return Err(Error::invalid(nf, "only a leading `*.` wildcard is allowed"));
     }
-    if name.bytes().all(|b| b.is_ascii_digit() || b == b'.') || name.contains('/') {
+    let last = name.rsplit('.').next().unwrap_or("");
+    if (!last.is_empty() && last.bytes().all(|b| b.is_ascii_digit())) || name.contains('/') || name.contains(':') {
         return Err(Error::invalid(nf, "IP addresses and CIDRs belong in allow_out"));
     }
     let bad_label = |l: &str| {
@@ -134,5 +149,79 @@ mod tests {
         assert_eq!(field(p("a.com", &[443, 0]).unwrap_err()), "allow_fqdn[0].ports[1]");
         assert_eq!(field(p("a.com", &[65536]).unwrap_err()), "allow_fqdn[0].ports[0]");
         assert_eq!(field(p("a.com", &[1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap_err()), "allow_fqdn[0].ports");
+    }
+
+    /// `n` bytes of name: 63-byte labels joined by dots, the last one shortened.
+    fn name_of_len(n: usize) -> String {
+        let mut s = String::new();
+        while s.len() < n {
+            if !s.is_empty() {
+                s.push('.');
+            }
+            let take = (n - s.len()).min(63);
+            s.push_str(&"a".repeat(take));
+        }
+        assert_eq!(s.len(), n);
+        s
+    }
+
+    #[test]
+    fn length_limits_are_exact() {
+        let label63 = format!("{}.com", "b".repeat(63));
+        assert_eq!(p(&label63, &[]).unwrap().name, label63);
+        assert_eq!(field(p(&format!("{}.com", "b".repeat(64)), &[]).unwrap_err()), "allow_fqdn[0].name");
+        let n253 = name_of_len(253);
+        assert!(n253.ends_with('a'), "{n253}");
+        assert_eq!(p(&n253, &[]).unwrap().name.len(), 253);
+        assert_eq!(p(&format!("{n253}."), &[]).unwrap().name.len(), 253, "a trailing dot is not counted");
+        assert_eq!(field(p(&name_of_len(254), &[]).unwrap_err()), "allow_fqdn[0].name");
+        // `*.` + 251: the shortest matching name (`x.` + 251) is 253 bytes.
+        let w = p(&format!("*.{}", name_of_len(251)), &[]).unwrap();
+        assert!(w.matches(&format!("x.{}", name_of_len(251))));
+        assert_eq!(field(p(&format!("*.{}", name_of_len(252)), &[]).unwrap_err()), "allow_fqdn[0].name");
+    }
+
+    #[test]
+    fn label_characters_and_wildcard_position() {
+        for ok in ["a-b.example.com", "_dmarc.example.com", "xn--bcher-kva.example", "9gag.com", "a.b.c.d.e", "x"] {
+            assert!(p(ok, &[]).is_ok(), "{ok:?}");
+        }
+        for bad in [
+            "a-.com",
+            "a.-b.com",
+            "a!.com",
+            "a b.com",
+            "a\tb.com",
+            "b\u{fc}cher.de",
+            "bücher.de",
+            "*a.example.com",
+            "**.example.com",
+            "*.*.example.com",
+            "example.*",
+            "x.*",
+            "example.com.*",
+            ".example.com",
+            "example.com..",
+            "example.123",
+            "[::1]",
+            "::1",
+            "a.com:443",
+        ] {
+            assert_eq!(field(p(bad, &[]).unwrap_err()), "allow_fqdn[0].name", "{bad:?}");
+        }
+        let e = p("bücher.de", &[]).unwrap_err().to_string();
+        assert!(e.contains("punycode"), "{e}");
+    }
+
+    #[test]
+    fn port_bounds() {
+        assert_eq!(p("a.com", &[1, 65535]).unwrap().ports, vec![1, 65535]);
+        assert_eq!(
+            p("a.com", &[8, 7, 6, 5, 4, 3, 2, 1]).unwrap().ports,
+            vec![1, 2, 3, 4, 5, 6, 7, 8],
+            "8 ports: the maximum"
+        );
+        assert_eq!(field(p("a.com", &[u32::MAX]).unwrap_err()), "allow_fqdn[0].ports[0]");
+        assert_eq!(field(p("a.com", &[80, 80, 80, 80, 80, 80, 80, 80, 80]).unwrap_err()), "allow_fqdn[0].ports");
     }
 }

@@ -64,14 +64,28 @@ impl Default for EgressPolicy {
     }
 }
 
+/// Largest JSON body of one sandbox's gateway policy, in bytes: CubeEgress's admin API refuses
+/// larger request bodies (`egress/src/admin.rs`, `MAX_BODY`), so a bigger policy could never
+/// reach the gateway.
+pub const MAX_RULES_JSON_BYTES: usize = 1 << 20;
+
 /// Validates L7 rules with the gateway's own validator (`egress_policy::Policy::compile`),
-/// so what the agent accepts the gateway accepts. Errors name the field (`rules[2].match.path`).
-/// An empty list is valid (no L7 policy).
+/// so what the agent accepts the gateway accepts. Errors name the field (`rules[2].match.path`;
+/// `rules` when the policy's JSON exceeds [`MAX_RULES_JSON_BYTES`]). Reasons never quote a
+/// secret. An empty list is valid (no L7 policy).
 pub fn validate_rules(rules: &[egress_policy::RuleSpec]) -> Result<(), Error> {
     if rules.is_empty() {
         return Ok(());
     }
-    let spec = egress_policy::PolicySpec { policy_id: "validate".into(), rules: rules.to_vec() };
+    // The policy id the agent sends is the sandbox IP (at most 15 bytes).
+    let spec = egress_policy::PolicySpec { policy_id: "255.255.255.255".into(), rules: rules.to_vec() };
+    let size = serde_json::to_vec(&spec).map(|v| v.len()).map_err(|e| Error::invalid("rules", e.to_string()))?;
+    if size > MAX_RULES_JSON_BYTES {
+        return Err(Error::invalid(
+            "rules",
+            format!("{size} bytes of JSON exceed the gateway's limit of {MAX_RULES_JSON_BYTES}"),
+        ));
+    }
     egress_policy::Policy::compile(spec).map(|_| ()).map_err(|e| Error::invalid(e.field, e.reason))
 }
 
@@ -94,10 +108,15 @@ pub struct CompiledPolicy {
 
 /// Validates and expands `p`. `limit` is the per-sandbox maximum of each list as given
 /// (before deduplication). Errors are [`Error::InvalidArgument`] naming the field:
-/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` / `allow_fqdn` for a list over
+/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` / `allow_fqdn` / `rules` for a list over
 /// `limit`, `allow_fqdn[1].name`, `rules[2].match.path`.
 pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
-    let lens = [("allow_out", p.allow_out.len()), ("deny_out", p.deny_out.len()), ("allow_fqdn", p.allow_fqdn.len())];
+    let lens = [
+        ("allow_out", p.allow_out.len()),
+        ("deny_out", p.deny_out.len()),
+        ("allow_fqdn", p.allow_fqdn.len()),
+        ("rules", p.rules.len()),
+    ];
     for (name, len) in lens {
         if len > limit as usize {
             return Err(Error::invalid(name, format!("{len} entries exceed the limit of {limit} per sandbox")));
@@ -250,6 +269,32 @@ mod tests {
         r2.matcher.path = Some("/a*b*".into());
         let e = compile(&EgressPolicy { rules: vec![rule("/a"), r2], ..Default::default() }, 16).unwrap_err();
         assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "rules[1].match.path"), "{e}");
+        // Over the gateway's body limit: 17 rules with a 64 KiB secret each.
+        let big: Vec<egress_policy::RuleSpec> = (0..17)
+            .map(|i| {
+                serde_json::from_value(serde_json::json!({"id": format!("r{i}"), "match": {"host": "a.example.com"},
+                    "action": {"allow": true, "inject": [{"header": "X-K", "secret": "s".repeat(65536)}]}}))
+                .unwrap()
+            })
+            .collect();
+        compile(&EgressPolicy { rules: big[..15].to_vec(), ..Default::default() }, 16).expect("under 1 MiB");
+        let e = compile(&EgressPolicy { rules: big.clone(), ..Default::default() }, 32).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "rules"), "{e}");
+        assert!(!e.to_string().contains("sss"), "the reason never quotes a secret: {e}");
+        let e = compile(&EgressPolicy { rules: big, ..Default::default() }, 16).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { field, reason } if field == "rules" && reason.contains("limit of 16"))
+        );
+    }
+
+    /// State written before the FQDN/L7 fields loads unchanged and is written back unchanged.
+    #[cfg(feature = "serde")]
+    #[test]
+    fn older_json_loads_and_round_trips() {
+        let old = r#"{"allow_internet_access":false,"allow_out":["1.1.1.1/32"],"deny_out":[]}"#;
+        let p: EgressPolicy = serde_json::from_str(old).unwrap();
+        assert!(p.allow_fqdn.is_empty() && p.rules.is_empty());
+        assert_eq!(serde_json::to_string(&p).unwrap(), old);
     }
 
     #[test]
