@@ -28,7 +28,7 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap (cubenet-bench)
+    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap, dns (cubenet-bench)
     /// and egress (cube-egress vs mitmproxy; BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.
