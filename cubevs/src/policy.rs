@@ -96,8 +96,9 @@ struct Written {
 
 impl Written {
     /// The FQDN entries without their generation, sorted (to compare two generations).
-    fn fqdn_set(&self) -> Vec<(u64, u8, u8, [u16; cubevs_common::dns::MAX_PORTS])> {
-        let mut v: Vec<_> = self.fqdn.iter().map(|(k, v)| (k.name_hash, k.subdomains, v.port_count, v.ports)).collect();
+    fn fqdn_set(&self) -> Vec<(u64, u8, u8, u8, [u16; cubevs_common::dns::MAX_PORTS])> {
+        let mut v: Vec<_> =
+            self.fqdn.iter().map(|(k, v)| (k.name_hash, k.subdomains, v.flags, v.port_count, v.ports)).collect();
         v.sort_unstable();
         v
     }
@@ -170,9 +171,10 @@ impl Tries {
         Ok(())
     }
 
-    fn write(&mut self, ifindex: u32, generation: u32, c: &CompiledPolicy) -> Result<(), Error> {
+    fn write(&mut self, ifindex: u32, generation: u32, c: &CompiledPolicy, l7: &HashSet<String>) -> Result<(), Error> {
         // Record before writing, so a failed write can still be purged.
-        let fqdn: Vec<_> = c.fqdn.iter().map(|p| dns::pattern_entry(ifindex, generation, p)).collect();
+        let fqdn: Vec<_> =
+            c.fqdn.iter().map(|p| dns::pattern_entry(ifindex, generation, p, dns::is_l7(p, l7))).collect();
         let w = self.index.entry((ifindex, generation)).or_default();
         w.allow.extend_from_slice(&c.allow);
         w.deny.extend_from_slice(&c.deny);
@@ -247,7 +249,7 @@ impl PolicyTable {
         // first, so at most two generations of this interface exist at any time.
         t.purge(ifindex, |g| Some(g) != active)?;
         let new = active.map_or(1, |g| g.wrapping_add(1));
-        if let Err(e) = t.write(ifindex, new, &compiled) {
+        if let Err(e) = t.write(ifindex, new, &compiled, &dns::l7_names(&p.rules)) {
             let _ = t.purge(ifindex, |g| g == new);
             return Err(e);
         }

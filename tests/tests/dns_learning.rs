@@ -301,3 +301,89 @@ fn dns_to_a_denied_resolver_stays_denied() {
     assert!(r.maps.policy.dns_queries(None).is_empty());
     assert!(r.maps.sessions.list().unwrap().is_empty());
 }
+
+/// L7 steering: an FQDN entry that an L7 rule names (`match.host`) makes its learned
+/// addresses L7. A new TCP flow to such an address on 443/80 leaves unchanged but for the
+/// source (the sandbox IP, which the gateway keys on) with upstream's mark under its mask,
+/// into cube-dev; its session records the class (no SNAT: identity address and port) and
+/// keeps it for the flow's life, even after the learned entry is gone. Other ports take the
+/// plain SNAT path. CubeEgress's replies through `from_envoy` advance the session's state.
+#[test]
+fn l7_names_are_steered_with_the_mark_and_keep_their_class() {
+    if !require_root("l7_names_are_steered_with_the_mark_and_keep_their_class") {
+        return;
+    }
+    use cubenet_tests::rig::SB_IP;
+    use cubevs::prog;
+    use cubevs_common::l7;
+    let rule: egress_policy::RuleSpec = serde_json::from_value(serde_json::json!({
+        "id": "api", "match": {"host": "API.example.com."}, "action": {"allow": true}
+    }))
+    .unwrap();
+    let mut p = closed_policy();
+    p.rules = vec![rule];
+    let r = rig(&p);
+    let snat = send_query(&r, 40000, &dns::query(0x6001, "api.example.com"));
+    send_response(&r, RESOLVER, 53, snat, &dns::response(0x6001, "api.example.com", &[a(Owner::Question, ADDR1, 600)]));
+    let l = r.maps.policy.learned(Some(SB_IFINDEX));
+    assert_eq!(l.len(), 1);
+    assert!(l[0].l7, "learned under an L7 pattern");
+    // `*.cdn.example` is not named by a rule: plain.
+    let snat = send_query(&r, 40001, &dns::query(0x6002, "x.cdn.example"));
+    send_response(&r, RESOLVER, 53, snat, &dns::response(0x6002, "x.cdn.example", &[a(Owner::Question, ADDR2, 600)]));
+    assert!(!r.maps.policy.learned(Some(SB_IFINDEX)).iter().find(|e| e.ip == Ipv4Addr::from(ADDR2)).unwrap().l7);
+
+    let seg =
+        |dst, dport, t: T| tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, dst, T { sport: 41000, dport, win: 1000, ..t }, b"");
+    let steered =
+        |dst, dport, t: T| tcp(GUEST_MAC, GATEWAY_MAC, SB_IP, dst, T { sport: 41000, dport, win: 1000, ..t }, b"");
+    let syn = T { seq: 1, syn: true, ..Default::default() };
+
+    // HTTPS: marked 0xCE02xxxx, source = sandbox IP, nothing else changed, to cube-dev.
+    let out = r.cube(seg(ADDR1, 443, syn));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    assert_eq!(out.data, steered(ADDR1, 443, syn));
+    assert_eq!(out.mark, l7::MARK_HTTPS);
+    assert_eq!(count(&r, counter::CUBE_L7_NEW), 1);
+    let s = r.maps.sessions.list().unwrap();
+    let s = s.iter().find(|s| s.remote_port == 443).unwrap();
+    assert_eq!(
+        (s.state, s.snat_ip, s.snat_port, s.remote_ip),
+        ("syn_sent", Ipv4Addr::from(SB_IP), 41000, Ipv4Addr::from(ADDR1)),
+        "identity, no SNAT"
+    );
+
+    // CubeEgress answers (IP_TRANSPARENT: source = the original destination) through
+    // from_envoy: delivered to the guest, session state advanced.
+    let synack = T { seq: 900, ack: Some(2), syn: true, ..Default::default() };
+    let reply = tcp(r.world_mac, r.up_mac, ADDR1, SB_IP, T { sport: 443, dport: 41000, win: 1000, ..synack }, b"");
+    let out = r.run(prog::FROM_ENVOY, reply, 0);
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    assert_eq!(count(&r, counter::ENVOY_L7_REPLY), 1);
+    let state = |r: &Rig| r.maps.sessions.list().unwrap().iter().find(|s| s.remote_port == 443).unwrap().state;
+    assert_eq!(state(&r), "syn_recv");
+
+    // The flow keeps its class after the learned entry is gone.
+    r.maps.policy.purge_learned(SB_IFINDEX).unwrap();
+    let ack = T { seq: 2, ack: Some(901), ..Default::default() };
+    let out = r.cube(seg(ADDR1, 443, ack));
+    assert_eq!((out.verdict, out.mark), (TC_ACT_REDIRECT, l7::MARK_HTTPS));
+    assert_eq!(out.data, steered(ADDR1, 443, ack));
+    assert_eq!(state(&r), "established");
+
+    // Learn again: HTTP gets the HTTP mark; another port of the same address goes out SNATed.
+    let snat = send_query(&r, 40002, &dns::query(0x6003, "api.example.com"));
+    send_response(&r, RESOLVER, 53, snat, &dns::response(0x6003, "api.example.com", &[a(Owner::Question, ADDR1, 600)]));
+    let out = r.cube(seg(ADDR1, 80, syn));
+    assert_eq!((out.verdict, out.mark), (TC_ACT_REDIRECT, l7::MARK_HTTP));
+    let out = r.cube(seg(ADDR1, 8080, syn));
+    assert_eq!((out.verdict, out.mark), (TC_ACT_REDIRECT, 0));
+    assert_eq!(out.data[26..30], NODE_IP, "plain SNAT");
+    // A plain (non-L7) learned address is SNATed on 443.
+    let snat = send_query(&r, 40003, &dns::query(0x6004, "x.cdn.example"));
+    send_response(&r, RESOLVER, 53, snat, &dns::response(0x6004, "x.cdn.example", &[a(Owner::Question, ADDR2, 600)]));
+    let out = r.cube(seg(ADDR2, 443, syn));
+    assert_eq!((out.verdict, out.mark), (TC_ACT_REDIRECT, 0));
+    assert_eq!(out.data[26..30], NODE_IP);
+    assert_eq!(count(&r, counter::CUBE_L7_NEW), 2);
+}

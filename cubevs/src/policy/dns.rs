@@ -18,8 +18,26 @@ use cubevs_common::{
 use super::{FqdnPattern, absent_ok};
 use crate::Error;
 
-/// The `dns_allow` entries of one pattern under (`ifindex`, `generation`).
-pub(crate) fn pattern_entry(ifindex: u32, generation: u32, p: &FqdnPattern) -> (DnsAllowKey, DnsAllowValue) {
+/// Names the policy's L7 rules match on (`match.host`, `match.sni`), normalised like FQDN
+/// patterns (lower case, no trailing dot, `*.` kept): an FQDN pattern spelled the same is L7.
+pub(crate) fn l7_names(rules: &[egress_policy::RuleSpec]) -> std::collections::HashSet<String> {
+    rules
+        .iter()
+        .flat_map(|r| [r.matcher.host.as_deref(), r.matcher.sni.as_deref()])
+        .flatten()
+        .map(|n| n.trim().trim_end_matches('.').to_ascii_lowercase())
+        .collect()
+}
+
+/// Whether `p` is named by an L7 rule (see [`l7_names`]).
+pub(crate) fn is_l7(p: &FqdnPattern, l7: &std::collections::HashSet<String>) -> bool {
+    let spelled = if p.subdomains { format!("*.{}", p.name) } else { p.name.clone() };
+    l7.contains(&spelled)
+}
+
+/// The `dns_allow` entries of one pattern under (`ifindex`, `generation`); `l7` sets
+/// [`cubevs_common::dns::FLAG_L7`] (its learned addresses are steered to CubeEgress).
+pub(crate) fn pattern_entry(ifindex: u32, generation: u32, p: &FqdnPattern, l7: bool) -> (DnsAllowKey, DnsAllowValue) {
     let key = DnsAllowKey {
         ifindex,
         generation,
@@ -31,7 +49,8 @@ pub(crate) fn pattern_entry(ifindex: u32, generation: u32, p: &FqdnPattern) -> (
     for (d, s) in ports.iter_mut().zip(&p.ports) {
         *d = s.to_be();
     }
-    let value = DnsAllowValue { port_count: p.ports.len().min(MAX_PORTS) as u8, flags: 0, _pad: [0; 2], ports };
+    let flags = if l7 { cubevs_common::dns::FLAG_L7 } else { 0 };
+    let value = DnsAllowValue { port_count: p.ports.len().min(MAX_PORTS) as u8, flags, _pad: [0; 2], ports };
     (key, value)
 }
 
@@ -49,6 +68,8 @@ pub struct LearnedEntry {
     pub expires_ns: u64,
     /// Sandbox version that learned it.
     pub version: u32,
+    /// Flows to it on 80/443 are steered to CubeEgress.
+    pub l7: bool,
 }
 
 /// What one [`DnsMaps::reap`] removed.
@@ -81,6 +102,7 @@ impl DnsMaps {
                 port: u16::from_be(k.port),
                 expires_ns: v.expires_ns,
                 version: v.version,
+                l7: v.flags & cubevs_common::dns::FLAG_L7 as u32 != 0,
             })
             .collect();
         v.sort_by_key(|e| (e.ifindex, e.ip, e.port));

@@ -36,6 +36,10 @@ pub mod slot {
 /// `skb->cb[0]` value meaning "the DNS hook already ran for this packet".
 pub const CB_MAGIC: u32 = 0xd45c_0de5;
 
+/// `DnsAllowValue::flags` / `LearnedValue::flags`: addresses of this name are steered to
+/// CubeEgress (a policy rule names it as `host` or `sni`).
+pub const FLAG_L7: u8 = 1;
+
 /// DNS server port (host order). Only UDP to/from this port is parsed.
 pub const SERVER_PORT: u16 = 53;
 /// Bytes of a DNS message the datapath copies and parses (the rest of a longer EDNS answer

@@ -616,6 +616,12 @@ pub mod counter {
     /// dns_query / dns_response: the tail call back into the main program failed; the query
     /// was dropped (TAP side) or the response passed to the host (uplink side).
     pub const DNS_TAIL_BACK_FAILED: u32 = 54;
+    /// from_cube: new TCP flow to an L7 (learned) address on 80/443: session of class L7.
+    pub const CUBE_L7_NEW: u32 = 55;
+    /// from_cube: packet of an L7 session marked and steered to cube-dev unchanged.
+    pub const CUBE_L7_STEERED: u32 = 56;
+    /// from_envoy: CubeEgress reply of an L7 session (its conntrack state advanced).
+    pub const ENVOY_L7_REPLY: u32 = 57;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (CUBE_ARP, "from_cube", "arp_proxied"),
@@ -665,7 +671,41 @@ pub mod counter {
         (DNS_LEARNED_FLOW, "from_cube", "dns_learned_flow"),
         (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
         (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),
+        (CUBE_L7_NEW, "from_cube", "l7_new"),
+        (CUBE_L7_STEERED, "from_cube", "l7_steered"),
+        (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
     ];
+}
+
+/// L7 steering to CubeEgress (`reference/upstream.md §3.3`, `§3.9`, `§4.2`): upstream's
+/// `skb->mark` values under its mask, the defaults of `/etc/cubeegress/l7-marks.conf` that
+/// `scripts/cube-egress-net.sh`'s TPROXY rules match on cube-dev.
+pub mod l7 {
+    /// Bits of `skb->mark` the datapath owns.
+    pub const MARK_MASK: u32 = 0xFFFF_0000;
+    /// Plain HTTP flows (TPROXY to the gateway's :8080).
+    pub const MARK_HTTP: u32 = 0xCE01_0000;
+    /// HTTPS flows (TPROXY to the gateway's :8443).
+    pub const MARK_HTTPS: u32 = 0xCE02_0000;
+    /// `NatSession::l7_scheme`: HTTP.
+    pub const SCHEME_HTTP: u8 = 1;
+    /// `NatSession::l7_scheme`: HTTPS.
+    pub const SCHEME_HTTPS: u8 = 2;
+    /// The scheme of a destination port (NBO) on an L7 address: 80 → HTTP, 443 → HTTPS,
+    /// other ports 0 (not steered: the gateway listens for these two only).
+    #[inline(always)]
+    pub const fn scheme_of(dport_nbo: u16) -> u8 {
+        match u16::from_be(dport_nbo) {
+            80 => SCHEME_HTTP,
+            443 => SCHEME_HTTPS,
+            _ => 0,
+        }
+    }
+    /// The mark value of `scheme`.
+    #[inline(always)]
+    pub const fn mark_of(scheme: u8) -> u32 {
+        if scheme == SCHEME_HTTP { MARK_HTTP } else { MARK_HTTPS }
+    }
 }
 
 /// Ethernet and ARP constants used by the ARP proxy.

@@ -282,7 +282,8 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     }
     let allow = tracked.allow;
     let w = dns::walk_answers::<BpfLoop>(s, len, pos, h.ancount, |addr, ttl| {
-        let value = LearnedValue { expires_ns: now + dns::learned_lifetime_ns(ttl), version, flags: 0 };
+        let value =
+            LearnedValue { expires_ns: now + dns::learned_lifetime_ns(ttl), version, flags: allow.flags as u32 };
         let n = allow.port_count as usize;
         if n == 0 {
             learn(vm_ifindex, addr, 0, &value);
@@ -322,19 +323,27 @@ fn learn(ifindex: u32, ip: u32, port: u16, v: &LearnedValue) {
     }
 }
 
-/// True when a learned entry of `ifindex` (sandbox `version`) lets a new flow reach `daddr`
-/// (NBO) on `dport` (NBO; 0 for ICMP): an entry for that port or for every port, unexpired.
+/// What a learned entry of `ifindex` (sandbox `version`) says about a new flow to `daddr`
+/// (NBO) on `dport` (NBO; 0 for ICMP), from an unexpired entry for that port or for every
+/// port: 0 nothing, 1 allowed, 2 allowed and L7 (steer to CubeEgress).
 #[inline(always)]
-pub fn learned_allows(ifindex: u32, version: u32, daddr: u32, dport: u16) -> bool {
+pub fn learned_class(ifindex: u32, version: u32, daddr: u32, dport: u16) -> u8 {
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let ok = |port: u16| {
+    let class = |port: u16| -> u8 {
         let key = LearnedKey { ifindex, ip: daddr, port, _pad: 0 };
         // SAFETY: plain map lookup; fields copied out.
         match unsafe { DNS_LEARNED.get(&key) } {
-            Some(v) => v.version == version && v.expires_ns > now,
-            None => false,
+            Some(v) if v.version == version && v.expires_ns > now => {
+                if v.flags & dns::FLAG_L7 as u32 != 0 {
+                    2
+                } else {
+                    1
+                }
+            }
+            _ => 0,
         }
     };
-    (dport != 0 && ok(dport)) || ok(0)
+    let c = if dport != 0 { class(dport) } else { 0 };
+    if c != 0 { c } else { class(0) }
 }

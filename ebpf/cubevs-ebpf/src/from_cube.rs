@@ -26,11 +26,11 @@ use aya_ebpf::{
 use cubevs_common::{
     DatapathConfig, MvmPort, NatSession, PortmapKey, SessionKey,
     conntrack::{
-        Dir,
+        CLASS_L7, Dir,
         flags::{ACK, FIN, RST, SYN},
         tcp, timeout, udp,
     },
-    counter, ether, proto,
+    counter, ether, l7, proto,
 };
 
 use crate::{
@@ -155,6 +155,10 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         count(counter::CUBE_ESTABLISHED);
         // SAFETY: valid map value pointer.
         let sess = unsafe { *s };
+        if sess.packet_class == CLASS_L7 {
+            // The class was fixed when the flow began: it never switches midway.
+            return steer(ctx, &ip, guest_ip, sandbox_ip, sess.l7_scheme, node.cube_dev_ifindex);
+        }
         return snat_out(ctx, &ip, &l4, guest_ip, &sess);
     }
 
@@ -213,8 +217,18 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         count(counter::CUBE_NO_SESSION);
         return rst::reply(ctx, cfg, &ip, &l4, ifindex);
     }
-    if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
+    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport);
+    if class == policy::FLOW_DENY {
         return deny(ctx, cfg, &ip, &l4, ifindex);
+    }
+    let scheme = l7::scheme_of(l4.dport);
+    if class == policy::FLOW_L7 && ip.proto == proto::TCP && scheme != 0 && node.cube_dev_ifindex != 0 {
+        let first = nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 };
+        if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first).is_none() {
+            return drop(counter::CUBE_DROP_NO_SNAT);
+        }
+        count(counter::CUBE_L7_NEW);
+        return steer(ctx, &ip, guest_ip, sandbox_ip, scheme, node.cube_dev_ifindex);
     }
     let (state, first) = if ip.proto == proto::TCP {
         (tcp::SYN_SENT, nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 })
@@ -238,6 +252,28 @@ fn is_dns_query(ip: &Ipv4, l4: &L4) -> bool {
 fn deny(ctx: &TcContext, cfg: &DatapathConfig, ip: &Ipv4, l4: &L4, ifindex: u32) -> i32 {
     count(counter::CUBE_DENY);
     if ip.proto == proto::TCP { rst::reply(ctx, cfg, ip, l4, ifindex) } else { TC_ACT_SHOT }
+}
+
+/// Sends a packet of an L7 flow to CubeEgress: source rewritten to the sandbox IP (the
+/// gateway keys its policy on it), `skb->mark` set to the scheme's mark under the mask
+/// (other mark bits kept), frame otherwise unchanged (its destination MAC is already
+/// cube-dev's), redirected into cube-dev's ingress where TPROXY picks it up.
+#[inline(always)]
+fn steer(ctx: &TcContext, ip: &Ipv4, guest_ip: u32, sandbox_ip: u32, scheme: u8, cube_dev: u32) -> i32 {
+    if cube_dev == 0 || set_ip(ctx, ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err() {
+        return drop(counter::CUBE_DROP_MALFORMED);
+    }
+    // Volatile 32-bit accesses: LLVM otherwise narrows the masked update to a 2-byte store,
+    // which the verifier refuses on `__sk_buff.mark`.
+    // SAFETY: `skb` is the context pointer the kernel passed in; `mark` is writable by TC.
+    unsafe {
+        let p = core::ptr::addr_of_mut!((*ctx.skb.skb).mark);
+        let mark = core::ptr::read_volatile(p);
+        core::ptr::write_volatile(p, (mark & !l7::MARK_MASK) | l7::mark_of(scheme));
+    }
+    count(counter::CUBE_L7_STEERED);
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect(cube_dev, BPF_F_INGRESS as u64) as i32 }
 }
 
 #[inline(always)]

@@ -87,16 +87,31 @@ pub fn allowed(ifindex: u32, daddr: u32) -> bool {
 /// (NBO; `dport` 0 for ICMP): static allow, else a learned address, else not denied.
 #[inline(always)]
 pub fn allowed_flow(ifindex: u32, version: u32, daddr: u32, dport: u16) -> bool {
+    flow_class(ifindex, version, daddr, dport) != FLOW_DENY
+}
+
+/// [`flow_class`]: denied.
+pub const FLOW_DENY: u8 = 0;
+/// [`flow_class`]: allowed, plain SNAT.
+pub const FLOW_SNAT: u8 = 1;
+/// [`flow_class`]: allowed by a learned L7 address: steer to CubeEgress (80/443).
+pub const FLOW_L7: u8 = 2;
+
+/// The class of a new flow from `ifindex` (at `version`) to `daddr`:`dport` (NBO): a static
+/// allow is plain SNAT; else a learned address decides (plain or L7); else not denied = SNAT.
+#[inline(always)]
+pub fn flow_class(ifindex: u32, version: u32, daddr: u32, dport: u16) -> u8 {
     let r = verdict(ifindex, daddr);
     if r == v::NONE {
-        return false;
+        return FLOW_DENY;
     }
     if r == v::ALLOW {
-        return true;
+        return FLOW_SNAT;
     }
-    if dns::learned_allows(ifindex, version, daddr, dport) {
+    let learned = dns::learned_class(ifindex, version, daddr, dport);
+    if learned != 0 {
         count(counter::DNS_LEARNED_FLOW);
-        return true;
+        return if learned == 2 { FLOW_L7 } else { FLOW_SNAT };
     }
-    r == v::OPEN
+    if r == v::OPEN { FLOW_SNAT } else { FLOW_DENY }
 }
