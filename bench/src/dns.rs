@@ -5,14 +5,16 @@
 //!   path of a UDP reply of the same size from another port;
 //! - an unsolicited response (parsed up to its header and track lookup) beside the same;
 //! - a tracked guest query (`dns_query`: pattern lookups per label) beside an established
-//!   UDP packet of the same size to another port.
+//!   UDP packet of the same size to another port;
+//! - an established steered (L7) TCP packet (marked, source rewritten, into cube-dev) beside
+//!   an established plain SNAT TCP packet, and the same for a new flow's SYN.
 //!
 //! Every learned response needs a fresh tracked query, so those cases alternate one query and
 //! one response and time only the response (`repeat = 1`).
 
 use cubenet_tests::{
     dns::{self, Owner, a},
-    frames::udp,
+    frames::{Tcp, tcp, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     rig::{Rig, SB_IFINDEX},
     topology::{NODE_IP, WORLD_IP},
@@ -44,7 +46,16 @@ pub fn run() -> Vec<Row> {
         .policy
         .replace(
             SB_IFINDEX,
-            &EgressPolicy { allow_fqdn: vec![FqdnAllow { name: NAME.into(), ports: vec![] }], ..Default::default() },
+            &EgressPolicy {
+                allow_fqdn: vec![FqdnAllow { name: NAME.into(), ports: vec![] }],
+                rules: vec![
+                    serde_json::from_value(serde_json::json!({
+                        "id": "api", "match": {"host": NAME}, "action": {"allow": true}
+                    }))
+                    .expect("rule"),
+                ],
+                ..Default::default()
+            },
         )
         .expect("policy");
     let (wm, um, up) = (rig.world_mac, rig.up_mac, rig.uplink_ifindex);
@@ -94,7 +105,40 @@ pub fn run() -> Vec<Row> {
         rig.run_many(prog::FROM_CUBE, SB_IFINDEX, RUNS, move |_| p.clone()).into_iter().map(|x| x as f64).collect();
     let plain_q_med = stats(&mut plain_q).0;
 
+    // Steering: learned L7 address (203.0.113.10, learned above) on 443 beside plain SNAT
+    // to the world address on 443; established ACKs, then new SYNs.
+    let l7_dst = [203, 0, 113, 10];
+    let seg = |dst: [u8; 4], sport: u16, t: Tcp| {
+        tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, dst, Tcp { sport, dport: 443, win: 1000, ..t }, b"")
+    };
+    let syn = Tcp { seq: 1, syn: true, ..Default::default() };
+    let ack = Tcp { seq: 2, ack: Some(1), ..Default::default() };
+    rig.cube(seg(l7_dst, 41000, syn));
+    rig.cube(seg(WORLD_IP, 41001, syn));
+    let steered = rig.maps.counters.get(cubevs_common::counter::CUBE_L7_NEW).unwrap_or(0);
+    assert_eq!(steered, 1, "the L7 flow was steered");
+    let (a1, a2) = (seg(l7_dst, 41000, ack), seg(WORLD_IP, 41001, ack));
+    let mut est_l7: Vec<f64> =
+        rig.run_many(prog::FROM_CUBE, SB_IFINDEX, RUNS, move |_| a1.clone()).into_iter().map(|x| x as f64).collect();
+    let mut est_snat: Vec<f64> =
+        rig.run_many(prog::FROM_CUBE, SB_IFINDEX, RUNS, move |_| a2.clone()).into_iter().map(|x| x as f64).collect();
+    let est_snat_med = stats(&mut est_snat).0;
+    // New flows: a fresh guest port every run.
+    let mut new_l7: Vec<f64> = rig
+        .run_many(prog::FROM_CUBE, SB_IFINDEX, RUNS, move |i| seg(l7_dst, 1024 + (i % 30000) as u16, syn))
+        .into_iter()
+        .map(|x| x as f64)
+        .collect();
+    let mut new_snat: Vec<f64> = rig
+        .run_many(prog::FROM_CUBE, SB_IFINDEX, RUNS, move |i| seg(WORLD_IP, 1024 + (i % 30000) as u16, syn))
+        .into_iter()
+        .map(|x| x as f64)
+        .collect();
+    let new_snat_med = stats(&mut new_snat).0;
+
     let base = "from_world plain SNAT reverse (UDP reply, same size)";
+    let tbase = "from_cube established TCP, plain SNAT";
+    let nbase = "from_cube new TCP SYN, plain SNAT";
     let qbase = "from_cube established UDP (same size, not DNS)";
     vec![
         row(base, &mut plain, None),
@@ -102,5 +146,9 @@ pub fn run() -> Vec<Row> {
         row("from_world DNS response unsolicited (ignored)", &mut unsolicited, Some((base, plain_med))),
         row(qbase, &mut plain_q, None),
         row("from_cube DNS query tracked (allowed name)", &mut tracked, Some((qbase, plain_q_med))),
+        row(tbase, &mut est_snat, None),
+        row("from_cube established TCP, steered to CubeEgress (mark)", &mut est_l7, Some((tbase, est_snat_med))),
+        row(nbase, &mut new_snat, None),
+        row("from_cube new TCP SYN, steered (L7 session + mark)", &mut new_l7, Some((nbase, new_snat_med))),
     ]
 }
