@@ -263,7 +263,9 @@ impl PolicyTable {
         // learns again under the new patterns.
         let old_fqdn = active.and_then(|g| t.index.get(&(ifindex, g))).map(Written::fqdn_set).unwrap_or_default();
         let new_fqdn = t.index.get(&(ifindex, new)).map(Written::fqdn_set).unwrap_or_default();
-        if (old_fqdn != new_fqdn || new_fqdn.is_empty())
+        // Only then: the purge scans the kernel-written maps (no userspace index), and a
+        // sandbox without patterns has nothing learned (its predecessor's went at Release).
+        if old_fqdn != new_fqdn
             && let Err(e) = t.dns.purge(ifindex)
         {
             log::warn!("ifindex {ifindex}: purge of learned DNS entries: {e}");
