@@ -11,6 +11,7 @@ mod per_packet;
 mod report;
 mod scale;
 mod throughput;
+mod upgrade;
 
 use std::path::PathBuf;
 
@@ -19,10 +20,11 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale
+    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale, upgrade
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
-    /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load).
+    /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
+    /// upgrade: datapath switch/rollback under load).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -70,6 +72,7 @@ fn main() -> anyhow::Result<()> {
                 let n = std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
                 rows.extend(agent_sessions::run(100, n))
             }
+            "upgrade" => rows.extend(upgrade::run()),
             "gateway-swap" => rows.extend(gateway_swap::run()),
             "dns" => rows.extend(dns::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
@@ -136,7 +139,12 @@ warm pool = tap_init_num above the concurrency, empty pool = tap_init_num 0 (eve
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
 - egress (`cargo xtask bench egress`, not in this table): cube-egress vs mitmproxy with the same client, upstream \
-and CA; it prints its own table (see the CubeEgress section of the README).\n\n\
+and CA; it prints its own table (see the CubeEgress section of the README).\n\
+- upgrade: `datapath switch` / `datapath rollback` (tcx link program replacement) while a veth guest runs a long TCP \
+stream, ~1,000 new connections/s (connect, 1-byte echo, close) and a 1 ms ping to a world namespace; resets = \
+ECONNRESET/EPIPE seen by guest or world, max gap = longest interval without a ping reply or stream bytes within \
++-0.5 s of the operation (the 1 ms ping interval is the floor). Baseline: the same figures over an equally long \
+window of the same load just before the operation, with no operation.\n\n\
 ## Targets and misses (causes)\n\n\
 - established egress <= 150 ns/pkt: missed. About 240 ns is `bpf_fib_lookup` (the next hop must come from the \
 kernel FIB, never a configured gateway MAC), the rest is two hash lookups (sandbox metadata, session), array lookups and two \

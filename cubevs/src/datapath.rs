@@ -12,8 +12,7 @@ use std::{
 };
 
 use aya::{
-    Ebpf, EbpfLoader,
-    maps::MapInfo,
+    Ebpf,
     programs::{
         SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -21,16 +20,19 @@ use aya::{
     },
     util::KernelVersion,
 };
-use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, OBJECT_FILE_NAME, limits, map, prog};
+use cubevs_common::{DatapathConfig, OBJECT_FILE_NAME, limits, map, prog};
 
 use crate::{
-    Error, Maps,
+    Error, Maps, bpf_sys,
     counters::Counters,
+    layout::{Meta, check_pins, read_meta, write_meta},
+    lock::UpdateLock,
     node::NodeTable,
     policy::{PolicyLimits, PolicyTable},
     ports::PortMaps,
     sandbox::SandboxTable,
     sessions::Sessions,
+    slots,
     snat::SnatTable,
 };
 
@@ -158,6 +160,8 @@ pub struct Datapath {
     opts: LoadOptions,
     maps: Arc<Maps>,
     legacy: bool,
+    /// Slot activated at load (pinned tcx mode).
+    slot: Option<usize>,
     /// Unpinned tcx links, keyed by (program, ifindex); detached when dropped.
     owned_links: HashMap<(&'static str, u32), SchedClassifierLink>,
 }
@@ -195,39 +199,55 @@ impl Datapath {
                     .map_err(|source| Error::Pin { what: format!("create {}", dir.join(sub).display()), source })?;
             }
         }
+        let legacy = match opts.attach_mode {
+            AttachMode::Tcx => false,
+            AttachMode::LegacyTc => true,
+            AttachMode::Auto => KernelVersion::current().map(|v| v < KernelVersion::new(6, 6, 0)).unwrap_or(false),
+        };
         let l = opts.limits;
         let policy_entries = l.policy_entries()?;
-        let mut loader = EbpfLoader::new();
-        loader
-            .override_global(CONFIG_GLOBAL, &opts.config, true)
-            .map_max_entries(map::EGRESS_SESSIONS, l.sessions)
-            .map_max_entries(map::INGRESS_SESSIONS, l.sessions)
-            .map_max_entries(map::IFINDEX_TO_MVMMETA, l.sandboxes)
-            .map_max_entries(map::MVMIP_TO_IFINDEX, l.sandboxes)
-            .map_max_entries(map::POLICY_GEN, l.sandboxes)
-            .map_max_entries(map::ALLOW_OUT, policy_entries)
-            .map_max_entries(map::DENY_OUT, policy_entries)
-            .map_max_entries(map::DNS_ALLOW, policy_entries);
+        let mut sizes = vec![
+            (map::EGRESS_SESSIONS, l.sessions),
+            (map::INGRESS_SESSIONS, l.sessions),
+            (map::IFINDEX_TO_MVMMETA, l.sandboxes),
+            (map::MVMIP_TO_IFINDEX, l.sandboxes),
+            (map::POLICY_GEN, l.sandboxes),
+            (map::ALLOW_OUT, policy_entries),
+            (map::DENY_OUT, policy_entries),
+            (map::DNS_ALLOW, policy_entries),
+        ];
         for name in [
             map::REMOTE_PORT_MAPPING,
             map::LOCAL_PORT_MAPPING,
             map::REMOTE_PORT_MAPPING_UDP,
             map::LOCAL_PORT_MAPPING_UDP,
         ] {
-            loader.map_max_entries(name, l.port_mappings);
+            sizes.push((name, l.port_mappings));
         }
-        if let Some(dir) = &map_dir {
-            check_pins(&bytes, dir)?;
-            for &name in map::ALL {
-                loader.map_pin_path(name, dir.join(name));
+        // One updater at a time: held until the links run this process's programs.
+        let lock = opts.pin_dir.as_deref().map(UpdateLock::acquire).transpose()?;
+        let mut meta = None;
+        if let Some(dir) = &opts.pin_dir {
+            meta = read_meta(dir)?;
+            let want = |name: &str| sizes.iter().find(|(n, _)| *n == name).map(|&(_, m)| m);
+            // Pins of a datapath without slot metadata (before slots existed) are adopted
+            // only when they match exactly; the pinned size wins once metadata exists.
+            let pinned = check_pins(&bytes, &dir.join("maps"), |n| if meta.is_none() { want(n) } else { None })?;
+            for (name, max) in pinned {
+                if let Some(e) = sizes.iter_mut().find(|(n, _)| *n == name) {
+                    e.1 = max;
+                }
             }
         }
-        let mut ebpf = loader
-            .load(&bytes)
-            .map_err(|source| Error::Load { path: opts.object.clone(), source: Box::new(source) })?;
-        for &name in prog::ALL {
-            Self::classifier(&mut ebpf, name)?.load().map_err(prog_err(format!("load program {name}")))?;
+        let mut ebpf = slots::load_object(&bytes, &opts.object, &opts.config, opts.pin_dir.as_deref(), &sizes, &[])?;
+        // Checked before any link changes: adopted tries too small for the policy limits
+        // refuse the load with the old programs still serving.
+        let policy = policy_table(&mut ebpf, l.policy(), map_dir.as_deref())?;
+        let mut slot = None;
+        if let (Some(dir), false) = (&opts.pin_dir, legacy) {
+            slot = Some(Self::activate(&mut ebpf, &bytes, &opts, dir, meta)?);
         }
+        drop(lock);
         let registrations = {
             use std::os::fd::AsFd;
             let m = ebpf.map(map::IFINDEX_TO_MVMMETA).ok_or(Error::Missing(map::IFINDEX_TO_MVMMETA))?;
@@ -257,20 +277,64 @@ impl Datapath {
                 Some(registrations),
             )),
             snat: SnatTable::new(take(&mut ebpf, map::SNAT_IPLIST)?),
-            policy: policy_table(&mut ebpf, l.policy(), map_dir.as_deref())?,
+            policy,
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
         });
-        let legacy = match opts.attach_mode {
-            AttachMode::Tcx => false,
-            AttachMode::LegacyTc => true,
-            AttachMode::Auto => KernelVersion::current().map(|v| v < KernelVersion::new(6, 6, 0)).unwrap_or(false),
+        Ok(Self { ebpf, opts, maps, legacy, slot, owned_links: HashMap::new() })
+    }
+
+    /// Makes this process's programs the ones every pinned link runs (the fix for a new
+    /// process silently keeping the old programs): reuses the active slot when it holds the
+    /// same object (sha256) with the same configuration, else self-tests the new programs,
+    /// pins them as the standby slot and switches every link to it. Returns the slot.
+    fn activate(
+        ebpf: &mut Ebpf,
+        bytes: &[u8],
+        opts: &LoadOptions,
+        dir: &Path,
+        meta: Option<Meta>,
+    ) -> Result<usize, Error> {
+        let mut meta = meta.unwrap_or_else(|| Meta::new(opts.config));
+        let sha = slots::sha256(bytes);
+        let same = meta.active.filter(|&a| {
+            meta.slots[a].sha256 == sha
+                && meta.config == opts.config
+                && slots::slot_dir(dir, a).join(prog::FROM_CUBE).exists()
+        });
+        let slot = match same {
+            Some(a) => a,
+            None => {
+                let report = slots::selftest_ebpf(ebpf, &opts.config)?;
+                if !report.passed() {
+                    return Err(Error::SelfTest(report.failures()));
+                }
+                let s = meta.active.map_or(0, |a| 1 - a);
+                slots::pin_slot(ebpf, dir, s)?;
+                meta.config = opts.config;
+                meta.slots[s] = slots::record(bytes, &opts.object);
+                if meta.pending == Some(s) {
+                    meta.pending = None;
+                }
+                s
+            }
         };
-        Ok(Self { ebpf, opts, maps, legacy, owned_links: HashMap::new() })
+        let replaced = slots::replace_links(dir, slot, meta.active)?;
+        if replaced > 0 {
+            log::info!("datapath: {replaced} pinned link(s) now run slot {}", slots::SLOT_NAMES[slot]);
+        }
+        meta.active = Some(slot);
+        write_meta(dir, &meta)?;
+        Ok(slot)
     }
 
     fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier, Error> {
-        ebpf.program_mut(name).and_then(|p| <&mut SchedClassifier>::try_from(p).ok()).ok_or(Error::Missing(name))
+        slots::classifier(ebpf, name)
+    }
+
+    /// The slot this process activated at load (pinned tcx mode), `None` otherwise.
+    pub fn slot(&self) -> Option<usize> {
+        self.slot
     }
 
     /// The options this datapath was loaded with.
@@ -349,12 +413,10 @@ impl Datapath {
             }
             return Ok(ifindex);
         }
-        let pin = self.link_pin_path(name, ifindex);
-        if let Some(pin) = &pin {
-            if pin.exists() {
-                return Ok(ifindex);
-            }
-        } else if self.owned_links.contains_key(&(name, ifindex)) {
+        if let (Some(dir), Some(slot)) = (self.opts.pin_dir.clone(), self.slot) {
+            return self.attach_pinned(&dir, slot, name, ifname, ifindex, kind);
+        }
+        if self.owned_links.contains_key(&(name, ifindex)) {
             return Ok(ifindex);
         }
         let prog = Self::classifier(&mut self.ebpf, name)?;
@@ -362,20 +424,61 @@ impl Datapath {
             .attach_with_options(ifname, kind, TcAttachOptions::TcxOrder(Default::default()))
             .map_err(prog_err(what.clone()))?;
         let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
-        match pin {
-            Some(pin) => {
-                let fd_link: FdLink = link.try_into().map_err(|e| Error::Pin {
-                    what: format!("{what}: not a bpf_link"),
-                    source: std::io::Error::other(e),
-                })?;
-                fd_link.pin(&pin).map_err(|e| Error::Pin {
-                    what: format!("pin {}", pin.display()),
-                    source: std::io::Error::other(e),
-                })?;
-            }
-            None => {
-                self.owned_links.insert((name, ifindex), link);
-            }
+        self.owned_links.insert((name, ifindex), link);
+        Ok(ifindex)
+    }
+
+    /// Pinned tcx attach under the update lock with the ACTIVE slot's program (which a
+    /// `datapath switch` may have changed since this process loaded): an existing link pin
+    /// is adopted and its program replaced when it differs; a new link is created and
+    /// pinned otherwise. Afterwards every other link on the hook running a program of the
+    /// same name (a duplicate or an orphan) is detached by link id.
+    fn attach_pinned(
+        &mut self,
+        dir: &Path,
+        slot: usize,
+        name: &'static str,
+        ifname: &str,
+        ifindex: u32,
+        kind: TcAttachType,
+    ) -> Result<u32, Error> {
+        let what = format!("attach {name} to {kind:?} of {ifname}");
+        let _lock = UpdateLock::acquire(dir)?;
+        let slot = read_meta(dir)?.and_then(|m| m.active).unwrap_or(slot);
+        let prog_pin = slots::slot_dir(dir, slot).join(name);
+        let mut prog =
+            SchedClassifier::from_pin(&prog_pin).map_err(prog_err(format!("open {}", prog_pin.display())))?;
+        let pin = dir.join("links").join(format!("{name}_{ifindex}"));
+        if pin.exists() {
+            slots::replace_on_link(&pin, &mut prog)?;
+        }
+        let link_id = if pin.exists() {
+            slots::link_ids(&pin)?.0
+        } else {
+            let id = prog
+                .attach_with_options(ifname, kind, TcAttachOptions::TcxOrder(Default::default()))
+                .map_err(prog_err(what.clone()))?;
+            let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
+            let fd_link: FdLink = link.try_into().map_err(|e| Error::Pin {
+                what: format!("{what}: not a bpf_link"),
+                source: std::io::Error::other(e),
+            })?;
+            let link_id = fd_link
+                .info()
+                .map_err(|e| Error::Pin { what: format!("{what}: link info"), source: std::io::Error::other(e) })?
+                .id();
+            fd_link
+                .pin(&pin)
+                .map_err(|e| Error::Pin { what: format!("pin {}", pin.display()), source: std::io::Error::other(e) })?;
+            link_id
+        };
+        let hook = match kind {
+            TcAttachType::Egress => bpf_sys::TCX_EGRESS,
+            _ => bpf_sys::TCX_INGRESS,
+        };
+        let removed = slots::detach_orphans(ifindex, hook, name, link_id)?;
+        if !removed.is_empty() {
+            log::warn!("{what}: detached duplicate/orphan link(s) {removed:?}");
         }
         Ok(ifindex)
     }
@@ -392,6 +495,7 @@ impl Datapath {
         }
         let ifindex = ifindex(ifname)?;
         self.owned_links.remove(&(name, ifindex));
+        let _lock = self.opts.pin_dir.as_deref().map(UpdateLock::acquire).transpose()?;
         if let Some(pin) = self.link_pin_path(name, ifindex)
             && pin.exists()
         {
@@ -508,37 +612,6 @@ fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -
         queries: take(ebpf, map::DNS_QUERY_TRACK)?,
     };
     Ok(PolicyTable::new(allow, deny, generation, dns, limits))
-}
-
-/// Rejects pinned maps whose type, key size or value size differ from the object's.
-fn check_pins(object: &[u8], dir: &Path) -> Result<(), Error> {
-    let obj = aya_obj::Object::parse(object)
-        .map_err(|e| Error::IncompatiblePin { path: dir.to_path_buf(), reason: format!("cannot parse object: {e}") })?;
-    for &name in map::ALL {
-        let path = dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        let Some(m) = obj.maps.get(name) else { continue };
-        let info = MapInfo::from_pin(&path)
-            .map_err(|e| Error::IncompatiblePin { path: path.clone(), reason: format!("cannot read map info: {e}") })?;
-        let want = (m.map_type(), m.key_size(), m.value_size());
-        let have_type = info.map_type().map(|t| t as u32).unwrap_or(u32::MAX);
-        if (have_type, info.key_size(), info.value_size()) != want {
-            return Err(Error::IncompatiblePin {
-                path,
-                reason: format!(
-                    "pinned (type {have_type}, key {} B, value {} B) vs object (type {}, key {} B, value {} B)",
-                    info.key_size(),
-                    info.value_size(),
-                    want.0,
-                    want.1,
-                    want.2
-                ),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// Names of the programs attached to the tcx ingress of `ifname` (calling thread's netns), in

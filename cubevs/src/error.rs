@@ -99,6 +99,18 @@ pub enum Error {
     /// The entry conflicts with an existing one; nothing was changed.
     #[error("conflict: {0}")]
     Conflict(String),
+    /// Another process holds the datapath update lock of this pin directory.
+    #[error("datapath update refused: another updater holds the lock on {path} (retry when it has finished)")]
+    Busy {
+        /// The locked pin directory.
+        path: PathBuf,
+    },
+    /// A slot operation is not possible in the current state; nothing was changed.
+    #[error("{0}")]
+    Slot(String),
+    /// The self-test of a newly loaded datapath failed; the active slot keeps serving.
+    #[error("self-test of the standby datapath failed, active slot unchanged: {0}")]
+    SelfTest(String),
 }
 
 impl Error {

@@ -13,16 +13,21 @@
 //! Interface names are resolved in the **calling thread's** network namespace: call the
 //! attach functions from a thread inside the dataplane netns (`cubenet_sys::netns`).
 mod batch;
+mod bpf_sys;
 mod counters;
 mod datapath;
 pub mod dns_reaper;
 mod error;
+pub mod layout;
+pub mod lock;
 mod node;
 pub mod policy;
 mod ports;
 pub mod reaper;
 mod sandbox;
+pub mod selftest;
 pub mod sessions;
+pub mod slots;
 mod snat;
 pub mod testrun;
 

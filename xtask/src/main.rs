@@ -28,8 +28,9 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap, dns (cubenet-bench)
-    /// and egress (cube-egress vs mitmproxy; BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
+    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap,
+    /// upgrade, dns (cubenet-bench) and egress (cube-egress vs mitmproxy; BENCH_SECS, BENCH_CONC);
+    /// default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.
         names: Vec<String>,
@@ -152,7 +153,8 @@ fn main() -> Result<()> {
             }
             build_ebpf(true)?;
             let root = workspace_root();
-            // The agent benchmark starts the release network-agent.
+            // The agent benchmark starts the release network-agent; gateway-swap (also part of
+            // upgrade) the release cube-egress.
             let mut build = Command::new("cargo");
             build.current_dir(&root).args([
                 "build",
@@ -164,7 +166,7 @@ fn main() -> Result<()> {
                 "-p",
                 "cubenet-bench",
             ]);
-            if names.iter().any(|n| n == "gateway-swap") {
+            if names.iter().any(|n| n == "gateway-swap" || n == "upgrade") {
                 build.args(["-p", "cube-egress"]);
             }
             run(build)?;

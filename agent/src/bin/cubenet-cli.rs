@@ -1,7 +1,10 @@
 //! `cubenet-cli`: operator CLI for the network-agent. Networks via gRPC, TAPs and datapath
 //! dumps via the loopback HTTP endpoints; tables by default, `--json` for JSON.
 
-use std::collections::HashMap;
+#[path = "cubenet-cli/datapath.rs"]
+mod datapath;
+
+use std::{collections::HashMap, path::PathBuf};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
@@ -72,6 +75,15 @@ enum Cmd {
     Portmaps,
     /// Dump per-TAP egress policies.
     Policies,
+    /// Active/standby CubeVS datapath: status, load into standby, switch, rollback (works on
+    /// the pins directly, under the node's update lock).
+    Datapath {
+        /// bpffs pin directory of the datapath (the agent's `bpffs_dir`).
+        #[arg(long, env = "CUBENET_BPFFS_DIR", default_value = "/sys/fs/bpf/cubevs")]
+        bpffs_dir: PathBuf,
+        #[command(subcommand)]
+        cmd: datapath::DatapathCmd,
+    },
 }
 
 /// `NAME[:PORT[,PORT…]]` → an FQDN allow entry (the agent validates the name and ports).
@@ -147,6 +159,7 @@ fn http_json(addr: &str, path: &str) -> anyhow::Result<serde_json::Value> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Datapath { bpffs_dir, cmd } => datapath::run(&bpffs_dir, cmd, cli.json)?,
         Cmd::Ensure { sandbox_id, ports, no_internet, allow_out, deny_out, allow_fqdn } => {
             let mut c = connect(&cli.grpc).await?;
             let r = c

@@ -1,0 +1,638 @@
+//! Active/standby CubeVS (issue 12): load into the standby slot, self-test against the live
+//! maps, atomic switch and rollback on every pinned tcx link under traffic, a broken object
+//! refused by the self-test, layout mismatches refused, map migration, the update lock, and
+//! the restart fix (a new process replaces the programs on adopted links and removes
+//! duplicate links).
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, TcpStream},
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use cubenet_sys::netns::NetnsThread;
+use cubenet_tests::{
+    agent::workspace_bin,
+    bpffs::BpfFs,
+    ebpf_object,
+    guest::VethGuest,
+    require_root,
+    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology},
+};
+use cubevs::{
+    Datapath, DatapathConfig, Error, LoadOptions, MapLimits, SandboxEntry, SnatAddr,
+    layout::{self, LAYOUT_VERSION},
+    slots,
+};
+
+const VETH_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 3);
+const WORLD: &str = "198.51.100.1";
+
+struct Node {
+    veth: VethGuest,
+    dp: Option<Datapath>,
+    thread: NetnsThread,
+    bpffs: BpfFs,
+    topo: Topology,
+}
+
+impl Node {
+    fn pin_dir(&self) -> PathBuf {
+        self.bpffs.path().join("cubevs")
+    }
+}
+
+fn opts(bpffs: &BpfFs, object: PathBuf) -> LoadOptions {
+    LoadOptions {
+        object,
+        config: DatapathConfig::DEFAULT,
+        pin_dir: Some(bpffs.path().join("cubevs")),
+        ..LoadOptions::new()
+    }
+}
+
+fn attach_all(thread: &NetnsThread, mut dp: Datapath, veth_if: String) -> Datapath {
+    thread
+        .run(move || {
+            dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
+            dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
+            dp.attach_sandbox(&veth_if).expect("attach veth");
+            dp
+        })
+        .expect("node thread")
+}
+
+fn setup() -> Node {
+    let mut topo = Topology::new();
+    topo.add_cube_dev();
+    let veth = topo.add_veth_guest(0);
+    let bpffs = BpfFs::new();
+    let thread = topo.node.thread();
+    let dp = Datapath::load(opts(&bpffs, ebpf_object())).unwrap_or_else(|e| panic!("load datapath: {e}"));
+    let dp = attach_all(&thread, dp, veth.node_if.clone());
+    let maps = dp.maps();
+    let uplink_ifindex = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
+    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink_ifindex }]).expect("snat");
+    maps.sandboxes
+        .register(&SandboxEntry { ifindex: veth.node_ifindex, ip: VETH_IP, version: 1, id: "sb-veth".into() })
+        .expect("register");
+    // Without a policy an interface denies every new flow; the baseline allows the world.
+    maps.policy.install_default_deny(veth.node_ifindex).expect("baseline policy");
+    Node { veth, dp: Some(dp), thread, bpffs, topo }
+}
+
+/// Traffic from the guest during an operation: a long-lived TCP echo (every 20 ms), a new
+/// TCP connection every 20 ms, and a ping every 50 ms. Counts failures of each.
+struct Load {
+    stop: Arc<AtomicBool>,
+    echo_ok: Arc<AtomicU64>,
+    echo_fail: Arc<AtomicU64>,
+    connect_ok: Arc<AtomicU64>,
+    connect_fail: Arc<AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    server_stop: Arc<AtomicBool>,
+    server: Option<std::thread::JoinHandle<()>>,
+    pinger: cubenet_tests::netns::ChildGuard,
+    maps: Arc<cubevs::Maps>,
+    /// Drop counters (`program/reason` → packets) when the load started.
+    drops_before: std::collections::HashMap<String, u64>,
+}
+
+/// Every `drop_*` counter of the datapath, keyed `program/reason`.
+fn drop_counters(maps: &cubevs::Maps) -> std::collections::HashMap<String, u64> {
+    maps.counters
+        .read()
+        .expect("counters")
+        .into_iter()
+        .filter(|c| c.reason.starts_with("drop"))
+        .map(|c| (format!("{}/{}", c.program, c.reason), c.packets))
+        .collect()
+}
+
+impl Load {
+    fn start(n: &Node, port: u16) -> Self {
+        let listener = n.topo.world.run(move || std::net::TcpListener::bind((WORLD, port))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        // The server stops after the clients: a listener closed under a connecting client
+        // resets it, which would count as a failure of the operation under test.
+        let server_stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        let s = server_stop.clone();
+        let server = std::thread::spawn(move || {
+            listener.set_nonblocking(true).unwrap();
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut c, _)) => {
+                        c.set_nonblocking(false).unwrap();
+                        std::thread::spawn(move || {
+                            let mut buf = [0u8; 64];
+                            while let Ok(k) = c.read(&mut buf) {
+                                if k == 0 || c.write_all(&buf[..k]).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        let gns = n.topo.guest_ns(&n.veth);
+        let mut conn = gns.run(move || TcpStream::connect((WORLD, port))).expect("connect echo");
+        // Timeouts of 1 s as in `bench upgrade`: a stall of the busy test machine is no
+        // failure; a reset is (immediate), and so is any datapath drop (counted below).
+        conn.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let (echo_ok, echo_fail) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (s, ok, fail) = (stop.clone(), echo_ok.clone(), echo_fail.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut buf = [0u8; 4];
+            while !s.load(Ordering::Relaxed) {
+                let good = conn.write_all(b"ping").is_ok() && conn.read_exact(&mut buf).is_ok() && &buf == b"ping";
+                if good {
+                    ok.fetch_add(1, Ordering::Relaxed)
+                } else {
+                    fail.fetch_add(1, Ordering::Relaxed)
+                };
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }));
+        let (connect_ok, connect_fail) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (s, ok, fail) = (stop.clone(), connect_ok.clone(), connect_fail.clone());
+        let connector = gns.spawn_thread(move || {
+            while !s.load(Ordering::Relaxed) {
+                let addr = (WORLD.parse::<Ipv4Addr>().unwrap(), port).into();
+                let t = std::time::Instant::now();
+                let r = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).and_then(|mut c| {
+                    let mut b = [0u8; 2];
+                    c.set_read_timeout(Some(Duration::from_secs(1)))?;
+                    c.write_all(b"hi")?;
+                    c.read_exact(&mut b)
+                });
+                match r {
+                    Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        eprintln!("new connection failed after {:?}: {e}", t.elapsed());
+                        fail.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        threads.push(std::thread::spawn(move || {
+            let _ = connector.join();
+        }));
+        let pinger = cubenet_tests::netns::ChildGuard::from_child(
+            gns.command("ping")
+                .args(["-c", "40", "-i", "0.05", "-W", "1", "-q", WORLD])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn ping"),
+        );
+        let maps = n.dp.as_ref().expect("datapath").maps();
+        let drops_before = drop_counters(&maps);
+        Self {
+            stop,
+            echo_ok,
+            echo_fail,
+            connect_ok,
+            connect_fail,
+            threads,
+            server_stop,
+            server: Some(server),
+            pinger,
+            maps,
+            drops_before,
+        }
+    }
+
+    /// Stops the load and asserts that nothing failed, everything made progress, no ping was
+    /// lost and the datapath dropped nothing, apart from `selftests` self-test runs during the
+    /// load (each drops exactly one canned frame in `from_cube/drop_unregistered` and one in
+    /// `from_envoy/drop_unknown`) and `drop_proto` (the guest kernel's own IPv6 frames).
+    fn finish(mut self, what: &str, selftests: u64) {
+        let ping = self.pinger.child().wait().unwrap();
+        let mut ping_out = String::new();
+        if let Some(mut o) = self.pinger.child().stdout.take() {
+            let _ = o.read_to_string(&mut ping_out);
+        }
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.server_stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.server.take() {
+            let _ = t.join();
+        }
+        if self.echo_fail.load(Ordering::Relaxed) + self.connect_fail.load(Ordering::Relaxed) > 0 {
+            for c in self.maps.counters.read().unwrap_or_default() {
+                if c.packets > 0 {
+                    eprintln!("{what}: counter {}/{} = {}", c.program, c.reason, c.packets);
+                }
+            }
+        }
+        assert_eq!(self.echo_fail.load(Ordering::Relaxed), 0, "{what}: echo round trips failed (reset/stall)");
+        assert_eq!(self.connect_fail.load(Ordering::Relaxed), 0, "{what}: new connections failed");
+        assert!(self.echo_ok.load(Ordering::Relaxed) > 20, "{what}: echo made no progress");
+        assert!(self.connect_ok.load(Ordering::Relaxed) > 20, "{what}: connections made no progress");
+        assert!(ping.success() && ping_out.contains(" 0% packet loss"), "{what}: ping lost packets: {ping_out}");
+        let after = drop_counters(&self.maps);
+        for (name, n) in &after {
+            let grew = n - self.drops_before.get(name).copied().unwrap_or(0);
+            let allowed = match name.as_str() {
+                "from_cube/drop_unregistered" | "from_envoy/drop_unknown" => selftests,
+                "from_cube/drop_proto" => grew,
+                _ => 0,
+            };
+            assert_eq!(grew, allowed, "{what}: the datapath dropped packets ({name})");
+        }
+    }
+}
+
+/// The program ids every pinned link runs must be exactly slot `slot`'s.
+fn assert_links_on(pin_dir: &Path, slot: usize) {
+    let st = slots::status(pin_dir).expect("status");
+    assert_eq!(st.meta.active, Some(slot), "active slot in metadata");
+    assert_eq!(st.attach.len(), 3, "uplink, cube-dev, veth: {:?}", st.attach);
+    for a in &st.attach {
+        assert_eq!(
+            a.slot,
+            Some(slot),
+            "{} on ifindex {} runs program {} outside slot {slot}",
+            a.program,
+            a.ifindex,
+            a.program_id
+        );
+    }
+}
+
+fn veth_programs(n: &Node) -> Vec<String> {
+    let veth_if = n.veth.node_if.clone();
+    n.thread.run(move || cubevs::tcx_ingress_programs(&veth_if).unwrap()).unwrap()
+}
+
+/// The real object with `from_world` starting `r0 = TC_ACT_SHOT; if r0 != 2 goto +1; exit`
+/// over its first three instructions: it verifies and loads (the rest of the program stays
+/// reachable in the control-flow graph through the never-taken jump), but drops everything it
+/// should pass, which the self-test's pass-through frames catch.
+fn broken_object(dir: &Path) -> PathBuf {
+    let mut elf = std::fs::read(ebpf_object()).unwrap();
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
+    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap()) as usize;
+    let (shoff, shentsize, shnum) = (u64_at(&elf, 0x28), u16_at(&elf, 0x3a), u16_at(&elf, 0x3c));
+    let sh = |i: usize| shoff + i * shentsize;
+    let symtab = (0..shnum).find(|&i| u32_at(&elf, sh(i) + 4) == 2).expect("symtab");
+    let strtab = u32_at(&elf, sh(symtab) + 40);
+    let (sym_off, sym_size) = (u64_at(&elf, sh(symtab) + 24), u64_at(&elf, sh(symtab) + 32));
+    let str_off = u64_at(&elf, sh(strtab) + 24);
+    let (mut shndx, mut value, mut size) = (0, 0, 0);
+    for s in (sym_off..sym_off + sym_size).step_by(24) {
+        let name_at = str_off + u32_at(&elf, s);
+        if elf[name_at..].starts_with(b"from_world\0") {
+            (shndx, value, size) = (u16_at(&elf, s + 6), u64_at(&elf, s + 8), u64_at(&elf, s + 16));
+        }
+    }
+    assert!(size > 32, "from_world symbol");
+    let start = u64_at(&elf, sh(shndx) + 24) + value;
+    // The overwritten instructions must carry no relocation (no 64-bit load, no call) and the
+    // jump target must not be the second half of a 64-bit load.
+    for k in 0..3 {
+        let op = elf[start + 8 * k];
+        assert!(op != 0x18 && op != 0x85, "instruction {k} of from_world is {op:#x}: pick another patch");
+    }
+    let insns: [[u8; 8]; 3] = [
+        [0xb7, 0x00, 0, 0, 2, 0, 0, 0], // r0 = 2 (TC_ACT_SHOT)
+        [0x55, 0x00, 1, 0, 2, 0, 0, 0], // if r0 != 2 goto +1
+        [0x95, 0x00, 0, 0, 0, 0, 0, 0], // exit
+    ];
+    for (k, insn) in insns.iter().enumerate() {
+        elf[start + 8 * k..start + 8 * k + 8].copy_from_slice(insn);
+    }
+    let p = dir.join("cubevs-broken.bpf.o");
+    std::fs::write(&p, elf).unwrap();
+    p
+}
+
+/// The real object with one byte appended: the same programs, a different sha256 (what a
+/// rebuilt release looks like to the loader).
+fn other_build(dir: &Path) -> PathBuf {
+    let mut elf = std::fs::read(ebpf_object()).unwrap();
+    elf.push(0);
+    let p = dir.join("cubevs-next.bpf.o");
+    std::fs::write(&p, elf).unwrap();
+    p
+}
+
+/// A scratch directory for object files, removed on drop (also on panic).
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmpdir(name: &str) -> TmpDir {
+    let d = std::env::temp_dir().join(format!("cubenet-upgrade-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    TmpDir(d)
+}
+
+#[test]
+fn switch_and_rollback_under_load() {
+    if !require_root("switch_and_rollback_under_load") {
+        return;
+    }
+    let n = setup();
+    let pin = n.pin_dir();
+    assert_links_on(&pin, 0);
+    let tmp1 = tmpdir("switch");
+    let next = other_build(tmp1.path());
+    let loaded = slots::load_standby(&pin, &next).expect("load standby");
+    assert_eq!(loaded.slot, 1);
+    assert!(loaded.selftest.passed());
+    let names: Vec<_> = loaded.selftest.checks.iter().map(|c| c.name).collect();
+    assert_eq!(names.len(), 5, "{names:?}");
+    assert!(names.contains(&"from_cube arp proxy"), "the ARP case runs on the registered sandbox: {names:?}");
+    // Loading changes no link.
+    assert_links_on(&pin, 0);
+
+    let load = Load::start(&n, 7101);
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(slots::switch(&pin).expect("switch"), 1);
+    assert_links_on(&pin, 1);
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(slots::rollback(&pin).expect("rollback"), 0);
+    assert_links_on(&pin, 0);
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(slots::rollback(&pin).expect("roll forward again"), 1);
+    assert_links_on(&pin, 1);
+    load.finish("switch, rollback, roll forward", 0);
+    assert_eq!(veth_programs(&n), vec!["from_cube".to_string()], "one program on the hook, same link");
+    let st = slots::status(&pin).unwrap();
+    assert_eq!(st.meta.slots[1].sha256, slots::sha256(&std::fs::read(&next).unwrap()));
+}
+
+#[test]
+fn broken_object_fails_selftest_and_changes_nothing() {
+    if !require_root("broken_object_fails_selftest_and_changes_nothing") {
+        return;
+    }
+    let n = setup();
+    let pin = n.pin_dir();
+    let before = slots::status(&pin).unwrap();
+    let tmp2 = tmpdir("broken");
+    let broken = broken_object(tmp2.path());
+    let load = Load::start(&n, 7102);
+    let err = slots::load_standby(&pin, &broken).expect_err("the broken object must fail its self-test");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::SelfTest(_)), "{msg}");
+    assert!(msg.contains("from_world") && msg.contains("verdict 2"), "{msg}");
+    let after = slots::status(&pin).unwrap();
+    assert_eq!(after.meta, before.meta, "metadata unchanged");
+    assert!(!slots::slot_dir(&pin, 1).exists(), "nothing pinned into the standby slot");
+    let ids = |s: &slots::Status| s.attach.iter().map(|a| a.program_id).collect::<Vec<_>>();
+    assert_eq!(ids(&after), ids(&before), "links untouched");
+    let e = slots::switch(&pin).expect_err("nothing pending");
+    assert!(e.to_string().contains("no standby datapath is pending"), "{e}");
+    load.finish("failed self-test", 1);
+}
+
+#[test]
+fn layout_mismatch_is_refused() {
+    if !require_root("layout_mismatch_is_refused") {
+        return;
+    }
+    // max_entries differs from what is pinned (pins from before slot metadata existed are
+    // compared with the configured sizes).
+    let bpffs = BpfFs::new();
+    let small =
+        LoadOptions { limits: MapLimits { sessions: 4096, ..MapLimits::default() }, ..opts(&bpffs, ebpf_object()) };
+    drop(Datapath::load(small).expect("first load"));
+    std::fs::remove_file(layout::meta_path(&bpffs.path().join("cubevs"))).unwrap();
+    let e = Datapath::load(opts(&bpffs, ebpf_object())).expect_err("size mismatch must be refused");
+    assert!(matches!(e, Error::IncompatiblePin { .. }), "{e}");
+    assert!(e.to_string().contains("max_entries 4096") && e.to_string().contains("migration"), "{e}");
+
+    // An unknown layout version in the metadata.
+    let bpffs = BpfFs::new();
+    let pin = bpffs.path().join("cubevs");
+    drop(Datapath::load(opts(&bpffs, ebpf_object())).expect("load"));
+    let mut meta = layout::read_meta(&pin).unwrap().unwrap();
+    meta.layout = LAYOUT_VERSION + 98;
+    layout::write_meta(&pin, &meta).unwrap();
+    for e in [
+        Datapath::load(opts(&bpffs, ebpf_object())).expect_err("agent start refuses"),
+        slots::load_standby(&pin, &ebpf_object()).expect_err("cli load refuses"),
+    ] {
+        let msg = e.to_string();
+        assert!(msg.contains(&format!("layout version {}", LAYOUT_VERSION + 98)) && msg.contains("refusing"), "{msg}");
+    }
+}
+
+#[test]
+fn restart_with_new_object_replaces_programs_and_removes_duplicates() {
+    if !require_root("restart_with_new_object_replaces_programs_and_removes_duplicates") {
+        return;
+    }
+    let mut n = setup();
+    let pin = n.pin_dir();
+    let old_ids: Vec<u32> = slots::status(&pin).unwrap().attach.iter().map(|a| a.program_id).collect();
+    // A stray second link running our program on the veth hook, pinned elsewhere (what a
+    // process that lost its pins leaves behind).
+    let veth_if = n.veth.node_if.clone();
+    let stray = n.bpffs.path().join("stray");
+    let s = stray.clone();
+    // The kernel refuses the same program twice on one hook: a second, unpinned load.
+    let mut other = Datapath::load(LoadOptions { pin_dir: None, ..opts(&n.bpffs, ebpf_object()) }).unwrap();
+    n.thread
+        .run(move || {
+            let prog = other.program("from_cube").unwrap();
+            let id = prog
+                .attach_with_options(
+                    &veth_if,
+                    aya::programs::TcAttachType::Ingress,
+                    aya::programs::tc::TcAttachOptions::TcxOrder(Default::default()),
+                )
+                .unwrap();
+            let link: aya::programs::links::FdLink = prog.take_link(id).unwrap().try_into().unwrap();
+            link.pin(&s).unwrap();
+        })
+        .unwrap();
+    assert_eq!(veth_programs(&n), vec!["from_cube".to_string(); 2], "duplicate planted");
+
+    let load = Load::start(&n, 7103);
+    std::thread::sleep(Duration::from_millis(300));
+    drop(n.dp.take());
+    let tmp3 = tmpdir("restart");
+    let next = other_build(tmp3.path());
+    let dp = Datapath::load(opts(&n.bpffs, next)).expect("restart with the new build");
+    let dp = attach_all(&n.thread, dp, n.veth.node_if.clone());
+    n.dp = Some(dp);
+    assert_links_on(&pin, 1);
+    let st = slots::status(&pin).unwrap();
+    for (a, old) in st.attach.iter().zip(&old_ids) {
+        assert_ne!(a.program_id, *old, "{} still runs the old program", a.program);
+    }
+    assert_eq!(veth_programs(&n), vec!["from_cube".to_string()], "duplicate detached by link id");
+    std::thread::sleep(Duration::from_millis(300));
+    load.finish("restart with a new build", 1);
+    let _ = std::fs::remove_file(stray);
+
+    // A restart with the same build reuses the active slot: no replacement.
+    let before: Vec<u32> = slots::status(&pin).unwrap().attach.iter().map(|a| a.program_id).collect();
+    drop(n.dp.take());
+    let tmp4 = tmpdir("restart");
+    let dp = Datapath::load(opts(&n.bpffs, other_build(tmp4.path()))).expect("same build");
+    assert_eq!(dp.slot(), Some(1));
+    let after: Vec<u32> = slots::status(&pin).unwrap().attach.iter().map(|a| a.program_id).collect();
+    assert_eq!(before, after);
+}
+
+#[test]
+fn migrate_map_to_new_size_keeps_entries_and_traffic() {
+    if !require_root("migrate_map_to_new_size_keeps_entries_and_traffic") {
+        return;
+    }
+    let mut n = setup();
+    let pin = n.pin_dir();
+    let map_pin = pin.join("maps").join(cubevs_common::map::IFINDEX_TO_MVMMETA);
+    let old_max = aya::maps::MapInfo::from_pin(&map_pin).unwrap().max_entries();
+    let load = Load::start(&n, 7104);
+    std::thread::sleep(Duration::from_millis(300));
+    let copied =
+        slots::migrate_map(&pin, &ebpf_object(), cubevs_common::map::IFINDEX_TO_MVMMETA, old_max * 2).expect("migrate");
+    assert!(copied >= 1, "the registered sandbox was copied");
+    assert_eq!(aya::maps::MapInfo::from_pin(&map_pin).unwrap().max_entries(), old_max * 2, "pin replaced");
+    assert_links_on(&pin, 1);
+    std::thread::sleep(Duration::from_millis(300));
+    load.finish("map migration", 1);
+    let e = slots::rollback(&pin).expect_err("no rollback across a migration");
+    assert!(e.to_string().contains("no datapath to roll back to"), "{e}");
+    // A new process opens the migrated map with its entry.
+    drop(n.dp.take());
+    let dp = Datapath::load(opts(&n.bpffs, ebpf_object())).expect("reload after migration");
+    assert_eq!(dp.maps().sandboxes.list().unwrap().len(), 1);
+}
+
+#[test]
+fn concurrent_switch_one_wins() {
+    if !require_root("concurrent_switch_one_wins") {
+        return;
+    }
+    let n = setup();
+    let pin = n.pin_dir();
+    let cli = workspace_bin("cubenet-cli");
+    let tmp5 = tmpdir("concurrent");
+    let next = other_build(tmp5.path());
+    let out = std::process::Command::new(&cli)
+        .args(["datapath", "--bpffs-dir"])
+        .arg(&pin)
+        .arg("load")
+        .arg(&next)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cli load: {}", String::from_utf8_lossy(&out.stderr));
+    // A lock held by a concurrent updater is a clear, immediate error.
+    {
+        let _held = cubevs::lock::UpdateLock::try_acquire(&pin).unwrap();
+        let out = std::process::Command::new(&cli)
+            .args(["datapath", "--bpffs-dir"])
+            .arg(&pin)
+            .arg("switch")
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("another updater holds the lock"), "{err}");
+    }
+    let spawn = || {
+        std::process::Command::new(&cli)
+            .args(["datapath", "--bpffs-dir"])
+            .arg(&pin)
+            .arg("switch")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(), spawn());
+    let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    let wins = outs.iter().filter(|o| o.status.success()).count();
+    assert_eq!(wins, 1, "exactly one switch wins: {outs:?}");
+    let loser = outs.iter().find(|o| !o.status.success()).unwrap();
+    let err = String::from_utf8_lossy(&loser.stderr);
+    assert!(
+        err.contains("another updater holds the lock") || err.contains("no standby datapath is pending"),
+        "clear error: {err}"
+    );
+    assert_links_on(&pin, 1);
+    let out = std::process::Command::new(&cli)
+        .args(["--json", "datapath", "--bpffs-dir"])
+        .arg(&pin)
+        .arg("status")
+        .output()
+        .unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
+    assert_eq!(j["active"], "b");
+    assert_eq!(j["attachPoints"].as_array().unwrap().len(), 3);
+    assert_eq!(j["slots"][1]["selfTest"], "passed");
+    // The table: the summary line, both slots, and every hook on slot b.
+    let out =
+        std::process::Command::new(&cli).args(["datapath", "--bpffs-dir"]).arg(&pin).arg("status").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("active slot b") && text.contains("pending slot -"), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let hooks = lines.iter().position(|l| l.starts_with("HOOK")).expect("attach table");
+    let rows: Vec<Vec<&str>> = lines[hooks + 1..].iter().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    for r in &rows {
+        assert!(slots::ATTACHED.contains(&r[0]), "{text}");
+        assert_eq!(r.last(), Some(&"b"), "{text}");
+    }
+    let slot_rows: Vec<&&str> = lines.iter().filter(|l| l.starts_with("a ") || l.starts_with("b ")).collect();
+    assert_eq!(slot_rows.len(), 2, "{text}");
+    assert!(slot_rows.iter().all(|l| l.contains("passed")), "{text}");
+}
+
+#[test]
+fn switch_drops_pins_of_deleted_interfaces() {
+    if !require_root("switch_drops_pins_of_deleted_interfaces") {
+        return;
+    }
+    let mut n = setup();
+    let pin = n.pin_dir();
+    let gone = n.topo.add_veth_guest(1);
+    let (name, ifindex) = (gone.node_if.clone(), gone.node_ifindex);
+    let mut dp = n.dp.take().unwrap();
+    let nm = name.clone();
+    dp = n
+        .thread
+        .run(move || {
+            dp.attach_sandbox(&nm).unwrap();
+            dp
+        })
+        .unwrap();
+    n.dp = Some(dp);
+    let link_pin = pin.join("links").join(format!("from_cube_{ifindex}"));
+    assert!(link_pin.exists());
+    n.topo.node.ip(&["link", "del", &name]);
+    let tmp6 = tmpdir("enolink");
+    slots::load_standby(&pin, &other_build(tmp6.path())).expect("load");
+    // The defunct link (ENOLINK on update) loses its pin; every live link switches.
+    assert_eq!(slots::switch(&pin).expect("switch with a defunct link"), 1);
+    assert!(!link_pin.exists(), "pin of the deleted interface removed");
+    assert_links_on(&pin, 1);
+}
