@@ -91,6 +91,10 @@ pub struct Config {
     pub ip_local_port_range: String,
     /// Seconds between session reaper sweeps (default 5).
     pub reaper_interval_secs: u64,
+    /// How `from_cube`/`from_world`/`from_envoy` are attached: `auto` (default: tcx links on
+    /// kernels ≥ 6.6, legacy tc below), `tcx`, or `legacy` (clsact + direct-action filter, as
+    /// upstream). Pins and filters of the other mode are not converted.
+    pub tc_attach: String,
     /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
     pub maintenance_interval_secs: u64,
     /// Entries a sandbox may have in `cubevs_context.allow_out`, and separately in
@@ -134,6 +138,7 @@ impl Default for Config {
             cube_dev_name: "cube-dev".into(),
             ip_local_port_range: "10000 19999".into(),
             reaper_interval_secs: 5,
+            tc_attach: "auto".into(),
             maintenance_interval_secs: 5,
             policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             flush_sessions_on_policy_tighten: true,
@@ -330,6 +335,9 @@ impl Config {
                 ));
             }
         }
+        if !["auto", "tcx", "legacy"].contains(&self.tc_attach.as_str()) {
+            return Err(invalid("tc_attach", format!("{:?} is not auto, tcx or legacy", self.tc_attach)));
+        }
         if self.reaper_interval_secs == 0 {
             return Err(invalid("reaper_interval_secs", "must be at least 1"));
         }
@@ -410,6 +418,15 @@ mod tests {
                 .validate()
                 .unwrap_or_else(|e| panic!("{ok}: {e}"));
         }
+    }
+
+    #[test]
+    fn tc_attach_modes() {
+        for ok in ["auto", "tcx", "legacy"] {
+            Config::parse(&format!("tc_attach = \"{ok}\"")).unwrap().validate().unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let e = Config::parse("tc_attach = \"xdp\"").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("tc_attach") && e.contains("xdp"), "{e}");
     }
 
     #[test]

@@ -26,6 +26,8 @@ pub struct CubeVsDataplane {
     maps: Arc<Maps>,
     reaper: Reaper,
     dns_reaper: DnsReaper,
+    /// `MapLimits::sandboxes` the maps were loaded with.
+    max_interfaces: usize,
 }
 
 impl std::fmt::Debug for CubeVsDataplane {
@@ -55,6 +57,7 @@ fn mapping(m: &PortMapping) -> cubevs::PortMapping {
 
 impl CubeVsDataplane {
     /// Loads the object (`object`, `None` = `cubevs::default_object_path()`) with `config`,
+    /// attaching programs as `attach` says,
     /// creating or adopting the pinned maps under `bpffs_dir`; pinned links are adopted by
     /// later attaches. Each sandbox may hold `policy_entries_per_sandbox` entries per policy
     /// list (the tries are sized from it). Starts the session reaper and the DNS reaper (every
@@ -63,6 +66,7 @@ impl CubeVsDataplane {
         host: Arc<NetnsHost>,
         object: Option<PathBuf>,
         config: DatapathConfig,
+        attach: cubevs::AttachMode,
         bpffs_dir: PathBuf,
         reaper_interval: Duration,
         policy_entries_per_sandbox: u32,
@@ -73,12 +77,14 @@ impl CubeVsDataplane {
             opts.object = o;
         }
         opts.config = config;
+        opts.attach_mode = attach;
         opts.pin_dir = Some(bpffs_dir);
+        let max_interfaces = opts.limits.sandboxes as usize;
         let dp = Datapath::load(opts).map_err(err)?;
         let maps = dp.maps();
         let reaper = Reaper::spawn(maps.sessions.clone(), reaper_interval, Default::default());
         let dns_reaper = DnsReaper::spawn(maps.clone(), reaper_interval);
-        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper, dns_reaper })
+        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper, dns_reaper, max_interfaces })
     }
 
     fn on_thread<R: Send + 'static>(
@@ -96,6 +102,10 @@ impl CubeVsDataplane {
 }
 
 impl Dataplane for CubeVsDataplane {
+    fn max_interfaces(&self) -> usize {
+        self.max_interfaces
+    }
+
     fn attach_sandbox(&self, ifname: &str) -> Result<u32, DataplaneError> {
         let n = ifname.to_string();
         self.on_thread(move |dp| dp.attach_sandbox(&n))

@@ -127,6 +127,10 @@ pub type Counters = BTreeMap<String, u64>;
 /// method may block briefly (map syscalls, a hop to the netns thread) and must be called off
 /// async worker threads (`spawn_blocking`).
 pub trait Dataplane: Send + Sync {
+    /// How many sandbox interfaces the datapath can hold (registrations and per-interface
+    /// policy slots: `MapLimits::sandboxes`, 8,192 by default). The agent never creates more
+    /// TAPs than this, so a full node refuses an Ensure instead of failing its policy write.
+    fn max_interfaces(&self) -> usize;
     /// Attaches `from_cube` to the sandbox interface `ifname` in the dataplane netns (pinned,
     /// adopted when already attached). Returns its ifindex.
     fn attach_sandbox(&self, ifname: &str) -> Result<u32, DataplaneError>;
@@ -299,7 +303,7 @@ pub struct FakeDataplane {
     pub infra: Mutex<Vec<(String, Ipv4Addr)>>,
     /// When set, `register_sandbox` fails (to test rollback).
     pub fail_register: std::sync::atomic::AtomicBool,
-    /// When set, `delete_port_mappings_of` fails (to test cleanup retries).
+    /// When set, `delete_port_mapping` and `delete_port_mappings_of` fail (to test cleanup retries).
     pub fail_delete_ports: std::sync::atomic::AtomicBool,
     /// When set, policy writes (`replace_policy`, `install_default_deny`) fail as they do when
     /// the policy tries are full; `remove_policy` still works.
@@ -308,6 +312,8 @@ pub struct FakeDataplane {
     pub sessions_calls: std::sync::atomic::AtomicUsize,
     /// Resolves interface names to ifindexes (a fake host's table); unset: a counter.
     pub resolver: Mutex<Option<Resolver>>,
+    /// [`Dataplane::max_interfaces`]; 0 = 8,192 (the real default).
+    pub interface_limit: std::sync::atomic::AtomicUsize,
 }
 
 /// Name → ifindex lookup used by [`FakeDataplane`].
@@ -320,6 +326,13 @@ impl std::fmt::Debug for FakeDataplane {
 }
 
 impl Dataplane for FakeDataplane {
+    fn max_interfaces(&self) -> usize {
+        match self.interface_limit.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => cubevs_common::limits::SANDBOXES as usize,
+            n => n,
+        }
+    }
+
     fn attach_sandbox(&self, ifname: &str) -> Result<u32, DataplaneError> {
         if let Some(r) = self.resolver.lock().unwrap().as_ref() {
             let idx = r(ifname).ok_or_else(|| DataplaneError::Other(format!("no interface {ifname}")))?;
@@ -367,6 +380,9 @@ impl Dataplane for FakeDataplane {
         self.tables.lock().unwrap().add_port(m)
     }
     fn delete_port_mapping(&self, m: &PortMapping) -> Result<(), DataplaneError> {
+        if self.fail_delete_ports.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(DataplaneError::Other("injected delete failure".into()));
+        }
         self.tables.lock().unwrap().delete_port(m);
         Ok(())
     }

@@ -56,13 +56,36 @@ pub fn parse_tap_name(name: &str) -> Option<Ipv4Addr> {
     name.strip_prefix('z')?.parse().ok()
 }
 
+/// Time spent in each step of one TAP creation, in order (`tuntap`: `TUNSETIFF`, vnet header,
+/// offloads and persist; `sysctl`: IPv6 off; `link`: MTU and up over netlink; `neighbour`:
+/// the permanent neighbour on cube-dev). Exported as `cubenet_tap_create_phase_seconds`.
+pub type Phases = Vec<(&'static str, std::time::Duration)>;
+
+/// A TAP made by [`Host::create_tap`].
+#[derive(Debug)]
+pub struct NewTap {
+    /// ifindex in the dataplane namespace.
+    pub ifindex: u32,
+    /// The agent's queue fd.
+    pub fd: OwnedFd,
+    /// Where the time went.
+    pub phases: Phases,
+}
+
+/// Appends the time since `*t` as `phase` and restarts `*t`.
+fn lap(phases: &mut Phases, t: &mut std::time::Instant, phase: &'static str) {
+    let now = std::time::Instant::now();
+    phases.push((phase, now - *t));
+    *t = now;
+}
+
 /// TAP and device operations in the dataplane namespace. Blocking; thread-safe.
 pub trait Host: Send + Sync {
     /// Creates (or attaches to a leftover) persistent pool TAP `z<ip>` with
     /// `IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`, vnet header 12, CSUM/TSO4/TSO6 offloads, the MTU, up,
-    /// IPv6 off, and a permanent neighbour `ip → mvm MAC` on cube-dev. Returns the ifindex
-    /// and the queue fd. `EBUSY` when another process holds the TAP.
-    fn create_tap(&self, ip: Ipv4Addr) -> io::Result<(u32, OwnedFd)>;
+    /// IPv6 off, and a permanent neighbour `ip → mvm MAC` on cube-dev. Returns the ifindex,
+    /// the queue fd and the time per step. `EBUSY` when another process holds the TAP.
+    fn create_tap(&self, ip: Ipv4Addr) -> io::Result<NewTap>;
     /// Opens a queue fd on an existing TAP (`EBUSY` if held elsewhere: never retry that).
     fn reopen_tap(&self, name: &str) -> io::Result<OwnedFd>;
     /// Deletes the TAP and its neighbour entry (absent is fine).
@@ -356,14 +379,18 @@ fn neighbour_msg(cube_idx: u32, ip: Ipv4Addr) -> NeighbourMessage {
 }
 
 impl Host for NetnsHost {
-    fn create_tap(&self, ip: Ipv4Addr) -> io::Result<(u32, OwnedFd)> {
+    fn create_tap(&self, ip: Ipv4Addr) -> io::Result<NewTap> {
         let p = self.params.clone();
         self.run(move || {
+            let mut phases = Phases::with_capacity(4);
+            let mut t = std::time::Instant::now();
             let name = tap_name(ip);
             let tap = Tap::open(&name, TapOptions::POOL)?;
             let idx = cubenet_sys::ifindex(&name)?;
+            lap(&mut phases, &mut t, "tuntap");
             // Per-netns sysctl of the TAP, written from this thread (dataplane netns).
             std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1")?;
+            lap(&mut phases, &mut t, "sysctl");
             let cube_idx = cubenet_sys::ifindex(&p.cube_dev)?;
             let nl = nl()?;
             nl.rt.block_on(async {
@@ -373,6 +400,7 @@ impl Host for NetnsHost {
                     .execute()
                     .await
                     .map_err(nlerr(format!("set {name} up")))?;
+                lap(&mut phases, &mut t, "link");
                 nl.handle
                     .neighbours()
                     .add(cube_idx, IpAddr::V4(ip))
@@ -383,7 +411,8 @@ impl Host for NetnsHost {
                     .await
                     .map_err(nlerr(format!("neighbour {ip} on {}", p.cube_dev)))
             })?;
-            Ok((idx, tap.into_fd()))
+            lap(&mut phases, &mut t, "neighbour");
+            Ok(NewTap { ifindex: idx, fd: tap.into_fd(), phases })
         })?
     }
 
@@ -466,7 +495,7 @@ pub struct FakeHost {
 }
 
 impl Host for FakeHost {
-    fn create_tap(&self, ip: Ipv4Addr) -> io::Result<(u32, OwnedFd)> {
+    fn create_tap(&self, ip: Ipv4Addr) -> io::Result<NewTap> {
         let name = tap_name(ip);
         let mut t = self.taps.lock().unwrap();
         let idx = t
@@ -478,7 +507,7 @@ impl Host for FakeHost {
                 lower_up: false,
             })
             .ifindex;
-        Ok((idx, std::fs::File::open("/dev/null")?.into()))
+        Ok(NewTap { ifindex: idx, fd: std::fs::File::open("/dev/null")?.into(), phases: Phases::new() })
     }
     fn reopen_tap(&self, name: &str) -> io::Result<OwnedFd> {
         if !self.taps.lock().unwrap().contains_key(name) {

@@ -179,7 +179,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let obj = (!raw.bpf_object.is_empty()).then(|| PathBuf::from(&raw.bpf_object));
         let reaper = Duration::from_secs(raw.reaper_interval_secs);
         let limit = raw.policy_entries_per_sandbox;
-        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, raw.bpffs_dir.clone(), reaper, limit)?))
+        let attach = match raw.tc_attach.as_str() {
+            "tcx" => cubevs::AttachMode::Tcx,
+            "legacy" => cubevs::AttachMode::LegacyTc,
+            _ => cubevs::AttachMode::Auto,
+        };
+        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limit)?))
     })?;
 
     // 2. cube-dev.

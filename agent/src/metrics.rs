@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     core::{Collector, Desc},
     proto::MetricFamily,
 };
@@ -33,6 +33,10 @@ pub struct Metrics {
     pub sessions: IntGauge,
     /// `cubenet_tap_create_failures_total`.
     pub tap_create_failures: IntCounterVec,
+    /// `cubenet_tap_create_phase_seconds{phase}`: time per step of one TAP creation
+    /// (`tuntap`, `sysctl`, `link`, `neighbour` in the dataplane netns, then `attach` of
+    /// `from_cube`, `policy` for the baseline deny and `pool` for joining the pool).
+    pub tap_create_phase_seconds: HistogramVec,
     /// `cubenet_egress_push_total{result}`: CubeEgress pushes (`ok`, `retry`, `refused`).
     pub egress_push: IntCounterVec,
     /// `cubenet_egress_pending`: sandbox addresses whose gateway copy is out of date.
@@ -65,6 +69,12 @@ impl Metrics {
         let tap_create_failures =
             IntCounterVec::new(Opts::new("cubenet_tap_create_failures_total", "Failed TAP creations"), &["stage"])
                 .unwrap();
+        let tap_create_phase_seconds = HistogramVec::new(
+            HistogramOpts::new("cubenet_tap_create_phase_seconds", "Time per step of one TAP creation")
+                .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]),
+            &["phase"],
+        )
+        .unwrap();
         let egress_push =
             IntCounterVec::new(Opts::new("cubenet_egress_push_total", "CubeEgress policy pushes"), &["result"])
                 .unwrap();
@@ -84,6 +94,7 @@ impl Metrics {
             Box::new(fd_handoffs.clone()),
             Box::new(sessions.clone()),
             Box::new(tap_create_failures.clone()),
+            Box::new(tap_create_phase_seconds.clone()),
         ] {
             registry.register(c).unwrap();
         }
@@ -97,6 +108,7 @@ impl Metrics {
             fd_handoffs,
             sessions,
             tap_create_failures,
+            tap_create_phase_seconds,
             egress_push,
             egress_pending,
             egress_up,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use cubenet_proto::v1 as pb;
 use cubenet_tests::agent::{AgentUnderTest, tap_fd};
 
-use crate::report::{Row, stats};
+use crate::report::Row;
 
 fn rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -27,15 +27,40 @@ fn agent_pid(a: &mut AgentUnderTest) -> u32 {
     a.child.as_ref().map(|c| c.id()).unwrap_or(0)
 }
 
+/// Waits (at most 10 s) until the pool holds at least `ready` Ready TAPs and none Cleaning:
+/// a warm pool for the next round.
+fn wait_pool(a: &AgentUnderTest, ready: u64) {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) {
+        if let Some((200, body)) = a.http("/v1/network/taps")
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&body)
+        {
+            let c = &v["stateCounts"];
+            if c["Ready"].as_u64().unwrap_or(0) >= ready && c["Cleaning"].as_u64().unwrap_or(1) == 0 {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("  pool not back to {ready} Ready within 10 s; measuring anyway");
+}
+
 /// Ensure + fd (ms) and Release (ms) for `rounds` rounds of `conc` concurrent sandboxes.
-fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize) -> (Vec<f64>, Vec<f64>) {
+/// With `warm`, each round starts once the pool is back to `conc` Ready TAPs.
+fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool) -> (Vec<f64>, Vec<f64>) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let endpoint = a.grpc_endpoint();
     let sock = a.tap_socket();
-    rt.block_on(async move {
-        let mut ensure_ms = Vec::new();
-        let mut release_ms = Vec::new();
-        for round in 0..rounds {
+    let mut ensure_ms = Vec::new();
+    let mut release_ms = Vec::new();
+    for round in 0..rounds {
+        if warm {
+            wait_pool(a, conc as u64);
+        }
+        let (endpoint, sock) = (endpoint.clone(), sock.clone());
+        let (e, r) = rt.block_on(async move {
+            let mut ensure_ms = Vec::new();
+            let mut release_ms = Vec::new();
             let mut tasks = Vec::new();
             for i in 0..conc {
                 let (endpoint, sock) = (endpoint.clone(), sock.clone());
@@ -79,11 +104,12 @@ fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize) -> (Vec<f64>, 
             for r in rel {
                 release_ms.push(r.await.expect("release task"));
             }
-            // Let the pool refill before the next round.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-        (ensure_ms, release_ms)
-    })
+            (ensure_ms, release_ms)
+        });
+        ensure_ms.extend(e);
+        release_ms.extend(r);
+    }
+    (ensure_ms, release_ms)
 }
 
 /// Registers `n` sandboxes (warm pool of `n + extra`), then measures Ensure+fd for `extra`
@@ -121,7 +147,7 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let register_s = t.elapsed().as_secs_f64();
     let rss_n = rss_mib(pid);
     let rate = n as f64 / register_s;
-    let (mut e, _) = create_latency(&a, 50, (extra / 50).max(1));
+    let (mut e, _) = create_latency(&a, 50, (extra / 50).max(1), true);
     let mut rows = vec![
         Row {
             bench: "agent-scale".into(),
@@ -163,8 +189,38 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// Runs the agent benchmark.
-pub fn run() -> Vec<Row> {
+/// `cubenet_tap_create_phase_seconds{phase}` from the agent's `/metrics`: (phase, sum in s,
+/// count), in creation order.
+fn create_phases(a: &AgentUnderTest) -> Vec<(String, f64, f64)> {
+    let Some((200, body)) = a.http("/metrics") else { return Vec::new() };
+    let mut out: Vec<(String, f64, f64)> = Vec::new();
+    for l in body.lines() {
+        let (kind, rest) = if let Some(r) = l.strip_prefix("cubenet_tap_create_phase_seconds_sum{phase=\"") {
+            (0, r)
+        } else if let Some(r) = l.strip_prefix("cubenet_tap_create_phase_seconds_count{phase=\"") {
+            (1, r)
+        } else {
+            continue;
+        };
+        let Some((phase, v)) = rest.split_once("\"} ") else { continue };
+        let Ok(v) = v.trim().parse::<f64>() else { continue };
+        let i = match out.iter().position(|(p, ..)| p == phase) {
+            Some(i) => i,
+            None => {
+                out.push((phase.to_string(), 0.0, 0.0));
+                out.len() - 1
+            }
+        };
+        if kind == 0 { out[i].1 = v } else { out[i].2 = v }
+    }
+    const ORDER: [&str; 7] = ["tuntap", "sysctl", "link", "neighbour", "attach", "policy", "pool"];
+    out.sort_by_key(|(p, ..)| ORDER.iter().position(|o| o == p).unwrap_or(ORDER.len()));
+    out
+}
+
+/// Pool warm-up (500 TAPs from cold, with the time per creation step) and restart with 500
+/// Active sandboxes, each beside the agent's fixed startup with no pool.
+pub fn run_pool() -> Vec<Row> {
     let mut rows = Vec::new();
     // Pool warm-up: 500 TAPs from cold, beside an agent with no pool (its fixed startup).
     let mut empty = AgentUnderTest::prepare("bench-nopool", 0, "");
@@ -172,6 +228,7 @@ pub fn run() -> Vec<Row> {
     empty.start();
     let startup_s = t.elapsed().as_secs_f64();
     let idle_rss = rss_mib(agent_pid(&mut empty));
+    drop(empty);
     let mut warm = AgentUnderTest::prepare("bench-pool500", 500, "cidr = \"192.168.0.0/22\"\n");
     let t = Instant::now();
     let child = warm.spawn_script();
@@ -188,6 +245,22 @@ pub fn run() -> Vec<Row> {
         baseline: Some(("start with tap_init_num=0".into(), startup_s)),
         target: Some("<= 2 s".into()),
     });
+    let phases = create_phases(&warm);
+    let total: f64 = phases.iter().map(|(_, s, n)| if *n > 0.0 { s / n } else { 0.0 }).sum::<f64>() * 1e6;
+    for (phase, sum, n) in &phases {
+        let us = if *n > 0.0 { sum / n * 1e6 } else { 0.0 };
+        rows.push(Row {
+            bench: "agent".into(),
+            case: format!("warm-up step {phase} per TAP ({n} TAPs)"),
+            value: us,
+            spread: (us, us),
+            unit: "µs".into(),
+            baseline: Some(("all steps per TAP".into(), total)),
+            target: None,
+        });
+    }
+    let wall_us = warm_s.max(0.0) * 1e6 / 500.0;
+    eprintln!("  500 TAPs: {warm_s:.2} s wall ({wall_us:.0} µs per TAP), steps sum {total:.0} µs per TAP (per worker)");
     rows.push(Row {
         bench: "agent".into(),
         case: "agent RSS with 500 pooled TAPs".into(),
@@ -199,17 +272,107 @@ pub fn run() -> Vec<Row> {
     });
     drop(warm);
 
+    // The same with legacy tc attachment (clsact + filter) instead of tcx links.
+    let mut legacy =
+        AgentUnderTest::prepare("bench-pool500-legacy", 500, "cidr = \"192.168.0.0/22\"\ntc_attach = \"legacy\"\n");
+    let t = Instant::now();
+    let child = legacy.spawn_script();
+    legacy.child = Some(child);
+    legacy.wait_ready(Duration::from_secs(300));
+    let legacy_s = t.elapsed().as_secs_f64();
+    rows.push(Row {
+        bench: "agent".into(),
+        case: "500 TAPs Ready, tc_attach = legacy (start to /readyz)".into(),
+        value: legacy_s,
+        spread: (legacy_s, legacy_s),
+        unit: "s".into(),
+        baseline: Some(("tc_attach = auto (tcx)".into(), warm_s)),
+        target: Some("<= 2 s".into()),
+    });
+    for (phase, sum, n) in create_phases(&legacy) {
+        if phase != "attach" {
+            continue;
+        }
+        let us = if n > 0.0 { sum / n * 1e6 } else { 0.0 };
+        let tcx = phases.iter().find(|(p, ..)| p == "attach").map_or(0.0, |(_, s, n)| s / n * 1e6);
+        rows.push(Row {
+            bench: "agent".into(),
+            case: format!("warm-up step attach per TAP, tc_attach = legacy ({n} TAPs)"),
+            value: us,
+            spread: (us, us),
+            unit: "µs".into(),
+            baseline: Some(("tcx attach per TAP".into(), tcx)),
+            target: None,
+        });
+    }
+    drop(legacy);
+
+    // Restart with 500 Active sandboxes (no pool: what is timed is adopting them).
+    let mut act = AgentUnderTest::prepare("bench-active500", 0, "cidr = \"192.168.0.0/22\"\n");
+    act.start();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = act.grpc_endpoint();
+    rt.block_on(async {
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(50));
+        let mut tasks = Vec::new();
+        for i in 0..500 {
+            let (endpoint, sem) = (endpoint.clone(), sem.clone());
+            tasks.push(tokio::spawn(async move {
+                let _p = sem.acquire().await.expect("semaphore");
+                let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+                c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: format!("act-{i}"), ..Default::default() })
+                    .await
+                    .expect("EnsureNetwork");
+            }));
+        }
+        for t in tasks {
+            t.await.expect("ensure task");
+        }
+    });
+    act.kill(nix::sys::signal::Signal::SIGKILL);
+    let t = Instant::now();
+    let child = act.spawn_script();
+    act.child = Some(child);
+    act.wait_ready(Duration::from_secs(300));
+    let restart_s = t.elapsed().as_secs_f64();
+    let adopted = act.http_json("/v1/network/taps")["stateCounts"]["Active"].as_u64().unwrap_or(0);
+    assert_eq!(adopted, 500, "every sandbox adopted after the restart");
+    rows.push(Row {
+        bench: "agent".into(),
+        case: "restart with 500 Active (start to /readyz)".into(),
+        value: restart_s,
+        spread: (restart_s, restart_s),
+        unit: "s".into(),
+        baseline: Some(("start with tap_init_num=0".into(), startup_s)),
+        target: Some("<= 1 s".into()),
+    });
+    rows
+}
+
+/// Runs the agent benchmark: [`run_pool`], then Ensure+fd and Release latency. With
+/// `CUBENET_BASELINE_AGENT=<network-agent binary>` (e.g. main's build) the Release rows stand
+/// beside that agent measured in the same run, else beside the empty-pool Ensure.
+pub fn run() -> Vec<Row> {
+    let mut rows = run_pool();
+    let baseline_bin = std::env::var_os("CUBENET_BASELINE_AGENT").map(std::path::PathBuf::from);
+
     // Create latency, warm pool vs empty pool.
     for conc in [1usize, 10, 50] {
         let rounds = (100 / conc).clamp(2, 20);
         let mut pooled = AgentUnderTest::prepare(&format!("bench-warm{conc}"), conc.max(1) + 8, "");
         pooled.start();
-        let (mut e_warm, mut r_warm) = create_latency(&pooled, conc, rounds);
+        let (mut e_warm, mut r_warm) = create_latency(&pooled, conc, rounds, true);
         drop(pooled);
+        let mut r_base = baseline_bin.as_ref().map(|bin| {
+            let mut old = AgentUnderTest::prepare(&format!("bench-base{conc}"), conc.max(1) + 8, "");
+            old.agent_bin = Some(bin.clone());
+            old.start();
+            create_latency(&old, conc, rounds, true).1
+        });
         // Empty pool: every Ensure creates its TAP; one round so nothing comes back warm.
         let mut cold = AgentUnderTest::prepare(&format!("bench-cold{conc}"), 0, "");
         cold.start();
-        let (mut e_cold, _) = create_latency(&cold, conc, 1);
+        let (mut e_cold, _) = create_latency(&cold, conc, 1, false);
         drop(cold);
         let cold_p50 = pct(&mut e_cold, 0.5);
         for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
@@ -224,16 +387,22 @@ pub fn run() -> Vec<Row> {
                 target: (conc == 50 && name == "p99").then(|| "<= 2 ms".to_string()),
             });
         }
-        let (rel_med, rel_spread) = stats(&mut r_warm);
-        rows.push(Row {
-            bench: "agent".into(),
-            case: format!("Release p50, concurrency {conc}"),
-            value: rel_med,
-            spread: rel_spread,
-            unit: "ms".into(),
-            baseline: Some(("empty-pool Ensure+fd p50".into(), cold_p50)),
-            target: None,
-        });
+        for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+            let v = pct(&mut r_warm, q);
+            let baseline = match r_base.as_mut() {
+                Some(b) => (format!("main agent Release {name}"), pct(b, q)),
+                None => ("empty-pool Ensure+fd p50".into(), cold_p50),
+            };
+            rows.push(Row {
+                bench: "agent".into(),
+                case: format!("Release {name}, concurrency {conc}"),
+                value: v,
+                spread: (pct(&mut r_warm, 0.1), pct(&mut r_warm, 0.9)),
+                unit: "ms".into(),
+                baseline: Some(baseline),
+                target: (conc == 50 && name == "p99").then(|| "<= 5 ms".to_string()),
+            });
+        }
     }
     rows
 }

@@ -14,7 +14,7 @@ use std::{
 use cubenet_proto::v1::{self as pb, network_agent_client::NetworkAgentClient};
 use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
-    agent::{AgentUnderTest, request_tap_fd, tap_fd, workspace_bin},
+    agent::{AgentUnderTest, output, request_tap_fd, tap_fd, workspace_bin},
     guest::TapGuest,
     netns::leftover_namespaces,
     packet::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
@@ -182,7 +182,10 @@ fn pool_ensure_fd_arp_release_reuse() {
             .unwrap()
             .into_inner();
         assert!(rel.released);
-        assert_eq!(tap_of(&a, &i.name)["state"], "Ready");
+        // Ready after the free check, which the Release leaves to the maintenance pass it wakes.
+        wait_for("sb-a's TAP back in Ready", Duration::from_secs(5), || {
+            (tap_of(&a, &i.name)["state"] == "Ready").then(String::new)
+        });
         assert!(state_files(&a.state_dir()).is_empty());
         let (reply, fd) = tap_fd(&a.tap_socket(), &i.name, "sb-a");
         assert_eq!(reply["errCode"], "1002");
@@ -705,7 +708,12 @@ fn released_tap_held_by_a_vmm_is_not_reused_until_closed() {
     // Scrubbed right away (no registration, no port map, no state), but not reusable.
     let t = tap_of(&a, &tap);
     assert_eq!(t["state"], "Cleaning", "{t}");
-    assert!(t["lastError"].as_str().unwrap().contains("held by another process"), "{t}");
+    // The free check runs in the maintenance pass the Release wakes, and finds the VMM.
+    wait_for("the free check finding the VMM", Duration::from_secs(5), || {
+        let t = tap_of(&a, &tap);
+        assert_eq!(t["state"], "Cleaning", "{t}");
+        t["lastError"].as_str().unwrap().contains("held by another process").then(String::new)
+    });
     assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
     assert!(!a.http_json("/v1/dataplane/sandboxes").to_string().contains("sb-held"));
     assert!(state_files(&a.state_dir()).is_empty(), "{:?}", state_files(&a.state_dir()));
@@ -761,7 +769,9 @@ fn release_keeps_the_sandbox_when_its_intent_cannot_be_written() {
     // The store works again: the retry releases for real.
     std::fs::remove_dir(&squat).unwrap();
     assert!(release(&mut c).unwrap().into_inner().released);
-    assert_eq!(tap_of(&a, &tap)["state"], "Ready");
+    wait_for("the released TAP back in Ready", Duration::from_secs(5), || {
+        (tap_of(&a, &tap)["state"] == "Ready").then(String::new)
+    });
     assert!(state_files(&a.state_dir()).is_empty(), "{:?}", state_files(&a.state_dir()));
     assert_eq!(a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len(), 0);
 }
@@ -807,4 +817,51 @@ fn readiness_follows_whether_an_ensure_can_succeed() {
         (grpc_health(&rt, &a) == serving).then(String::new)
     });
     assert!(rt.block_on(c.health(pb::HealthRequest::default())).unwrap().into_inner().ok);
+}
+
+/// `tc_attach = "legacy"` (decision F4): every pool TAP gets exactly one `from_cube` filter on a
+/// clsact ingress and no tcx program; an Ensure/Release cycle and a kill -9 restart (recovery
+/// re-attaches every TAP) leave exactly one filter per TAP, never a duplicate.
+#[test]
+fn legacy_tc_attach_puts_one_filter_on_each_tap() {
+    if !require_root("legacy_tc_attach_puts_one_filter_on_each_tap") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("legacy", 2, "tc_attach = \"legacy\"\n");
+    a.start();
+    let filters = |a: &AgentUnderTest| -> Vec<(String, usize, Vec<String>)> {
+        a.node_taps()
+            .into_iter()
+            .map(|t| {
+                let out = output(a.topo.node.command("tc").args(["filter", "show", "dev", &t, "ingress"]));
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                let n = text.lines().filter(|l| l.contains("from_cube") && l.contains("direct-action")).count();
+                let tcx = a.topo.node.run({
+                    let t = t.clone();
+                    move || cubevs::tcx_ingress_programs(&t).unwrap_or_default()
+                });
+                (t, n, tcx)
+            })
+            .collect()
+    };
+    let check = |a: &AgentUnderTest, what: &str| {
+        let f = filters(a);
+        assert!(!f.is_empty(), "{what}: no TAPs");
+        assert!(f.iter().all(|(_, n, tcx)| *n == 1 && tcx.is_empty()), "{what}: {f:?}");
+    };
+    check(&a, "warm pool");
+    let rt = rt();
+    let mut c = rt.block_on(client(&a));
+    let r = rt.block_on(c.ensure_network(ensure_req("sb-l", &[]))).expect("ensure").into_inner();
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, "sb-l");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    drop(fd);
+    rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-l".into(), ..Default::default() }))
+        .expect("release");
+    wait_for("the pool back to 2 Ready", Duration::from_secs(10), || (state_counts(&a) == (2, 0, 0)).then(String::new));
+    check(&a, "after Ensure/Release");
+    a.kill(nix::sys::signal::Signal::SIGKILL);
+    a.start();
+    assert_eq!(state_counts(&a), (2, 0, 0));
+    check(&a, "after a kill -9 restart");
 }

@@ -355,6 +355,12 @@ fn l7_fields_validate_and_old_clients_are_unchanged() {
     assert_eq!(sf["policy"]["rules"][0]["id"], "api");
     release(&a, "sb-fqdn");
     drop(rf);
+    // The released TAP's free check and the pool trim run in the maintenance pass the Release
+    // wakes: let the pool settle (3 Ready, nothing Cleaning) before "nothing changes" is checked.
+    wait_for("the pool settled after the Release", Duration::from_secs(10), || {
+        let st = tap_states(&a);
+        !st.iter().any(|s| s == "Cleaning") && st.iter().filter(|s| *s == "Ready").count() == 3
+    });
 
     // Bad input: INVALID_ARGUMENT naming the field path; nothing changes.
     let fq = |name: &str, ports: Vec<u32>| pb::FqdnAllow { name: name.into(), ports };

@@ -3,6 +3,7 @@
 use std::{os::fd::OwnedFd, sync::Arc};
 
 use super::{Agent, Transition, lock};
+use crate::dataplane::PortMapping;
 
 impl Agent {
     /// Cleans a Cleaning TAP for reuse (`reference/upstream.md §2.4`). Two parts, each retried
@@ -24,6 +25,20 @@ impl Agent {
     /// racing a Release must not scrub the TAP again after it went Ready and was handed to the
     /// next sandbox. Returns whether the TAP reached Ready; failures are recorded on the TAP.
     pub fn cleanup_tap(&self, name: &str) -> bool {
+        self.cleanup(name, None, false)
+    }
+
+    /// The Release path's cleanup: the scrub only (its port maps deleted one by one from
+    /// `ports`, the owner's record, so nothing here walks the tables of other sandboxes); the
+    /// free check is left to the maintenance pass, which the caller wakes. The TAP stays
+    /// Cleaning (scrubbed, ownerless) until then, so a TAP a VMM still holds is never reused.
+    /// Returns whether the scrub succeeded (else the TAP records the error, as in
+    /// [`Agent::cleanup_tap`]).
+    pub(super) fn scrub_released(&self, name: &str, ports: &[PortMapping]) -> bool {
+        self.cleanup(name, Some(ports), true)
+    }
+
+    fn cleanup(&self, name: &str, ports: Option<&[PortMapping]>, defer_free_check: bool) -> bool {
         let (ifindex, owner, scrubbed, hands_off) = {
             let mut inner = lock(&self.inner);
             if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
@@ -32,24 +47,28 @@ impl Agent {
             let t = inner.pool.get(name).expect("just transitioned");
             (t.ifindex, t.owner().map(str::to_string), t.scrubbed(), t.is_hands_off())
         };
-        let res = (|| -> Result<(), String> {
+        let res = (|| -> Result<bool, String> {
             if hands_off {
                 self.reopen_if_free(name)?;
             }
             if !scrubbed {
-                self.scrub(name, ifindex, owner.as_deref())?;
+                self.scrub(name, ifindex, owner.as_deref(), ports)?;
                 let mut inner = lock(&self.inner);
                 if let Some(o) = &owner {
                     inner.ports.release_owner(o);
                     inner.sandboxes.remove(o);
                 }
                 self.transit(&mut inner, name, Transition::Scrubbed).map_err(|e| e.to_string())?;
+                if defer_free_check {
+                    return Ok(false);
+                }
             }
-            self.reopen_if_free(name).map(drop)
+            self.reopen_if_free(name).map(|_| true)
         })();
         let mut inner = lock(&self.inner);
         match res {
-            Ok(()) => self.transit(&mut inner, name, Transition::Cleaned).is_ok(),
+            Ok(false) => self.transit(&mut inner, name, Transition::Deferred).is_ok(),
+            Ok(true) => self.transit(&mut inner, name, Transition::Cleaned).is_ok(),
             Err(e) => {
                 // Once per distinct error: a TAP a VMM holds fails the same way every pass.
                 if inner.pool.get(name).and_then(|t| t.last_error()) == Some(e.as_str()) {
@@ -63,18 +82,38 @@ impl Agent {
         }
     }
 
-    /// Part 1 of [`Agent::cleanup_tap`] in the datapath and the state store.
-    fn scrub(&self, name: &str, ifindex: u32, owner: Option<&str>) -> Result<(), String> {
+    /// Part 1 of [`Agent::cleanup_tap`] in the datapath and the state store. With `ports`
+    /// (the owner's mappings from its record) exactly those are deleted; without, every
+    /// mapping of `ifindex` is searched for (recovery and retries, where no record may exist).
+    fn scrub(
+        &self,
+        name: &str,
+        ifindex: u32,
+        owner: Option<&str>,
+        ports: Option<&[PortMapping]>,
+    ) -> Result<(), String> {
         // Unregister first: from then on the datapath drops the old sandbox's packets in both
         // directions and its sessions are dead; the reaper purges them in its next batched
         // pass (decision D19), so Release costs O(1) in sessions.
         self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
-        self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
+        match ports {
+            // Only the agent writes mappings, always from the record: deleting the record's
+            // mappings (each a compare-and-delete on the ifindex) deletes all of them, in
+            // O(own ports) instead of a walk over every sandbox's.
+            Some(ports) => {
+                for m in ports {
+                    self.dp.delete_port_mapping(m).map_err(|e| e.to_string())?;
+                }
+            }
+            None => {
+                self.dp.delete_port_mappings_of(ifindex).map_err(|e| e.to_string())?;
+                if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
+                    return Err(format!("{name}: port mappings still present after delete"));
+                }
+            }
+        }
         if self.dp.sandbox(ifindex).map_err(|e| e.to_string())?.is_some() {
             return Err(format!("{name}: sandbox entry still present after unregister"));
-        }
-        if self.dp.port_mappings().map_err(|e| e.to_string())?.iter().any(|m| m.ifindex == ifindex) {
-            return Err(format!("{name}: port mappings still present after delete"));
         }
         self.baseline_policy(name, ifindex)?;
         if let Some(o) = owner {

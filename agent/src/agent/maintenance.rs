@@ -10,8 +10,10 @@ use std::{
     },
 };
 
+use std::time::{Duration, Instant};
+
 use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
-use crate::host::tap_name;
+use crate::host::{NewTap, tap_name};
 
 impl Agent {
     /// Creates one pooled TAP: address, TAP, `from_cube`, baseline deny. Returns its name.
@@ -24,30 +26,55 @@ impl Agent {
     }
 
     fn create_tap_inner(&self, owner: Option<&str>) -> Result<String, AgentError> {
-        let ip = lock(&self.inner)
-            .ipam
-            .allocate()
-            .ok_or_else(|| AgentError::Exhausted(format!("no free address in {}", self.cfg.cidr)))?;
+        let ip = {
+            let mut inner = lock(&self.inner);
+            // Every allocated address is a TAP (pooled or being created): the datapath's
+            // interface capacity bounds them, checked in the same critical section as the
+            // allocation so concurrent creations cannot overshoot it.
+            let max = self.dp.max_interfaces();
+            if inner.ipam.in_use() >= max {
+                return Err(AgentError::Exhausted(format!(
+                    "the datapath holds at most {max} sandbox interfaces and all are in use"
+                )));
+            }
+            inner
+                .ipam
+                .allocate()
+                .ok_or_else(|| AgentError::Exhausted(format!("no free address in {}", self.cfg.cidr)))?
+        };
         let name = tap_name(ip);
+        let phase = |p: &str, d: Duration| {
+            self.metrics.tap_create_phase_seconds.with_label_values(&[p]).observe(d.as_secs_f64())
+        };
         let made = (|| -> Result<(u32, OwnedFd), AgentError> {
-            let (ifindex, fd) = self.host.create_tap(ip).map_err(|e| {
+            let NewTap { ifindex, fd, phases } = self.host.create_tap(ip).map_err(|e| {
                 self.metrics.tap_create_failures.with_label_values(&["create"]).inc();
                 internal(format!("create TAP {name}: {e}"))
             })?;
+            for (p, d) in phases {
+                phase(p, d);
+            }
+            let t = Instant::now();
             let attached = self.dp.attach_sandbox(&name).inspect_err(|_| {
                 self.metrics.tap_create_failures.with_label_values(&["attach"]).inc();
             })?;
+            phase("attach", t.elapsed());
             if attached != ifindex {
                 return Err(internal(format!("{name}: ifindex changed during creation")));
             }
             // A replace: whatever a previous owner of this ifindex left is purged with it.
+            let t = Instant::now();
             self.baseline_policy(&name, ifindex).map_err(internal)?;
+            phase("policy", t.elapsed());
             Ok((ifindex, fd))
         })();
         let made = made.and_then(|(ifindex, fd)| {
+            let t = Instant::now();
             let state = if owner.is_some() { TapState::Active } else { TapState::Ready };
             let e = TapEntry::new(name.clone(), ip, ifindex, Some(Arc::new(fd)), state, owner.map(str::to_string));
-            self.transit(&mut lock(&self.inner), &name, Transition::Join(e)).map(drop).map_err(internal)
+            let r = self.transit(&mut lock(&self.inner), &name, Transition::Join(e)).map(drop).map_err(internal);
+            phase("pool", t.elapsed());
+            r
         });
         match made {
             Ok(()) => Ok(name),
@@ -133,6 +160,15 @@ impl Agent {
     /// `tap_init_num` Ready TAPs and refill it. It walks no session or link table; datapath
     /// metrics are read when `/metrics` is scraped ([`Agent::refresh_datapath_metrics`]).
     pub fn maintain(&self) {
+        self.finish_cleanups();
+        let target = self.cfg.raw.tap_init_num;
+        self.trim(target);
+        self.warm(target, self.cfg.raw.warm_parallelism);
+    }
+
+    /// Retries every Cleaning TAP no cleanup is running on: the scrub where it failed, and
+    /// the free check (one reopen) of TAPs a Release scrubbed. Returns how many went Ready.
+    pub fn finish_cleanups(&self) -> usize {
         let cleaning: Vec<String> = {
             let inner = lock(&self.inner);
             inner
@@ -142,11 +178,6 @@ impl Agent {
                 .cloned()
                 .collect()
         };
-        for n in cleaning {
-            self.cleanup_tap(&n);
-        }
-        let target = self.cfg.raw.tap_init_num;
-        self.trim(target);
-        self.warm(target, self.cfg.raw.warm_parallelism);
+        cleaning.into_iter().filter(|n| self.cleanup_tap(n)).count()
     }
 }

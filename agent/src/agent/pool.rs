@@ -184,6 +184,10 @@ pub enum Transition<'a> {
     Scrubbed,
     /// Cleaning, scrubbing, scrubbed → Ready: nobody else holds the TAP; errors are cleared.
     Cleaned,
+    /// Cleaning, scrubbing, scrubbed → Cleaning, scrubbed: the cleanup stops after the scrub
+    /// without failing; the free check (is the TAP still held elsewhere?) runs later, off the
+    /// Release path (the maintenance pass). No retry is counted.
+    Deferred,
     /// Cleaning, scrubbing → Cleaning: the cleanup failed with this error; retry count + 1.
     ScrubFailed(String),
     /// Ready → removed from the pool (trim). The removed entry is returned.
@@ -200,6 +204,7 @@ impl Transition<'_> {
             Transition::BeginScrub => "begin cleanup",
             Transition::Scrubbed => "scrubbed",
             Transition::Cleaned => "cleaned",
+            Transition::Deferred => "defer free check",
             Transition::ScrubFailed(_) => "cleanup failed",
             Transition::Retire => "retire",
         }
@@ -345,6 +350,12 @@ impl Pool {
                 e.retry_count = 0;
                 e.last_error = None;
             }
+            Transition::Deferred => {
+                if from != TapState::Cleaning || !e.scrubbing || !e.scrubbed {
+                    return Err(illegal(e));
+                }
+                e.scrubbing = false;
+            }
             Transition::ScrubFailed(err) => {
                 if from != TapState::Cleaning || !e.scrubbing {
                     return Err(illegal(e));
@@ -413,6 +424,11 @@ mod tests {
         assert!(p.transition("z1", Transition::Cleaned).is_err(), "never Ready before the scrub");
         p.transition("z1", Transition::Scrubbed).unwrap();
         assert!(p.owned_by("sb").is_none(), "the owner's id is free once scrubbed");
+        p.transition("z1", Transition::Deferred).unwrap();
+        let t = p.get("z1").unwrap();
+        assert_eq!((t.state(), t.scrubbing(), t.scrubbed(), t.retry_count()), (TapState::Cleaning, false, true, 1));
+        assert!(p.transition("z1", Transition::Cleaned).is_err(), "never Ready without the free check");
+        p.transition("z1", Transition::BeginScrub).unwrap();
         p.transition("z1", Transition::ScrubFailed("held".into())).unwrap();
         assert_eq!(p.get("z1").unwrap().state(), TapState::Cleaning);
         p.transition("z1", Transition::BeginScrub).unwrap();

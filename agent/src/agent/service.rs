@@ -198,7 +198,19 @@ impl Agent {
         }
         // Before the TAP (and so the IP) can be reused.
         self.push_egress(rec.sandbox_ip, None);
-        self.cleanup_tap(&rec.tap_name);
+        // The scrub now; the free check (a reopen, which waits on the kernel) in the
+        // maintenance pass that `release` wakes (decision F2).
+        let ports: Vec<PortMapping> = rec
+            .port_mappings
+            .iter()
+            .map(|p| PortMapping {
+                proto: p.proto,
+                host_port: p.host_port,
+                ifindex: rec.tap_ifindex,
+                guest_port: p.container_port,
+            })
+            .collect();
+        self.scrub_released(&rec.tap_name, &ports);
         Ok(true)
     }
 

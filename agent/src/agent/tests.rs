@@ -88,6 +88,11 @@ fn ensure_release_reuse() {
     assert_eq!(f.agent.store.count(), 0);
     assert_eq!(f.agent.host_ports_in_use(), 0);
     assert!(matches!(f.agent.get("sb-1"), Err(AgentError::NotFound(_))));
+    // Scrubbed, but not reusable before the free check (run by the maintenance pass).
+    assert_eq!(f.agent.pool_counts()[&TapState::Cleaning], 1);
+    let ready = f.agent.pool_counts()[&TapState::Ready];
+    assert_eq!(f.agent.finish_cleanups(), 1);
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], ready + 1);
 
     // Reuse: same TAP, new version, none of the old policy.
     let v2 = f.agent.ensure(EnsureRequest { sandbox_id: "sb-2".into(), ..Default::default() }).unwrap();
@@ -201,6 +206,7 @@ fn release_writes_its_intent_before_forgetting() {
     std::fs::remove_dir(&squat).unwrap();
     assert!(f.agent.release("sb-i").unwrap());
     assert!(matches!(f.agent.get("sb-i"), Err(AgentError::NotFound(_))));
+    f.agent.finish_cleanups();
     assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
     assert!(f.dp.sandbox(ifindex).unwrap().is_none());
     assert!(f.dp.port_mappings().unwrap().is_empty());
@@ -257,6 +263,7 @@ fn policy_write_failures_never_strand_a_tap_or_state() {
     // Release always succeeds and returns the TAP although no baseline can be written; the
     // sandbox is unregistered (its TAP drops everything) and its policy entries are gone.
     assert!(f.agent.release("sb-a").unwrap());
+    f.agent.finish_cleanups();
     let counts = f.agent.pool_counts();
     assert_eq!((counts[&TapState::Ready], counts[&TapState::Cleaning]), (2, 0));
     assert!(f.dp.sandbox(a.record.tap_ifindex).unwrap().is_none());
@@ -297,6 +304,7 @@ fn readiness_says_whether_an_ensure_can_succeed() {
     assert!(f.agent.ensure(req("sb-2")).is_err(), "readiness told the truth");
     // A TAP back in Ready makes it ready again, although creation still fails.
     f.agent.release("sb-1").unwrap();
+    f.agent.finish_cleanups();
     f.agent.readiness().unwrap();
     assert!(*ready.borrow());
 }
@@ -335,4 +343,27 @@ fn reconcile_flushes_only_when_the_policy_tightens() {
     let e = e.unwrap_err().to_string();
     assert!(e.contains("cubevs_context.allow_out") && e.contains("1024"), "{e}");
     assert_eq!(f.dp.policy(v0.record.tap_ifindex).unwrap(), before);
+}
+
+#[test]
+fn taps_never_outnumber_the_datapath_interfaces() {
+    let f = fixture("capacity");
+    f.dp.interface_limit.store(3, std::sync::atomic::Ordering::Relaxed);
+    f.agent.recover().unwrap();
+    assert_eq!(f.agent.warm(2, 2), 2);
+    f.agent.set_started();
+    for id in ["sb-1", "sb-2", "sb-3"] {
+        f.agent.ensure(EnsureRequest { sandbox_id: id.into(), ..Default::default() }).unwrap();
+    }
+    // A refill wants two more Ready TAPs; none may be created past the limit.
+    f.agent.warm(2, 2);
+    let total: usize = f.agent.pool_counts().values().sum();
+    assert_eq!(total, 3, "{:?}", f.agent.pool_counts());
+    let e = f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap_err();
+    assert!(matches!(&e, AgentError::Exhausted(m) if m.contains("at most 3")), "{e}");
+    assert!(matches!(f.agent.get("sb-4"), Err(AgentError::NotFound(_))), "nothing left of the refused Ensure");
+    // A Release frees the interface for the next sandbox.
+    assert!(f.agent.release("sb-1").unwrap());
+    f.agent.finish_cleanups();
+    f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap();
 }
