@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, reaper::Reaper};
+use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, dns_reaper::DnsReaper, reaper::Reaper};
 
 use crate::{
     dataplane::{
@@ -26,6 +26,7 @@ pub struct CubeVsDataplane {
     datapath: Arc<Mutex<Datapath>>,
     maps: Arc<Maps>,
     reaper: Reaper,
+    dns_reaper: DnsReaper,
     /// `MapLimits::sandboxes` the maps were loaded with.
     max_interfaces: usize,
 }
@@ -60,7 +61,8 @@ impl CubeVsDataplane {
     /// attaching programs as `attach` says,
     /// creating or adopting the pinned maps under `bpffs_dir`; pinned links are adopted by
     /// later attaches. Each sandbox may hold `policy_entries_per_sandbox` entries per policy
-    /// list (the tries are sized from it). Starts the session reaper (every `reaper_interval`).
+    /// list (the tries are sized from it). Starts the session reaper and the DNS reaper (every
+    /// `reaper_interval`).
     pub fn load(
         host: Arc<NetnsHost>,
         object: Option<PathBuf>,
@@ -82,7 +84,8 @@ impl CubeVsDataplane {
         let dp = Datapath::load(opts).map_err(err)?;
         let maps = dp.maps();
         let reaper = Reaper::spawn(maps.sessions.clone(), reaper_interval, Default::default());
-        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper, max_interfaces })
+        let dns_reaper = DnsReaper::spawn(maps.clone(), reaper_interval);
+        Ok(Self { host, datapath: Arc::new(Mutex::new(dp)), maps, reaper, dns_reaper, max_interfaces })
     }
 
     fn on_thread<R: Send + 'static>(
@@ -254,6 +257,9 @@ impl Dataplane for CubeVsDataplane {
         c.insert("reaper_runs".into(), st.runs.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("reaper_removed".into(), st.removed.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("reaper_last_scanned".into(), st.last_scanned.load(std::sync::atomic::Ordering::Relaxed));
+        let d = self.dns_reaper.stats();
+        c.insert("dns_reaper_learned_removed".into(), d.learned_removed.load(std::sync::atomic::Ordering::Relaxed));
+        c.insert("dns_reaper_queries_removed".into(), d.queries_removed.load(std::sync::atomic::Ordering::Relaxed));
         Ok(c)
     }
 }

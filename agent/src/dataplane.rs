@@ -318,6 +318,7 @@ impl MemTables {
             generation: Some(*g),
             allow: c.allow.clone(),
             deny: c.deny.clone(),
+            fqdn_patterns: c.fqdn.len(),
         })
     }
 }

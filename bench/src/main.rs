@@ -5,6 +5,7 @@
 
 mod agent;
 mod agent_sessions;
+mod dns;
 mod gateway_swap;
 mod per_packet;
 mod plot;
@@ -86,6 +87,7 @@ fn main() -> anyhow::Result<()> {
             "upgrade" => rows.extend(upgrade::run()),
             "gateway-swap" => rows.extend(gateway_swap::run()),
             "xdp" => rows.extend(xdp::run(cli.rounds)),
+            "dns" => rows.extend(dns::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }
@@ -136,6 +138,9 @@ const NOTES: &str = "## Method\n\n\
 the kernel's per-run time, which includes the test-run harness's own overhead — the `baseline_pass` row (an empty TC \
 program on the same frame) is that floor. `from_cube` runs inside a node namespace whose FIB resolves the uplink next \
 hop (permanent neighbour, forwarding on).\n\
+- dns: BPF_PROG_TEST_RUN like per-packet; a learned response needs a fresh tracked query, so that case alternates \
+a query and its response and times the response alone (its figure includes the tail call into `dns_response` and \
+back into `from_world`); baselines are the same-size plain UDP paths in the same run.\n\
 - throughput: iperf3 (4 s, 1 s omitted) and a connect-request-close loop (4 client threads, 3 s) from a veth guest to \
 a world namespace, through (a) CubeVS, (b) a Linux bridge + iptables MASQUERADE + nf_conntrack, (c) plain routing. Each \
 path in a fresh topology, 3 rounds.\n\

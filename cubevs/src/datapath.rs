@@ -220,6 +220,7 @@ impl Datapath {
             (map::SANDBOX_STATS, l.sandboxes),
             (map::ALLOW_OUT, policy_entries),
             (map::DENY_OUT, policy_entries),
+            (map::DNS_ALLOW, policy_entries),
         ];
         for name in [
             map::REMOTE_PORT_MAPPING,
@@ -266,6 +267,7 @@ impl Datapath {
                 source,
             })?
         };
+        fill_dns_progs(&mut ebpf)?;
         let maps = Arc::new(Maps {
             sandboxes: SandboxTable::new(
                 take(&mut ebpf, map::IFINDEX_TO_MVMMETA)?,
@@ -557,6 +559,32 @@ fn nix_if_exists(ifindex: u32) -> bool {
     !unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) }.is_null()
 }
 
+/// Fills `dns_progs` with this load's programs: the return slots first, so a DNS program is
+/// never reachable before the program it returns to.
+fn fill_dns_progs(ebpf: &mut Ebpf) -> Result<(), Error> {
+    use cubevs_common::dns::slot;
+    let mut fds = Vec::new();
+    for (slot, name) in [
+        (slot::FROM_CUBE, prog::FROM_CUBE),
+        (slot::FROM_WORLD, prog::FROM_WORLD),
+        (slot::QUERY, prog::DNS_QUERY),
+        (slot::RESPONSE, prog::DNS_RESPONSE),
+    ] {
+        let fd = Datapath::classifier(ebpf, name)?
+            .fd()
+            .map_err(prog_err(format!("fd of {name}")))?
+            .try_clone()
+            .map_err(|e| Error::Map { map: map::DNS_PROGS, op: "dup program fd", source: Box::new(e.into()) })?;
+        fds.push((slot, fd));
+    }
+    let m = ebpf.map_mut(map::DNS_PROGS).ok_or(Error::Missing(map::DNS_PROGS))?;
+    let mut arr = aya::maps::ProgramArray::try_from(m).map_err(|_| Error::Missing(map::DNS_PROGS))?;
+    for (slot, fd) in &fds {
+        arr.set(*slot, fd, 0).map_err(Error::map(map::DNS_PROGS, "update"))?;
+    }
+    Ok(())
+}
+
 /// The policy table over the loaded maps, after checking that the (possibly adopted) tries
 /// can hold two generations of every interface `policy_gen` can hold at `limits`.
 fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -> Result<PolicyTable, Error> {
@@ -585,7 +613,12 @@ fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -
             });
         }
     }
-    Ok(PolicyTable::new(allow, deny, generation, limits))
+    let dns = crate::policy::dns::DnsMaps {
+        allow: take(ebpf, map::DNS_ALLOW)?,
+        learned: take(ebpf, map::DNS_LEARNED)?,
+        queries: take(ebpf, map::DNS_QUERY_TRACK)?,
+    };
+    Ok(PolicyTable::new(allow, deny, generation, dns, limits))
 }
 
 /// Names of the programs attached to the tcx ingress of `ifname` (calling thread's netns), in

@@ -8,7 +8,7 @@
 //! - [`Maps`] is the typed, thread-safe API over every map, one wrapper per map family:
 //!   [`SandboxTable`], [`PortMaps`], [`Sessions`], [`SnatTable`], [`PolicyTable`],
 //!   [`NodeTable`], [`Counters`], [`SandboxStatsTable`].
-//! - [`reaper`] expires idle sessions; [`testrun`] runs programs on crafted frames with
+//! - [`reaper`] expires idle sessions; [`dns_reaper`] expires learned DNS addresses; [`testrun`] runs programs on crafted frames with
 //!   `BPF_PROG_TEST_RUN`.
 //!
 //! Interface names are resolved in the **calling thread's** network namespace: call the
@@ -17,6 +17,7 @@ mod batch;
 mod bpf_sys;
 mod counters;
 mod datapath;
+pub mod dns_reaper;
 mod error;
 pub mod layout;
 pub mod lock;
@@ -62,7 +63,8 @@ pub struct Maps {
     pub sessions: std::sync::Arc<Sessions>,
     /// `snat_iplist`.
     pub snat: SnatTable,
-    /// `allow_out`, `deny_out`, `policy_gen`.
+    /// `allow_out`, `deny_out`, `policy_gen`, and the DNS learning maps `dns_allow`,
+    /// `dns_learned`, `dns_query_track`.
     pub policy: PolicyTable,
     /// `node_config`.
     pub node: NodeTable,

@@ -4,7 +4,11 @@
 //! - [`EgressPolicy`], [`compile`], [`CompiledPolicy`] and [`BASELINE_DENY`] are the policy
 //!   model: what a caller asks for, what it expands to, and the verdict ([`model`]).
 //! - [`FqdnAllow`] / [`FqdnPattern`]: DNS-name allow entries, strictly parsed ([`fqdn`]).
-//! - [`PolicyTable`] writes compiled policies into the kernel maps (this file).
+//! - [`PolicyTable`] writes compiled policies into the kernel maps (this file), FQDN
+//!   patterns included (`dns_allow`, same generation scheme), and owns the addresses the
+//!   datapath learns from DNS answers ([`dns`]): listed, reaped when expired
+//!   ([`PolicyTable::reap_dns`]), purged when the sandbox's FQDN patterns change or its
+//!   policy is removed or reset to the default deny (Release).
 //!
 //! Entries are keyed `{ifindex, generation, address/len}`. A replace validates and expands
 //! the whole policy first, writes it under a new generation (the active one + 1: never reused,
@@ -22,6 +26,7 @@
 //! another, and a replace by a smaller policy or a removal always has room.
 
 pub mod cidr;
+pub mod dns;
 pub mod fqdn;
 pub mod model;
 
@@ -35,7 +40,12 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 pub use cidr::Cidr;
-use cubevs_common::{AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, map};
+use cubevs_common::{
+    AllowValue, POLICY_PREFIX_BITS, PolicyLpmData,
+    dns::{DnsAllowKey, DnsAllowValue},
+    map,
+};
+pub use dns::{DnsReap, LearnedEntry};
 pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 pub use model::{
     BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, MAX_RULES_JSON_BYTES,
@@ -72,6 +82,8 @@ pub struct PolicyDump {
     pub allow: Vec<Cidr>,
     /// Denied networks of the active generation.
     pub deny: Vec<Cidr>,
+    /// FQDN patterns of the active generation (as hashed keys: the names are not kept).
+    pub fqdn_patterns: usize,
 }
 
 /// The entries of one (ifindex, generation), as written.
@@ -79,6 +91,17 @@ pub struct PolicyDump {
 struct Written {
     allow: Vec<Cidr>,
     deny: Vec<Cidr>,
+    fqdn: Vec<(DnsAllowKey, DnsAllowValue)>,
+}
+
+impl Written {
+    /// The FQDN entries without their generation, sorted (to compare two generations).
+    fn fqdn_set(&self) -> Vec<(u64, u8, u8, u8, [u16; cubevs_common::dns::MAX_PORTS])> {
+        let mut v: Vec<_> =
+            self.fqdn.iter().map(|(k, v)| (k.name_hash, k.subdomains, v.flags, v.port_count, v.ports)).collect();
+        v.sort_unstable();
+        v
+    }
 }
 
 struct Tries {
@@ -91,6 +114,8 @@ struct Tries {
     index: StdHashMap<(u32, u32), Written>,
     /// Interfaces with a `policy_gen` entry.
     interfaces: HashSet<u32>,
+    /// `dns_allow`, `dns_learned`, `dns_query_track`.
+    dns: dns::DnsMaps,
 }
 
 /// Typed access to the policy maps.
@@ -111,7 +136,7 @@ fn cidr_of(k: &Key<PolicyLpmData>) -> Cidr {
     Cidr::new(std::net::Ipv4Addr::from(d.ip.to_ne_bytes()), (k.prefix_len() - POLICY_PREFIX_BITS) as u8)
 }
 
-fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapError> {
+pub(crate) fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapError> {
     match r {
         Err(e) if is_not_found(&e) => Ok(()),
         other => other,
@@ -138,22 +163,31 @@ impl Tries {
             for c in &w.deny {
                 absent_ok(self.deny.remove(&key(ifindex, g, *c))).map_err(Error::map(map::DENY_OUT, "delete"))?;
             }
+            for (k, _) in &w.fqdn {
+                absent_ok(self.dns.allow.remove(k)).map_err(Error::map(map::DNS_ALLOW, "delete"))?;
+            }
             self.index.remove(&(ifindex, g));
         }
         Ok(())
     }
 
-    fn write(&mut self, ifindex: u32, generation: u32, c: &CompiledPolicy) -> Result<(), Error> {
+    fn write(&mut self, ifindex: u32, generation: u32, c: &CompiledPolicy, l7: &HashSet<String>) -> Result<(), Error> {
         // Record before writing, so a failed write can still be purged.
+        let fqdn: Vec<_> =
+            c.fqdn.iter().map(|p| dns::pattern_entry(ifindex, generation, p, dns::is_l7(p, l7))).collect();
         let w = self.index.entry((ifindex, generation)).or_default();
         w.allow.extend_from_slice(&c.allow);
         w.deny.extend_from_slice(&c.deny);
+        w.fqdn.extend_from_slice(&fqdn);
         for a in &c.allow {
             let v = AllowValue { expires_ns: 0, flags: 0, scheme: 0, key_prefixlen: a.len, _pad: [0; 5] };
             self.allow.insert(&key(ifindex, generation, *a), v, 0).map_err(Error::map(map::ALLOW_OUT, "insert"))?;
         }
         for d in &c.deny {
             self.deny.insert(&key(ifindex, generation, *d), 1, 0).map_err(Error::map(map::DENY_OUT, "insert"))?;
+        }
+        for (k, v) in &fqdn {
+            self.dns.allow.insert(k, v, 0).map_err(Error::map(map::DNS_ALLOW, "insert"))?;
         }
         Ok(())
     }
@@ -169,6 +203,9 @@ impl Tries {
             let d = k.data();
             self.index.entry((d.ifindex, d.generation)).or_default().deny.push(cidr_of(&k));
         }
+        for (k, v) in self.dns.allow.iter().filter_map(Result::ok) {
+            self.index.entry((k.ifindex, k.generation)).or_default().fqdn.push((k, v));
+        }
         self.interfaces = self.generation.keys().filter_map(Result::ok).collect();
     }
 }
@@ -178,9 +215,10 @@ impl PolicyTable {
         allow: LpmTrie<MapData, PolicyLpmData, AllowValue>,
         deny: LpmTrie<MapData, PolicyLpmData, u32>,
         generation: HashMap<MapData, u32, u32>,
+        dns: dns::DnsMaps,
         limits: PolicyLimits,
     ) -> Self {
-        let mut t = Tries { allow, deny, generation, index: Default::default(), interfaces: Default::default() };
+        let mut t = Tries { allow, deny, generation, index: Default::default(), interfaces: Default::default(), dns };
         t.scan();
         Self { inner: Mutex::new(t), limits }
     }
@@ -211,7 +249,7 @@ impl PolicyTable {
         // first, so at most two generations of this interface exist at any time.
         t.purge(ifindex, |g| Some(g) != active)?;
         let new = active.map_or(1, |g| g.wrapping_add(1));
-        if let Err(e) = t.write(ifindex, new, &compiled) {
+        if let Err(e) = t.write(ifindex, new, &compiled, &dns::l7_names(&p.rules)) {
             let _ = t.purge(ifindex, |g| g == new);
             return Err(e);
         }
@@ -220,6 +258,18 @@ impl PolicyTable {
             return Err(Error::map(map::POLICY_GEN, "update")(e));
         }
         t.interfaces.insert(ifindex);
+        // Learned addresses belong to the patterns that allowed them: when the patterns
+        // change (or go, as on Release's default deny) they go too. A guest that re-resolves
+        // learns again under the new patterns.
+        let old_fqdn = active.and_then(|g| t.index.get(&(ifindex, g))).map(Written::fqdn_set).unwrap_or_default();
+        let new_fqdn = t.index.get(&(ifindex, new)).map(Written::fqdn_set).unwrap_or_default();
+        // Only then: the purge scans the kernel-written maps (no userspace index), and a
+        // sandbox without patterns has nothing learned (its predecessor's went at Release).
+        if old_fqdn != new_fqdn
+            && let Err(e) = t.dns.purge(ifindex)
+        {
+            log::warn!("ifindex {ifindex}: purge of learned DNS entries: {e}");
+        }
         if let Some(old) = active
             && let Err(e) = t.purge(ifindex, |g| g == old)
         {
@@ -240,7 +290,34 @@ impl PolicyTable {
         let mut t = self.inner.lock().expect("policy lock");
         absent_ok(t.generation.remove(&ifindex)).map_err(Error::map(map::POLICY_GEN, "delete"))?;
         t.interfaces.remove(&ifindex);
-        t.purge(ifindex, |_| true)
+        t.purge(ifindex, |_| true)?;
+        t.dns.purge(ifindex).map(drop)
+    }
+
+    /// Addresses learned from DNS answers (of `ifindex`, or all), sorted by interface,
+    /// address, port.
+    pub fn learned(&self, ifindex: Option<u32>) -> Vec<LearnedEntry> {
+        self.inner.lock().expect("policy lock").dns.learned(ifindex)
+    }
+
+    /// DNS queries being tracked (of `ifindex`, or all): raw keys and values.
+    pub fn dns_queries(
+        &self,
+        ifindex: Option<u32>,
+    ) -> Vec<(cubevs_common::dns::DnsQueryKey, cubevs_common::dns::DnsQueryValue)> {
+        self.inner.lock().expect("policy lock").dns.queries(ifindex)
+    }
+
+    /// Deletes the learned entries and tracked queries of `ifindex` (Release does it through
+    /// [`Self::install_default_deny`] / [`Self::remove`]). Returns the learned entries deleted.
+    pub fn purge_learned(&self, ifindex: u32) -> Result<usize, Error> {
+        self.inner.lock().expect("policy lock").dns.purge(ifindex)
+    }
+
+    /// Deletes learned entries and tracked queries expired at `now_ns` (CLOCK_MONOTONIC,
+    /// [`crate::reaper::monotonic_ns`]); the session reaper calls it every tick.
+    pub fn reap_dns(&self, now_ns: u64) -> Result<DnsReap, Error> {
+        self.inner.lock().expect("policy lock").dns.reap(now_ns)
     }
 
     /// The active policy entries of `ifindex`.
@@ -251,7 +328,7 @@ impl PolicyTable {
         let (mut allow, mut deny) = (w.allow, w.deny);
         allow.sort();
         deny.sort();
-        Ok(PolicyDump { generation: Some(generation), allow, deny })
+        Ok(PolicyDump { generation: Some(generation), allow, deny, fqdn_patterns: w.fqdn.len() })
     }
 
     /// Interfaces that have any policy entry or generation record (for garbage collection

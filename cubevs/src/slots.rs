@@ -138,9 +138,44 @@ pub(crate) fn pin_slot(ebpf: &mut Ebpf, pin_dir: &Path, slot: usize) -> Result<(
         std::fs::remove_dir_all(&dir).map_err(pin_err(format!("clear {}", dir.display())))?;
     }
     std::fs::create_dir_all(&dir).map_err(pin_err(format!("create {}", dir.display())))?;
-    for name in ATTACHED {
+    for name in ATTACHED.iter().chain(&DNS_TAIL) {
         let p = dir.join(name);
         classifier(ebpf, name)?.pin(&p).map_err(|e| other(format!("pin {}", p.display()), e))?;
+    }
+    Ok(())
+}
+
+/// Programs only reached by tail calls through `dns_progs`; pinned per slot beside
+/// [`ATTACHED`] so a switch can point the array at the slot's own set.
+pub const DNS_TAIL: [&str; 2] = [prog::DNS_QUERY, prog::DNS_RESPONSE];
+
+/// Points the pinned `dns_progs` array at `slot`'s programs (return slots first, so a DNS
+/// program is never reachable before the main program it returns to). A slot pinned before
+/// DNS learning existed has no DNS programs: nothing to do.
+pub(crate) fn fill_dns_progs_of_slot(pin_dir: &Path, slot: usize) -> Result<(), Error> {
+    use cubevs_common::dns::slot as s;
+    let dir = slot_dir(pin_dir, slot);
+    let arr_pin = pin_dir.join("maps").join(map::DNS_PROGS);
+    if !dir.join(prog::DNS_QUERY).exists() || !arr_pin.exists() {
+        return Ok(());
+    }
+    let data = aya::maps::MapData::from_pin(&arr_pin).map_err(|e| Error::Map {
+        map: map::DNS_PROGS,
+        op: "open pin",
+        source: Box::new(e),
+    })?;
+    let mut arr = aya::maps::ProgramArray::try_from(aya::maps::Map::ProgramArray(data))
+        .map_err(|_| Error::Missing(map::DNS_PROGS))?;
+    for (idx, name) in [
+        (s::FROM_CUBE, prog::FROM_CUBE),
+        (s::FROM_WORLD, prog::FROM_WORLD),
+        (s::QUERY, prog::DNS_QUERY),
+        (s::RESPONSE, prog::DNS_RESPONSE),
+    ] {
+        let p = dir.join(name);
+        let c = SchedClassifier::from_pin(&p).map_err(prog_err(format!("open {}", p.display())))?;
+        let fd = c.fd().map_err(prog_err(format!("fd of {}", p.display())))?;
+        arr.set(idx, fd, 0).map_err(Error::map(map::DNS_PROGS, "update"))?;
     }
     Ok(())
 }
@@ -239,6 +274,9 @@ fn has_errno(e: &(dyn std::error::Error + 'static), code: i32) -> bool {
 /// are put back on `previous` (when given) before the error is returned.
 pub(crate) fn replace_links(pin_dir: &Path, slot: usize, previous: Option<usize>) -> Result<usize, Error> {
     let mut progs = slot_programs(pin_dir, slot)?;
+    // DNS tail calls go to the slot's own programs from now on (before the links: an old
+    // main program then reaches the new DNS programs and returns into the new main one).
+    fill_dns_progs_of_slot(pin_dir, slot)?;
     let mut done = Vec::new();
     for lp in link_pins(pin_dir)? {
         let p = progs.get_mut(lp.program).ok_or(Error::Missing(lp.program))?;

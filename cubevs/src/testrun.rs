@@ -86,23 +86,30 @@ pub struct TestRunOutput {
     pub data: Vec<u8>,
     /// Kernel-measured time per run.
     pub duration: Duration,
+    /// `skb->mark` after the run (from the output context).
+    pub mark: u32,
 }
 
 /// Runs `prog` on `frame` `repeat` times (at least once) with `ctx`.
 pub fn run(prog: &SchedClassifier, frame: &[u8], ctx: SkBuffCtx, repeat: u32) -> Result<TestRunOutput, Error> {
     let ctx_bytes = ctx.to_bytes();
+    // The kernel writes the whole `struct __sk_buff` back (ENOSPC when the buffer is smaller).
+    let mut ctx_out = [0u8; 256];
     // Room for programs that grow the frame (e.g. encapsulation, RST synthesis).
     let mut out = vec![0u8; frame.len() + 256];
     let mut opts = TestRunOptions::new();
     opts.data_in = Some(frame);
     opts.data_out = Some(&mut out);
     opts.ctx_in = Some(&ctx_bytes);
+    opts.ctx_out = Some(&mut ctx_out);
     opts.repeat = repeat.max(1);
     let res = prog
         .test_run(opts)
         .map_err(|source| Error::Program { what: "BPF_PROG_TEST_RUN".into(), source: Box::new(source) })?;
     out.truncate(res.data_size_out as usize);
-    Ok(TestRunOutput { verdict: res.return_value, data: out, duration: res.duration })
+    // `mark` is the third u32 of `struct __sk_buff`.
+    let mark = u32::from_ne_bytes([ctx_out[8], ctx_out[9], ctx_out[10], ctx_out[11]]);
+    Ok(TestRunOutput { verdict: res.return_value, data: out, duration: res.duration, mark })
 }
 
 /// `XDP_DROP`.
@@ -152,5 +159,6 @@ pub fn run_xdp(prog: &Xdp, frame: &[u8], ctx: XdpMdCtx, repeat: u32) -> Result<T
         .test_run(opts)
         .map_err(|source| Error::Program { what: "BPF_PROG_TEST_RUN (xdp)".into(), source: Box::new(source) })?;
     out.truncate(res.data_size_out as usize);
-    Ok(TestRunOutput { verdict: res.return_value, data: out, duration: res.duration })
+    // XDP has no mark: 0.
+    Ok(TestRunOutput { verdict: res.return_value, data: out, duration: res.duration, mark: 0 })
 }

@@ -473,3 +473,53 @@ fn legacy_tc_fallback_attaches_and_persists() {
     drop(maps);
     assert!(ping(gns, "198.51.100.1", 2), "legacy tc path broke after the loader exited");
 }
+
+/// DNS learning with real packets (issue 11): the veth guest's kernel resolves an allowed name
+/// through a world DNS server (TTL 0) and can then open HTTP to the answer, which the policy
+/// denied before; another port of that address stays denied.
+#[test]
+fn dns_learning_end_to_end() {
+    if !require_root("dns_learning_end_to_end") {
+        return;
+    }
+    use cubenet_tests::dns::{self, Owner, a};
+    let n = setup();
+    const ADDR: [u8; 4] = [203, 0, 113, 10];
+    n.topo.add_world_address(ADDR, 32);
+    let _http = servers::http(&n.topo.world, ADDR, 80);
+    let _http81 = servers::http(&n.topo.world, ADDR, 81);
+    let _dns = servers::udp_responder(&n.topo.world, WORLD_IP, 53, |q, _| {
+        let id = u16::from_be_bytes([q[0], q[1]]);
+        Some(dns::response(id, "api.example.com", &[a(Owner::Question, ADDR, 0)]))
+    })
+    .expect("dns server");
+    let policy = EgressPolicy {
+        allow_internet_access: false,
+        allow_out: vec!["198.51.100.1/32".into()],
+        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![80] }],
+        ..Default::default()
+    };
+    n.maps.policy.replace(n.veth.node_ifindex, &policy).expect("policy");
+    let gns = n.topo.guest_ns(&n.veth);
+    let web = SocketAddr::from((ADDR, 80));
+    assert!(gns.run(move || http_get(web)).is_err(), "denied before the name is resolved");
+
+    let answer = gns
+        .run(|| -> std::io::Result<Vec<u8>> {
+            let u = UdpSocket::bind("0.0.0.0:0")?;
+            u.set_read_timeout(Some(Duration::from_secs(2)))?;
+            u.send_to(&dns::query(0x7001, "api.example.com"), SocketAddr::from((WORLD_IP, 53)))?;
+            let mut buf = [0u8; 512];
+            let len = u.recv(&mut buf)?;
+            Ok(buf[..len].to_vec())
+        })
+        .expect("DNS answer through the datapath");
+    assert_eq!(answer, dns::response(0x7001, "api.example.com", &[a(Owner::Question, ADDR, 0)]));
+    let learned: Vec<_> = n.maps.policy.learned(Some(n.veth.node_ifindex)).iter().map(|e| (e.ip, e.port)).collect();
+    assert_eq!(learned, [(Ipv4Addr::from(ADDR), 80)]);
+
+    let body = gns.run(move || http_get(web)).expect("HTTP to the learned address");
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    let other = SocketAddr::from((ADDR, 81));
+    assert!(gns.run(move || http_get(other)).is_err(), "only the entry's port");
+}

@@ -189,11 +189,24 @@ fn xdp_world_matches_from_world_byte_for_byte() {
     assert_eq!(r.maps.sessions.list().unwrap()[0].state, "close");
 
     // UDP: a guest query and its reply (zero and non-zero checksums).
-    assert_eq!(r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 53, b"q")).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 4000, b"q")).verdict, TC_ACT_REDIRECT);
     let uport = snat_port(&r, "udp");
-    let reply = udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, uport, b"answer");
+    let reply = udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 4000, uport, b"answer");
     let e = both(&r, "udp reply", reply.clone(), up, Expect::Same("redirect"));
-    assert_eq!(e.data, udp(GATEWAY_MAC, GUEST_MAC, WORLD_IP, GUEST_IP, 53, 5000, b"answer"));
+    assert_eq!(e.data, udp(GATEWAY_MAC, GUEST_MAC, WORLD_IP, GUEST_IP, 4000, 5000, b"answer"));
+    // DNS answers (UDP from port 53) are left to `from_world`, whose learning hook must see
+    // them, even for a tracked session.
+    assert_eq!(r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5001, 53, b"q")).verdict, TC_ACT_REDIRECT);
+    let dport = r
+        .maps
+        .sessions
+        .list()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.proto == "udp" && s.guest_port == 5001)
+        .expect("the DNS query's session")
+        .snat_port;
+    both(&r, "dns answer", udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, dport, b"dns"), up, Expect::Pass);
     let mut zero = reply.clone();
     zero[40..42].copy_from_slice(&[0, 0]);
     let e = both(&r, "udp reply, zero checksum", zero, up, Expect::Same("redirect"));
@@ -269,7 +282,7 @@ fn stale_version_replies_never_reach_the_next_owner_via_xdp() {
     let up = r.uplink_ifindex;
     // The old sandbox (version 7) has a TCP and a UDP flow.
     assert_eq!(r.cube(guest_tcp(T { seq: 100, syn: true, ..Default::default() })).verdict, TC_ACT_REDIRECT);
-    assert_eq!(r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 53, b"q")).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 4000, b"q")).verdict, TC_ACT_REDIRECT);
     let (tport, uport) = (snat_port(&r, "tcp"), snat_port(&r, "udp"));
     // Its TAP now belongs to the next sandbox, same IP, version 8.
     r.maps
@@ -282,7 +295,7 @@ fn stale_version_replies_never_reach_the_next_owner_via_xdp() {
         })
         .unwrap();
     let attack = [
-        ("udp", udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, uport, b"a")),
+        ("udp", udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 4000, uport, b"a")),
         (
             "syn-ack",
             tcp(

@@ -32,7 +32,7 @@ enum Cmd {
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
     /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap,
-    /// upgrade, soak (`--minutes`), xdp (cubenet-bench) and egress (cube-egress vs mitmproxy;
+    /// upgrade, soak (`--minutes`), xdp, dns (cubenet-bench) and egress (cube-egress vs mitmproxy;
     /// BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.

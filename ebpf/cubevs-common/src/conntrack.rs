@@ -6,6 +6,8 @@
 
 /// Packet class of a session: plain SNAT.
 pub const CLASS_SNAT: u8 = 0;
+/// Packet class of a session: steered unchanged to CubeEgress (L7), no SNAT.
+pub const CLASS_L7: u8 = 1;
 
 /// Direction of a packet relative to its session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -27,6 +27,9 @@ macro_rules! pod {
 
 pub mod stats;
 pub use stats::SandboxStats;
+pub mod dns;
+
+pod!(dns::DnsAllowKey, dns::DnsAllowValue, dns::DnsQueryKey, dns::DnsQueryValue, dns::LearnedKey, dns::LearnedValue);
 
 /// Name of the eBPF object file produced by `cargo xtask build-ebpf`.
 pub const OBJECT_FILE_NAME: &str = "cubevs.bpf.o";
@@ -47,8 +50,13 @@ pub mod prog {
     pub const BASELINE_XDP_PASS: &str = "baseline_xdp_pass";
     /// Every XDP program in the object.
     pub const XDP_ALL: &[&str] = &[XDP_WORLD, BASELINE_XDP_PASS];
+    /// Tail-called by `from_cube` for a guest DNS query: tracks it, tail-calls `from_cube`
+    /// back (slot [`super::dns::slot`]).
+    pub const DNS_QUERY: &str = "dns_query";
+    /// Tail-called by `from_world` for a DNS response: learns it, tail-calls `from_world` back.
+    pub const DNS_RESPONSE: &str = "dns_response";
     /// Every TC program in the object, in load order.
-    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS];
+    pub const ALL: &[&str] = &[FROM_CUBE, FROM_WORLD, FROM_ENVOY, BASELINE_PASS, DNS_QUERY, DNS_RESPONSE];
 }
 
 /// Map names (pinned under `<pin_dir>/maps/<name>`). Upstream names and layouts where they
@@ -76,6 +84,21 @@ pub mod map {
     pub const ALLOW_OUT: &str = "allow_out";
     /// LPM trie: [`super::PolicyLpmData`] → `u32` (1).
     pub const DENY_OUT: &str = "deny_out";
+    /// Hash: [`super::dns::DnsAllowKey`] → [`super::dns::DnsAllowValue`], FQDN allow patterns
+    /// per (ifindex, generation).
+    pub const DNS_ALLOW: &str = "dns_allow";
+    /// LRU: [`super::dns::DnsQueryKey`] → [`super::dns::DnsQueryValue`], guest queries for
+    /// allowed names waiting for their response.
+    pub const DNS_QUERY_TRACK: &str = "dns_query_track";
+    /// Hash: [`super::dns::LearnedKey`] → [`super::dns::LearnedValue`], addresses learned from
+    /// answers, with expiry.
+    pub const DNS_LEARNED: &str = "dns_learned";
+    /// Per-CPU [`super::dns::Scratch`] (not pinned: no state across packets).
+    pub const DNS_SCRATCH: &str = "dns_scratch";
+    /// Program array of the DNS tail calls ([`super::dns::slot`]); pinned so the entries
+    /// survive an agent restart (the kernel clears an unpinned array when its last user
+    /// reference goes), re-filled on every load.
+    pub const DNS_PROGS: &str = "dns_progs";
     /// `u32` ifindex → `u32` active policy generation.
     pub const POLICY_GEN: &str = "policy_gen";
     /// `u32` 0 → [`super::NodeConfig`].
@@ -104,6 +127,10 @@ pub mod map {
         SNAT_IPLIST,
         ALLOW_OUT,
         DENY_OUT,
+        DNS_ALLOW,
+        DNS_QUERY_TRACK,
+        DNS_LEARNED,
+        DNS_PROGS,
         POLICY_GEN,
         NODE_CONFIG,
         COUNTERS,
@@ -136,6 +163,14 @@ pub mod limits {
     pub const PORTMAP_SESSIONS: u32 = 1 << 18;
     /// Fragmented datagrams in flight from the world (`frag_sessions`, LRU).
     pub const FRAG_SESSIONS: u32 = 1 << 14;
+    /// FQDN allow patterns summed over all sandboxes and two generations each (`dns_allow`;
+    /// userspace sizes it at load).
+    pub const DNS_ALLOW: u32 = 1 << 16;
+    /// Queries in flight (`dns_query_track`, LRU: the oldest is evicted first).
+    pub const DNS_QUERIES: u32 = 1 << 16;
+    /// Learned (address, port) entries over all sandboxes (`dns_learned`); when full, new
+    /// answers are not learned (counted), never evicting another sandbox's entries.
+    pub const DNS_LEARNED: u32 = 1 << 18;
 }
 
 /// Name of the load-time global holding [`DatapathConfig`].
@@ -494,7 +529,7 @@ pod!(
 pub mod counter {
     /// xdp_world: reply or host-port frame rewritten and redirected into a sandbox by the XDP
     /// fast path (also counted under its `from_world` verdict, e.g. `reverse_nat`).
-    pub const XDP_REDIRECT: u32 = 48;
+    pub const XDP_REDIRECT: u32 = 58;
     /// from_cube: ARP request proxied.
     pub const CUBE_ARP: u32 = 0;
     /// from_cube: dropped, interface has no registered sandbox.
@@ -563,6 +598,45 @@ pub mod counter {
     pub const ENVOY_TO_SANDBOX: u32 = 30;
     /// from_envoy: dropped, unknown destination.
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
+    /// from_cube: a guest query (UDP/53, IN A) for an allowed name, tracked.
+    pub const DNS_QUERY_TRACKED: u32 = 40;
+    /// from_cube: a guest query for a name no FQDN pattern allows (forwarded, not tracked).
+    pub const DNS_QUERY_NOT_ALLOWED: u32 = 41;
+    /// from_cube: UDP/53 that is not a standard single-question IN A query (forwarded).
+    pub const DNS_QUERY_UNPARSED: u32 = 42;
+    /// from_cube: query from an interface without a policy generation (not tracked).
+    pub const DNS_QUERY_NO_POLICY: u32 = 43;
+    /// from_world: A records learned (one per record).
+    pub const DNS_RESP_LEARNED: u32 = 44;
+    /// from_world: UDP from port 53 for a session without a tracked query (wrong id, no
+    /// query, or an expired one): nothing learned.
+    pub const DNS_RESP_UNSOLICITED: u32 = 45;
+    /// from_world: tracked id but a different question: nothing learned, the query stays.
+    pub const DNS_RESP_MISMATCH: u32 = 46;
+    /// from_world: truncated (TC) response: its complete A records learned, counted.
+    pub const DNS_RESP_TRUNCATED: u32 = 47;
+    /// from_world: response not parsable as a standard IN A response: nothing learned.
+    pub const DNS_RESP_UNPARSED: u32 = 48;
+    /// from_world: response with an error RCODE: nothing learned.
+    pub const DNS_RESP_RCODE: u32 = 49;
+    /// from_world: `dns_learned` full: a record was not learned.
+    pub const DNS_LEARN_FULL: u32 = 50;
+    /// from_world: answers not walked (beyond 16 or beyond the 1,024-byte window).
+    pub const DNS_NOT_WALKED: u32 = 51;
+    /// from_cube: a new flow allowed by a learned entry (no static allow entry matched).
+    pub const DNS_LEARNED_FLOW: u32 = 52;
+    /// from_cube / from_world: the tail call into the DNS program failed (empty slot during
+    /// a load): the packet went on untouched, not learned from.
+    pub const DNS_TAIL_CALL_FAILED: u32 = 53;
+    /// dns_query / dns_response: the tail call back into the main program failed; the query
+    /// was dropped (TAP side) or the response passed to the host (uplink side).
+    pub const DNS_TAIL_BACK_FAILED: u32 = 54;
+    /// from_cube: new TCP flow to an L7 (learned) address on 80/443: session of class L7.
+    pub const CUBE_L7_NEW: u32 = 55;
+    /// from_cube: packet of an L7 session marked and steered to cube-dev unchanged.
+    pub const CUBE_L7_STEERED: u32 = 56;
+    /// from_envoy: CubeEgress reply of an L7 session (its conntrack state advanced).
+    pub const ENVOY_L7_REPLY: u32 = 57;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -598,7 +672,56 @@ pub mod counter {
         (WORLD_FRAGMENT, "from_world", "fragment"),
         (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
         (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
+        (DNS_QUERY_TRACKED, "from_cube", "dns_query_tracked"),
+        (DNS_QUERY_NOT_ALLOWED, "from_cube", "dns_query_not_allowed"),
+        (DNS_QUERY_UNPARSED, "from_cube", "dns_query_unparsed"),
+        (DNS_QUERY_NO_POLICY, "from_cube", "dns_query_no_policy"),
+        (DNS_RESP_LEARNED, "from_world", "dns_learned"),
+        (DNS_RESP_UNSOLICITED, "from_world", "dns_unsolicited"),
+        (DNS_RESP_MISMATCH, "from_world", "dns_mismatch"),
+        (DNS_RESP_TRUNCATED, "from_world", "dns_truncated"),
+        (DNS_RESP_UNPARSED, "from_world", "dns_unparsed"),
+        (DNS_RESP_RCODE, "from_world", "dns_rcode"),
+        (DNS_LEARN_FULL, "from_world", "dns_learn_full"),
+        (DNS_NOT_WALKED, "from_world", "dns_not_walked"),
+        (DNS_LEARNED_FLOW, "from_cube", "dns_learned_flow"),
+        (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
+        (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),
+        (CUBE_L7_NEW, "from_cube", "l7_new"),
+        (CUBE_L7_STEERED, "from_cube", "l7_steered"),
+        (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
     ];
+}
+
+/// L7 steering to CubeEgress (`reference/upstream.md §3.3`, `§3.9`, `§4.2`): upstream's
+/// `skb->mark` values under its mask, the defaults of `/etc/cubeegress/l7-marks.conf` that
+/// `scripts/cube-egress-net.sh`'s TPROXY rules match on cube-dev.
+pub mod l7 {
+    /// Bits of `skb->mark` the datapath owns.
+    pub const MARK_MASK: u32 = 0xFFFF_0000;
+    /// Plain HTTP flows (TPROXY to the gateway's :8080).
+    pub const MARK_HTTP: u32 = 0xCE01_0000;
+    /// HTTPS flows (TPROXY to the gateway's :8443).
+    pub const MARK_HTTPS: u32 = 0xCE02_0000;
+    /// `NatSession::l7_scheme`: HTTP.
+    pub const SCHEME_HTTP: u8 = 1;
+    /// `NatSession::l7_scheme`: HTTPS.
+    pub const SCHEME_HTTPS: u8 = 2;
+    /// The scheme of a destination port (NBO) on an L7 address: 80 → HTTP, 443 → HTTPS,
+    /// other ports 0 (not steered: the gateway listens for these two only).
+    #[inline(always)]
+    pub const fn scheme_of(dport_nbo: u16) -> u8 {
+        match u16::from_be(dport_nbo) {
+            80 => SCHEME_HTTP,
+            443 => SCHEME_HTTPS,
+            _ => 0,
+        }
+    }
+    /// The mark value of `scheme`.
+    #[inline(always)]
+    pub const fn mark_of(scheme: u8) -> u32 {
+        if scheme == SCHEME_HTTP { MARK_HTTP } else { MARK_HTTPS }
+    }
 }
 
 /// Ethernet and ARP constants used by the ARP proxy.

@@ -14,7 +14,8 @@
 //! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop.
 //! 7. To the node address: policy, then delivered to the host through cube-dev.
 //! 8. Sessions: established flows follow their session; new flows are classified once
-//!    (ALLOW_OUT > DENY_OUT > allow), SNATed and tracked; denied TCP gets a RST.
+//!    (ALLOW_OUT > learned DNS answers > DENY_OUT > allow), SNATed and tracked; denied TCP
+//!    gets a RST. UDP to port 53 that leaves this way is offered to the DNS learning hook.
 //!
 //! Every verdict after step 1 is also charged to the sandbox (`sandbox_stats`): forwarded
 //! packets as `out`, drops by reason (`cubevs_common::stats`); ARP is not counted.
@@ -28,15 +29,15 @@ use aya_ebpf::{
 use cubevs_common::{
     DatapathConfig, MvmPort, NatSession, PortmapKey, SessionKey,
     conntrack::{
-        Dir,
+        CLASS_L7, Dir,
         flags::{ACK, FIN, RST, SYN},
         tcp, timeout, udp,
     },
-    counter, ether, proto,
+    counter, ether, l7, proto,
 };
 
 use crate::{
-    arp, config,
+    arp, config, dns,
     forward::to_next_hop,
     maps::{
         EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, PORTMAP_SESSIONS, count, node,
@@ -116,6 +117,10 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     let Some(l4) = packet::l4(ctx, &ip) else { return drop(ifindex, counter::CUBE_DROP_MALFORMED) };
     let guest_ip = ip.src;
     let node = node();
+    if is_dns_query(&ip, &l4) && ip.dst != cfg.mvm_gateway_ip && ip.dst != node.uplink_ip {
+        // Tail call to `dns_query`, which comes back here; returns only if it already ran.
+        dns::enter(ctx, cubevs_common::dns::slot::QUERY);
+    }
 
     if ip.dst == cfg.mvm_gateway_ip {
         let ok = ip.proto == proto::ICMP || (ip.proto == proto::TCP && !syn_only(l4.tcp_flags));
@@ -161,7 +166,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         let state = unsafe { (*s).state };
         if ip.proto == proto::TCP {
             let reopen = syn_only(l4.tcp_flags) && track::is_reopen(state);
-            if reopen && !policy::allowed(ifindex, ip.dst) {
+            if reopen && !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
                 // The guest reuses the port of a finished connection, and policy changed since.
                 // SAFETY: valid map value pointer.
                 let sess = unsafe { *s };
@@ -179,6 +184,10 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         count(counter::CUBE_ESTABLISHED);
         // SAFETY: valid map value pointer.
         let sess = unsafe { *s };
+        if sess.packet_class == CLASS_L7 {
+            // The class was fixed when the flow began: it never switches midway.
+            return steer(ctx, ifindex, &ip, guest_ip, sandbox_ip, sess.l7_scheme, node.cube_dev_ifindex);
+        }
         return snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess);
     }
 
@@ -238,13 +247,23 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         sandbox_drop(ifindex, counter::CUBE_NO_SESSION);
         return rst::reply(ctx, cfg, &ip, &l4, ifindex);
     }
-    if !policy::allowed(ifindex, ip.dst) {
+    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport);
+    if class == policy::FLOW_DENY {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }
+    let scheme = l7::scheme_of(l4.dport);
+    if class == policy::FLOW_L7 && ip.proto == proto::TCP && scheme != 0 && node.cube_dev_ifindex != 0 {
+        let first = nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 };
+        if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first).is_none() {
+            return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
+        }
+        count(counter::CUBE_L7_NEW);
+        return steer(ctx, ifindex, &ip, guest_ip, sandbox_ip, scheme, node.cube_dev_ifindex);
+    }
     let (state, first) = if ip.proto == proto::TCP {
-        (tcp::SYN_SENT, Some(nat::FirstSeg { end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 }))
+        (tcp::SYN_SENT, nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 })
     } else {
-        (udp::UNREPLIED, None)
+        (udp::UNREPLIED, nat::FirstSeg { seen: 0, end: 0, win: 0 })
     };
     let Some(sess) = nat::create_session(&key, ifindex, state, first) else {
         return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
@@ -253,11 +272,39 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess)
 }
 
+/// UDP to port 53 (not to the gateway or the node): a DNS query for the learning hook.
+#[inline(always)]
+fn is_dns_query(ip: &Ipv4, l4: &L4) -> bool {
+    ip.proto == proto::UDP && l4.dport == cubevs_common::dns::SERVER_PORT.to_be()
+}
+
 #[inline(always)]
 fn deny(ctx: &TcContext, cfg: &DatapathConfig, ip: &Ipv4, l4: &L4, ifindex: u32) -> i32 {
     count(counter::CUBE_DENY);
     sandbox_drop(ifindex, counter::CUBE_DENY);
     if ip.proto == proto::TCP { rst::reply(ctx, cfg, ip, l4, ifindex) } else { TC_ACT_SHOT }
+}
+
+/// Sends a packet of an L7 flow to CubeEgress: source rewritten to the sandbox IP (the
+/// gateway keys its policy on it), `skb->mark` set to the scheme's mark under the mask
+/// (other mark bits kept), frame otherwise unchanged (its destination MAC is already
+/// cube-dev's), redirected into cube-dev's ingress where TPROXY picks it up.
+#[inline(always)]
+fn steer(ctx: &TcContext, ifindex: u32, ip: &Ipv4, guest_ip: u32, sandbox_ip: u32, scheme: u8, cube_dev: u32) -> i32 {
+    if cube_dev == 0 || set_ip(ctx, ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err() {
+        return drop(ifindex, counter::CUBE_DROP_MALFORMED);
+    }
+    // Volatile 32-bit accesses: LLVM otherwise narrows the masked update to a 2-byte store,
+    // which the verifier refuses on `__sk_buff.mark`.
+    // SAFETY: `skb` is the context pointer the kernel passed in; `mark` is writable by TC.
+    unsafe {
+        let p = core::ptr::addr_of_mut!((*ctx.skb.skb).mark);
+        let mark = core::ptr::read_volatile(p);
+        core::ptr::write_volatile(p, (mark & !l7::MARK_MASK) | l7::mark_of(scheme));
+    }
+    count(counter::CUBE_L7_STEERED);
+    // SAFETY: plain helper call.
+    sent(ctx, ifindex, unsafe { bpf_redirect(cube_dev, BPF_F_INGRESS as u64) as i32 })
 }
 
 #[inline(always)]

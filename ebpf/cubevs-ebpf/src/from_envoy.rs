@@ -3,16 +3,54 @@
 //! The destination mvm IP is DNATed to 169.254.68.6 and, when the host sent from cube-dev's
 //! own address, the source becomes the guest gateway 169.254.68.5 (so the guest answers its
 //! gateway, which `from_cube` maps back). Unknown destinations are dropped. Delivered packets
-//! are charged to the sandbox as `in` (`sandbox_stats`).
+//! are charged to the sandbox as `in` (`sandbox_stats`). Replies of L7
+//! sessions (CubeEgress answering with the original destination as source) advance the
+//! session's conntrack state first.
 
 use aya_ebpf::{bindings::TC_ACT_SHOT, helpers::generated::bpf_redirect, macros::classifier, programs::TcContext};
-use cubevs_common::{counter, ether};
+use cubevs_common::{
+    SessionKey,
+    conntrack::{CLASS_L7, Dir},
+    counter, ether, proto,
+};
 
 use crate::{
     config,
-    maps::{MVMIP_TO_IFINDEX, count, node, sandbox_in},
-    packet::{self, IP_DST_OFF, IP_SRC_OFF, set_ip, set_macs},
+    maps::{EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, MVMIP_TO_IFINDEX, count, node, sandbox_in},
+    nat,
+    packet::{self, IP_DST_OFF, IP_SRC_OFF, Ipv4, set_ip, set_macs},
+    track,
 };
+
+/// A CubeEgress reply (source = the flow's original destination, IP_TRANSPARENT) of an L7
+/// session of the sandbox on `ifindex`: advances the session's reply-side conntrack state and
+/// refreshes it, so steered flows age like SNAT ones.
+#[inline(always)]
+fn l7_reply(ctx: &TcContext, ip: &Ipv4, ifindex: u32) {
+    if ip.proto != proto::TCP || ip.later_fragment {
+        return;
+    }
+    let Some(l4) = packet::l4(ctx, ip) else { return };
+    // SAFETY: plain map lookup; one field copied out.
+    let Some(version) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }).map(|m| m.version) else { return };
+    let key = SessionKey {
+        src_ip: ip.dst,
+        dst_ip: ip.src,
+        sport: l4.dport,
+        dport: l4.sport,
+        version,
+        proto: proto::TCP,
+        _pad: [0; 3],
+    };
+    let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) else { return };
+    // SAFETY: valid map value pointer.
+    if unsafe { (*s).packet_class } != CLASS_L7 {
+        return;
+    }
+    let _ = track::tcp_segment(s, Dir::Reply, ip, &l4, false);
+    nat::touch(s);
+    count(counter::ENVOY_L7_REPLY);
+}
 
 #[classifier]
 pub fn from_envoy(ctx: TcContext) -> i32 {
@@ -34,6 +72,9 @@ pub fn from_envoy(ctx: TcContext) -> i32 {
     }
     let cfg = config::get();
     let node = node();
+    if ip.src != node.cube_dev_ip {
+        l7_reply(&ctx, &ip, ifindex);
+    }
     if set_ip(&ctx, &ip, IP_DST_OFF, ip.dst, cfg.mvm_inner_ip).is_err() {
         return TC_ACT_SHOT;
     }

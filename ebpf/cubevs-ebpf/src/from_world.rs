@@ -11,6 +11,7 @@
 //! What reaches a sandbox (DNAT, reverse NAT, ICMP errors, later fragments) is charged to it
 //! as `in` (`sandbox_stats`), an RST outside the window as its `rst_window` drop; a stale
 //! version's drops are never charged to the interface's current owner.
+//! UDP from port 53 is offered to the DNS learning hook first (tail call, `crate::dns`).
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -21,7 +22,7 @@ use aya_ebpf::{
 use cubevs_common::{counter, ether, proto};
 
 use crate::{
-    config, frag, icmp_err,
+    config, dns, frag, icmp_err,
     maps::count,
     packet::{self, ICMP_ECHO_REPLY},
     world::{self, Outcome},
@@ -45,6 +46,10 @@ pub fn from_world(ctx: TcContext) -> i32 {
         return frag::later(&ctx, &ip, &cfg);
     }
     let Some(l4) = packet::l4(&ctx, &ip) else { return pass() };
+    if ip.proto == proto::UDP && l4.sport == cubevs_common::dns::SERVER_PORT.to_be() {
+        // Tail call to `dns_response`, which comes back here; returns only if it already ran.
+        dns::enter(&ctx, cubevs_common::dns::slot::RESPONSE);
+    }
 
     // SAFETY: `skb` is the context pointer the kernel passed in.
     let ingress = unsafe { (*ctx.skb.skb).ingress_ifindex };

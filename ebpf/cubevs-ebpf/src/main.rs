@@ -12,7 +12,7 @@
 //! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
 //! [`arp`] (proxy), [`config`] (load-time constants), [`track`] (TCP state and sequence
 //! tracking), [`icmp_err`] (ICMP errors from the world), [`frag`] (fragmented replies), [`world`] (reverse
-//! path shared by `from_world` and `xdp_world`).
+//! path shared by `from_world` and `xdp_world`), [`dns`] (DNS learning).
 #![no_std]
 #![no_main]
 // Map keys are passed by reference on purpose: no struct copies on the hot path.
@@ -21,6 +21,7 @@
 mod arp;
 mod baseline;
 mod config;
+mod dns;
 mod forward;
 mod frag;
 mod from_cube;

@@ -3,12 +3,15 @@
 //! sizes are the `cubevs_common::limits` defaults, which userspace may override at load.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
 };
 use cubevs_common::{
     AllowValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, PortmapKey,
-    PortmapSession, SandboxStats, SessionKey, SnatIp, limits, stats,
+    PortmapSession, SandboxStats, SessionKey, SnatIp,
+    dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
+    limits, stats,
 };
 
 /// Sandbox mvm IP (NBO) → ifindex.
@@ -54,6 +57,31 @@ pub static ALLOW_OUT: LpmTrie<PolicyLpmData, AllowValue> = LpmTrie::with_max_ent
 /// Denied destinations per (ifindex, generation).
 #[map(name = "deny_out")]
 pub static DENY_OUT: LpmTrie<PolicyLpmData, u32> = LpmTrie::with_max_entries(limits::POLICY_ENTRIES, 0);
+
+/// FQDN allow patterns per (ifindex, generation).
+#[map(name = "dns_allow")]
+/// Not preallocated: userspace sizes it like the policy tries (every sandbox, two
+/// generations, at its limit), so the size costs memory only when used.
+pub static DNS_ALLOW: HashMap<DnsAllowKey, DnsAllowValue> =
+    HashMap::with_max_entries(limits::DNS_ALLOW, BPF_F_NO_PREALLOC);
+
+/// Guest queries for allowed names waiting for their response.
+#[map(name = "dns_query_track")]
+pub static DNS_QUERY_TRACK: LruHashMap<DnsQueryKey, DnsQueryValue> =
+    LruHashMap::with_max_entries(limits::DNS_QUERIES, 0);
+
+/// Addresses learned from answers.
+#[map(name = "dns_learned")]
+pub static DNS_LEARNED: HashMap<LearnedKey, LearnedValue> =
+    HashMap::with_max_entries(limits::DNS_LEARNED, BPF_F_NO_PREALLOC);
+
+/// DNS tail-call targets (`cubevs_common::dns::slot`), filled by userspace at load.
+#[map(name = "dns_progs")]
+pub static DNS_PROGS: ProgramArray = ProgramArray::with_max_entries(cubevs_common::dns::slot::COUNT, 0);
+
+/// Per-CPU DNS parser scratch.
+#[map(name = "dns_scratch")]
+pub static DNS_SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// ifindex → active policy generation (missing = 0).
 #[map(name = "policy_gen")]

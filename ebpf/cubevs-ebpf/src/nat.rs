@@ -54,6 +54,10 @@ fn snat_slot(sandbox_ip: u32) -> Option<*mut SnatIp> {
 /// guest side (0, 0 for UDP/ICMP).
 #[derive(Clone, Copy)]
 pub struct FirstSeg {
+    /// 1 for TCP (the fields below are valid), 0 otherwise. A flag rather than an `Option`:
+    /// the `None` of an `Option` left an undefined register that LLVM spilled, which the
+    /// verifier rejects (`R2 !read_ok`).
+    pub seen: u8,
     /// `seq + len` of the first segment, host order.
     pub end: u32,
     /// Its raw window.
@@ -65,7 +69,7 @@ pub struct FirstSeg {
 /// opening segment. Returns the session (another CPU's, when it inserted the same key first),
 /// or `None` when no SNAT IP is configured or no port could be reserved.
 #[inline(always)]
-pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: Option<FirstSeg>) -> Option<NatSession> {
+pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: FirstSeg) -> Option<NatSession> {
     let slot = snat_slot(key.src_ip)?;
     // SAFETY: valid map value pointer.
     let (snat_ip, snat_ifindex) = unsafe { ((*slot).ip, (*slot).ifindex) };
@@ -83,10 +87,8 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: Optio
         if INGRESS_SESSIONS.insert(&rev, &rev_value, BPF_NOEXIST as u64).is_err() {
             continue;
         }
-        let (seen, end, win) = match first {
-            Some(f) => (1u8, f.end, f.win),
-            None => (0, 0, 0),
-        };
+        // `first.seen` 0: not TCP (no tracking yet).
+        let (seen, end, win) = (first.seen, first.end, first.win);
         let session = NatSession {
             // SAFETY: helper without arguments.
             access_ns: unsafe { bpf_ktime_get_ns() },
@@ -118,6 +120,51 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: Optio
         return Some(session);
     }
     None
+}
+
+/// Creates an L7 session for the egress TCP `key`: no SNAT. The flow keeps its addresses
+/// (source = sandbox IP) and is steered to cube-dev (`cube_dev_ifindex`), so the "SNAT"
+/// address and port are the sandbox's own and the reverse key reserved is the identity
+/// {remote, sandbox ip, remote port, guest port} (what upstream reserves, §3.9); the reaper
+/// deletes both like any session. `scheme` is `cubevs_common::l7::SCHEME_*`.
+#[inline(always)]
+pub fn create_l7_session(
+    key: &SessionKey,
+    vm_ifindex: u32,
+    cube_dev_ifindex: u32,
+    scheme: u8,
+    first: FirstSeg,
+) -> Option<NatSession> {
+    let rev = key.reverse(key.src_ip, key.sport);
+    let rev_value = IngressValue { version: key.version, vm_ip: key.src_ip, vm_port: key.sport, _pad: [0; 3] };
+    if INGRESS_SESSIONS.insert(&rev, &rev_value, BPF_NOEXIST as u64).is_err() {
+        return None;
+    }
+    let session = NatSession {
+        // SAFETY: helper without arguments.
+        access_ns: unsafe { bpf_ktime_get_ns() },
+        node_ifindex: cube_dev_ifindex,
+        node_ip: key.src_ip,
+        vm_ifindex,
+        vm_ip: key.src_ip,
+        node_port: key.sport,
+        vm_port: key.sport,
+        state: cubevs_common::conntrack::tcp::SYN_SENT,
+        active_close: 0,
+        packet_class: cubevs_common::conntrack::CLASS_L7,
+        l7_scheme: scheme,
+        close_dir: 0,
+        td_seen: first.seen,
+        _pad0: [0; 2],
+        td_end: [first.end, 0],
+        td_maxwin: [first.win, 0],
+        _reserved: [0; 12],
+    };
+    if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
+        let _ = INGRESS_SESSIONS.remove(&rev);
+        return None;
+    }
+    Some(session)
 }
 
 /// Deletes both directions of the session `key` → `s`.

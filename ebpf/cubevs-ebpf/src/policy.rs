@@ -10,47 +10,108 @@
 //! the flow is denied: never fail open. The two reads and the lookups are separate helper
 //! calls and loads the compiler cannot merge or reorder (`read_volatile`); x86-64 keeps loads
 //! in order.
+//!
+//! Addresses learned from DNS answers ([`crate::dns`]) rank with `ALLOW_OUT`: a new flow
+//! that no static allow entry covers is allowed by an unexpired learned entry for its
+//! (address, port) or (address, any port) before `DENY_OUT` is consulted ([`allowed_flow`]).
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, maps::lpm_trie::Key};
-use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData};
+use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData, counter};
 
-use crate::maps::{ALLOW_OUT, DENY_OUT, POLICY_GEN};
+use crate::{
+    dns,
+    maps::{ALLOW_OUT, DENY_OUT, POLICY_GEN, count},
+};
 
 /// Lookups against a generation that changed underneath are retried this many times.
 const ATTEMPTS: usize = 3;
 
 /// The active policy generation of `ifindex`, `None` when it has no policy.
 #[inline(always)]
-fn generation(ifindex: u32) -> Option<u32> {
+pub fn generation(ifindex: u32) -> Option<u32> {
     let p = POLICY_GEN.get_ptr(&ifindex)?;
     // SAFETY: a valid map value pointer from the lookup helper; read once, not cached.
     Some(unsafe { core::ptr::read_volatile(p) })
 }
 
-/// The verdict of generation `generation` of `ifindex` for `daddr` (NBO).
-#[inline(always)]
-fn classify(ifindex: u32, generation: u32, daddr: u32) -> bool {
-    let key = Key::new(POLICY_PREFIX_BITS + 32, PolicyLpmData { ifindex, generation, ip: daddr });
-    if let Some(v) = ALLOW_OUT.get(&key) {
-        // SAFETY: helper without arguments.
-        if v.expires_ns == 0 || v.expires_ns > unsafe { bpf_ktime_get_ns() } {
-            return true;
-        }
-    }
-    DENY_OUT.get(&key).is_none()
+/// What the tries of one generation say about an address (plain integers: an
+/// `Option<enum>` here once compiled to a spill of an undefined register, which the verifier
+/// rejects).
+mod v {
+    /// No generation, or it kept changing: deny.
+    pub const NONE: u8 = 0;
+    /// An unexpired `ALLOW_OUT` entry covers it.
+    pub const ALLOW: u8 = 1;
+    /// No allow entry, a `DENY_OUT` entry covers it.
+    pub const DENY: u8 = 2;
+    /// Neither: default allow.
+    pub const OPEN: u8 = 3;
 }
 
-/// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO).
+/// The verdict of generation `generation` of `ifindex` for `daddr` (NBO).
 #[inline(always)]
-pub fn allowed(ifindex: u32, daddr: u32) -> bool {
-    let Some(mut seen) = generation(ifindex) else { return false };
+fn classify(ifindex: u32, generation: u32, daddr: u32) -> u8 {
+    let key = Key::new(POLICY_PREFIX_BITS + 32, PolicyLpmData { ifindex, generation, ip: daddr });
+    if let Some(e) = ALLOW_OUT.get(&key) {
+        // SAFETY: helper without arguments.
+        if e.expires_ns == 0 || e.expires_ns > unsafe { bpf_ktime_get_ns() } {
+            return v::ALLOW;
+        }
+    }
+    if DENY_OUT.get(&key).is_none() { v::OPEN } else { v::DENY }
+}
+
+/// The verdict of the active generation ([`v`]).
+#[inline(always)]
+fn verdict(ifindex: u32, daddr: u32) -> u8 {
+    let Some(mut seen) = generation(ifindex) else { return v::NONE };
     for _ in 0..ATTEMPTS {
         let verdict = classify(ifindex, seen, daddr);
         match generation(ifindex) {
             Some(now) if now == seen => return verdict,
             Some(now) => seen = now,
-            None => return false,
+            None => return v::NONE,
         }
     }
-    false
+    v::NONE
+}
+
+/// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO), static entries only.
+#[inline(always)]
+pub fn allowed(ifindex: u32, daddr: u32) -> bool {
+    let r = verdict(ifindex, daddr);
+    r == v::ALLOW || r == v::OPEN
+}
+
+/// True when the sandbox on `ifindex` (at `version`) may open a new flow to `daddr`:`dport`
+/// (NBO; `dport` 0 for ICMP): static allow, else a learned address, else not denied.
+#[inline(always)]
+pub fn allowed_flow(ifindex: u32, version: u32, daddr: u32, dport: u16) -> bool {
+    flow_class(ifindex, version, daddr, dport) != FLOW_DENY
+}
+
+/// [`flow_class`]: denied.
+pub const FLOW_DENY: u8 = 0;
+/// [`flow_class`]: allowed, plain SNAT.
+pub const FLOW_SNAT: u8 = 1;
+/// [`flow_class`]: allowed by a learned L7 address: steer to CubeEgress (80/443).
+pub const FLOW_L7: u8 = 2;
+
+/// The class of a new flow from `ifindex` (at `version`) to `daddr`:`dport` (NBO): a static
+/// allow is plain SNAT; else a learned address decides (plain or L7); else not denied = SNAT.
+#[inline(always)]
+pub fn flow_class(ifindex: u32, version: u32, daddr: u32, dport: u16) -> u8 {
+    let r = verdict(ifindex, daddr);
+    if r == v::NONE {
+        return FLOW_DENY;
+    }
+    if r == v::ALLOW {
+        return FLOW_SNAT;
+    }
+    let learned = dns::learned_class(ifindex, version, daddr, dport);
+    if learned != 0 {
+        count(counter::DNS_LEARNED_FLOW);
+        return if learned == 2 { FLOW_L7 } else { FLOW_SNAT };
+    }
+    if r == v::OPEN { FLOW_SNAT } else { FLOW_DENY }
 }

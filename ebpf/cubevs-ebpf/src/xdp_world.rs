@@ -35,6 +35,10 @@ pub fn xdp_world(ctx: XdpContext) -> u32 {
         return XDP_PASS;
     }
     let Some(l4) = packet::l4(&ctx, &ip) else { return XDP_PASS };
+    if ip.proto == proto::UDP && l4.sport == cubevs_common::dns::SERVER_PORT.to_be() {
+        // DNS answers go to `from_world`, whose learning hook must see them (decision N1).
+        return XDP_PASS;
+    }
     let cfg = config::get();
     // SAFETY: `ctx.ctx` is the context pointer the kernel passed in.
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };

@@ -1,0 +1,162 @@
+//! DNS learning state in userspace: the FQDN patterns written per policy generation
+//! (`dns_allow`), and the kernel-written maps `dns_learned` (learned addresses) and
+//! `dns_query_track` (queries in flight), which userspace only lists, reaps and purges.
+//!
+//! Pattern keys: [`cubevs_common::dns::name_hash`] of the lower-case name (the suffix of a
+//! `*.` pattern) with `subdomains` set for `*.`; values carry the pattern's ports (NBO, at
+//! most [`cubevs_common::dns::MAX_PORTS`]; none = every port). The datapath side is
+//! `ebpf/cubevs-ebpf/src/dns.rs`.
+
+use std::net::Ipv4Addr;
+
+use aya::maps::{HashMap, MapData};
+use cubevs_common::{
+    dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, MAX_PORTS, name_hash},
+    map,
+};
+
+use super::{FqdnPattern, absent_ok};
+use crate::Error;
+
+/// Names the policy's L7 rules match on (`match.host`, `match.sni`), normalised like FQDN
+/// patterns (lower case, no trailing dot, `*.` kept): an FQDN pattern spelled the same is L7.
+pub(crate) fn l7_names(rules: &[egress_policy::RuleSpec]) -> std::collections::HashSet<String> {
+    rules
+        .iter()
+        .flat_map(|r| [r.matcher.host.as_deref(), r.matcher.sni.as_deref()])
+        .flatten()
+        .map(|n| n.trim().trim_end_matches('.').to_ascii_lowercase())
+        .collect()
+}
+
+/// Whether `p` is named by an L7 rule (see [`l7_names`]).
+pub(crate) fn is_l7(p: &FqdnPattern, l7: &std::collections::HashSet<String>) -> bool {
+    let spelled = if p.subdomains { format!("*.{}", p.name) } else { p.name.clone() };
+    l7.contains(&spelled)
+}
+
+/// The `dns_allow` entries of one pattern under (`ifindex`, `generation`); `l7` sets
+/// [`cubevs_common::dns::FLAG_L7`] (its learned addresses are steered to CubeEgress).
+pub(crate) fn pattern_entry(ifindex: u32, generation: u32, p: &FqdnPattern, l7: bool) -> (DnsAllowKey, DnsAllowValue) {
+    let key = DnsAllowKey {
+        ifindex,
+        generation,
+        name_hash: name_hash(&p.name),
+        subdomains: p.subdomains as u8,
+        _pad: [0; 7],
+    };
+    let mut ports = [0u16; MAX_PORTS];
+    for (d, s) in ports.iter_mut().zip(&p.ports) {
+        *d = s.to_be();
+    }
+    let flags = if l7 { cubevs_common::dns::FLAG_L7 } else { 0 };
+    let value = DnsAllowValue { port_count: p.ports.len().min(MAX_PORTS) as u8, flags, _pad: [0; 2], ports };
+    (key, value)
+}
+
+/// One learned entry as userspace reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct LearnedEntry {
+    /// Sandbox interface.
+    pub ifindex: u32,
+    /// Learned address.
+    pub ip: Ipv4Addr,
+    /// Destination port (host order); 0 = every port.
+    pub port: u16,
+    /// Expiry, CLOCK_MONOTONIC ns.
+    pub expires_ns: u64,
+    /// Sandbox version that learned it.
+    pub version: u32,
+    /// Flows to it on 80/443 are steered to CubeEgress.
+    pub l7: bool,
+}
+
+/// What one [`DnsMaps::reap`] removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DnsReap {
+    /// Expired learned entries deleted.
+    pub learned: usize,
+    /// Expired tracked queries deleted.
+    pub queries: usize,
+}
+
+/// The kernel-written DNS maps.
+pub(crate) struct DnsMaps {
+    pub(crate) allow: HashMap<MapData, DnsAllowKey, DnsAllowValue>,
+    pub(crate) learned: HashMap<MapData, LearnedKey, LearnedValue>,
+    pub(crate) queries: HashMap<MapData, DnsQueryKey, DnsQueryValue>,
+}
+
+impl DnsMaps {
+    /// Every learned entry (optionally of one interface), sorted.
+    pub(crate) fn learned(&self, ifindex: Option<u32>) -> Vec<LearnedEntry> {
+        let mut v: Vec<LearnedEntry> = self
+            .learned
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, _)| ifindex.is_none_or(|i| i == k.ifindex))
+            .map(|(k, v)| LearnedEntry {
+                ifindex: k.ifindex,
+                ip: Ipv4Addr::from(k.ip.to_ne_bytes()),
+                port: u16::from_be(k.port),
+                expires_ns: v.expires_ns,
+                version: v.version,
+                l7: v.flags & cubevs_common::dns::FLAG_L7 as u32 != 0,
+            })
+            .collect();
+        v.sort_by_key(|e| (e.ifindex, e.ip, e.port));
+        v
+    }
+
+    /// Tracked queries (optionally of one interface).
+    pub(crate) fn queries(&self, ifindex: Option<u32>) -> Vec<(DnsQueryKey, DnsQueryValue)> {
+        self.queries.iter().filter_map(Result::ok).filter(|(k, _)| ifindex.is_none_or(|i| i == k.ifindex)).collect()
+    }
+
+    /// Deletes the learned entries and tracked queries of `ifindex` (one scan of each map:
+    /// the kernel writes them, so there is no userspace index). Returns how many learned
+    /// entries went.
+    pub(crate) fn purge(&mut self, ifindex: u32) -> Result<usize, Error> {
+        let keys: Vec<LearnedKey> =
+            self.learned.keys().filter_map(Result::ok).filter(|k| k.ifindex == ifindex).collect();
+        for k in &keys {
+            absent_ok(self.learned.remove(k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
+        }
+        let q: Vec<DnsQueryKey> = self.queries.keys().filter_map(Result::ok).filter(|k| k.ifindex == ifindex).collect();
+        for k in &q {
+            absent_ok(self.queries.remove(k)).map_err(Error::map(map::DNS_QUERY_TRACK, "delete"))?;
+        }
+        Ok(keys.len())
+    }
+
+    /// Deletes learned entries and tracked queries that expired at `now_ns` (CLOCK_MONOTONIC).
+    /// A learned entry is deleted only if it still holds the expired value (the datapath may
+    /// renew it between our read and the delete; a renewal seen here is kept).
+    pub(crate) fn reap(&mut self, now_ns: u64) -> Result<DnsReap, Error> {
+        let mut r = DnsReap::default();
+        let expired: Vec<(LearnedKey, LearnedValue)> =
+            self.learned.iter().filter_map(Result::ok).filter(|(_, v)| v.expires_ns <= now_ns).collect();
+        for (k, v) in expired {
+            // Re-read right before deleting: skip entries renewed meanwhile.
+            match self.learned.get(&k, 0) {
+                Ok(cur) if cur == v => {}
+                _ => continue,
+            }
+            absent_ok(self.learned.remove(&k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
+            r.learned += 1;
+        }
+        let expired: Vec<DnsQueryKey> = self
+            .queries
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| v.expires_ns <= now_ns)
+            .map(|(k, _)| k)
+            .collect();
+        for k in expired {
+            absent_ok(self.queries.remove(&k)).map_err(Error::map(map::DNS_QUERY_TRACK, "delete"))?;
+            r.queries += 1;
+        }
+        Ok(r)
+    }
+}
