@@ -749,9 +749,11 @@ fn release_keeps_the_sandbox_when_its_intent_cannot_be_written() {
     let mut c = rt.block_on(client(&a));
     let r = rt.block_on(c.ensure_network(ensure_req("sb-s", &[80]))).unwrap().into_inner();
     let tap = r.interfaces[0].name.clone();
-    // A directory squatting on the record's temporary file makes every write of it fail.
-    let squat = a.state_dir().join("sb-s.tmp.json");
+    // Release records its intent by renaming `sb-s.success.json` to `sb-s.deleting.json`
+    // (decision R5); a non-empty directory squatting on the target makes that rename fail.
+    let squat = a.state_dir().join("sb-s.deleting.json");
     std::fs::create_dir(&squat).unwrap();
+    std::fs::write(squat.join("x"), b"x").unwrap();
     let release = |c: &mut NetworkAgentClient<Channel>| {
         rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-s".into(), ..Default::default() }))
     };
@@ -767,7 +769,7 @@ fn release_keeps_the_sandbox_when_its_intent_cannot_be_written() {
     assert!(a.http_json("/v1/dataplane/sandboxes").to_string().contains("sb-s"));
     assert!(a.state_dir().join("sb-s.success.json").exists());
     // The store works again: the retry releases for real.
-    std::fs::remove_dir(&squat).unwrap();
+    std::fs::remove_dir_all(&squat).unwrap();
     assert!(release(&mut c).unwrap().into_inner().released);
     wait_for("the released TAP back in Ready", Duration::from_secs(5), || {
         (tap_of(&a, &tap)["state"] == "Ready").then(String::new)
