@@ -119,6 +119,21 @@ impl MapLimits {
             )
         })
     }
+
+    /// Size of `dns_allow`: every sandbox holding two generations of
+    /// `min(policy_entries_per_sandbox, MAX_FQDN_PER_SANDBOX)` FQDN patterns (524,288 with the
+    /// defaults). A hash map's bucket array is allocated in full at creation (16 B per
+    /// power-of-two bucket: 8 MiB here), which is why FQDN patterns have their own cap.
+    /// Errors when the product overflows a `u32`.
+    pub fn dns_allow_entries(&self) -> Result<u32, Error> {
+        let per = self.policy_entries_per_sandbox.min(crate::policy::MAX_FQDN_PER_SANDBOX);
+        self.sandboxes.checked_mul(2).and_then(|n| n.checked_mul(per)).ok_or_else(|| {
+            Error::invalid(
+                "limits.sandboxes",
+                format!("{} sandboxes x 2 x {per} FQDN patterns overflow", self.sandboxes),
+            )
+        })
+    }
 }
 
 /// How to load the datapath.
@@ -220,7 +235,7 @@ impl Datapath {
             (map::SANDBOX_STATS, l.sandboxes),
             (map::ALLOW_OUT, policy_entries),
             (map::DENY_OUT, policy_entries),
-            (map::DNS_ALLOW, policy_entries),
+            (map::DNS_ALLOW, l.dns_allow_entries()?),
         ];
         for name in [
             map::REMOTE_PORT_MAPPING,

@@ -48,8 +48,8 @@ use cubevs_common::{
 pub use dns::{DnsReap, LearnedEntry};
 pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 pub use model::{
-    BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, MAX_RULES_JSON_BYTES,
-    compile, parse_cidr, validate_rules,
+    BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, MAX_FQDN_PER_SANDBOX,
+    MAX_RULES_JSON_BYTES, compile, parse_cidr, validate_rules,
 };
 
 use crate::{Error, error::is_not_found};

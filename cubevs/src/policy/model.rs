@@ -106,10 +106,14 @@ pub struct CompiledPolicy {
     pub fqdn: Vec<FqdnPattern>,
 }
 
+/// Most FQDN allow entries one sandbox may hold (`allow_fqdn`), whatever
+/// `policy_entries_per_sandbox` says: `dns_allow` holds `sandboxes × 2 × this` entries.
+pub const MAX_FQDN_PER_SANDBOX: u32 = 32;
+
 /// Validates and expands `p`. `limit` is the per-sandbox maximum of each list as given
 /// (before deduplication). Errors are [`Error::InvalidArgument`] naming the field:
-/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` / `allow_fqdn` / `rules` for a list over
-/// `limit`, `allow_fqdn[1].name`, `rules[2].match.path`.
+/// `allow_out[3]` for a bad entry, `allow_out` / `deny_out` / `rules` for a list over
+/// `limit` (`allow_fqdn`: over `min(limit, MAX_FQDN_PER_SANDBOX)`), `allow_fqdn[1].name`, `rules[2].match.path`.
 pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     let lens = [
         ("allow_out", p.allow_out.len()),
@@ -118,6 +122,9 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
         ("rules", p.rules.len()),
     ];
     for (name, len) in lens {
+        // FQDN patterns have a smaller cap: `dns_allow` is a hash map, whose bucket array the
+        // kernel allocates in full at creation (sized for every sandbox at this cap).
+        let limit = if name == "allow_fqdn" { limit.min(MAX_FQDN_PER_SANDBOX) } else { limit };
         if len > limit as usize {
             return Err(Error::invalid(name, format!("{len} entries exceed the limit of {limit} per sandbox")));
         }
@@ -239,6 +246,18 @@ mod tests {
         assert!(matches!(&e, Error::InvalidArgument { field, reason } if field == "deny_out" && reason.contains("16")));
         let e = compile(&EgressPolicy { allow_out: many, ..Default::default() }, 16).unwrap_err();
         assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_out"), "{e}");
+    }
+
+    #[test]
+    fn fqdn_entries_have_their_own_smaller_cap() {
+        let many = |n: usize| EgressPolicy {
+            allow_fqdn: (0..n).map(|i| FqdnAllow { name: format!("h{i}.example.com"), ports: vec![] }).collect(),
+            ..Default::default()
+        };
+        compile(&many(MAX_FQDN_PER_SANDBOX as usize), 1024).unwrap();
+        let e = compile(&many(MAX_FQDN_PER_SANDBOX as usize + 1), 1024).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_fqdn"), "{e}");
+        assert!(e.to_string().contains("limit of 32"), "{e}");
     }
 
     #[test]
