@@ -525,14 +525,23 @@ pub fn run(opts: &Options) -> Result<Report> {
         let released = rt.block_on(
             client.release_network(pb::ReleaseNetworkRequest { sandbox_id: sb.id.clone(), ..Default::default() }),
         );
-        let state = a
-            .http("/v1/network/taps")
-            .and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok())
-            .and_then(|v| {
-                let t = v["taps"].as_array()?.iter().find(|t| t["tapName"] == sb.tap.as_str())?;
-                t["state"].as_str().map(str::to_string)
-            })
-            .unwrap_or_default();
+        let tap_state = || {
+            a.http("/v1/network/taps")
+                .and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok())
+                .and_then(|v| {
+                    let t = v["taps"].as_array()?.iter().find(|t| t["tapName"] == sb.tap.as_str())?;
+                    t["state"].as_str().map(str::to_string)
+                })
+                .unwrap_or_default()
+        };
+        // Release answers once the sandbox is gone; the TAP turns Ready after the check that
+        // no VMM still holds it, in the maintenance pass the Release wakes (decision F2).
+        let mut state = tap_state();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while state == "Cleaning" && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            state = tap_state();
+        }
         let pass = released.as_ref().is_ok_and(|r| r.get_ref().released) && state == "Ready";
         rows.push(sb.row("ReleaseNetwork (TAP back to Ready)", pass, ms(t), format!("TAP state {state}")));
     }
