@@ -6,13 +6,12 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use crate::{Maps, reaper::monotonic_ns};
+use crate::{Maps, periodic::Periodic, reaper::monotonic_ns};
 
 /// Counters of a running DNS reaper.
 #[derive(Debug, Default)]
@@ -30,55 +29,33 @@ pub struct DnsReaperStats {
 /// The DNS reaper thread; stopped on drop.
 #[derive(Debug)]
 pub struct DnsReaper {
-    stop: Arc<AtomicBool>,
     stats: Arc<DnsReaperStats>,
-    thread: Option<thread::JoinHandle<()>>,
+    _thread: Periodic,
 }
 
 impl DnsReaper {
     /// Reaps `maps.policy`'s DNS state every `interval` (upstream: 5 s).
     pub fn spawn(maps: Arc<Maps>, interval: Duration) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(DnsReaperStats::default());
-        let (s, st) = (stop.clone(), stats.clone());
-        let thread = thread::Builder::new()
-            .name("cubevs-dns-reaper".into())
-            .spawn(move || {
-                let mut next = Instant::now() + interval;
-                while !s.load(Ordering::Relaxed) {
-                    if Instant::now() < next {
-                        thread::sleep(Duration::from_millis(20).min(interval));
-                        continue;
-                    }
-                    next = Instant::now() + interval;
-                    match maps.policy.reap_dns(monotonic_ns()) {
-                        Ok(r) => {
-                            st.learned_removed.fetch_add(r.learned as u64, Ordering::Relaxed);
-                            st.queries_removed.fetch_add(r.queries as u64, Ordering::Relaxed);
-                        }
-                        Err(e) => {
-                            st.errors.fetch_add(1, Ordering::Relaxed);
-                            log::warn!("dns reaper: {e}");
-                        }
-                    }
-                    st.runs.fetch_add(1, Ordering::Relaxed);
+        let st = stats.clone();
+        let thread = Periodic::spawn("cubevs-dns-reaper", interval, move || {
+            match maps.policy.reap_dns(monotonic_ns()) {
+                Ok(r) => {
+                    st.learned_removed.fetch_add(r.learned as u64, Ordering::Relaxed);
+                    st.queries_removed.fetch_add(r.queries as u64, Ordering::Relaxed);
                 }
-            })
-            .expect("spawn dns reaper thread");
-        Self { stop, stats, thread: Some(thread) }
+                Err(e) => {
+                    st.errors.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("dns reaper: {e}");
+                }
+            }
+            st.runs.fetch_add(1, Ordering::Relaxed);
+        });
+        Self { stats, _thread: thread }
     }
 
     /// Live counters.
     pub fn stats(&self) -> &DnsReaperStats {
         &self.stats
-    }
-}
-
-impl Drop for DnsReaper {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }

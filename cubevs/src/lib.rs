@@ -22,6 +22,7 @@ mod error;
 pub mod layout;
 pub mod lock;
 mod node;
+mod periodic;
 pub mod policy;
 mod ports;
 pub mod reaper;

@@ -15,9 +15,8 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
-    thread,
     time::{Duration, Instant},
 };
 
@@ -27,7 +26,7 @@ use cubevs_common::{
     map, proto,
 };
 
-use crate::{Error, batch, sessions::Sessions};
+use crate::{Error, batch, periodic::Periodic, sessions::Sessions};
 
 /// Upstream's sweep interval: 5 s.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(5);
@@ -299,58 +298,36 @@ pub struct ReaperStats {
 /// A background reaper thread; stopped on drop.
 #[derive(Debug)]
 pub struct Reaper {
-    stop: Arc<AtomicBool>,
     stats: Arc<ReaperStats>,
-    thread: Option<thread::JoinHandle<()>>,
+    _thread: Periodic,
 }
 
 impl Reaper {
     /// Sweeps `sessions` every `interval` (upstream: 5 s) with `timeouts`.
     pub fn spawn(sessions: Arc<Sessions>, interval: Duration, timeouts: Timeouts) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ReaperStats::default());
-        let (s, st) = (stop.clone(), stats.clone());
-        let thread = thread::Builder::new()
-            .name("cubevs-reaper".into())
-            .spawn(move || {
-                let mut next = Instant::now() + interval;
-                while !s.load(Ordering::Relaxed) {
-                    if Instant::now() < next {
-                        thread::sleep(Duration::from_millis(20).min(interval));
-                        continue;
+        let st = stats.clone();
+        let thread = Periodic::spawn("cubevs-reaper", interval, move || {
+            match sweep(&sessions, &timeouts, monotonic_ns()) {
+                Ok(r) => {
+                    st.removed.fetch_add(r.removed as u64, Ordering::Relaxed);
+                    st.last_scanned.store(r.scanned as u64, Ordering::Relaxed);
+                    if r.removed_open_tcp > 0 {
+                        log::debug!("reaper removed {} idle open TCP sessions", r.removed_open_tcp);
                     }
-                    next = Instant::now() + interval;
-                    match sweep(&sessions, &timeouts, monotonic_ns()) {
-                        Ok(r) => {
-                            st.removed.fetch_add(r.removed as u64, Ordering::Relaxed);
-                            st.last_scanned.store(r.scanned as u64, Ordering::Relaxed);
-                            if r.removed_open_tcp > 0 {
-                                log::debug!("reaper removed {} idle open TCP sessions", r.removed_open_tcp);
-                            }
-                        }
-                        Err(e) => {
-                            st.errors.fetch_add(1, Ordering::Relaxed);
-                            log::warn!("session reaper: {e}");
-                        }
-                    }
-                    st.runs.fetch_add(1, Ordering::Relaxed);
                 }
-            })
-            .expect("spawn reaper thread");
-        Self { stop, stats, thread: Some(thread) }
+                Err(e) => {
+                    st.errors.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("session reaper: {e}");
+                }
+            }
+            st.runs.fetch_add(1, Ordering::Relaxed);
+        });
+        Self { stats, _thread: thread }
     }
 
     /// Live counters.
     pub fn stats(&self) -> &ReaperStats {
         &self.stats
-    }
-}
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
