@@ -101,6 +101,11 @@ pub struct Config {
     /// `deny_out` (default 1024, 1..65536). Over it, Ensure/Reconcile answer INVALID_ARGUMENT.
     /// The datapath's policy tries are sized so that every sandbox can hold this twice.
     pub policy_entries_per_sandbox: u32,
+    /// Live sessions (flows) one sandbox may hold in the datapath (default 16384, 1..524288):
+    /// its next new flow is dropped and counted (`drop_session_quota` on /metrics, and the
+    /// sandbox's `session_quota` drops), so one sandbox can never fill the session maps or one
+    /// remote endpoint's SNAT ports for the others (decision Q1).
+    pub sessions_per_sandbox: u32,
     /// A Reconcile whose new policy denies a destination the old one allowed flushes the
     /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
@@ -166,6 +171,7 @@ impl Default for Config {
             tc_attach: "auto".into(),
             maintenance_interval_secs: 5,
             policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
+            sessions_per_sandbox: cubevs_common::limits::SESSIONS_PER_SANDBOX,
             flush_sessions_on_policy_tighten: true,
             cube_egress_admin_url: "http://127.0.0.1:9091".into(),
             cube_egress_push_timeout_ms: 2000,
@@ -390,6 +396,13 @@ impl Config {
                 format!("{} outside 1..65536", self.policy_entries_per_sandbox),
             ));
         }
+        let max_sessions = cubevs_common::limits::SESSIONS / 2;
+        if !(1..=max_sessions).contains(&self.sessions_per_sandbox) {
+            return Err(invalid(
+                "sessions_per_sandbox",
+                format!("{} outside 1..{max_sessions} (half of the session maps)", self.sessions_per_sandbox),
+            ));
+        }
         if !self.cube_egress_admin_url.is_empty() {
             crate::egress_sync::parse_admin_url(&self.cube_egress_admin_url)
                 .map_err(|r| invalid("cube_egress_admin_url", r))?;
@@ -502,6 +515,12 @@ mod tests {
         }
         let e = Config::parse("policy_entries_per_sandbox = 0").unwrap().validate().unwrap_err().to_string();
         assert!(e.contains("`policy_entries_per_sandbox`"), "{e}");
+        for bad in ["sessions_per_sandbox = 0", "sessions_per_sandbox = 524289"] {
+            let e = Config::parse(bad).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains("`sessions_per_sandbox`"), "{bad}: {e}");
+        }
+        let c = Config::parse("sessions_per_sandbox = 64").unwrap().validate().unwrap();
+        assert_eq!(c.raw.sessions_per_sandbox, 64);
         assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
         assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");
     }

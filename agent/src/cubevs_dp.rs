@@ -60,8 +60,9 @@ impl CubeVsDataplane {
     /// Loads the object (`object`, `None` = `cubevs::default_object_path()`) with `config`,
     /// attaching programs as `attach` says,
     /// creating or adopting the pinned maps under `bpffs_dir`; pinned links are adopted by
-    /// later attaches. Each sandbox may hold `policy_entries_per_sandbox` entries per policy
-    /// list (the tries are sized from it). Starts the session reaper and the DNS reaper (every
+    /// later attaches. `limits` sizes the maps (e.g. each sandbox may hold
+    /// `policy_entries_per_sandbox` entries per policy list, and `sessions_per_sandbox` live
+    /// sessions). Starts the session reaper and the DNS reaper (every
     /// `reaper_interval`).
     pub fn load(
         host: Arc<NetnsHost>,
@@ -70,10 +71,10 @@ impl CubeVsDataplane {
         attach: cubevs::AttachMode,
         bpffs_dir: PathBuf,
         reaper_interval: Duration,
-        policy_entries_per_sandbox: u32,
+        limits: cubevs::MapLimits,
     ) -> Result<Self, DataplaneError> {
         let mut opts = LoadOptions::new();
-        opts.limits.policy_entries_per_sandbox = policy_entries_per_sandbox;
+        opts.limits = limits;
         if let Some(o) = object {
             opts.object = o;
         }

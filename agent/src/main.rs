@@ -202,17 +202,22 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             mvm_gateway_ip: u32::from_ne_bytes(raw.mvm_gw_dest_ip.octets()),
             mvm_mac: cfg.mvm_mac,
             gateway_mac: cfg.gw_mac,
-            _pad: [0; 4],
+            // Set from `limits` by the loader.
+            session_budget: 0,
         };
         let obj = (!raw.bpf_object.is_empty()).then(|| PathBuf::from(&raw.bpf_object));
         let reaper = Duration::from_secs(raw.reaper_interval_secs);
-        let limit = raw.policy_entries_per_sandbox;
+        let limits = cubevs::MapLimits {
+            policy_entries_per_sandbox: raw.policy_entries_per_sandbox,
+            sessions_per_sandbox: raw.sessions_per_sandbox,
+            ..Default::default()
+        };
         let attach = match raw.tc_attach.as_str() {
             "tcx" => cubevs::AttachMode::Tcx,
             "legacy" => cubevs::AttachMode::LegacyTc,
             _ => cubevs::AttachMode::Auto,
         };
-        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limit)?))
+        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?))
     })?;
 
     // 2. cube-dev.

@@ -68,7 +68,8 @@ fn make_sessions(sandboxes: &[SandboxEntry], snat_ip: Ipv4Addr, sessions: usize)
                 _pad0: [0; 2],
                 td_end: [0; 2],
                 td_maxwin: [0; 2],
-                _reserved: [0; 12],
+                quota: 0,
+                _reserved: [0; 11],
             };
             (key, s)
         })

@@ -83,27 +83,39 @@ pub fn for_each<K: Pod, V: Pod>(fd: BorrowedFd<'_>, chunk: usize, mut f: impl Fn
 /// Deletes `keys` from the map `fd`; returns how many were deleted. Missing keys stop a batch
 /// with `ENOENT`, so the rest is retried one chunk further.
 pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K], chunk: usize) -> std::io::Result<usize> {
-    let mut done = 0;
-    let mut rest = keys;
-    while !rest.is_empty() {
-        let n = rest.len().min(chunk);
+    let mut n = 0;
+    delete_with(fd, keys, chunk, |_| n += 1)?;
+    Ok(n)
+}
+
+/// [`delete`], calling `deleted(i)` for each index `i` of `keys` that this call removed (a key
+/// already gone is skipped: `BPF_MAP_DELETE_BATCH` stops at it with `ENOENT` after deleting
+/// exactly the keys before it, so the caller knows which deletes were its own).
+pub fn delete_with<K: Pod>(
+    fd: BorrowedFd<'_>,
+    keys: &[K],
+    chunk: usize,
+    mut deleted: impl FnMut(usize),
+) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < keys.len() {
+        let n = (keys.len() - at).min(chunk);
         let mut a = BatchAttr {
-            keys: rest.as_ptr() as u64,
+            keys: keys[at..].as_ptr() as u64,
             count: n as u32,
             map_fd: fd.as_raw_fd() as u32,
             ..Default::default()
         };
         let r = bpf(BPF_MAP_DELETE_BATCH, &mut a);
-        let deleted = a.count as usize;
-        done += deleted;
+        let done = (a.count as usize).min(n);
+        (at..at + done).for_each(&mut deleted);
         match r {
-            Ok(()) => rest = &rest[n..],
-            // Key `deleted` was absent: skip it and go on.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => rest = &rest[(deleted + 1).min(rest.len())..],
+            Ok(()) => at += n,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => at += done + 1,
             Err(e) => return Err(e),
         }
     }
-    Ok(done)
+    Ok(())
 }
 
 /// Inserts or overwrites `keys[i]` → `values[i]` in the map `fd`, `chunk` entries per syscall;

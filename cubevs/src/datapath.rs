@@ -32,6 +32,7 @@ use crate::{
     node::NodeTable,
     policy::{PolicyLimits, PolicyTable},
     ports::PortMaps,
+    quota::QuotaMaps,
     sandbox::SandboxTable,
     sandbox_stats::SandboxStatsTable,
     sessions::Sessions,
@@ -81,6 +82,11 @@ pub struct MapLimits {
     /// Entries one sandbox may have in `allow_out`, and separately in `deny_out` (default
     /// 1,024). The tries are sized from it: see [`MapLimits::policy_entries`].
     pub policy_entries_per_sandbox: u32,
+    /// Live sessions one sandbox version may hold (default 16,384,
+    /// `cubevs_common::limits::SESSIONS_PER_SANDBOX`; decision Q1): its next new flow is
+    /// dropped and counted (`drop_session_quota`). The datapath enforces
+    /// [`MapLimits::session_budget`], this value capped at half of `sessions`.
+    pub sessions_per_sandbox: u32,
 }
 
 impl Default for MapLimits {
@@ -90,6 +96,7 @@ impl Default for MapLimits {
             sandboxes: limits::SANDBOXES,
             port_mappings: limits::PORT_MAPPINGS,
             policy_entries_per_sandbox: crate::policy::DEFAULT_ENTRIES_PER_SANDBOX,
+            sessions_per_sandbox: limits::SESSIONS_PER_SANDBOX,
         }
     }
 }
@@ -120,6 +127,28 @@ impl MapLimits {
         })
     }
 
+    /// The live-session budget the datapath enforces per sandbox version
+    /// (`DatapathConfig::session_budget`): `min(sessions_per_sandbox, sessions / 2)`, so one
+    /// sandbox never holds more than half of the session maps, whatever their size. Errors when
+    /// `sessions_per_sandbox` is 0 or `sessions` is below 2.
+    pub fn session_budget(&self) -> Result<u32, Error> {
+        if self.sessions_per_sandbox == 0 {
+            return Err(Error::invalid("limits.sessions_per_sandbox", "must be at least 1"));
+        }
+        if self.sessions < 2 {
+            return Err(Error::invalid("limits.sessions", "must be at least 2"));
+        }
+        Ok(self.sessions_per_sandbox.min(self.sessions / 2))
+    }
+
+    /// `max_entries` of `session_opened` and `session_closed`: two sandbox versions per
+    /// sandbox (a released one waits for the reaper). Errors on overflow.
+    pub fn session_quota_keys(&self) -> Result<u32, Error> {
+        self.sandboxes
+            .checked_mul(2)
+            .ok_or_else(|| Error::invalid("limits.sandboxes", format!("{} x 2 overflows", self.sandboxes)))
+    }
+
     /// Size of `dns_allow`: every sandbox holding two generations of
     /// `min(policy_entries_per_sandbox, MAX_FQDN_PER_SANDBOX)` FQDN patterns (524,288 with the
     /// defaults). A hash map's bucket array is allocated in full at creation (16 B per
@@ -141,7 +170,8 @@ impl MapLimits {
 pub struct LoadOptions {
     /// Path of the eBPF object (see [`default_object_path`]).
     pub object: PathBuf,
-    /// Constants written into the object's `CONFIG` global.
+    /// Constants written into the object's `CONFIG` global; its `session_budget` is replaced
+    /// by [`MapLimits::session_budget`] of `limits` at load.
     pub config: DatapathConfig,
     /// bpffs directory for pins (e.g. `/sys/fs/bpf/cubevs`); `None`: maps are private to this
     /// process and links detach when the [`Datapath`] is dropped.
@@ -209,7 +239,8 @@ impl Datapath {
     /// Errors: [`Error::Object`] when the file is missing; [`Error::IncompatiblePin`] when a
     /// pinned map's type, key or value size differs from the object's; [`Error::Load`] /
     /// [`Error::Program`] for kernel rejections (the verifier log is in the message).
-    pub fn load(opts: LoadOptions) -> Result<Self, Error> {
+    pub fn load(mut opts: LoadOptions) -> Result<Self, Error> {
+        opts.config.session_budget = opts.limits.session_budget()?;
         let bytes =
             std::fs::read(&opts.object).map_err(|source| Error::Object { path: opts.object.clone(), source })?;
         let map_dir = opts.pin_dir.as_ref().map(|d| d.join("maps"));
@@ -236,6 +267,8 @@ impl Datapath {
             (map::ALLOW_OUT, policy_entries),
             (map::DENY_OUT, policy_entries),
             (map::DNS_ALLOW, l.dns_allow_entries()?),
+            (map::SESSION_OPENED, l.session_quota_keys()?),
+            (map::SESSION_CLOSED, l.session_quota_keys()?),
         ];
         for name in [
             map::REMOTE_PORT_MAPPING,
@@ -283,20 +316,26 @@ impl Datapath {
             })?
         };
         fill_dns_progs(&mut ebpf)?;
+        let sessions = Arc::new(Sessions::new(
+            take(&mut ebpf, map::EGRESS_SESSIONS)?,
+            take(&mut ebpf, map::INGRESS_SESSIONS)?,
+            Some(registrations),
+            Some(QuotaMaps {
+                opened: take(&mut ebpf, map::SESSION_OPENED)?,
+                closed: take(&mut ebpf, map::SESSION_CLOSED)?,
+            }),
+        ));
         let maps = Arc::new(Maps {
             sandboxes: SandboxTable::new(
                 take(&mut ebpf, map::IFINDEX_TO_MVMMETA)?,
                 take(&mut ebpf, map::MVMIP_TO_IFINDEX)?,
+                sessions.clone(),
             ),
             ports: PortMaps::new(
                 (take(&mut ebpf, map::REMOTE_PORT_MAPPING)?, take(&mut ebpf, map::LOCAL_PORT_MAPPING)?),
                 (take(&mut ebpf, map::REMOTE_PORT_MAPPING_UDP)?, take(&mut ebpf, map::LOCAL_PORT_MAPPING_UDP)?),
             ),
-            sessions: Arc::new(Sessions::new(
-                take(&mut ebpf, map::EGRESS_SESSIONS)?,
-                take(&mut ebpf, map::INGRESS_SESSIONS)?,
-                Some(registrations),
-            )),
+            sessions,
             snat: SnatTable::new(take(&mut ebpf, map::SNAT_IPLIST)?),
             policy,
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),

@@ -133,6 +133,7 @@ impl Meta {
         b[20..24].copy_from_slice(&c.mvm_gateway_ip.to_ne_bytes());
         b[24..30].copy_from_slice(&c.mvm_mac);
         b[30..36].copy_from_slice(&c.gateway_mac);
+        b[36..40].copy_from_slice(&c.session_budget.to_ne_bytes());
         for (slot, &off) in self.slots.iter().zip(&SLOT_OFF) {
             b[off..off + 32].copy_from_slice(&slot.sha256);
             put_str(&mut b[off + 32..off + 64], &slot.version);
@@ -155,6 +156,9 @@ impl Meta {
         config.mvm_gateway_ip = u32_at(b, 20);
         config.mvm_mac.copy_from_slice(&b[24..30]);
         config.gateway_mac.copy_from_slice(&b[30..36]);
+        // Zero in metadata written before the quota existed: no budget, so a load with one
+        // differs from the recorded configuration and switches in a self-tested slot.
+        config.session_budget = u32_at(b, 36);
         let slots = SLOT_OFF.map(|off| SlotRecord {
             sha256: b[off..off + 32].try_into().expect("32 bytes"),
             version: get_str(&b[off + 32..off + 64]),

@@ -25,6 +25,7 @@ mod node;
 mod periodic;
 pub mod policy;
 mod ports;
+pub mod quota;
 pub mod reaper;
 mod sandbox;
 mod sandbox_stats;
@@ -44,6 +45,7 @@ pub use error::Error;
 pub use node::NodeTable;
 pub use policy::{Cidr, EgressPolicy, PolicyDump, PolicyLimits, PolicyTable};
 pub use ports::{PortMapping, PortMaps, Proto};
+pub use quota::QuotaUsage;
 pub use sandbox::{SandboxEntry, SandboxTable};
 pub use sandbox_stats::{SandboxCounters, SandboxStatsTable};
 pub use sessions::{SessionView, Sessions};
@@ -60,7 +62,8 @@ pub struct Maps {
     pub sandboxes: SandboxTable,
     /// The four port-mapping maps.
     pub ports: PortMaps,
-    /// `egress_sessions` + `ingress_sessions`.
+    /// `egress_sessions` + `ingress_sessions`, and the session-budget maps `session_opened` +
+    /// `session_closed` ([`quota`]).
     pub sessions: std::sync::Arc<Sessions>,
     /// `snat_iplist`.
     pub snat: SnatTable,

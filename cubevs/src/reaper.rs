@@ -26,7 +26,11 @@ use cubevs_common::{
     map, proto,
 };
 
-use crate::{Error, batch, periodic::Periodic, sessions::Sessions};
+use crate::{
+    Error, batch,
+    periodic::Periodic,
+    sessions::{Sessions, delete_batch_locked},
+};
 
 /// Upstream's sweep interval: 5 s.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(5);
@@ -144,6 +148,9 @@ pub struct Victims {
     pub stale: usize,
     /// Expired TCP sessions that were not CLOSE/TIME_WAIT.
     pub open_tcp: usize,
+    /// Registrations `{ifindex → version}` read before the scan (`None` without access):
+    /// [`sweep`] collects the budget entries of versions registered neither then nor after.
+    pub registered: Option<std::collections::HashMap<u32, u32>>,
 }
 
 /// Entries read or deleted per batch syscall.
@@ -202,6 +209,7 @@ pub fn victims(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<Victims
         }
     }
     v.stale = v.stale_entries.len();
+    v.registered = before;
     Ok(v)
 }
 
@@ -209,36 +217,21 @@ pub fn victims(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<Victims
 /// is still exactly the one read; returns (removed, changed). Victims are confirmed
 /// [`CONFIRM_CHUNK`] at a time, each chunk deleted with batched syscalls right after.
 pub fn remove_unchanged(sessions: &Sessions, victims: &[(SessionKey, NatSession)]) -> Result<(usize, usize), Error> {
-    use std::os::fd::AsFd;
-
-    use aya::maps::IterableMap;
-
-    let g = sessions.inner.lock().expect("sessions lock");
+    let mut g = sessions.inner.lock().expect("sessions lock");
     let (mut removed, mut changed) = (0, 0);
-    let mut ingress_keys = Vec::with_capacity(CONFIRM_CHUNK);
-    let mut egress_keys = Vec::with_capacity(CONFIRM_CHUNK);
+    let mut confirmed = Vec::with_capacity(CONFIRM_CHUNK);
     for chunk in victims.chunks(CONFIRM_CHUNK) {
-        ingress_keys.clear();
-        egress_keys.clear();
+        confirmed.clear();
         for (k, s) in chunk {
             match g.egress.get(k, 0) {
-                Ok(now) if now == *s => {
-                    ingress_keys.push(k.reverse(s.node_ip, s.node_port));
-                    egress_keys.push(*k);
-                }
+                Ok(now) if now == *s => confirmed.push((*k, *s)),
                 // Gone already (another deleter) or changed since the scan: keep.
                 Ok(_) => changed += 1,
                 Err(e) if crate::error::is_not_found(&e) => {}
                 Err(e) => return Err(Error::map(map::EGRESS_SESSIONS, "lookup")(e)),
             }
         }
-        batch::delete(g.ingress.map().fd().as_fd(), &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
-            map: map::INGRESS_SESSIONS,
-            op: "batch delete",
-            source,
-        })?;
-        removed += batch::delete(g.egress.map().fd().as_fd(), &egress_keys, BATCH)
-            .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch delete", source })?;
+        removed += delete_batch_locked(&mut g, &confirmed, BATCH)?;
     }
     Ok((removed, changed))
 }
@@ -246,23 +239,8 @@ pub fn remove_unchanged(sessions: &Sessions, victims: &[(SessionKey, NatSession)
 /// Deletes both directions of the stale-version `victims` with batched deletes, without
 /// re-reading them (see the module docs); returns how many were removed.
 pub fn remove_stale(sessions: &Sessions, victims: &[(SessionKey, NatSession)]) -> Result<usize, Error> {
-    use std::os::fd::AsFd;
-
-    use aya::maps::IterableMap;
-
-    let g = sessions.inner.lock().expect("sessions lock");
-    let ingress_keys: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
-    let egress_keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
-    batch::delete(g.ingress.map().fd().as_fd(), &ingress_keys, BATCH).map_err(|source| Error::MapSyscall {
-        map: map::INGRESS_SESSIONS,
-        op: "batch delete",
-        source,
-    })?;
-    batch::delete(g.egress.map().fd().as_fd(), &egress_keys, BATCH).map_err(|source| Error::MapSyscall {
-        map: map::EGRESS_SESSIONS,
-        op: "batch delete",
-        source,
-    })
+    let mut g = sessions.inner.lock().expect("sessions lock");
+    delete_batch_locked(&mut g, victims, BATCH)
 }
 
 /// One pass: [`victims`], then [`remove_stale`] and [`remove_unchanged`].
@@ -272,6 +250,15 @@ pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStat
     let stale_removed = remove_stale(sessions, &v.stale_entries)?;
     let (removed, changed) = remove_unchanged(sessions, &v.entries)?;
     let removed = removed + stale_removed;
+    // Budget entries of released versions (decision Q3): collected once their version is
+    // registered neither before the scan nor now.
+    {
+        let mut g = sessions.inner.lock().expect("sessions lock");
+        let now_registered = registrations(&g)?;
+        if let (Some(before), Some(after), Some(q)) = (&v.registered, &now_registered, &mut g.quota) {
+            q.collect(before, after)?;
+        }
+    }
     Ok(SweepStats {
         scanned: v.scanned,
         removed,

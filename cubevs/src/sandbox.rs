@@ -1,12 +1,17 @@
 //! Sandbox registry: `ifindex_to_mvmmeta` (ifindex → metadata) and `mvmip_to_ifindex`
-//! (mvm IP → ifindex), kept consistent with each other.
+//! (mvm IP → ifindex), kept consistent with each other. A sandbox version's live-session
+//! budget entries (`crate::quota`) are created by the datapath on its first new flow and
+//! removed here when the version is unregistered or replaced.
 
-use std::{net::Ipv4Addr, sync::Mutex};
+use std::{
+    net::Ipv4Addr,
+    sync::{Arc, Mutex},
+};
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{MvmMeta, map};
 
-use crate::{Error, error::is_not_found};
+use crate::{Error, error::is_not_found, sessions::Sessions};
 
 /// One registered sandbox.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,14 +60,18 @@ type IpMap = HashMap<MapData, u32, u32>;
 /// Typed access to the two sandbox maps.
 pub struct SandboxTable {
     inner: Mutex<(MetaMap, IpMap)>,
+    /// The sessions, whose lock guards the budget maps (`crate::quota`).
+    sessions: Arc<Sessions>,
 }
 
 impl SandboxTable {
-    pub(crate) fn new(meta: MetaMap, by_ip: IpMap) -> Self {
-        Self { inner: Mutex::new((meta, by_ip)) }
+    pub(crate) fn new(meta: MetaMap, by_ip: IpMap, sessions: Arc<Sessions>) -> Self {
+        Self { inner: Mutex::new((meta, by_ip)), sessions }
     }
 
-    /// Registers (or updates) the sandbox on `e.ifindex`.
+    /// Registers (or updates) the sandbox on `e.ifindex`. A different version replacing the
+    /// registered one drops the old version's session-budget entries: its sessions are stale
+    /// and the new version starts at 0.
     ///
     /// Errors: `InvalidArgument` for ifindex 0, an unspecified IP or an id over 64 bytes;
     /// `Conflict` when the IP already belongs to another interface. Nothing changes on error.
@@ -103,11 +112,16 @@ impl SandboxTable {
         {
             let _ = by_ip.remove(&o.ip);
         }
+        if let Some(o) = old
+            && o.version != e.version
+        {
+            self.sessions.forget_quota(e.ifindex, o.version)?;
+        }
         Ok(())
     }
 
     /// Removes the sandbox on `ifindex`; the IP entry is removed only if it still points at
-    /// this interface. Unknown ifindex: no-op.
+    /// this interface; its version's session-budget entries go too. Unknown ifindex: no-op.
     pub fn unregister(&self, ifindex: u32) -> Result<(), Error> {
         let mut g = self.inner.lock().expect("sandbox maps lock");
         let (meta, by_ip) = &mut *g;
@@ -128,7 +142,7 @@ impl SandboxTable {
                 Err(e) => return Err(Error::map(map::MVMIP_TO_IFINDEX, "delete")(e)),
             }
         }
-        Ok(())
+        self.sessions.forget_quota(ifindex, m.version)
     }
 
     /// The sandbox on `ifindex`, if registered.

@@ -5,7 +5,11 @@ use std::{net::Ipv4Addr, os::fd::OwnedFd, sync::Mutex};
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{IngressValue, NatSession, SessionKey, conntrack, map, proto};
 
-use crate::{Error, error::is_not_found};
+use crate::{
+    Error,
+    error::is_not_found,
+    quota::{QuotaMaps, QuotaUsage},
+};
 
 /// A session as dumps show it: addresses and ports host order, state by name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,6 +83,22 @@ pub(crate) struct SessionMaps {
     /// A second fd of `ifindex_to_mvmmeta`: the reaper reads the registrations once per pass
     /// to purge sessions of released or reused interfaces (decision D19).
     pub(crate) registrations: Option<OwnedFd>,
+    /// `session_opened` + `session_closed` (`crate::quota`): every delete below counts the
+    /// charged sessions it removed, under this lock.
+    pub(crate) quota: Option<QuotaMaps>,
+}
+
+impl SessionMaps {
+    /// Counts the charged sessions among `deleted` (removed by the caller) in `session_closed`.
+    pub(crate) fn closed<'a>(
+        &mut self,
+        deleted: impl IntoIterator<Item = (&'a SessionKey, &'a NatSession)>,
+    ) -> Result<(), Error> {
+        match &mut self.quota {
+            Some(q) => q.closed_locked(deleted),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Typed access to the two session maps.
@@ -91,8 +111,39 @@ impl Sessions {
         egress: HashMap<MapData, SessionKey, NatSession>,
         ingress: HashMap<MapData, SessionKey, IngressValue>,
         registrations: Option<OwnedFd>,
+        quota: Option<QuotaMaps>,
     ) -> Self {
-        Self { inner: Mutex::new(SessionMaps { egress, ingress, registrations }) }
+        Self { inner: Mutex::new(SessionMaps { egress, ingress, registrations, quota }) }
+    }
+
+    /// Live-session budget use of the sandbox version (`ifindex`, `version`), `None` when the
+    /// datapath has not charged it a session (or it was released).
+    pub fn quota_usage(&self, ifindex: u32, version: u32) -> Result<Option<QuotaUsage>, Error> {
+        let g = self.inner.lock().expect("sessions lock");
+        match &g.quota {
+            Some(q) => q.usage(&cubevs_common::QuotaKey { ifindex, version }),
+            None => Ok(None),
+        }
+    }
+
+    /// Budget use of every charged sandbox version, as (ifindex, version, usage).
+    pub fn quota_list(&self) -> Result<Vec<(u32, u32, QuotaUsage)>, Error> {
+        let g = self.inner.lock().expect("sessions lock");
+        match &g.quota {
+            Some(q) => Ok(q.list()?.into_iter().map(|(k, u)| (k.ifindex, k.version, u)).collect()),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Removes the budget entries of the sandbox version (`ifindex`, `version`) (release, or
+    /// a new version registered on the interface): its stale sessions are no longer charged
+    /// to anyone.
+    pub(crate) fn forget_quota(&self, ifindex: u32, version: u32) -> Result<(), Error> {
+        let mut g = self.inner.lock().expect("sessions lock");
+        match &mut g.quota {
+            Some(q) => q.forget(&cubevs_common::QuotaKey { ifindex, version }),
+            None => Ok(()),
+        }
     }
 
     /// Every egress session with its entry (batched reads).
@@ -174,22 +225,11 @@ impl Sessions {
         use std::os::fd::AsFd;
 
         use aya::maps::IterableMap;
-        let g = self.inner.lock().expect("sessions lock");
+        let mut g = self.inner.lock().expect("sessions lock");
         let all: Vec<(SessionKey, NatSession)> = crate::batch::lookup_all(g.egress.map().fd().as_fd(), 4096)
             .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
         let victims: Vec<_> = all.into_iter().filter(|(_, s)| s.vm_ifindex == ifindex).collect();
-        let rev: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
-        let keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
-        crate::batch::delete(g.ingress.map().fd().as_fd(), &rev, 4096).map_err(|source| Error::MapSyscall {
-            map: map::INGRESS_SESSIONS,
-            op: "batch delete",
-            source,
-        })?;
-        crate::batch::delete(g.egress.map().fd().as_fd(), &keys, 4096).map_err(|source| Error::MapSyscall {
-            map: map::EGRESS_SESSIONS,
-            op: "batch delete",
-            source,
-        })
+        delete_batch_locked(&mut g, &victims, 4096)
     }
 }
 
@@ -200,5 +240,34 @@ pub(crate) fn delete_locked(g: &mut SessionMaps, k: &SessionKey, s: &NatSession)
         Err(e) => Err(e),
     };
     ok(g.ingress.remove(&k.reverse(s.node_ip, s.node_port))).map_err(Error::map(map::INGRESS_SESSIONS, "delete"))?;
-    ok(g.egress.remove(k)).map_err(Error::map(map::EGRESS_SESSIONS, "delete"))
+    match g.egress.remove(k) {
+        Ok(()) => g.closed([(k, s)]),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(Error::map(map::EGRESS_SESSIONS, "delete")(e)),
+    }
+}
+
+/// Deletes both directions of every session of `victims` (key, value as read) with batched
+/// deletes of `chunk` keys, ingress first, and counts the charged ones this delete removed in
+/// `session_closed`; returns how many egress entries were removed.
+pub(crate) fn delete_batch_locked(
+    g: &mut SessionMaps,
+    victims: &[(SessionKey, NatSession)],
+    chunk: usize,
+) -> Result<usize, Error> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+    let rev: Vec<SessionKey> = victims.iter().map(|(k, s)| k.reverse(s.node_ip, s.node_port)).collect();
+    let keys: Vec<SessionKey> = victims.iter().map(|(k, _)| *k).collect();
+    crate::batch::delete(g.ingress.map().fd().as_fd(), &rev, chunk).map_err(|source| Error::MapSyscall {
+        map: map::INGRESS_SESSIONS,
+        op: "batch delete",
+        source,
+    })?;
+    let mut removed = Vec::with_capacity(victims.len());
+    crate::batch::delete_with(g.egress.map().fd().as_fd(), &keys, chunk, |i| removed.push(i))
+        .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch delete", source })?;
+    g.closed(removed.iter().map(|&i| (&victims[i].0, &victims[i].1)))?;
+    Ok(removed.len())
 }

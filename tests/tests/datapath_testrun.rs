@@ -157,7 +157,8 @@ fn timeouts_follow_the_state_table() {
         _pad0: [0; 2],
         td_end: [0; 2],
         td_maxwin: [0; 2],
-        _reserved: [0; 12],
+        quota: 0,
+        _reserved: [0; 11],
     };
     const S: u64 = 1_000_000_000;
     for (p, st, ac, want) in [

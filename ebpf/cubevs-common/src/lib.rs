@@ -114,6 +114,13 @@ pub mod map {
     /// LRU: [`super::FragKey`] → [`super::FragTarget`], fragmented replies from the world whose
     /// first fragment matched a session; later fragments follow it (not in upstream).
     pub const FRAG_SESSIONS: &str = "frag_sessions";
+    /// Hash: [`super::QuotaKey`] → `u64` sessions the kernel charged to that sandbox version
+    /// (created and atomically added to / subtracted from by the datapath only, see
+    /// [`super::quota`]).
+    pub const SESSION_OPENED: &str = "session_opened";
+    /// Hash: [`super::QuotaKey`] → `u64` charged sessions userspace deleted (written by the
+    /// `cubevs` library only, under its sessions lock; see [`super::quota`]).
+    pub const SESSION_CLOSED: &str = "session_closed";
     /// Every map of the datapath (all pinned).
     pub const ALL: &[&str] = &[
         MVMIP_TO_IFINDEX,
@@ -137,6 +144,8 @@ pub mod map {
         SANDBOX_STATS,
         PORTMAP_SESSIONS,
         FRAG_SESSIONS,
+        SESSION_OPENED,
+        SESSION_CLOSED,
     ];
 }
 
@@ -148,6 +157,14 @@ pub mod limits {
     pub const PORT_MAPPINGS: u32 = 65536;
     /// Sessions per direction, upstream 1,048,576.
     pub const SESSIONS: u32 = 1 << 20;
+    /// Live sessions one sandbox version may hold ([`super::quota`]; not in upstream): 16,384,
+    /// below half of one remote endpoint's SNAT ports ([`super::snat::PORT_SPAN`] / 2 =
+    /// 17,768), so one sandbox holding its whole budget toward one endpoint leaves the others'
+    /// 32 random draws a miss chance of at most (16,384 / 35,536)^32 ≈ 1.7e-11 (decision Q1).
+    pub const SESSIONS_PER_SANDBOX: u32 = 1 << 14;
+    /// Entries of `session_opened` / `session_closed`: two (ifindex, version) keys per sandbox
+    /// (the live one and a released one not yet collected).
+    pub const SESSION_QUOTA_KEYS: u32 = 2 * SANDBOXES;
     /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes: the object's
     /// placeholder only; `cubevs` sizes the tries at load from its per-sandbox limit
     /// (`MapLimits::policy_entries`).
@@ -219,8 +236,10 @@ pub struct DatapathConfig {
     pub mvm_mac: [u8; 6],
     /// Gateway MAC answered by the ARP proxy (cube-dev's MAC), default 20:90:6f:cf:cf:cf.
     pub gateway_mac: [u8; 6],
-    /// Explicit padding to a multiple of 4 bytes; always zero.
-    pub _pad: [u8; 4],
+    /// Live sessions one sandbox version may hold (host order, [`quota`]); 0 = no quota (the
+    /// padding this field replaced was always zero, so objects loaded by older userspace run
+    /// without one). Default [`limits::SESSIONS_PER_SANDBOX`].
+    pub session_budget: u32,
 }
 
 impl DatapathConfig {
@@ -230,7 +249,7 @@ impl DatapathConfig {
         mvm_gateway_ip: u32::from_ne_bytes(guest::GATEWAY_IP),
         mvm_mac: guest::MAC,
         gateway_mac: guest::GATEWAY_MAC,
-        _pad: [0; 4],
+        session_budget: limits::SESSIONS_PER_SANDBOX,
     };
 }
 
@@ -371,8 +390,13 @@ pub struct NatSession {
     /// TCP, per direction: largest raw (unscaled) window advertised, nf_conntrack's
     /// `td_maxwin` before scaling.
     pub td_maxwin: [u32; 2],
+    /// [`quota::COUNTED`] when the session was charged to its sandbox's budget
+    /// (`session_opened`), so whoever deletes it gives the charge back; 0 for sessions made
+    /// without a quota (older objects, budget 0, userspace restores), which are never
+    /// subtracted (decision Q2). Was reserved (always zero) before the quota existed.
+    pub quota: u8,
     /// Reserved; zero.
-    pub _reserved: [u8; 12],
+    pub _reserved: [u8; 11],
 }
 const _: () = assert!(core::mem::size_of::<NatSession>() == 64);
 
@@ -508,7 +532,35 @@ pub struct AllowValue {
 }
 const _: () = assert!(core::mem::size_of::<AllowValue>() == 16);
 
+/// Per-sandbox live-session budget (not in upstream; decisions Q1-Q3).
+///
+/// A sandbox version's live sessions are `opened - closed`: `opened` (`session_opened`) is
+/// written by the kernel only (atomic add when `from_cube` creates a session, atomic subtract
+/// when it deletes one itself), `closed` (`session_closed`) by userspace only (the one deleter
+/// path of the `cubevs` library, under its sessions lock). Neither side ever overwrites the
+/// other's counter, so no update is lost. Only sessions whose [`NatSession::quota`] is
+/// [`COUNTED`] are charged and given back. A new flow is admitted while `opened - closed <
+/// budget`; the check and the add are not one atomic step, so concurrent new flows on other
+/// CPUs may overshoot the budget by at most one per CPU.
+pub mod quota {
+    /// [`super::NatSession::quota`] of a session charged to `session_opened`.
+    pub const COUNTED: u8 = 1;
+}
+
+/// Key of `session_opened` / `session_closed` (8 bytes): a sandbox version on an interface,
+/// so a released sandbox's sessions (old version) never charge the next owner of the TAP.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct QuotaKey {
+    /// Sandbox interface ifindex (host order).
+    pub ifindex: u32,
+    /// Sandbox version (`MvmMeta::version`).
+    pub version: u32,
+}
+const _: () = assert!(core::mem::size_of::<QuotaKey>() == 8);
+
 pod!(
+    QuotaKey,
     DatapathConfig,
     NodeConfig,
     MvmMeta,
@@ -637,6 +689,9 @@ pub mod counter {
     pub const CUBE_L7_STEERED: u32 = 56;
     /// from_envoy: CubeEgress reply of an L7 session (its conntrack state advanced).
     pub const ENVOY_L7_REPLY: u32 = 57;
+    /// from_cube: new flow dropped, its sandbox holds its whole live-session budget
+    /// (`DatapathConfig::session_budget`, [`super::quota`]).
+    pub const CUBE_DROP_SESSION_QUOTA: u32 = 59;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -690,6 +745,7 @@ pub mod counter {
         (CUBE_L7_NEW, "from_cube", "l7_new"),
         (CUBE_L7_STEERED, "from_cube", "l7_steered"),
         (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
+        (CUBE_DROP_SESSION_QUOTA, "from_cube", "drop_session_quota"),
     ];
 }
 

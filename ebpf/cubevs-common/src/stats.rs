@@ -39,6 +39,8 @@ pub mod drop {
     pub const NO_SESSION: u32 = 8;
     /// A world RST outside the session's tracked window (`from_world` `drop_rst_window`).
     pub const RST_WINDOW: u32 = 9;
+    /// New flow over the sandbox's live-session budget (`drop_session_quota`).
+    pub const SESSION_QUOTA: u32 = 10;
     /// Names of the used slots, for metrics and the CLI (`reason` label values).
     pub const NAMES: &[(u32, &str)] = &[
         (POLICY, "policy"),
@@ -51,6 +53,7 @@ pub mod drop {
         (NO_ROUTE, "no_route"),
         (NO_SESSION, "no_session"),
         (RST_WINDOW, "rst_window"),
+        (SESSION_QUOTA, "session_quota"),
     ];
 }
 
@@ -71,6 +74,7 @@ pub const fn drop_slot(counter: u32) -> Option<u32> {
         c::CUBE_DROP_FIB => Some(drop::NO_ROUTE),
         c::CUBE_NO_SESSION => Some(drop::NO_SESSION),
         c::WORLD_DROP_RST_WINDOW => Some(drop::RST_WINDOW),
+        c::CUBE_DROP_SESSION_QUOTA => Some(drop::SESSION_QUOTA),
         _ => None,
     }
 }

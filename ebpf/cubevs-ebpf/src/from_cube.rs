@@ -17,6 +17,9 @@
 //!    (ALLOW_OUT > learned DNS answers > DENY_OUT > allow), SNATed and tracked; denied TCP
 //!    gets a RST. UDP to port 53 that leaves this way is offered to the DNS learning hook.
 //!
+//! 9. A new flow of a sandbox holding its whole live-session budget is dropped and counted
+//!    (`drop_session_quota`, decision Q1); its existing flows and other sandboxes are untouched.
+//!
 //! Every verdict after step 1 is also charged to the sandbox (`sandbox_stats`): forwarded
 //! packets as `out`, drops by reason (`cubevs_common::stats`); ARP is not counted.
 
@@ -34,6 +37,7 @@ use cubevs_common::{
         tcp, timeout, udp,
     },
     counter, ether, l7, proto,
+    quota::COUNTED,
 };
 
 use crate::{
@@ -45,7 +49,7 @@ use crate::{
     },
     nat,
     packet::{self, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len},
-    policy, rst, track,
+    policy, quota, rst, track,
 };
 
 #[classifier]
@@ -251,10 +255,16 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     if class == policy::FLOW_DENY {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }
+    // The sandbox's live-session budget (decision Q1): checked after policy, so a denied flow
+    // is a policy drop, never a quota one.
+    if !quota::admit(ifindex, version, cfg.session_budget) {
+        return drop(ifindex, counter::CUBE_DROP_SESSION_QUOTA);
+    }
+    let counted = if cfg.session_budget != 0 { COUNTED } else { 0 };
     let scheme = l7::scheme_of(l4.dport);
     if class == policy::FLOW_L7 && ip.proto == proto::TCP && scheme != 0 && node.cube_dev_ifindex != 0 {
         let first = nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 };
-        if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first).is_none() {
+        if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first, counted).is_none() {
             return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
         }
         count(counter::CUBE_L7_NEW);
@@ -265,7 +275,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     } else {
         (udp::UNREPLIED, nat::FirstSeg { seen: 0, end: 0, win: 0 })
     };
-    let Some(sess) = nat::create_session(&key, ifindex, state, first) else {
+    let Some(sess) = nat::create_session(&key, ifindex, state, first, counted) else {
         return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);

@@ -15,6 +15,10 @@
 //! path shared by `from_world` and `xdp_world`), [`dns`] (DNS learning).
 #![no_std]
 #![no_main]
+// `atomic_xadd`: the bpfel target has no atomic read-modify-write in `core::sync::atomic`
+// (`atomic_cas: false`), but the BPF ISA has atomic add (`quota`).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 // Map keys are passed by reference on purpose: no struct copies on the hot path.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
@@ -32,6 +36,7 @@ mod maps;
 mod nat;
 mod packet;
 mod policy;
+mod quota;
 mod rst;
 mod track;
 mod world;

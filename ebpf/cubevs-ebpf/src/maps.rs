@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use cubevs_common::{
     AllowValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, PortmapKey,
-    PortmapSession, SandboxStats, SessionKey, SnatIp,
+    PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp,
     dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
 };
@@ -45,6 +45,14 @@ pub static EGRESS_SESSIONS: HashMap<SessionKey, NatSession> = HashMap::with_max_
 /// World-side session key → reverse NAT entry.
 #[map(name = "ingress_sessions")]
 pub static INGRESS_SESSIONS: HashMap<SessionKey, IngressValue> = HashMap::with_max_entries(limits::SESSIONS, 0);
+
+/// Sessions the datapath charged per sandbox version (kernel-written only, `crate::quota`).
+#[map(name = "session_opened")]
+pub static SESSION_OPENED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
+
+/// Charged sessions userspace deleted per sandbox version (userspace-written only).
+#[map(name = "session_closed")]
+pub static SESSION_CLOSED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
 
 /// SNAT addresses, 4 slots.
 #[map(name = "snat_iplist")]

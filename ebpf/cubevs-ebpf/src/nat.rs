@@ -11,9 +11,14 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
 };
-use cubevs_common::{IngressValue, NatSession, SessionKey, SnatIp, conntrack::CLASS_SNAT, counter, limits, snat};
+use cubevs_common::{
+    IngressValue, NatSession, SessionKey, SnatIp, conntrack::CLASS_SNAT, counter, limits, quota::COUNTED, snat,
+};
 
-use crate::maps::{EGRESS_SESSIONS, INGRESS_SESSIONS, SNAT_IPLIST, count};
+use crate::{
+    maps::{EGRESS_SESSIONS, INGRESS_SESSIONS, SNAT_IPLIST, count},
+    quota,
+};
 
 /// Bob Jenkins' `jhash_1word` as the kernel defines it.
 #[inline(always)]
@@ -66,10 +71,18 @@ pub struct FirstSeg {
 
 /// Creates a session for the egress `key` (guest side, `src_ip` = sandbox IP) from
 /// `vm_ifindex`. `state` is the initial conntrack state, `first` the TCP tracking of the
-/// opening segment. Returns the session (another CPU's, when it inserted the same key first),
-/// or `None` when no SNAT IP is configured or no port could be reserved.
+/// opening segment, `counted` [`COUNTED`] when the sandbox has a session budget: the session
+/// is then charged to (`vm_ifindex`, `key.version`) once inserted. Returns the session
+/// (another CPU's, uncharged by us, when it inserted the same key first), or `None` when no
+/// SNAT IP is configured or no port could be reserved.
 #[inline(always)]
-pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: FirstSeg) -> Option<NatSession> {
+pub fn create_session(
+    key: &SessionKey,
+    vm_ifindex: u32,
+    state: u8,
+    first: FirstSeg,
+    counted: u8,
+) -> Option<NatSession> {
     let slot = snat_slot(key.src_ip)?;
     // SAFETY: valid map value pointer.
     let (snat_ip, snat_ifindex) = unsafe { ((*slot).ip, (*slot).ifindex) };
@@ -107,7 +120,8 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: First
             _pad0: [0; 2],
             td_end: [end, 0],
             td_maxwin: [win, 0],
-            _reserved: [0; 12],
+            quota: counted,
+            _reserved: [0; 11],
         };
         if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
             // Another CPU created the session of this 5-tuple between our lookup and insert:
@@ -116,6 +130,9 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: First
             count(counter::CUBE_INSERT_RACE);
             // SAFETY: plain map lookup; the value is copied out.
             return unsafe { EGRESS_SESSIONS.get(key) }.copied();
+        }
+        if counted == COUNTED {
+            quota::charge(vm_ifindex, key.version);
         }
         return Some(session);
     }
@@ -126,7 +143,8 @@ pub fn create_session(key: &SessionKey, vm_ifindex: u32, state: u8, first: First
 /// (source = sandbox IP) and is steered to cube-dev (`cube_dev_ifindex`), so the "SNAT"
 /// address and port are the sandbox's own and the reverse key reserved is the identity
 /// {remote, sandbox ip, remote port, guest port} (what upstream reserves, §3.9); the reaper
-/// deletes both like any session. `scheme` is `cubevs_common::l7::SCHEME_*`.
+/// deletes both like any session. `scheme` is `cubevs_common::l7::SCHEME_*`; `counted` as for
+/// [`create_session`].
 #[inline(always)]
 pub fn create_l7_session(
     key: &SessionKey,
@@ -134,6 +152,7 @@ pub fn create_l7_session(
     cube_dev_ifindex: u32,
     scheme: u8,
     first: FirstSeg,
+    counted: u8,
 ) -> Option<NatSession> {
     let rev = key.reverse(key.src_ip, key.sport);
     let rev_value = IngressValue { version: key.version, vm_ip: key.src_ip, vm_port: key.sport, _pad: [0; 3] };
@@ -158,20 +177,27 @@ pub fn create_l7_session(
         _pad0: [0; 2],
         td_end: [first.end, 0],
         td_maxwin: [first.win, 0],
-        _reserved: [0; 12],
+        quota: counted,
+        _reserved: [0; 11],
     };
     if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
         let _ = INGRESS_SESSIONS.remove(&rev);
         return None;
     }
+    if counted == COUNTED {
+        quota::charge(vm_ifindex, key.version);
+    }
     Some(session)
 }
 
-/// Deletes both directions of the session `key` → `s`.
+/// Deletes both directions of the session `key` → `s`; when this delete removed a charged
+/// session (a concurrent userspace delete may have won), gives its budget charge back.
 #[inline(always)]
 pub fn delete_session(key: &SessionKey, s: &NatSession) {
     let _ = INGRESS_SESSIONS.remove(&key.reverse(s.node_ip, s.node_port));
-    let _ = EGRESS_SESSIONS.remove(key);
+    if EGRESS_SESSIONS.remove(key).is_ok() && s.quota == COUNTED {
+        quota::refund(s.vm_ifindex, key.version);
+    }
 }
 
 /// Refreshes `access_ns` when it is more than 1 s old (keeps the cache line quiet).

@@ -1,0 +1,138 @@
+//! Userspace side of the per-sandbox live-session budget (`cubevs_common::quota`, decisions
+//! Q1-Q3): `session_opened` (written by the datapath only: created on a sandbox version's
+//! first new flow, atomically added to on every charged session and subtracted from when the
+//! datapath deletes one) and `session_closed` (written here only).
+//!
+//! Every userspace session delete goes through [`crate::Sessions`], whose lock serialises the
+//! read-modify-write of `session_closed`: after a delete, [`QuotaMaps::closed_locked`] adds
+//! one per charged session ([`NatSession::quota`] = `COUNTED`) that this delete removed (a
+//! session another deleter already removed is not counted twice). A session made without a
+//! charge (by an object older than the quota, with budget 0, or restored by userspace) is never
+//! subtracted, so switching the quota in under live sessions cannot underflow a counter.
+//!
+//! Entries of a sandbox version are removed when it is unregistered or replaced
+//! ([`crate::SandboxTable`]) and, for any the datapath re-created from an in-flight packet,
+//! by the reaper's sweep once the version is no longer registered ([`QuotaMaps::collect`]).
+//! One writer per pin directory: two processes deleting sessions of the same pinned maps at
+//! once (not something the agent does) could lose `session_closed` increments.
+
+use std::collections::HashMap as StdHashMap;
+
+use aya::maps::{HashMap, MapData};
+use cubevs_common::{NatSession, QuotaKey, SessionKey, map, quota::COUNTED};
+
+use crate::{Error, error::is_not_found};
+
+/// Budget use of one sandbox version.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuotaUsage {
+    /// Sessions the datapath charged, less those it deleted itself (`session_opened`).
+    pub opened: u64,
+    /// Charged sessions userspace deleted (`session_closed`).
+    pub closed: u64,
+}
+
+impl QuotaUsage {
+    /// Live charged sessions, `opened - closed`; transiently negative while a just-created
+    /// session's charge is still on its way (see `cubevs_common::quota`).
+    pub fn live(&self) -> i64 {
+        self.opened.wrapping_sub(self.closed) as i64
+    }
+}
+
+/// The two quota maps (behind the sessions lock).
+pub(crate) struct QuotaMaps {
+    pub(crate) opened: HashMap<MapData, QuotaKey, u64>,
+    pub(crate) closed: HashMap<MapData, QuotaKey, u64>,
+}
+
+fn ok_absent<T>(r: Result<T, aya::maps::MapError>) -> Result<Option<T>, aya::maps::MapError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+impl QuotaMaps {
+    /// Usage of `key`, `None` when the datapath has not charged it (no `session_opened` entry).
+    pub(crate) fn usage(&self, key: &QuotaKey) -> Result<Option<QuotaUsage>, Error> {
+        let Some(opened) = ok_absent(self.opened.get(key, 0)).map_err(Error::map(map::SESSION_OPENED, "lookup"))?
+        else {
+            return Ok(None);
+        };
+        let closed = ok_absent(self.closed.get(key, 0)).map_err(Error::map(map::SESSION_CLOSED, "lookup"))?;
+        Ok(Some(QuotaUsage { opened, closed: closed.unwrap_or(0) }))
+    }
+
+    /// Every charged sandbox version.
+    pub(crate) fn list(&self) -> Result<Vec<(QuotaKey, QuotaUsage)>, Error> {
+        let mut out = Vec::new();
+        for k in self.opened.keys() {
+            let k = k.map_err(Error::map(map::SESSION_OPENED, "iterate"))?;
+            if let Some(u) = self.usage(&k)? {
+                out.push((k, u));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Counts the charged sessions among `deleted` (sessions this caller's delete removed) in
+    /// `session_closed`. A version without a `session_opened` entry (released, or never
+    /// charged) is skipped: nobody reads its budget any more.
+    pub(crate) fn closed_locked<'a>(
+        &mut self,
+        deleted: impl IntoIterator<Item = (&'a SessionKey, &'a NatSession)>,
+    ) -> Result<(), Error> {
+        let mut by: StdHashMap<QuotaKey, u64> = StdHashMap::new();
+        for (k, s) in deleted {
+            if s.quota == COUNTED {
+                *by.entry(QuotaKey { ifindex: s.vm_ifindex, version: k.version }).or_default() += 1;
+            }
+        }
+        for (key, n) in by {
+            if ok_absent(self.opened.get(&key, 0)).map_err(Error::map(map::SESSION_OPENED, "lookup"))?.is_none() {
+                continue;
+            }
+            let old =
+                ok_absent(self.closed.get(&key, 0)).map_err(Error::map(map::SESSION_CLOSED, "lookup"))?.unwrap_or(0);
+            self.closed.insert(key, old.wrapping_add(n), 0).map_err(Error::map(map::SESSION_CLOSED, "update"))?;
+        }
+        Ok(())
+    }
+
+    /// Removes both entries of `key` (absent is fine).
+    pub(crate) fn forget(&mut self, key: &QuotaKey) -> Result<(), Error> {
+        ok_absent(self.closed.remove(key)).map_err(Error::map(map::SESSION_CLOSED, "delete"))?;
+        ok_absent(self.opened.remove(key)).map_err(Error::map(map::SESSION_OPENED, "delete"))?;
+        Ok(())
+    }
+
+    /// Removes the entries of every version `alive` says is registered neither `before` nor
+    /// `after` (registrations `{ifindex → version}` read around the scan); returns how many
+    /// versions were collected.
+    pub(crate) fn collect(
+        &mut self,
+        before: &StdHashMap<u32, u32>,
+        after: &StdHashMap<u32, u32>,
+    ) -> Result<usize, Error> {
+        let dead =
+            |k: &QuotaKey| before.get(&k.ifindex) != Some(&k.version) && after.get(&k.ifindex) != Some(&k.version);
+        let mut keys = Vec::new();
+        for k in self.opened.keys() {
+            keys.push(k.map_err(Error::map(map::SESSION_OPENED, "iterate"))?);
+        }
+        for k in self.closed.keys() {
+            let k = k.map_err(Error::map(map::SESSION_CLOSED, "iterate"))?;
+            if !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+        let mut n = 0;
+        for k in keys.iter().filter(|k| dead(k)) {
+            self.forget(k)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
