@@ -8,7 +8,7 @@ use cubenet_tests::{
     rig::{Rig, SB_IFINDEX, SB_IP},
     topology::{CUBE_DEV_IP, NODE_IP, WORLD_IP},
 };
-use cubevs::{PortMapping, Proto, prog};
+use cubevs::{MapLimits, PortMapping, Proto, prog};
 
 use crate::report::{Row, stats};
 
@@ -69,6 +69,7 @@ pub fn run() -> Vec<Row> {
         baseline: None,
         target: None,
     }];
+    let mut extra = Vec::new();
     let mut add = |case: &str,
                    program: &'static str,
                    ifx: u32,
@@ -87,31 +88,41 @@ pub fn run() -> Vec<Row> {
         });
     };
     add("from_cube established TCP (egress SNAT)", prog::FROM_CUBE, SB_IFINDEX, Some("<= 150 ns/pkt"), Box::new(est));
+    // A new 5-tuple every run: vary the guest port and the remote address (10,000 runs, below
+    // the default session budget of 16,384: every run creates a session).
+    let new_syn = |i: usize| {
+        let dst = [198, 51, 100, 1 + (i / 30000) as u8 % 200];
+        tcp(
+            GUEST_MAC,
+            GATEWAY_MAC,
+            GUEST_IP,
+            dst,
+            Tcp { sport: 1024 + (i % 30000) as u16, dport: 443, seq: 1, syn: true, win: 1000, ..Default::default() },
+            b"",
+        )
+    };
     add(
-        "from_cube new TCP SYN (policy + session)",
+        "from_cube new TCP SYN (policy + session quota + session)",
         prog::FROM_CUBE,
         SB_IFINDEX,
         None,
-        Box::new(|i| {
-            // A new 5-tuple every run: vary the guest port and the remote address.
-            let dst = [198, 51, 100, 1 + (i / 30000) as u8 % 200];
-            tcp(
-                GUEST_MAC,
-                GATEWAY_MAC,
-                GUEST_IP,
-                dst,
-                Tcp {
-                    sport: 1024 + (i % 30000) as u16,
-                    dport: 443,
-                    seq: 1,
-                    syn: true,
-                    win: 1000,
-                    ..Default::default()
-                },
-                b"",
-            )
-        }),
+        Box::new(new_syn),
     );
+    // Same run, same frames: a datapath loaded without the per-sandbox session quota (budget
+    // 0). The difference to the row above is what the quota check and charge add.
+    {
+        let off = Rig::with_limits(MapLimits { sessions_per_sandbox: 0, ..MapLimits::default() });
+        let (v, s) = measure(&off, prog::FROM_CUBE, SB_IFINDEX, new_syn);
+        extra.push(Row {
+            bench: "per-packet".into(),
+            case: "from_cube new TCP SYN, no session quota (budget 0)".into(),
+            value: v,
+            spread: s,
+            unit: "ns/pkt".into(),
+            baseline: base.clone(),
+            target: None,
+        });
+    }
     add(
         "from_cube established UDP",
         prog::FROM_CUBE,
@@ -194,5 +205,10 @@ pub fn run() -> Vec<Row> {
     m.sandbox_stats.remove(SB_IFINDEX).expect("remove stats entry");
     add("from_cube established TCP, no per-sandbox counter entry", prog::FROM_CUBE, SB_IFINDEX, None, Box::new(est));
     m.sandbox_stats.reset(SB_IFINDEX).expect("reset stats entry");
+    // The no-quota row right after the row it is compared with.
+    let at = rows.iter().position(|r| r.case.contains("session quota + session")).map_or(rows.len(), |i| i + 1);
+    for (i, r) in extra.into_iter().enumerate() {
+        rows.insert(at + i, r);
+    }
     rows
 }

@@ -85,7 +85,7 @@ pub struct MapLimits {
     /// Live sessions one sandbox version may hold (default 16,384,
     /// `cubevs_common::limits::SESSIONS_PER_SANDBOX`; decision Q1): its next new flow is
     /// dropped and counted (`drop_session_quota`). The datapath enforces
-    /// [`MapLimits::session_budget`], this value capped at half of `sessions`.
+    /// [`MapLimits::session_budget`], this value capped at half of `sessions`; 0 = no quota.
     pub sessions_per_sandbox: u32,
 }
 
@@ -129,12 +129,10 @@ impl MapLimits {
 
     /// The live-session budget the datapath enforces per sandbox version
     /// (`DatapathConfig::session_budget`): `min(sessions_per_sandbox, sessions / 2)`, so one
-    /// sandbox never holds more than half of the session maps, whatever their size. Errors when
-    /// `sessions_per_sandbox` is 0 or `sessions` is below 2.
+    /// sandbox never holds more than half of the session maps, whatever their size.
+    /// `sessions_per_sandbox` 0 turns the quota off (budget 0: nothing checked or charged; for
+    /// measuring its cost; the agent refuses 0). Errors when `sessions` is below 2.
     pub fn session_budget(&self) -> Result<u32, Error> {
-        if self.sessions_per_sandbox == 0 {
-            return Err(Error::invalid("limits.sessions_per_sandbox", "must be at least 1"));
-        }
         if self.sessions < 2 {
             return Err(Error::invalid("limits.sessions", "must be at least 2"));
         }
@@ -323,6 +321,11 @@ impl Datapath {
             Some(QuotaMaps {
                 opened: take(&mut ebpf, map::SESSION_OPENED)?,
                 closed: take(&mut ebpf, map::SESSION_CLOSED)?,
+                lock: map_dir
+                    .as_deref()
+                    .map(std::fs::File::open)
+                    .transpose()
+                    .map_err(|source| Error::Pin { what: "open the maps directory for locking".into(), source })?,
             }),
         ));
         let maps = Arc::new(Maps {

@@ -13,10 +13,13 @@
 //! Entries of a sandbox version are removed when it is unregistered or replaced
 //! ([`crate::SandboxTable`]) and, for any the datapath re-created from an in-flight packet,
 //! by the reaper's sweep once the version is no longer registered ([`QuotaMaps::collect`]).
-//! One writer per pin directory: two processes deleting sessions of the same pinned maps at
-//! once (not something the agent does) could lose `session_closed` increments.
+//! Two processes may delete sessions of the same pinned maps at once (the old and the new agent
+//! of a live upgrade both run a reaper until the old one exits): the read-modify-write of
+//! `session_closed` is then also serialised across processes by an exclusive `flock(2)` on the
+//! pinned maps' directory (`<pin_dir>/maps`; bpffs directories can be flocked, and the
+//! datapath updater lock is on `<pin_dir>` itself, so the two never wait for each other).
 
-use std::collections::HashMap as StdHashMap;
+use std::{collections::HashMap as StdHashMap, fs::File, os::fd::AsRawFd};
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{NatSession, QuotaKey, SessionKey, map, quota::COUNTED};
@@ -44,6 +47,39 @@ impl QuotaUsage {
 pub(crate) struct QuotaMaps {
     pub(crate) opened: HashMap<MapData, QuotaKey, u64>,
     pub(crate) closed: HashMap<MapData, QuotaKey, u64>,
+    /// The pinned maps' directory, flocked around every `session_closed` update (`None` for
+    /// unpinned maps: private to this process).
+    pub(crate) lock: Option<File>,
+}
+
+/// An exclusive `flock` on the maps directory while alive.
+struct Flock<'a>(Option<&'a File>);
+
+impl<'a> Flock<'a> {
+    fn take(f: Option<&'a File>) -> Result<Self, Error> {
+        if let Some(f) = f {
+            loop {
+                // SAFETY: flock on an open fd we own.
+                if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                    break;
+                }
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(Error::MapSyscall { map: map::SESSION_CLOSED, op: "flock maps dir", source: e });
+                }
+            }
+        }
+        Ok(Self(f))
+    }
+}
+
+impl Drop for Flock<'_> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0 {
+            // SAFETY: unlock of an fd we own.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        }
+    }
 }
 
 fn ok_absent<T>(r: Result<T, aya::maps::MapError>) -> Result<Option<T>, aya::maps::MapError> {
@@ -90,6 +126,10 @@ impl QuotaMaps {
                 *by.entry(QuotaKey { ifindex: s.vm_ifindex, version: k.version }).or_default() += 1;
             }
         }
+        if by.is_empty() {
+            return Ok(());
+        }
+        let _flock = Flock::take(self.lock.as_ref())?;
         for (key, n) in by {
             if ok_absent(self.opened.get(&key, 0)).map_err(Error::map(map::SESSION_OPENED, "lookup"))?.is_none() {
                 continue;
@@ -103,6 +143,7 @@ impl QuotaMaps {
 
     /// Removes both entries of `key` (absent is fine).
     pub(crate) fn forget(&mut self, key: &QuotaKey) -> Result<(), Error> {
+        let _flock = Flock::take(self.lock.as_ref())?;
         ok_absent(self.closed.remove(key)).map_err(Error::map(map::SESSION_CLOSED, "delete"))?;
         ok_absent(self.opened.remove(key)).map_err(Error::map(map::SESSION_OPENED, "delete"))?;
         Ok(())

@@ -247,14 +247,15 @@ fn uncounted_sessions_are_not_subtracted() {
     assert_eq!(r.cube(guest_udp(20_001)).verdict, TC_ACT_SHOT);
 }
 
-/// The budget is capped at half of the session maps (one sandbox never holds more), and a
-/// zero budget is refused.
+/// The budget is capped at half of the session maps (one sandbox never holds more); 0 turns
+/// it off; session maps too small to halve are refused.
 #[test]
 fn budget_limits() {
     let l = MapLimits { sessions: 1024, sessions_per_sandbox: 100_000, ..Default::default() };
     assert_eq!(l.session_budget().unwrap(), 512);
     assert_eq!(MapLimits::default().session_budget().unwrap(), 16_384);
     assert!(MapLimits::default().session_budget().unwrap() < cubevs_common::snat::PORT_SPAN / 2);
-    let e = MapLimits { sessions_per_sandbox: 0, ..Default::default() }.session_budget().unwrap_err().to_string();
-    assert!(e.contains("limits.sessions_per_sandbox"), "{e}");
+    assert_eq!(MapLimits { sessions_per_sandbox: 0, ..Default::default() }.session_budget().unwrap(), 0);
+    let e = MapLimits { sessions: 1, ..Default::default() }.session_budget().unwrap_err().to_string();
+    assert!(e.contains("limits.sessions"), "{e}");
 }
