@@ -12,7 +12,9 @@ use std::{
 
 use cubenet_tests::{
     bpffs::BpfFs,
-    ebpf_object, require_root, servers,
+    ebpf_object,
+    guest::VethGuest,
+    require_root, servers,
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP},
 };
 use cubevs::{Datapath, LoadOptions, MapLimits, SandboxEntry, SnatAddr};
@@ -58,6 +60,31 @@ fn http_get(addr: SocketAddr) -> std::io::Result<String> {
     Ok(body)
 }
 
+/// Loads the datapath on the pins under `bpffs` with `sessions_per_sandbox` = `budget` (a new
+/// object configuration switches in a self-tested slot) and attaches (or adopts) everything.
+fn load_attach(topo: &Topology, bpffs: &BpfFs, budget: u32, guests: &[&VethGuest]) -> Datapath {
+    let dp = Datapath::load(LoadOptions {
+        object: ebpf_object(),
+        pin_dir: Some(bpffs.path().join("cubevs")),
+        limits: MapLimits { sessions_per_sandbox: budget, ..Default::default() },
+        ..LoadOptions::new()
+    })
+    .unwrap_or_else(|e| panic!("load datapath: {e}"));
+    let ifs: Vec<String> = guests.iter().map(|g| g.node_if.clone()).collect();
+    topo.node
+        .thread()
+        .run(move || {
+            let mut dp = dp;
+            dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
+            dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
+            for i in &ifs {
+                dp.attach_sandbox(i).expect("attach guest");
+            }
+            dp
+        })
+        .expect("node thread")
+}
+
 #[test]
 fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
     if !require_root("session_quota_e2e flooding_guest_stops_at_its_budget_and_never_starves_another") {
@@ -68,25 +95,7 @@ fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
     let a = topo.add_veth_guest(0);
     let b = topo.add_veth_guest(1);
     let bpffs = BpfFs::new();
-    let thread = topo.node.thread();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        limits: MapLimits { sessions_per_sandbox: BUDGET, ..Default::default() },
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let (a_if, b_if) = (a.node_if.clone(), b.node_if.clone());
-    let dp = thread
-        .run(move || {
-            let mut dp = dp;
-            dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-            dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-            dp.attach_sandbox(&a_if).expect("attach A");
-            dp.attach_sandbox(&b_if).expect("attach B");
-            dp
-        })
-        .expect("node thread");
+    let dp = load_attach(&topo, &bpffs, BUDGET, &[&a, &b]);
     let maps = dp.maps();
     let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
     maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
@@ -135,6 +144,78 @@ fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
         .expect("B's UDP query");
     assert!(answer.ends_with("|from-b"), "{answer}");
     assert_eq!(maps.sandbox_stats.get(b.node_ifindex).unwrap().unwrap().drops["session_quota"], 0);
+    drop(dp);
+    drop(bpffs);
+}
+
+/// The quota switched in under live sessions: a datapath without it (budget 0) carries a
+/// guest's flows; the same pins are loaded again with a budget (new slot, self-tested, links
+/// switched). The old, uncharged flows keep working; new flows stop at the budget; when the
+/// reaper removes everything the count returns to exactly 0 (uncharged sessions are never
+/// subtracted), and the guest gets exactly its budget again.
+#[test]
+fn quota_switched_in_under_live_sessions() {
+    if !require_root("session_quota_e2e quota_switched_in_under_live_sessions") {
+        return;
+    }
+    const OLD: usize = 20;
+    const SMALL: u32 = 8;
+    let mut topo = Topology::new();
+    topo.add_cube_dev();
+    let a = topo.add_veth_guest(0);
+    let bpffs = BpfFs::new();
+    let dp = load_attach(&topo, &bpffs, 0, &[&a]);
+    let maps = dp.maps();
+    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
+    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
+    maps.sandbox_stats.reset(a.node_ifindex).expect("stats");
+    let sb = SandboxEntry { ifindex: a.node_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
+    maps.sandboxes.register(&sb).expect("reg");
+    maps.policy.install_default_deny(a.node_ifindex).expect("policy");
+    let _echo = servers::udp_echo(&topo.world, WORLD_IP, 5353);
+    let echo = SocketAddr::from((WORLD_IP, 5353));
+    let ga = topo.guest_ns(&a);
+    let _ = ga.exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
+
+    // Without the quota: OLD flows, all answered, none charged.
+    let (old_socks, answered) = ga.run(move || {
+        let socks: Vec<UdpSocket> = (0..OLD).map(|_| UdpSocket::bind("0.0.0.0:0").expect("bind")).collect();
+        let n = socks.iter().filter(|u| ask(u, echo, b"old").is_ok()).count();
+        (socks, n)
+    });
+    assert_eq!(answered, OLD, "flows before the quota");
+    assert_eq!(maps.sessions.quota_usage(a.node_ifindex, 1).unwrap(), None, "nothing charged without a quota");
+    assert!(maps.sessions.entries().unwrap().iter().all(|(_, s)| s.quota == 0));
+
+    // The agent restarts with a budget: the pins are reused, a new slot is switched in.
+    drop(dp);
+    drop(maps);
+    let dp = load_attach(&topo, &bpffs, SMALL, &[&a]);
+    let maps = dp.maps();
+    // The old flows keep working (uncharged); new flows stop at SMALL.
+    let (old_ok, new_ok) = ga.run(move || {
+        let old_ok = old_socks.iter().filter(|u| ask(u, echo, b"still").is_ok()).count();
+        let new = flood(echo, 2 * SMALL as usize);
+        let new_ok = new.iter().filter(|u| ask(u, echo, b"new").is_ok()).count();
+        (old_ok, new_ok)
+    });
+    assert_eq!(old_ok, OLD, "established flows across the switch");
+    assert_eq!(new_ok, SMALL as usize, "new flows after the switch stop at the budget");
+    let u = maps.sessions.quota_usage(a.node_ifindex, 1).unwrap().expect("charged");
+    assert_eq!((u.opened, u.closed), (u64::from(SMALL), 0));
+
+    // The reaper removes all OLD + SMALL sessions: only the charged ones are given back.
+    let later = cubevs::reaper::monotonic_ns() + Duration::from_secs(600).as_nanos() as u64;
+    let swept = cubevs::reaper::sweep(&maps.sessions, &Default::default(), later).unwrap();
+    assert_eq!(swept.removed, OLD + SMALL as usize);
+    let u = maps.sessions.quota_usage(a.node_ifindex, 1).unwrap().expect("charged");
+    assert_eq!((u.opened, u.closed, u.live()), (u64::from(SMALL), u64::from(SMALL), 0));
+    // Exactly the budget again, not more.
+    let again = ga.run(move || {
+        let s = flood(echo, 2 * SMALL as usize);
+        s.iter().filter(|u| ask(u, echo, b"again").is_ok()).count()
+    });
+    assert_eq!(again, SMALL as usize);
     drop(dp);
     drop(bpffs);
 }
