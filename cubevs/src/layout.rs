@@ -288,6 +288,8 @@ mod tests {
     fn sample() -> Meta {
         let mut config = DatapathConfig::DEFAULT;
         config.gateway_mac = [2, 4, 6, 8, 10, 12];
+        // A budget that is neither the default nor 0: the round trip must keep it.
+        config.session_budget = 777;
         let mut m = Meta::new(config);
         m.active = Some(1);
         m.pending = None;

@@ -177,3 +177,15 @@ impl QuotaMaps {
         Ok(n)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::QuotaUsage;
+
+    #[test]
+    fn live_is_signed() {
+        assert_eq!(QuotaUsage { opened: 5, closed: 2 }.live(), 3);
+        // A delete counted before the creating CPU's add landed: briefly -1, never u64::MAX.
+        assert_eq!(QuotaUsage { opened: 4, closed: 5 }.live(), -1);
+    }
+}
