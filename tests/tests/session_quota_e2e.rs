@@ -219,3 +219,96 @@ fn quota_switched_in_under_live_sessions() {
     drop(dp);
     drop(bpffs);
 }
+
+/// Exactness under concurrency: two guest threads open new flows as fast as they can (one
+/// socket each, a new destination port per datagram, so the kernel creates sessions on both
+/// CPUs) while a node thread sweeps with a zero timeout in a loop (userspace deletes racing the
+/// kernel's creates). Once quiet, the count must equal the charged sessions left in the map
+/// exactly, and 0 after a final sweep: no lost update on either side.
+#[test]
+fn count_is_exact_under_concurrent_creates_and_deletes() {
+    if !require_root("session_quota_e2e count_is_exact_under_concurrent_creates_and_deletes") {
+        return;
+    }
+    const PER_THREAD: u16 = 3000;
+    const BIG: u32 = 256;
+    let mut topo = Topology::new();
+    topo.add_cube_dev();
+    let a = topo.add_veth_guest(0);
+    let bpffs = BpfFs::new();
+    let dp = load_attach(&topo, &bpffs, BIG, &[&a]);
+    let maps = dp.maps();
+    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
+    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
+    maps.sandbox_stats.reset(a.node_ifindex).expect("stats");
+    let sb = SandboxEntry { ifindex: a.node_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
+    maps.sandboxes.register(&sb).expect("reg");
+    maps.policy.install_default_deny(a.node_ifindex).expect("policy");
+    let ga = topo.guest_ns(&a);
+    let _ = ga.exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
+
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    };
+    // The senders go on (cycling through their ports: a reaped flow is new again) until the
+    // reaper has swept SWEEPS times, so creates and deletes interleave however threads run;
+    // then one more pass each with the reaper stopped, so charged sessions are left to count.
+    const SWEEPS: u64 = 50;
+    let (stopped, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let reaper = {
+        let (sessions, stopped, done) = (maps.sessions.clone(), stopped.clone(), done.clone());
+        std::thread::spawn(move || {
+            let zero = cubevs::reaper::Timeouts::uniform(Duration::ZERO);
+            while done.load(Ordering::Relaxed) < SWEEPS {
+                cubevs::reaper::sweep(&sessions, &zero, cubevs::reaper::monotonic_ns()).expect("sweep");
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            stopped.store(true, Ordering::Relaxed);
+        })
+    };
+    let senders: Vec<_> = (0..2u16)
+        .map(|t| {
+            let stopped = stopped.clone();
+            ga.spawn_thread(move || {
+                let u = UdpSocket::bind("0.0.0.0:0").expect("bind");
+                loop {
+                    let last = stopped.load(Ordering::Relaxed);
+                    for p in 0..PER_THREAD {
+                        let _ = u.send_to(b"x", SocketAddr::from((WORLD_IP, 1000 + t * PER_THREAD + p)));
+                    }
+                    if last {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    for s in senders {
+        s.join().expect("sender");
+    }
+    reaper.join().expect("reaper");
+    let sweeps = done.load(Ordering::Relaxed);
+    let charged_left = |m: &cubevs::Maps| {
+        m.sessions
+            .entries()
+            .unwrap()
+            .iter()
+            .filter(|(k, s)| s.vm_ifindex == a.node_ifindex && k.version == 1 && s.quota == 1)
+            .count()
+    };
+    let u = maps.sessions.quota_usage(a.node_ifindex, 1).unwrap().expect("charged");
+    let left = charged_left(&maps);
+    let quota_drops = maps.sandbox_stats.get(a.node_ifindex).unwrap().unwrap().drops["session_quota"];
+    eprintln!("sweeps {sweeps}, opened {}, closed {}, left {left}, quota drops {quota_drops}", u.opened, u.closed);
+    assert!(u.opened > u64::from(BIG), "sessions were created and deleted while flows kept coming");
+    assert_eq!(u.live(), left as i64, "count == charged sessions in the map");
+    // Check and charge are two steps: concurrent creates may overshoot by one per CPU.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert!((BIG as usize..=BIG as usize + cpus).contains(&left), "the last pass fills the budget: {left}");
+    cubevs::reaper::sweep(&maps.sessions, &Default::default(), cubevs::reaper::monotonic_ns() + 10u64.pow(12)).unwrap();
+    let u = maps.sessions.quota_usage(a.node_ifindex, 1).unwrap().expect("charged");
+    assert_eq!((u.live(), charged_left(&maps)), (0, 0));
+    drop(dp);
+    drop(bpffs);
+}
