@@ -28,6 +28,7 @@
 pub mod agent;
 pub mod agent_upgrade;
 pub mod bpffs;
+pub mod capture;
 pub mod dns;
 pub mod egress_swap;
 pub mod frames;

@@ -2,7 +2,8 @@
 //! (`reference/upstream.md §3.4`, with the changes of issue 3).
 //!
 //! 1. No registered sandbox on the interface → drop everything, ARP included (decision D25).
-//! 2. ARP → proxy; other non-IPv4 → drop.
+//! 2. A frame that carried a VLAN tag (taken off by the kernel before tc) → drop (decision R9).
+//!    ARP → proxy; other non-IPv4 → drop.
 //! 3. Source must be the guest address; every path below treats it as the sandbox's mvm IP
 //!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
 //! 4. To the gateway (169.254.68.5): ICMP and TCP non-SYN are DNATed to cube-dev and
@@ -62,6 +63,12 @@ pub fn from_cube(ctx: TcContext) -> i32 {
     let Some((version, sandbox_ip)) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }).map(|m| (m.version, m.ip)) else {
         return drop(ifindex, counter::CUBE_DROP_UNREGISTERED);
     };
+    // The kernel took an 802.1Q/802.1ad tag off this frame before tc ran; forwarded, the skb
+    // would leave the uplink tagged (VLAN hopping). A guest has no VLANs: drop (decision R9).
+    // SAFETY: `skb` is the context pointer the kernel passed in.
+    if unsafe { (*ctx.skb.skb).vlan_present } != 0 {
+        return drop(ifindex, counter::CUBE_DROP_PROTO);
+    }
     match packet::ethertype(&ctx) {
         Some(ether::P_ARP) => {
             count(counter::CUBE_ARP);
