@@ -692,6 +692,9 @@ pub mod counter {
     /// from_cube: new flow dropped, its sandbox holds its whole live-session budget
     /// (`DatapathConfig::session_budget`, [`super::quota`]).
     pub const CUBE_DROP_SESSION_QUOTA: u32 = 59;
+    /// from_world: addressed to a registered sandbox's mvm IP (the sandbox CIDR routed to the
+    /// node from its LAN): dropped; the world reaches a sandbox only through its host ports.
+    pub const WORLD_DROP_TO_SANDBOX: u32 = 60;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -746,6 +749,7 @@ pub mod counter {
         (CUBE_L7_STEERED, "from_cube", "l7_steered"),
         (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
         (CUBE_DROP_SESSION_QUOTA, "from_cube", "drop_session_quota"),
+        (WORLD_DROP_TO_SANDBOX, "from_world", "drop_to_sandbox"),
     ];
 }
 

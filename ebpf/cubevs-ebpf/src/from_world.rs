@@ -12,6 +12,7 @@
 //! as `in` (`sandbox_stats`), an RST outside the window as its `rst_window` drop; a stale
 //! version's drops are never charged to the interface's current owner.
 //! UDP from port 53 is offered to the DNS learning hook first (tail call, `crate::dns`).
+//! Anything addressed to a registered sandbox's mvm IP is dropped first (decision R10).
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -23,7 +24,7 @@ use cubevs_common::{counter, ether, proto};
 
 use crate::{
     config, dns, frag, icmp_err,
-    maps::count,
+    maps::{MVMIP_TO_IFINDEX, count},
     packet::{self, ICMP_ECHO_REPLY},
     world::{self, Outcome},
 };
@@ -41,6 +42,14 @@ pub fn from_world(ctx: TcContext) -> i32 {
         return pass();
     }
     let Some(ip) = packet::ipv4(&ctx) else { return pass() };
+    // A sandbox's mvm IP is node-local: from the uplink a sandbox is reached only through its
+    // host ports. Passed on, the host would forward it to cube-dev and `from_envoy` would
+    // deliver it into the sandbox (decision R10). Checked before fragments: a later fragment
+    // to an mvm IP would be passed on too.
+    if MVMIP_TO_IFINDEX.get_ptr(&ip.dst).is_some() {
+        count(counter::WORLD_DROP_TO_SANDBOX);
+        return TC_ACT_SHOT;
+    }
     let cfg = config::get();
     if ip.later_fragment {
         return frag::later(&ctx, &ip, &cfg);
