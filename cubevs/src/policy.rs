@@ -27,6 +27,7 @@
 
 pub mod cidr;
 pub mod dns;
+pub mod feed;
 pub mod fqdn;
 pub mod model;
 
@@ -46,6 +47,7 @@ use cubevs_common::{
     map,
 };
 pub use dns::{DnsReap, LearnedEntry};
+pub use feed::{LearnedNames, learned_names};
 pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 pub use model::{
     BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, MAX_FQDN_PER_SANDBOX,
