@@ -323,6 +323,7 @@ impl MemTables {
             allow: c.allow.clone(),
             deny: c.deny.clone(),
             fqdn_patterns: c.fqdn.len(),
+            l7: c.l7.iter().map(|(a, _)| *a).collect(),
         })
     }
 }

@@ -497,7 +497,7 @@ pub const POLICY_PREFIX_BITS: u32 = 64;
 pub struct AllowValue {
     /// Expiry (CLOCK_MONOTONIC ns); 0 = static, never expires.
     pub expires_ns: u64,
-    /// Flags (reserved for L7 steering).
+    /// [`allow_flag`] bits: 0 = a plain allow entry.
     pub flags: u8,
     /// L7 scheme (reserved).
     pub scheme: u8,
@@ -507,6 +507,31 @@ pub struct AllowValue {
     pub _pad: [u8; 5],
 }
 const _: () = assert!(core::mem::size_of::<AllowValue>() == 16);
+
+/// [`AllowValue::flags`] (decision N10): a `/32` entry for an IPv4 literal that an L7 rule names
+/// (`match.host` / `match.sni`). New TCP flows to it on a steered port go to CubeEgress; its
+/// other ports and protocols get what the policy says without the entry ([`allow_flag::L3_ALLOWED`]
+/// when an `allow_out` entry covers the address, else `deny_out` / default as usual).
+pub mod allow_flag {
+    /// TCP/80 is steered (mark [`crate::l7::MARK_HTTP`]).
+    pub const L7_HTTP: u8 = 1;
+    /// TCP/443 is steered (mark [`crate::l7::MARK_HTTPS`]).
+    pub const L7_HTTPS: u8 = 2;
+    /// Other ports and protocols are allowed (an `allow_out` entry covers the address).
+    pub const L3_ALLOWED: u8 = 4;
+    /// Userspace bookkeeping, ignored by the programs: the address is also an `allow_out`
+    /// `/32` as written (so a rescan lists it under both).
+    pub const ALLOW_OUT_ENTRY: u8 = 8;
+    /// The flag of a [`crate::l7`] scheme (`SCHEME_HTTP` 1 / `SCHEME_HTTPS` 2), 0 for none.
+    #[inline(always)]
+    pub const fn of_scheme(scheme: u8) -> u8 {
+        match scheme {
+            crate::l7::SCHEME_HTTP => L7_HTTP,
+            crate::l7::SCHEME_HTTPS => L7_HTTPS,
+            _ => 0,
+        }
+    }
+}
 
 pod!(
     DatapathConfig,

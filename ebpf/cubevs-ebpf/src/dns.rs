@@ -86,7 +86,7 @@ fn query_side(ctx: &TcContext) {
     let Some(version) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }).map(|m| m.version) else { return };
     let Some(ip) = packet::ipv4(ctx) else { return };
     let Some(l4) = packet::l4(ctx, &ip) else { return };
-    if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
+    if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport, false) {
         return;
     }
     on_query(ctx, &ip, ifindex, version, l4.sport);

@@ -166,7 +166,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         let state = unsafe { (*s).state };
         if ip.proto == proto::TCP {
             let reopen = syn_only(l4.tcp_flags) && track::is_reopen(state);
-            if reopen && !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
+            if reopen && !policy::allowed_flow(ifindex, version, ip.dst, l4.dport, true) {
                 // The guest reuses the port of a finished connection, and policy changed since.
                 // SAFETY: valid map value pointer.
                 let sess = unsafe { *s };
@@ -247,7 +247,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         sandbox_drop(ifindex, counter::CUBE_NO_SESSION);
         return rst::reply(ctx, cfg, &ip, &l4, ifindex);
     }
-    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport);
+    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport, ip.proto == proto::TCP);
     if class == policy::FLOW_DENY {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }
