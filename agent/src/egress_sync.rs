@@ -699,6 +699,58 @@ mod tests {
         assert_eq!(sync.metrics.egress_push.with_label_values(&["ok"]).get(), 1);
     }
 
+    fn names(v: &[(&str, [u8; 4])], expires_ns: u64) -> cubevs::policy::LearnedNames {
+        let mut n = cubevs::policy::LearnedNames { expires_ns, ..Default::default() };
+        for (name, ip) in v {
+            n.names.entry(name.to_string()).or_default().push(Ipv4Addr::from(*ip));
+        }
+        n
+    }
+
+    /// The feed sends a change once (not every poll), a later expiry again, a vanished
+    /// sandbox as DELETE; `forget_learned` owes a DELETE that a full sync does not undo.
+    #[test]
+    fn feed_sends_changes_once_and_deletes_what_is_gone() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        let (a, b): (Ipv4Addr, Ipv4Addr) = ("192.168.0.2".parse().unwrap(), "192.168.0.3".parse().unwrap());
+        let far = cubevs::reaper::monotonic_ns() + 600_000_000_000;
+        let mark = |w: Vec<(Ipv4Addr, cubevs::policy::LearnedNames)>| {
+            let mut f = sync.feed_lock();
+            sync.mark_feed(&mut f, w);
+        };
+        mark(vec![(a, names(&[("*.cdn.example", [203, 0, 113, 20])], far))]);
+        assert!(!rt.block_on(sync.push_feed_dirty()));
+        let log = applied.lock().unwrap().clone();
+        assert_eq!(log.len(), 1);
+        let body: serde_json::Value = serde_json::from_str(&log[0].1).unwrap();
+        assert_eq!(log[0].0, "PUT");
+        assert_eq!(body["names"], serde_json::json!({"*.cdn.example": ["203.0.113.20"]}));
+        let ttl = body["ttl_secs"].as_u64().unwrap();
+        assert!((599..=600).contains(&ttl), "{ttl}");
+        // Same names, same expiry: nothing to send.
+        mark(vec![(a, names(&[("*.cdn.example", [203, 0, 113, 20])], far))]);
+        assert!(!rt.block_on(sync.push_feed_dirty()));
+        assert_eq!(applied.lock().unwrap().len(), 1);
+        // Renewed: sent again. Then A vanishes and B appears.
+        mark(vec![(a, names(&[("*.cdn.example", [203, 0, 113, 20])], far + 5_000_000_000))]);
+        rt.block_on(sync.push_feed_dirty());
+        mark(vec![(b, names(&[("api.example.com", [203, 0, 113, 10])], far))]);
+        rt.block_on(sync.push_feed_dirty());
+        let methods: Vec<String> = applied.lock().unwrap().iter().map(|(m, _)| m.clone()).collect();
+        assert_eq!(methods, ["PUT", "PUT", "DELETE", "PUT"]);
+        assert!(!sync.feed_lock().contains_key(&a), "a completed delete forgets the address");
+        // Release of B: a DELETE is owed; a full sync re-sends it, never B's names.
+        sync.forget_learned(b);
+        sync.mark_feed_full_sync();
+        rt.block_on(sync.push_feed_dirty());
+        let log = applied.lock().unwrap().clone();
+        assert_eq!(log.last().unwrap().0, "DELETE");
+        assert!(sync.feed_lock().is_empty());
+        assert_eq!(sync.metrics.egress_learned_push.with_label_values(&["ok"]).get(), 5);
+    }
+
     #[test]
     fn admin_url_is_strict() {
         assert_eq!(parse_admin_url("http://127.0.0.1:9091").unwrap(), "127.0.0.1:9091");
