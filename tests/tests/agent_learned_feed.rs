@@ -5,6 +5,8 @@
 //! into the agent's maps); the agent names it by the pattern it was learned for and the
 //! gateway's `GET /admin/v1/learned/<sandboxIP>` shows it. A second sandbox with the same
 //! patterns never gets the first one's addresses, and Release makes the gateway forget.
+//! `static_l7_rule_through_the_agent`: an IPv4-literal L7 rule sent over gRPC is steered by the
+//! agent's datapath (N10), other ports are not.
 
 use std::{
     io::{Read, Write},
@@ -220,4 +222,59 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     assert_eq!(learned(&ag.ns, &ip_a), None, "fed again after Release");
     assert_eq!(learned(&ag.ns, &ip_b), None);
     release(&ag, "sb-b");
+}
+
+#[test]
+fn static_l7_rule_through_the_agent() {
+    if !require_root("static_l7_rule_through_the_agent") {
+        return;
+    }
+    use cubenet_tests::frames::{Tcp, tcp};
+    let mut ag = AgentUnderTest::prepare("static-l7", 1, "cube_egress_admin_url = \"\"\n");
+    ag.start();
+    let c = pb::CubeVsContext {
+        allow_internet_access: Some(false),
+        rules: vec![pb::EgressRule {
+            id: "ip".into(),
+            r#match: Some(pb::EgressMatch { host: Some("203.0.113.10".into()), ..Default::default() }),
+            action: Some(pb::EgressAction { allow: true, ..Default::default() }),
+        }],
+        ..Default::default()
+    };
+    let r = rt()
+        .block_on(async {
+            let mut cl = network_agent::client::connect(&ag.grpc_endpoint()).await.unwrap();
+            cl.ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: "sb-ip".into(),
+                cubevs_context: Some(c),
+                ..Default::default()
+            })
+            .await
+        })
+        .expect("ensure")
+        .into_inner();
+    let tap = r.persist_metadata["host_tap_name"].clone();
+    let pol = ag.http_json("/v1/dataplane/policies");
+    let p =
+        pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == tap.as_str()).unwrap()["policy"].clone();
+    assert_eq!(p["l7"], json!(["203.0.113.10/32"]), "{p}");
+    let pin_dir = ag.pin_dir();
+    let (mark443, mark22) = ag.topo.node.run(move || {
+        let meta = cubevs::layout::read_meta(&pin_dir).unwrap().unwrap();
+        let progs = slots::slot_programs(&pin_dir, meta.active.unwrap()).unwrap();
+        let tap_if = cubenet_sys::ifindex(&tap).unwrap();
+        let run = |dport| {
+            let t = Tcp { sport: 40000 + dport, dport, seq: 1, syn: true, win: 1000, ..Default::default() };
+            let f = tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, ADDR_API, t, b"");
+            let o =
+                testrun::run(&progs["from_cube"], &f, SkBuffCtx { ingress_ifindex: tap_if, ..Default::default() }, 1)
+                    .unwrap();
+            (o.verdict, o.mark, o.data[26..30].to_vec())
+        };
+        (run(443), run(22))
+    });
+    let sandbox: std::net::Ipv4Addr = r.persist_metadata["sandbox_ip"].parse().unwrap();
+    assert_eq!(mark443, (TC_ACT_REDIRECT, cubevs_common::l7::MARK_HTTPS, sandbox.octets().to_vec()), "steered");
+    // Port 22 of the same address: internet off, no allow: a RST from it back to the guest.
+    assert_eq!(mark22, (TC_ACT_REDIRECT, 0, ADDR_API.to_vec()), "denied by the CIDR policy");
 }
