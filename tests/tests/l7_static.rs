@@ -66,9 +66,14 @@ fn session(r: &Rig, sport: u16) -> cubevs_common::NatSession {
 /// Asserts `out` is the SYN steered to cube-dev with `mark`: frame unchanged but the source
 /// (the sandbox IP), an L7 session on cube-dev with `scheme`, no SNAT.
 fn assert_steered(r: &Rig, out: &TestRunOutput, sport: u16, dport: u16, mark: u32, scheme: u8) {
+    assert_steered_seq(r, out, sport, dport, mark, scheme, 1);
+}
+
+/// [`assert_steered`] for a SYN with sequence number `seq`.
+fn assert_steered_seq(r: &Rig, out: &TestRunOutput, sport: u16, dport: u16, mark: u32, scheme: u8, seq: u32) {
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.mark, mark);
-    assert_eq!(out.data, tcp(GUEST_MAC, GATEWAY_MAC, SB_IP, L7IP, T { sport, dport, ..SYN }, b""));
+    assert_eq!(out.data, tcp(GUEST_MAC, GATEWAY_MAC, SB_IP, L7IP, T { sport, dport, seq, ..SYN }, b""));
     let s = session(r, sport);
     assert_eq!(
         (s.packet_class, s.l7_scheme, s.node_ifindex, s.node_ip, s.node_port),
@@ -165,4 +170,58 @@ fn open_flows_keep_their_class_across_policy_changes() {
     assert_eq!(out.data[26..30], SB_IP);
     assert_eq!(r.maps.policy.dump(SB_IFINDEX).unwrap().l7, vec![]);
     assert_snat(&r, &syn(&r, 43002, L7IP, 443), 43002);
+}
+
+/// A guest that reuses the port of a finished connection opens a new one: when a policy change
+/// moved the address between SNAT and L7 meanwhile, the old session goes and the SYN gets the
+/// new class (it would otherwise bypass CubeEgress, or keep going to it).
+#[test]
+fn a_reopened_port_gets_the_new_class() {
+    if !require_root("a_reopened_port_gets_the_new_class") {
+        return;
+    }
+    use cubevs::prog;
+    let plain = policy(true, &[], vec![]);
+    let with_rule = policy(true, &[], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]);
+    let r = rig(&plain);
+    let guest =
+        |t: T| r.cube(tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, L7IP, T { sport: 44000, dport: 443, win: 1000, ..t }, b""));
+    let state = |r: &Rig| r.maps.sessions.list().unwrap().iter().find(|s| s.guest_port == 44000).unwrap().state;
+
+    // An SNAT connection, established.
+    let out = guest(T { seq: 1, syn: true, ..Default::default() });
+    assert_snat(&r, &out, 44000);
+    let snat_port = u16::from_be_bytes([out.data[34], out.data[35]]);
+    let synack = T { sport: 443, dport: snat_port, seq: 900, ack: Some(2), syn: true, win: 1000, ..Default::default() };
+    assert_eq!(r.world(tcp(r.world_mac, r.up_mac, L7IP, NODE_IP, synack, b"")).verdict, TC_ACT_REDIRECT);
+    guest(T { seq: 2, ack: Some(901), ..Default::default() });
+    assert_eq!(state(&r), "established");
+
+    // The address becomes L7; the guest reuses its port: steered, L7 session.
+    r.maps.policy.replace(SB_IFINDEX, &with_rule).unwrap();
+    let out = guest(T { seq: 5000, syn: true, ..Default::default() });
+    assert_steered_seq(&r, &out, 44000, 443, l7::MARK_HTTPS, l7::SCHEME_HTTPS, 5000);
+    assert_eq!(count(&r, counter::CUBE_RECLASSIFIED), 1);
+    assert_eq!(r.maps.sessions.entries().unwrap().len(), 1, "the SNAT session is gone");
+
+    // Established through CubeEgress, then the rule goes; the port is reused again: SNAT.
+    let synack = T { sport: 443, dport: 44000, seq: 900, ack: Some(5001), syn: true, win: 1000, ..Default::default() };
+    let out = r.run(prog::FROM_ENVOY, tcp(r.world_mac, r.up_mac, L7IP, SB_IP, synack, b""), 0);
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    guest(T { seq: 5001, ack: Some(901), ..Default::default() });
+    assert_eq!(state(&r), "established");
+    r.maps.policy.replace(SB_IFINDEX, &plain).unwrap();
+    let out = guest(T { seq: 9000, syn: true, ..Default::default() });
+    assert_snat(&r, &out, 44000);
+    assert_eq!(count(&r, counter::CUBE_RECLASSIFIED), 2);
+
+    // Same class: the session is reused as before (D15: same SNAT port), nothing reclassified.
+    let snat2 = u16::from_be_bytes([out.data[34], out.data[35]]);
+    let synack = T { sport: 443, dport: snat2, seq: 900, ack: Some(9001), syn: true, win: 1000, ..Default::default() };
+    r.world(tcp(r.world_mac, r.up_mac, L7IP, NODE_IP, synack, b""));
+    guest(T { seq: 9001, ack: Some(901), ..Default::default() });
+    let out = guest(T { seq: 20000, syn: true, ..Default::default() });
+    assert_snat(&r, &out, 44000);
+    assert_eq!(u16::from_be_bytes([out.data[34], out.data[35]]), snat2);
+    assert_eq!(count(&r, counter::CUBE_RECLASSIFIED), 2);
 }

@@ -662,6 +662,9 @@ pub mod counter {
     pub const CUBE_L7_STEERED: u32 = 56;
     /// from_envoy: CubeEgress reply of an L7 session (its conntrack state advanced).
     pub const ENVOY_L7_REPLY: u32 = 57;
+    /// from_cube: a guest SYN reused a finished session whose class (SNAT / L7) the policy no
+    /// longer gives its destination: the session was deleted and the SYN classified anew.
+    pub const CUBE_RECLASSIFIED: u32 = 58;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -713,6 +716,7 @@ pub mod counter {
         (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
         (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),
         (CUBE_L7_NEW, "from_cube", "l7_new"),
+        (CUBE_RECLASSIFIED, "from_cube", "reclassified"),
         (CUBE_L7_STEERED, "from_cube", "l7_steered"),
         (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
     ];
