@@ -664,7 +664,7 @@ pub mod counter {
     pub const ENVOY_L7_REPLY: u32 = 57;
     /// from_cube: a guest SYN reused a finished session whose class (SNAT / L7) the policy no
     /// longer gives its destination: the session was deleted and the SYN classified anew.
-    pub const CUBE_RECLASSIFIED: u32 = 58;
+    pub const CUBE_RECLASSIFIED: u32 = 59;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
