@@ -725,4 +725,15 @@ fn dns_learning_survives_switch_and_rollback() {
         assert_eq!(maps.counters.get(counter::DNS_TAIL_CALL_FAILED).unwrap(), 0, "{step}: tail call failed");
         assert_eq!(maps.counters.get(counter::DNS_TAIL_BACK_FAILED).unwrap(), 0, "{step}: tail call back failed");
     }
+
+    // A new process with the active slot's object (an agent restart) reuses the slot, and
+    // `dns_progs` stays on the slot's programs, not on the new process's own copies.
+    let again = Datapath::load(opts(&n.bpffs, ebpf_object())).expect("reload");
+    assert_eq!(again.slot(), Some(0), "reused the active slot");
+    assert_eq!(slots::dns_prog_ids(&pin).unwrap(), dns_targets_of(&pin, 0), "after a restart");
+    drop(again);
+    let verdicts = dns_through_slot(&n, 0, 40010, 0x200, [203, 0, 113, 4]);
+    assert_eq!(verdicts, (cubevs::testrun::TC_ACT_REDIRECT, cubevs::testrun::TC_ACT_REDIRECT));
+    assert!(maps.policy.learned(Some(n.veth.node_ifindex)).iter().any(|e| e.ip == Ipv4Addr::new(203, 0, 113, 4)));
+    assert_eq!(maps.counters.get(counter::DNS_TAIL_CALL_FAILED).unwrap(), 0);
 }
