@@ -286,11 +286,59 @@ impl Agent {
         v
     }
 
+    /// The learned-address feed (decision N8): for every live sandbox with L7 rules and
+    /// `allow_fqdn` patterns, the names its unexpired L7 learned entries belong to
+    /// (`cubevs::policy::learned_names`, at most [`crate::egress_sync::MAX_FEED_ADDRS`] per
+    /// name), keyed by sandbox IP. Entries are matched by (TAP ifindex, sandbox version), so a
+    /// released sandbox's entries are never named for the TAP's next owner. Sandboxes with
+    /// nothing learned are absent.
+    pub fn learned_feed(&self) -> Vec<(std::net::Ipv4Addr, cubevs::policy::LearnedNames)> {
+        {
+            let inner = lock(&self.inner);
+            if !inner.sandboxes.values().any(|r| !r.policy.rules.is_empty() && !r.policy.allow_fqdn.is_empty()) {
+                return Vec::new();
+            }
+        }
+        let entries = match self.dp.learned() {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!("learned feed: reading dns_learned: {e}");
+                return Vec::new();
+            }
+        };
+        let now = cubevs::reaper::monotonic_ns();
+        let mut by_if: HashMap<u32, Vec<cubevs::policy::LearnedEntry>> = HashMap::new();
+        for e in entries {
+            by_if.entry(e.ifindex).or_default().push(e);
+        }
+        let inner = lock(&self.inner);
+        let mut v = Vec::new();
+        for r in inner.sandboxes.values() {
+            if r.policy.rules.is_empty() || r.tap_ifindex == 0 {
+                continue;
+            }
+            let Some(es) = by_if.get(&r.tap_ifindex) else { continue };
+            let patterns: Vec<cubevs::policy::FqdnPattern> =
+                r.policy.allow_fqdn.iter().filter_map(|f| cubevs::policy::parse_fqdn(f, "allow_fqdn").ok()).collect();
+            let names =
+                cubevs::policy::learned_names(&patterns, r.version, es, now, true, crate::egress_sync::MAX_FEED_ADDRS);
+            if !names.names.is_empty() {
+                v.push((r.sandbox_ip, names));
+            }
+        }
+        v.sort_by_key(|(ip, _)| *ip);
+        v
+    }
+
     /// Sends `ip`'s L7 rules (none = DELETE) to the gateway: one attempt now, retries in the
     /// background. No-op without a push client. Blocks up to the push timeout.
     fn push_egress(&self, ip: std::net::Ipv4Addr, rules: Option<&[egress_policy::RuleSpec]>) {
         if let Some(s) = self.egress.get() {
-            s.set_blocking(ip, rules.and_then(|r| crate::egress_sync::policy_spec(ip, r)));
+            let spec = rules.and_then(|r| crate::egress_sync::policy_spec(ip, r));
+            if spec.is_none() {
+                s.forget_learned(ip);
+            }
+            s.set_blocking(ip, spec);
         }
     }
 

@@ -104,6 +104,10 @@ impl CubeVsDataplane {
 }
 
 impl Dataplane for CubeVsDataplane {
+    fn learned(&self) -> Result<Vec<cubevs::policy::LearnedEntry>, DataplaneError> {
+        Ok(self.maps.policy.learned(None))
+    }
+
     fn max_interfaces(&self) -> usize {
         self.max_interfaces
     }

@@ -189,6 +189,10 @@ pub trait Dataplane: Send + Sync {
     fn sandbox_counters(&self, ifindex: u32) -> Result<Option<SandboxCounters>, DataplaneError>;
     /// Per-sandbox counters of every interface that has them, by ifindex.
     fn all_sandbox_counters(&self) -> Result<BTreeMap<u32, SandboxCounters>, DataplaneError>;
+    /// Every `dns_learned` entry (expired ones included until the DNS reaper deletes them).
+    fn learned(&self) -> Result<Vec<cubevs::policy::LearnedEntry>, DataplaneError> {
+        Ok(Vec::new())
+    }
 }
 
 /// Prefix of the policy fields in the gRPC request.
@@ -319,6 +323,7 @@ impl MemTables {
             allow: c.allow.clone(),
             deny: c.deny.clone(),
             fqdn_patterns: c.fqdn.len(),
+            l7: c.l7.iter().map(|(a, _)| *a).collect(),
         })
     }
 }

@@ -22,11 +22,18 @@
 //! - A sandbox without rules that the agent never pushed needs no request (nothing to delete),
 //!   except before the first full sync, when the gateway's contents are unknown.
 //!
+//! - The learned-address feed (decision N8): every poll the loop reads what the datapath
+//!   learned for each sandbox with rules ([`Agent::learned_feed`]) and sends
+//!   `PUT /admin/v1/learned/<sandboxIP>` `{names: {pattern: [ip]}, ttl_secs}` when the names
+//!   or addresses changed or an expiry moved later, `DELETE` when nothing is left, the sandbox
+//!   was released or lost its rules ([`EgressSync::forget_learned`]). Same per-address
+//!   sequencing, generations, retries and full sync as the policies.
+//!
 //! Secrets: bodies are never logged; errors carry the method, path, status and the gateway's
 //! error text (which names a field, never a value).
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::Ipv4Addr,
     sync::{
         Arc, Mutex, Weak,
@@ -95,6 +102,31 @@ struct Entry {
     in_flight: bool,
 }
 
+/// Most addresses fed per name: the gateway's `MAX_LEARNED_ADDRS` (the ones expiring last
+/// are kept). A sandbox has at most `cubevs::policy::MAX_FQDN_PER_SANDBOX` (32) names, far
+/// under the gateway's `MAX_LEARNED_NAMES` (1024).
+pub const MAX_FEED_ADDRS: usize = 32;
+
+/// What one sandbox address is fed: pattern → addresses, and the latest expiry (ns).
+type Fed = (BTreeMap<String, Vec<Ipv4Addr>>, u64);
+
+/// Wanted learned-feed state of one sandbox address.
+#[derive(Debug, Default)]
+struct FeedEntry {
+    generation: u64,
+    /// `Some((names, latest expiry ns))` = PUT, `None` = DELETE.
+    desired: Option<Fed>,
+    dirty: bool,
+    in_flight: bool,
+}
+
+/// `PUT /admin/v1/learned/<ip>` body (the gateway's `LearnedSpec`).
+#[derive(Debug, serde::Serialize)]
+struct LearnedBody<'a> {
+    names: BTreeMap<&'a str, Vec<String>>,
+    ttl_secs: u64,
+}
+
 /// The push client and its pending work.
 #[derive(Debug)]
 pub struct EgressSync {
@@ -102,6 +134,8 @@ pub struct EgressSync {
     timeout: Duration,
     /// Wanted gateway state per sandbox IP. Lock order: this lock, then the agent's state.
     entries: Mutex<HashMap<Ipv4Addr, Entry>>,
+    /// Learned-feed state per sandbox IP. Lock order: this lock, then the agent's state.
+    feed: Mutex<HashMap<Ipv4Addr, FeedEntry>>,
     /// The last health poll succeeded (callers skip the immediate attempt when false).
     up: AtomicBool,
     /// A full sync has completed since start (before that, deletes are never skipped).
@@ -130,6 +164,7 @@ impl EgressSync {
             authority: parse_admin_url(admin_url)?,
             timeout,
             entries: Mutex::new(HashMap::new()),
+            feed: Mutex::new(HashMap::new()),
             up: AtomicBool::new(false),
             synced: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
@@ -140,6 +175,155 @@ impl EgressSync {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Ipv4Addr, Entry>> {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn feed_lock(&self) -> std::sync::MutexGuard<'_, HashMap<Ipv4Addr, FeedEntry>> {
+        self.feed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops feeding `ip` (Release, rules removed): a DELETE of its learned names is owed
+    /// unless nothing was ever fed. Does not block.
+    pub fn forget_learned(&self, ip: Ipv4Addr) {
+        let mut f = self.feed_lock();
+        if let Some(e) = f.get_mut(&ip)
+            && e.desired.is_some()
+        {
+            e.generation += 1;
+            e.desired = None;
+            e.dirty = true;
+            self.wake.notify_one();
+        }
+    }
+
+    /// Compares what the datapath learned now (`wanted`, from [`Agent::learned_feed`]) with
+    /// what was fed and marks the differences: new or changed names/addresses, or an expiry
+    /// more than a second later (a renewal), are PUT; addresses with nothing left DELETEd.
+    fn mark_feed(&self, f: &mut HashMap<Ipv4Addr, FeedEntry>, wanted: Vec<(Ipv4Addr, cubevs::policy::LearnedNames)>) {
+        let mut seen = std::collections::HashSet::new();
+        for (ip, n) in wanted {
+            seen.insert(ip);
+            let e = f.entry(ip).or_default();
+            let changed = match &e.desired {
+                Some((names, exp)) => *names != n.names || n.expires_ns > exp.saturating_add(1_000_000_000),
+                None => true,
+            };
+            if changed {
+                e.generation += 1;
+                e.desired = Some((n.names, n.expires_ns));
+                e.dirty = true;
+            }
+        }
+        for (ip, e) in f.iter_mut() {
+            if !seen.contains(ip) && e.desired.is_some() {
+                e.generation += 1;
+                e.desired = None;
+                e.dirty = true;
+            }
+        }
+    }
+
+    /// Reads the datapath's learned entries and marks what changed (a blocking thread: it
+    /// walks `dns_learned`). Holds the feed lock while reading the agent's state, so a
+    /// [`Self::forget_learned`] is never overwritten by an older snapshot.
+    async fn refresh_feed(self: &Arc<Self>, agent: &Arc<Agent>) {
+        let (me, a) = (self.clone(), agent.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut f = me.feed_lock();
+            let wanted = a.learned_feed();
+            me.mark_feed(&mut f, wanted);
+        })
+        .await;
+    }
+
+    /// Full sync of the feed: every address fed (or owed a DELETE) is sent again.
+    fn mark_feed_full_sync(&self) {
+        for e in self.feed_lock().values_mut() {
+            e.generation += 1;
+            e.dirty = true;
+        }
+    }
+
+    fn begin_feed(&self, ip: Ipv4Addr) -> Option<(u64, Option<Fed>)> {
+        let mut f = self.feed_lock();
+        let e = f.get_mut(&ip).filter(|e| e.dirty && !e.in_flight)?;
+        e.in_flight = true;
+        Some((e.generation, e.desired.clone()))
+    }
+
+    fn complete_feed(&self, ip: Ipv4Addr, generation: u64, r: Push) {
+        let result = match &r {
+            Push::Done => "ok",
+            Push::Transient(_) => "retry",
+            Push::Permanent(_) => "refused",
+        };
+        self.metrics.egress_learned_push.with_label_values(&[result]).inc();
+        let mut f = self.feed_lock();
+        let Some(e) = f.get_mut(&ip) else { return };
+        e.in_flight = false;
+        if e.generation != generation {
+            self.wake.notify_one();
+            return;
+        }
+        match r {
+            Push::Done => {
+                e.dirty = false;
+                if e.desired.is_none() {
+                    f.remove(&ip);
+                }
+            }
+            Push::Permanent(why) => {
+                tracing::error!(sandbox_ip = %ip, "cube-egress refused the learned feed (not retried): {why}");
+                e.dirty = false;
+            }
+            Push::Transient(why) => {
+                tracing::warn!(sandbox_ip = %ip, "cube-egress learned feed failed, retrying: {why}");
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    async fn push_learned(&self, ip: Ipv4Addr, desired: Option<&Fed>) -> Push {
+        let path = format!("/admin/v1/learned/{ip}");
+        let (method, body) = match desired {
+            Some((names, expires_ns)) => {
+                let left = expires_ns.saturating_sub(cubevs::reaper::monotonic_ns());
+                let body = LearnedBody {
+                    names: names
+                        .iter()
+                        .map(|(n, ips)| (n.as_str(), ips.iter().map(Ipv4Addr::to_string).collect()))
+                        .collect(),
+                    ttl_secs: left.div_ceil(1_000_000_000).clamp(1, 86_400),
+                };
+                match serde_json::to_vec(&body) {
+                    Ok(b) => (Method::PUT, b),
+                    Err(e) => return Push::Permanent(format!("encode: {e}")),
+                }
+            }
+            None => (Method::DELETE, Vec::new()),
+        };
+        match self.request(method.clone(), &path, body).await {
+            Ok((s, _)) if (200..300).contains(&s) => Push::Done,
+            Ok((404, _)) if method == Method::DELETE => Push::Done,
+            Ok((s, b)) if (400..500).contains(&s) => {
+                Push::Permanent(format!("{method} {path}: {s} {}", String::from_utf8_lossy(&b).trim()))
+            }
+            Ok((s, _)) => Push::Transient(format!("{method} {path}: {s}")),
+            Err(e) => Push::Transient(format!("{method} {path}: {e}")),
+        }
+    }
+
+    /// One feed request per dirty address not already in flight; true when one failed
+    /// transiently.
+    async fn push_feed_dirty(&self) -> bool {
+        let mut failed = false;
+        let work: Vec<Ipv4Addr> = self.feed_lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
+        for ip in work {
+            let Some((generation, desired)) = self.begin_feed(ip) else { continue };
+            let r = self.push_learned(ip, desired.as_ref()).await;
+            failed |= matches!(r, Push::Transient(_));
+            self.complete_feed(ip, generation, r);
+        }
+        failed
     }
 
     /// Addresses whose gateway copy is not (yet) what the agent wants.
@@ -346,6 +530,7 @@ impl EgressSync {
                     match self.gateway_addresses().await {
                         Ok(held) => {
                             let n = self.mark_full_sync(&a, &held);
+                            self.mark_feed_full_sync();
                             tracing::info!(gateway = %self.authority, sandboxes = n, gateway_held = held.len(), mismatch, "cube-egress reachable: full policy sync");
                             up = true;
                         }
@@ -365,6 +550,13 @@ impl EgressSync {
                 if !failed {
                     self.synced.store(true, Ordering::Release);
                 }
+            }
+            if up {
+                // After the policies: the feed of a new sandbox lands after its rules.
+                if let Some(a) = agent.upgrade() {
+                    self.refresh_feed(&a).await;
+                }
+                failed |= self.push_feed_dirty().await;
             }
             // Published after the sync's pushes: a caller that sees `up` pushes on top of them.
             self.up.store(up, Ordering::Release);
@@ -505,6 +697,60 @@ mod tests {
         sync.set_blocking("192.168.0.4".parse().unwrap(), None);
         assert_eq!(applied.lock().unwrap().len(), 1);
         assert_eq!(sync.metrics.egress_push.with_label_values(&["ok"]).get(), 1);
+    }
+
+    fn names(v: &[(&str, [u8; 4])], expires_ns: u64) -> cubevs::policy::LearnedNames {
+        let mut n = cubevs::policy::LearnedNames { expires_ns, ..Default::default() };
+        for (name, ip) in v {
+            n.names.entry(name.to_string()).or_default().push(Ipv4Addr::from(*ip));
+        }
+        n
+    }
+
+    /// The feed sends a change once (not every poll), a later expiry again, a vanished
+    /// sandbox as DELETE; `forget_learned` owes a DELETE that a full sync does not undo.
+    #[test]
+    fn feed_sends_changes_once_and_deletes_what_is_gone() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (url, applied) = rt.block_on(fake_gateway());
+        let sync = EgressSync::new(&url, Duration::from_secs(5), rt.handle().clone(), Metrics::new()).unwrap();
+        let (a, b): (Ipv4Addr, Ipv4Addr) = ("192.168.0.2".parse().unwrap(), "192.168.0.3".parse().unwrap());
+        let far = cubevs::reaper::monotonic_ns() + 600_000_000_000;
+        let mark = |w: Vec<(Ipv4Addr, cubevs::policy::LearnedNames)>| {
+            let mut f = sync.feed_lock();
+            sync.mark_feed(&mut f, w);
+        };
+        mark(vec![(a, names(&[("*.cdn.example", [203, 0, 113, 20])], far))]);
+        assert!(!rt.block_on(sync.push_feed_dirty()));
+        let log = applied.lock().unwrap().clone();
+        assert_eq!(log.len(), 1);
+        let body: serde_json::Value = serde_json::from_str(&log[0].1).unwrap();
+        assert_eq!(log[0].0, "PUT");
+        assert_eq!(body["names"], serde_json::json!({"*.cdn.example": ["203.0.113.20"]}));
+        let ttl = body["ttl_secs"].as_u64().unwrap();
+        assert!((599..=600).contains(&ttl), "{ttl}");
+        // Same names, same expiry: nothing to send.
+        mark(vec![(a, names(&[("*.cdn.example", [203, 0, 113, 20])], far))]);
+        assert!(!rt.block_on(sync.push_feed_dirty()));
+        assert_eq!(applied.lock().unwrap().len(), 1);
+        // Renewed: sent again. Then A vanishes and B appears.
+        mark(vec![(a, names(&[("*.cdn.example", [203, 0, 113, 20])], far + 5_000_000_000))]);
+        rt.block_on(sync.push_feed_dirty());
+        mark(vec![(b, names(&[("api.example.com", [203, 0, 113, 10])], far))]);
+        rt.block_on(sync.push_feed_dirty());
+        let mut methods: Vec<String> = applied.lock().unwrap().iter().map(|(m, _)| m.clone()).collect();
+        // A's DELETE and B's PUT go in either order (different addresses).
+        methods[2..].sort();
+        assert_eq!(methods, ["PUT", "PUT", "DELETE", "PUT"]);
+        assert!(!sync.feed_lock().contains_key(&a), "a completed delete forgets the address");
+        // Release of B: a DELETE is owed; a full sync re-sends it, never B's names.
+        sync.forget_learned(b);
+        sync.mark_feed_full_sync();
+        rt.block_on(sync.push_feed_dirty());
+        let log = applied.lock().unwrap().clone();
+        assert_eq!(log.last().unwrap().0, "DELETE");
+        assert!(sync.feed_lock().is_empty());
+        assert_eq!(sync.metrics.egress_learned_push.with_label_values(&["ok"]).get(), 5);
     }
 
     #[test]

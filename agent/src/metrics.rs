@@ -41,6 +41,9 @@ pub struct Metrics {
     pub tap_create_phase_seconds: HistogramVec,
     /// `cubenet_egress_push_total{result}`: CubeEgress pushes (`ok`, `retry`, `refused`).
     pub egress_push: IntCounterVec,
+    /// `cubenet_egress_learned_push_total{result}`: learned-feed pushes (`ok`, `retry`,
+    /// `refused`; decision N8).
+    pub egress_learned_push: IntCounterVec,
     /// `cubenet_egress_pending`: sandbox addresses whose gateway copy is out of date.
     pub egress_pending: IntGauge,
     /// `cubenet_egress_up`: 1 while the gateway's health endpoint answers.
@@ -80,6 +83,11 @@ impl Metrics {
         let egress_push =
             IntCounterVec::new(Opts::new("cubenet_egress_push_total", "CubeEgress policy pushes"), &["result"])
                 .unwrap();
+        let egress_learned_push = IntCounterVec::new(
+            Opts::new("cubenet_egress_learned_push_total", "CubeEgress learned-address feed pushes"),
+            &["result"],
+        )
+        .unwrap();
         let egress_pending =
             IntGauge::new("cubenet_egress_pending", "Sandbox addresses whose CubeEgress policy is out of date")
                 .unwrap();
@@ -87,6 +95,7 @@ impl Metrics {
         for c in [
             Box::new(pool.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(egress_push.clone()),
+            Box::new(egress_learned_push.clone()),
             Box::new(egress_pending.clone()),
             Box::new(egress_up.clone()),
             Box::new(ensure.clone()),
@@ -112,6 +121,7 @@ impl Metrics {
             tap_create_failures,
             tap_create_phase_seconds,
             egress_push,
+            egress_learned_push,
             egress_pending,
             egress_up,
         }

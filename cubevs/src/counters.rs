@@ -42,3 +42,18 @@ impl Counters {
         Ok(self.inner.get(&idx, 0).map_err(Error::map(map::COUNTERS, "lookup"))?.iter().sum())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use cubevs_common::{counter, limits};
+
+    /// Every counter has its own slot inside the map (two names on one slot would add up).
+    #[test]
+    fn counter_slots_are_unique_and_in_range() {
+        let mut seen = std::collections::HashSet::new();
+        for (idx, program, reason) in counter::NAMES {
+            assert!(*idx < limits::COUNTERS, "{program}/{reason}: slot {idx} beyond the map");
+            assert!(seen.insert(*idx), "{program}/{reason}: slot {idx} used twice");
+        }
+    }
+}

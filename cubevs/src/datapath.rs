@@ -313,7 +313,13 @@ impl Datapath {
                 source,
             })?
         };
-        fill_dns_progs(&mut ebpf)?;
+        // With slots, DNS tail calls go to the active slot's pinned programs (the same
+        // programs as the links run, also when this process reuses the slot: N9); without,
+        // to this load's own.
+        match (&opts.pin_dir, slot) {
+            (Some(dir), Some(s)) => slots::fill_dns_progs_of_slot(dir, s)?,
+            _ => fill_dns_progs(&mut ebpf)?,
+        }
         let sessions = Arc::new(Sessions::new(
             take(&mut ebpf, map::EGRESS_SESSIONS)?,
             take(&mut ebpf, map::INGRESS_SESSIONS)?,

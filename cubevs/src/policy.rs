@@ -27,7 +27,9 @@
 
 pub mod cidr;
 pub mod dns;
+pub mod feed;
 pub mod fqdn;
+pub mod l7_static;
 pub mod model;
 
 use std::{
@@ -41,11 +43,12 @@ use aya::maps::{
 };
 pub use cidr::Cidr;
 use cubevs_common::{
-    AllowValue, POLICY_PREFIX_BITS, PolicyLpmData,
+    AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, allow_flag,
     dns::{DnsAllowKey, DnsAllowValue},
     map,
 };
 pub use dns::{DnsReap, LearnedEntry};
+pub use feed::{LearnedNames, learned_names};
 pub use fqdn::{FqdnAllow, FqdnPattern, MAX_FQDN_PORTS, parse_fqdn};
 pub use model::{
     BASELINE_DENY, CompiledPolicy, DEFAULT_ENTRIES_PER_SANDBOX, EXTRA_ENTRIES, EgressPolicy, MAX_FQDN_PER_SANDBOX,
@@ -84,6 +87,9 @@ pub struct PolicyDump {
     pub deny: Vec<Cidr>,
     /// FQDN patterns of the active generation (as hashed keys: the names are not kept).
     pub fqdn_patterns: usize,
+    /// Static L7 addresses of the active generation (IPv4 literals L7 rules name, N10).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub l7: Vec<Cidr>,
 }
 
 /// The entries of one (ifindex, generation), as written.
@@ -91,6 +97,8 @@ pub struct PolicyDump {
 struct Written {
     allow: Vec<Cidr>,
     deny: Vec<Cidr>,
+    /// Static L7 `/32` entries (some may also be in `allow`, merged into one map entry).
+    l7: Vec<Cidr>,
     fqdn: Vec<(DnsAllowKey, DnsAllowValue)>,
 }
 
@@ -157,7 +165,7 @@ impl Tries {
         let gens: Vec<u32> = self.index.keys().filter(|(i, g)| *i == ifindex && pick(*g)).map(|(_, g)| *g).collect();
         for g in gens {
             let w = self.index.get(&(ifindex, g)).cloned().unwrap_or_default();
-            for c in &w.allow {
+            for c in w.allow.iter().chain(&w.l7) {
                 absent_ok(self.allow.remove(&key(ifindex, g, *c))).map_err(Error::map(map::ALLOW_OUT, "delete"))?;
             }
             for c in &w.deny {
@@ -179,8 +187,16 @@ impl Tries {
         w.allow.extend_from_slice(&c.allow);
         w.deny.extend_from_slice(&c.deny);
         w.fqdn.extend_from_slice(&fqdn);
+        w.l7.extend(c.l7.iter().map(|(a, _)| *a));
         for a in &c.allow {
+            // An `allow_out` /32 that is also a static L7 address is one entry: the L7 flags
+            // (with L3_ALLOWED) are written below, over this one.
             let v = AllowValue { expires_ns: 0, flags: 0, scheme: 0, key_prefixlen: a.len, _pad: [0; 5] };
+            self.allow.insert(&key(ifindex, generation, *a), v, 0).map_err(Error::map(map::ALLOW_OUT, "insert"))?;
+        }
+        for (a, flags) in &c.l7 {
+            let flags = if c.allow.binary_search(a).is_ok() { *flags | allow_flag::ALLOW_OUT_ENTRY } else { *flags };
+            let v = AllowValue { expires_ns: 0, flags, scheme: 0, key_prefixlen: a.len, _pad: [0; 5] };
             self.allow.insert(&key(ifindex, generation, *a), v, 0).map_err(Error::map(map::ALLOW_OUT, "insert"))?;
         }
         for d in &c.deny {
@@ -195,9 +211,16 @@ impl Tries {
     /// Rebuilds the index from the maps (one scan, at load).
     fn scan(&mut self) {
         self.index.clear();
-        for k in self.allow.keys().filter_map(Result::ok) {
+        for (k, v) in self.allow.iter().filter_map(Result::ok) {
             let d = k.data();
-            self.index.entry((d.ifindex, d.generation)).or_default().allow.push(cidr_of(&k));
+            let w = self.index.entry((d.ifindex, d.generation)).or_default();
+            let l7 = v.flags & (allow_flag::L7_HTTP | allow_flag::L7_HTTPS) != 0;
+            if l7 {
+                w.l7.push(cidr_of(&k));
+            }
+            if !l7 || v.flags & allow_flag::ALLOW_OUT_ENTRY != 0 {
+                w.allow.push(cidr_of(&k));
+            }
         }
         for k in self.deny.keys().filter_map(Result::ok) {
             let d = k.data();
@@ -325,10 +348,11 @@ impl PolicyTable {
         let t = self.inner.lock().expect("policy lock");
         let Some(generation) = t.active(ifindex)? else { return Ok(PolicyDump::default()) };
         let w = t.index.get(&(ifindex, generation)).cloned().unwrap_or_default();
-        let (mut allow, mut deny) = (w.allow, w.deny);
+        let (mut allow, mut deny, mut l7) = (w.allow, w.deny, w.l7);
         allow.sort();
         deny.sort();
-        Ok(PolicyDump { generation: Some(generation), allow, deny, fqdn_patterns: w.fqdn.len() })
+        l7.sort();
+        Ok(PolicyDump { generation: Some(generation), allow, deny, fqdn_patterns: w.fqdn.len(), l7 })
     }
 
     /// Interfaces that have any policy entry or generation record (for garbage collection

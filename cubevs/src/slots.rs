@@ -180,6 +180,28 @@ pub(crate) fn fill_dns_progs_of_slot(pin_dir: &Path, slot: usize) -> Result<(), 
     Ok(())
 }
 
+/// The program ids in the pinned `dns_progs` array, by slot index
+/// ([`cubevs_common::dns::slot`]: query, from_cube, response, from_world); `None` for an
+/// empty slot. The kernel answers a userspace lookup in a program array with the program's id.
+pub fn dns_prog_ids(pin_dir: &Path) -> Result<Vec<Option<u32>>, Error> {
+    let arr_pin = pin_dir.join("maps").join(map::DNS_PROGS);
+    let fd = bpf_sys::obj_get(&arr_pin).map_err(|source| Error::MapSyscall {
+        map: map::DNS_PROGS,
+        op: "open pin",
+        source,
+    })?;
+    (0..cubevs_common::dns::slot::COUNT)
+        .map(|i| {
+            let mut id = [0u8; 4];
+            match bpf_sys::map_lookup(fd.as_raw_fd(), &i.to_ne_bytes(), &mut id) {
+                Ok(true) => Ok(Some(u32::from_ne_bytes(id))),
+                Ok(false) => Ok(None),
+                Err(source) => Err(Error::MapSyscall { map: map::DNS_PROGS, op: "lookup", source }),
+            }
+        })
+        .collect()
+}
+
 /// The programs of slot `slot`, opened from their pins.
 pub fn slot_programs(pin_dir: &Path, slot: usize) -> Result<HashMap<&'static str, SchedClassifier>, Error> {
     let dir = slot_dir(pin_dir, slot);

@@ -78,6 +78,8 @@ impl Unbound {
 #[serde(deny_unknown_fields)]
 pub struct LearnedSpec {
     /// Name → IPv4 addresses (at most [`MAX_LEARNED_NAMES`] names × [`MAX_LEARNED_ADDRS`]).
+    /// A name is a host name or `*.<suffix>` ([`normalize_learned_name`]): the addresses then
+    /// belong to every subdomain of the suffix, not to the suffix itself.
     pub names: BTreeMap<String, Vec<String>>,
     /// Lifetime of these entries in seconds, 1–86400 (default 3600).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -134,6 +136,22 @@ pub fn normalize_dns_name(raw: &str) -> Option<String> {
     ok.then_some(n)
 }
 
+/// A learned name: a host name ([`normalize_dns_name`]) or a wildcard `*.<host name>` that
+/// stands for every subdomain of the suffix at any depth, not the suffix itself (the agent's
+/// `allow_fqdn` patterns, decision N8). `None` for anything else (a `*` elsewhere, `*.` alone).
+pub fn normalize_learned_name(raw: &str) -> Option<String> {
+    let t = raw.trim();
+    match t.strip_prefix("*.") {
+        Some(rest) => normalize_dns_name(rest).map(|n| format!("*.{n}")),
+        None => normalize_dns_name(t),
+    }
+}
+
+/// The wildcard learned names that cover `name` (normalised): `*.b.c` and `*.c` for `a.b.c`.
+fn wildcards_of(name: &str) -> impl Iterator<Item = String> + '_ {
+    name.match_indices('.').map(move |(i, _)| format!("*.{}", &name[i + 1..]))
+}
+
 impl Destinations {
     /// A checker asking `servers` (each at most `timeout` per lookup).
     pub fn new(servers: Vec<SocketAddr>, timeout: Duration) -> Destinations {
@@ -161,8 +179,13 @@ impl Destinations {
         let Some(name) = normalize_dns_name(&name) else { return Err(Unbound::NotAmongAnswers) };
         let now = Instant::now();
         let live = |set: Option<&AddrSet>| set.and_then(|s| s.get(&dst)).is_some_and(|exp| *exp > now);
-        if live(self.learned.read().expect("learned lock").get(&sandbox).and_then(|m| m.get(&name))) {
-            return Ok(Binding::Learned);
+        {
+            let g = self.learned.read().expect("learned lock");
+            if let Some(m) = g.get(&sandbox)
+                && (live(m.get(&name)) || wildcards_of(&name).any(|w| live(m.get(&w))))
+            {
+                return Ok(Binding::Learned);
+            }
         }
         {
             let cache = self.resolved.lock().expect("dns cache lock");
@@ -215,7 +238,8 @@ impl Destinations {
         let exp = Instant::now() + Duration::from_secs(ttl);
         let mut m: HashMap<String, AddrSet> = HashMap::new();
         for (raw, addrs) in &spec.names {
-            let name = normalize_dns_name(raw).ok_or_else(|| err(format!("names.{raw}"), "invalid host name"))?;
+            let name = normalize_learned_name(raw)
+                .ok_or_else(|| err(format!("names.{raw}"), "invalid host name or *. pattern"))?;
             if addrs.is_empty() || addrs.len() > MAX_LEARNED_ADDRS {
                 return Err(err(format!("names.{raw}"), "needs 1-32 addresses"));
             }
@@ -272,8 +296,8 @@ impl Destinations {
         let now = Instant::now();
         let mut table: HashMap<Ipv4Addr, HashMap<String, AddrSet>> = HashMap::new();
         for (i, e) in entries.iter().enumerate() {
-            let name =
-                normalize_dns_name(&e.name).ok_or_else(|| err(format!("learned[{i}].name"), "invalid host name"))?;
+            let name = normalize_learned_name(&e.name)
+                .ok_or_else(|| err(format!("learned[{i}].name"), "invalid host name or *. pattern"))?;
             if e.ttl_ms > LEARNED_TTL_MAX * 1000 {
                 return Err(err(format!("learned[{i}].ttl_ms"), "longer than 86400 s"));
             }
@@ -325,9 +349,37 @@ mod tests {
             (r#"{"names":{"a.test":["1.2.3.04"]}}"#, "names.a.test[0]"),
             (r#"{"names":{"a.test":[]}}"#, "names.a.test"),
             (r#"{"names":{},"ttl_secs":0}"#, "ttl_secs"),
+            (r#"{"names":{"*":["1.2.3.4"]}}"#, "names.*"),
+            (r#"{"names":{"a.*.test":["1.2.3.4"]}}"#, "names.a.*.test"),
+            (r#"{"names":{"**.test":["1.2.3.4"]}}"#, "names.**.test"),
+            (r#"{"names":{"*.":["1.2.3.4"]}}"#, "names.*."),
         ] {
             let spec: LearnedSpec = serde_json::from_str(bad).unwrap();
             assert_eq!(d.set_learned(SB, &spec).unwrap_err().field, field, "{bad}");
         }
+    }
+
+    /// A `*.` learned name binds the suffix's subdomains at any depth, never the suffix itself
+    /// or a name that merely ends with the same letters, and only for its sandbox.
+    #[tokio::test]
+    async fn wildcard_learned_names() {
+        let d = Destinations::new(vec![], Duration::from_millis(100));
+        let spec: LearnedSpec =
+            serde_json::from_str(r#"{"names":{"*.CDN.example.test.":["198.51.100.1"]},"ttl_secs":60}"#).unwrap();
+        d.set_learned(SB, &spec).unwrap();
+        assert_eq!(d.learned(SB).unwrap().names["*.cdn.example.test"], vec!["198.51.100.1".to_string()]);
+        assert_eq!(d.check(SB, "a.cdn.example.test", DST).await, Ok(Binding::Learned));
+        assert_eq!(d.check(SB, "x.y.cdn.example.test:443", DST).await, Ok(Binding::Learned));
+        for miss in ["cdn.example.test", "evilcdn.example.test", "a.cdn.example.test.evil"] {
+            assert!(d.check(SB, miss, DST).await.is_err(), "{miss}");
+        }
+        assert!(d.check(SB, "a.cdn.example.test", Ipv4Addr::new(198, 51, 100, 2)).await.is_err(), "other address");
+        assert!(d.check(Ipv4Addr::new(192, 168, 0, 3), "a.cdn.example.test", DST).await.is_err(), "other sandbox");
+        // Hand-over keeps the pattern.
+        let e = d.export_learned();
+        assert_eq!(e[0].name, "*.cdn.example.test");
+        let d2 = Destinations::new(vec![], Duration::from_millis(100));
+        d2.import_learned(&e).unwrap();
+        assert_eq!(d2.check(SB, "a.cdn.example.test", DST).await, Ok(Binding::Learned));
     }
 }

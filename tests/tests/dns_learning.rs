@@ -16,13 +16,13 @@ use cubenet_tests::{
 };
 use cubevs::{
     EgressPolicy,
-    policy::{FqdnAllow, LearnedEntry},
+    policy::{FqdnAllow, FqdnPattern, LearnedEntry},
     reaper::monotonic_ns,
     testrun::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
 use cubevs_common::{
     counter,
-    dns::{QUERY_TIMEOUT_NS, TTL_FLOOR_S, name_hash},
+    dns::{QUERY_TIMEOUT_NS, TTL_FLOOR_S, name_hash, pattern_tag},
 };
 
 /// The resolver (the world's address: routed, and allowed by the policies below).
@@ -121,6 +121,11 @@ fn allowed_name_is_learned_with_ttl_floor_admits_flows_expires_and_goes_on_relea
     assert_eq!(l.len(), 1, "{l:?}");
     let e: LearnedEntry = l[0];
     assert_eq!((e.ifindex, e.ip, e.port, e.version), (SB_IFINDEX, Ipv4Addr::from(ADDR1), 0, VERSION));
+    // The matched pattern's tag (N8): what the agent names the entry by; never 0.
+    let api = FqdnPattern { name: "api.example.com".into(), subdomains: false, ports: vec![] };
+    assert_eq!(e.tag, pattern_tag(name_hash("api.example.com"), false));
+    assert!(e.tag != 0 && e.tag == api.tag());
+    assert_eq!(v.allow.tag, e.tag, "the tracked query carried the tag");
     let floor = TTL_FLOOR_S as u64 * S;
     assert!((t0 + floor..=t1 + floor).contains(&e.expires_ns), "TTL 0 floored to {TTL_FLOOR_S} s");
     assert!(r.maps.policy.dns_queries(None).is_empty(), "one response per query");
@@ -331,7 +336,11 @@ fn l7_names_are_steered_with_the_mark_and_keep_their_class() {
     // `*.cdn.example` is not named by a rule: plain.
     let snat = send_query(&r, 40001, &dns::query(0x6002, "x.cdn.example"));
     send_response(&r, RESOLVER, 53, snat, &dns::response(0x6002, "x.cdn.example", &[a(Owner::Question, ADDR2, 600)]));
-    assert!(!r.maps.policy.learned(Some(SB_IFINDEX)).iter().find(|e| e.ip == Ipv4Addr::from(ADDR2)).unwrap().l7);
+    let cdn = r.maps.policy.learned(Some(SB_IFINDEX)).into_iter().find(|e| e.ip == Ipv4Addr::from(ADDR2)).unwrap();
+    assert!(!cdn.l7);
+    // Tagged with the wildcard pattern, not the queried name.
+    assert_eq!(cdn.tag, FqdnPattern { name: "cdn.example".into(), subdomains: true, ports: vec![443] }.tag());
+    assert_ne!(cdn.tag, l[0].tag);
 
     let seg =
         |dst, dport, t: T| tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, dst, T { sport: 41000, dport, win: 1000, ..t }, b"");

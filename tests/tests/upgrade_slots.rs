@@ -636,3 +636,104 @@ fn switch_drops_pins_of_deleted_interfaces() {
     assert!(!link_pin.exists(), "pin of the deleted interface removed");
     assert_links_on(&pin, 1);
 }
+
+/// The ids of slot `slot`'s pinned programs, in `dns_progs` slot order (query, from_cube,
+/// response, from_world).
+fn dns_targets_of(pin_dir: &Path, slot: usize) -> Vec<Option<u32>> {
+    use cubevs::prog;
+    [prog::DNS_QUERY, prog::FROM_CUBE, prog::DNS_RESPONSE, prog::FROM_WORLD]
+        .iter()
+        .map(|name| {
+            let p = aya::programs::SchedClassifier::from_pin(slots::slot_dir(pin_dir, slot).join(name)).unwrap();
+            Some(p.info().unwrap().id())
+        })
+        .collect()
+}
+
+/// A guest DNS query for `api.example.com` (guest port `gport`, id `id`) through the active
+/// slot's pinned `from_cube` on the veth, and the resolver's answer `addr` through its
+/// `from_world` on the uplink (`BPF_PROG_TEST_RUN`; the programs on the links are these,
+/// [`assert_links_on`]). Returns both verdicts.
+fn dns_through_slot(n: &Node, slot: usize, gport: u16, id: u16, addr: [u8; 4]) -> (u32, u32) {
+    use cubenet_tests::{
+        dns::{self, Owner, a},
+        frames::udp,
+        packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+        topology::WORLD_IP,
+    };
+    use cubevs::testrun::{self, SkBuffCtx};
+    let pin = n.pin_dir();
+    let (world_mac, up_mac, veth_if) = (n.topo.world_mac(), n.topo.node_uplink_mac(), n.veth.node_ifindex);
+    n.thread
+        .run(move || {
+            let progs = slots::slot_programs(&pin, slot).unwrap();
+            let up_if = cubenet_sys::ifindex(NODE_UPLINK).unwrap();
+            let ctx = |i| SkBuffCtx { ingress_ifindex: i, ..Default::default() };
+            let q = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, gport, 53, &dns::query(id, "api.example.com"));
+            let out = testrun::run(&progs["from_cube"], &q, ctx(veth_if), 1).unwrap();
+            let (snat_ip, snat_port) = (
+                [out.data[26], out.data[27], out.data[28], out.data[29]],
+                u16::from_be_bytes([out.data[34], out.data[35]]),
+            );
+            let r = dns::response(id, "api.example.com", &[a(Owner::Question, addr, 600)]);
+            let back = udp(world_mac, up_mac, WORLD_IP, snat_ip, 53, snat_port, &r);
+            (out.verdict, testrun::run(&progs["from_world"], &back, ctx(up_if), 1).unwrap().verdict)
+        })
+        .unwrap()
+}
+
+/// DNS learning survives a switch and a rollback: `dns_progs` points at the active slot's
+/// own programs after each, and a DNS response through the active programs is learned with
+/// no failed tail call (there or back).
+#[test]
+fn dns_learning_survives_switch_and_rollback() {
+    if !require_root("dns_learning_survives_switch_and_rollback") {
+        return;
+    }
+    use cubevs_common::counter;
+    let n = setup();
+    let pin = n.pin_dir();
+    let maps = n.dp.as_ref().unwrap().maps();
+    let policy = cubevs::EgressPolicy {
+        allow_internet_access: false,
+        allow_out: vec![format!("{WORLD}/32")],
+        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
+        ..Default::default()
+    };
+    maps.policy.replace(n.veth.node_ifindex, &policy).expect("policy");
+    let tmp = tmpdir("dns");
+    let next = other_build(tmp.path());
+    assert_eq!(slots::load_standby(&pin, &next).expect("load standby").slot, 1);
+    assert_eq!(slots::dns_prog_ids(&pin).unwrap(), dns_targets_of(&pin, 0), "loading moves nothing");
+
+    let steps: [(&str, usize, [u8; 4]); 3] =
+        [("before", 0, [203, 0, 113, 1]), ("switch", 1, [203, 0, 113, 2]), ("rollback", 0, [203, 0, 113, 3])];
+    for (i, (step, slot, addr)) in steps.into_iter().enumerate() {
+        match step {
+            "switch" => assert_eq!(slots::switch(&pin).expect("switch"), 1),
+            "rollback" => assert_eq!(slots::rollback(&pin).expect("rollback"), 0),
+            _ => {}
+        }
+        assert_links_on(&pin, slot);
+        assert_eq!(slots::dns_prog_ids(&pin).unwrap(), dns_targets_of(&pin, slot), "{step}: dns_progs");
+        let learned_before = maps.counters.get(counter::DNS_RESP_LEARNED).unwrap();
+        let verdicts = dns_through_slot(&n, slot, 40000 + i as u16, 0x100 + i as u16, addr);
+        assert_eq!(verdicts, (cubevs::testrun::TC_ACT_REDIRECT, cubevs::testrun::TC_ACT_REDIRECT), "{step}");
+        let l = maps.policy.learned(Some(n.veth.node_ifindex));
+        assert!(l.iter().any(|e| e.ip == Ipv4Addr::from(addr) && e.port == 0), "{step}: not learned: {l:?}");
+        assert_eq!(maps.counters.get(counter::DNS_RESP_LEARNED).unwrap(), learned_before + 1, "{step}");
+        assert_eq!(maps.counters.get(counter::DNS_TAIL_CALL_FAILED).unwrap(), 0, "{step}: tail call failed");
+        assert_eq!(maps.counters.get(counter::DNS_TAIL_BACK_FAILED).unwrap(), 0, "{step}: tail call back failed");
+    }
+
+    // A new process with the active slot's object (an agent restart) reuses the slot, and
+    // `dns_progs` stays on the slot's programs, not on the new process's own copies.
+    let again = Datapath::load(opts(&n.bpffs, ebpf_object())).expect("reload");
+    assert_eq!(again.slot(), Some(0), "reused the active slot");
+    assert_eq!(slots::dns_prog_ids(&pin).unwrap(), dns_targets_of(&pin, 0), "after a restart");
+    drop(again);
+    let verdicts = dns_through_slot(&n, 0, 40010, 0x200, [203, 0, 113, 4]);
+    assert_eq!(verdicts, (cubevs::testrun::TC_ACT_REDIRECT, cubevs::testrun::TC_ACT_REDIRECT));
+    assert!(maps.policy.learned(Some(n.veth.node_ifindex)).iter().any(|e| e.ip == Ipv4Addr::new(203, 0, 113, 4)));
+    assert_eq!(maps.counters.get(counter::DNS_TAIL_CALL_FAILED).unwrap(), 0);
+}

@@ -50,7 +50,8 @@ pub(crate) fn pattern_entry(ifindex: u32, generation: u32, p: &FqdnPattern, l7: 
         *d = s.to_be();
     }
     let flags = if l7 { cubevs_common::dns::FLAG_L7 } else { 0 };
-    let value = DnsAllowValue { port_count: p.ports.len().min(MAX_PORTS) as u8, flags, _pad: [0; 2], ports };
+    let tag = cubevs_common::dns::pattern_tag(key.name_hash, p.subdomains);
+    let value = DnsAllowValue { port_count: p.ports.len().min(MAX_PORTS) as u8, flags, tag, ports };
     (key, value)
 }
 
@@ -70,6 +71,9 @@ pub struct LearnedEntry {
     pub version: u32,
     /// Flows to it on 80/443 are steered to CubeEgress.
     pub l7: bool,
+    /// [`cubevs_common::dns::pattern_tag`] of the pattern it was learned for (0 = unknown);
+    /// [`crate::policy::FqdnPattern::tag`] maps it back.
+    pub tag: u16,
 }
 
 /// What one [`DnsMaps::reap`] removed.
@@ -103,6 +107,7 @@ impl DnsMaps {
                 expires_ns: v.expires_ns,
                 version: v.version,
                 l7: v.flags & cubevs_common::dns::FLAG_L7 as u32 != 0,
+                tag: v.tag(),
             })
             .collect();
         v.sort_by_key(|e| (e.ifindex, e.ip, e.port));

@@ -43,6 +43,17 @@ pub struct FqdnPattern {
 }
 
 impl FqdnPattern {
+    /// The tag the datapath records in the entries learned for this pattern
+    /// ([`cubevs_common::dns::pattern_tag`] of its `dns_allow` key).
+    pub fn tag(&self) -> u16 {
+        cubevs_common::dns::pattern_tag(cubevs_common::dns::name_hash(&self.name), self.subdomains)
+    }
+
+    /// The pattern as written in a policy: `name` or `*.name`.
+    pub fn spelled(&self) -> String {
+        if self.subdomains { format!("*.{}", self.name) } else { self.name.clone() }
+    }
+
     /// Whether a queried name (any case, optional trailing dot) is covered.
     pub fn matches(&self, qname: &str) -> bool {
         let q = qname.trim_end_matches('.').to_ascii_lowercase();

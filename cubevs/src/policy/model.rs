@@ -104,6 +104,9 @@ pub struct CompiledPolicy {
     pub deny: Vec<Cidr>,
     /// Validated FQDN allow entries, sorted and deduplicated (input of DNS learning).
     pub fqdn: Vec<FqdnPattern>,
+    /// Static L7 entries (N10): `(address/32, cubevs_common::allow_flag bits)` for every IPv4
+    /// literal an L7 rule names on 80 / 443, sorted by address.
+    pub l7: Vec<(Cidr, u8)>,
 }
 
 /// Most FQDN allow entries one sandbox may hold (`allow_fqdn`), whatever
@@ -154,7 +157,20 @@ pub fn compile(p: &EgressPolicy, limit: u32) -> Result<CompiledPolicy, Error> {
     deny.dedup();
     fqdn.sort();
     fqdn.dedup();
-    Ok(CompiledPolicy { allow, deny, fqdn })
+    // Static L7 addresses share the allow trie: each one not already an `allow_out` /32 is
+    // one more entry there.
+    let l7 = super::l7_static::static_l7(&p.rules, &allow);
+    let extra = l7.iter().filter(|(c, _)| allow.binary_search(c).is_err()).count();
+    if allow.len() + extra > limit as usize {
+        return Err(Error::invalid(
+            "rules",
+            format!(
+                "{} allow_out entries plus {extra} IPv4-literal L7 rule hosts exceed the limit of {limit} per sandbox",
+                allow.len()
+            ),
+        ));
+    }
+    Ok(CompiledPolicy { allow, deny, fqdn, l7 })
 }
 
 /// Membership by longest-prefix candidates: 33 hash lookups per address.

@@ -103,10 +103,12 @@ const _: () = assert!(core::mem::size_of::<DnsAllowKey>() == 24);
 pub struct DnsAllowValue {
     /// Valid entries of `ports`; 0 = every port.
     pub port_count: u8,
-    /// Flags (reserved for L7 steering; zero).
+    /// Flags ([`FLAG_L7`]).
     pub flags: u8,
-    /// Padding; zero.
-    pub _pad: [u8; 2],
+    /// The pattern's [`pattern_tag`] (native order; 0 = none, written by loaders before
+    /// N8): copied into the learned value's [`TAG_SHIFT`] bits so userspace can name what
+    /// an address was learned for.
+    pub tag: u16,
     /// Destination ports (NBO).
     pub ports: [u16; MAX_PORTS],
 }
@@ -169,10 +171,30 @@ pub struct LearnedValue {
     pub expires_ns: u64,
     /// Sandbox version that learned it (a reused interface never inherits it).
     pub version: u32,
-    /// Flags (reserved for L7 steering; zero).
+    /// Bits 0–7: the pattern's flags ([`FLAG_L7`]); bits 16–31: the matched pattern's
+    /// [`pattern_tag`] (0 = unknown: learned by a program before N8).
     pub flags: u32,
 }
 const _: () = assert!(core::mem::size_of::<LearnedValue>() == 16);
+
+/// Shift of the pattern tag in [`LearnedValue::flags`].
+pub const TAG_SHIFT: u32 = 16;
+
+impl LearnedValue {
+    /// The matched pattern's [`pattern_tag`] (0 = unknown).
+    pub fn tag(&self) -> u16 {
+        (self.flags >> TAG_SHIFT) as u16
+    }
+}
+
+/// The 16-bit tag of a `dns_allow` pattern: the low bits of its [`name_hash`] mixed with the
+/// `*.` flag, never 0. Not unique: userspace names a learned entry only when exactly one of
+/// the sandbox's patterns has its tag (decision N8).
+pub const fn pattern_tag(name_hash: u64, subdomains: bool) -> u16 {
+    let h = name_hash ^ (name_hash >> 32) ^ (name_hash >> 16) ^ (subdomains as u64).wrapping_mul(0x9e37);
+    let t = h as u16;
+    if t == 0 { 1 } else { t }
+}
 
 /// Per-CPU scratch (`dns_scratch`, 1,280 bytes): the copied DNS message and the label
 /// offsets of the name being parsed.

@@ -521,7 +521,7 @@ pub const POLICY_PREFIX_BITS: u32 = 64;
 pub struct AllowValue {
     /// Expiry (CLOCK_MONOTONIC ns); 0 = static, never expires.
     pub expires_ns: u64,
-    /// Flags (reserved for L7 steering).
+    /// [`allow_flag`] bits: 0 = a plain allow entry.
     pub flags: u8,
     /// L7 scheme (reserved).
     pub scheme: u8,
@@ -558,6 +558,31 @@ pub struct QuotaKey {
     pub version: u32,
 }
 const _: () = assert!(core::mem::size_of::<QuotaKey>() == 8);
+
+/// [`AllowValue::flags`] (decision N10): a `/32` entry for an IPv4 literal that an L7 rule names
+/// (`match.host` / `match.sni`). New TCP flows to it on a steered port go to CubeEgress; its
+/// other ports and protocols get what the policy says without the entry ([`allow_flag::L3_ALLOWED`]
+/// when an `allow_out` entry covers the address, else `deny_out` / default as usual).
+pub mod allow_flag {
+    /// TCP/80 is steered (mark [`crate::l7::MARK_HTTP`]).
+    pub const L7_HTTP: u8 = 1;
+    /// TCP/443 is steered (mark [`crate::l7::MARK_HTTPS`]).
+    pub const L7_HTTPS: u8 = 2;
+    /// Other ports and protocols are allowed (an `allow_out` entry covers the address).
+    pub const L3_ALLOWED: u8 = 4;
+    /// Userspace bookkeeping, ignored by the programs: the address is also an `allow_out`
+    /// `/32` as written (so a rescan lists it under both).
+    pub const ALLOW_OUT_ENTRY: u8 = 8;
+    /// The flag of a [`crate::l7`] scheme (`SCHEME_HTTP` 1 / `SCHEME_HTTPS` 2), 0 for none.
+    #[inline(always)]
+    pub const fn of_scheme(scheme: u8) -> u8 {
+        match scheme {
+            crate::l7::SCHEME_HTTP => L7_HTTP,
+            crate::l7::SCHEME_HTTPS => L7_HTTPS,
+            _ => 0,
+        }
+    }
+}
 
 pod!(
     QuotaKey,
@@ -695,6 +720,9 @@ pub mod counter {
     /// from_world: addressed to a registered sandbox's mvm IP (the sandbox CIDR routed to the
     /// node from its LAN): dropped; the world reaches a sandbox only through its host ports.
     pub const WORLD_DROP_TO_SANDBOX: u32 = 60;
+    /// from_cube: a guest SYN reused a finished session whose class (SNAT / L7) the policy no
+    /// longer gives its destination: the session was deleted and the SYN classified anew.
+    pub const CUBE_RECLASSIFIED: u32 = 61;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -746,6 +774,7 @@ pub mod counter {
         (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
         (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),
         (CUBE_L7_NEW, "from_cube", "l7_new"),
+        (CUBE_RECLASSIFIED, "from_cube", "reclassified"),
         (CUBE_L7_STEERED, "from_cube", "l7_steered"),
         (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
         (CUBE_DROP_SESSION_QUOTA, "from_cube", "drop_session_quota"),

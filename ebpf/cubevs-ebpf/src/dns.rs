@@ -86,7 +86,7 @@ fn query_side(ctx: &TcContext) {
     let Some(version) = (unsafe { IFINDEX_TO_MVMMETA.get(&ifindex) }).map(|m| m.version) else { return };
     let Some(ip) = packet::ipv4(ctx) else { return };
     let Some(l4) = packet::l4(ctx, &ip) else { return };
-    if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
+    if !policy::allowed_flow(ifindex, version, ip.dst, l4.dport, false) {
         return;
     }
     on_query(ctx, &ip, ifindex, version, l4.sport);
@@ -282,8 +282,11 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     }
     let allow = tracked.allow;
     let w = dns::walk_answers::<BpfLoop>(s, len, pos, h.ancount, |addr, ttl| {
-        let value =
-            LearnedValue { expires_ns: now + dns::learned_lifetime_ns(ttl), version, flags: allow.flags as u32 };
+        let value = LearnedValue {
+            expires_ns: now + dns::learned_lifetime_ns(ttl),
+            version,
+            flags: allow.flags as u32 | (allow.tag as u32) << dns::TAG_SHIFT,
+        };
         let n = allow.port_count as usize;
         if n == 0 {
             learn(vm_ifindex, addr, 0, &value);

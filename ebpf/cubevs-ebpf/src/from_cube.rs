@@ -172,34 +172,48 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         proto: ip.proto,
         _pad: [0; 3],
     };
-    if let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) {
-        // SAFETY: valid map value pointer.
-        let state = unsafe { (*s).state };
-        if ip.proto == proto::TCP {
-            let reopen = syn_only(l4.tcp_flags) && track::is_reopen(state);
-            if reopen && !policy::allowed_flow(ifindex, version, ip.dst, l4.dport) {
-                // The guest reuses the port of a finished connection, and policy changed since.
-                // SAFETY: valid map value pointer.
-                let sess = unsafe { *s };
-                nat::delete_session(&key, &sess);
-                return deny(ctx, cfg, &ip, &l4, ifindex);
+    'existing: {
+        if let Some(s) = EGRESS_SESSIONS.get_ptr_mut(&key) {
+            // SAFETY: valid map value pointer.
+            let state = unsafe { (*s).state };
+            if ip.proto == proto::TCP {
+                let reopen = syn_only(l4.tcp_flags) && track::is_reopen(state);
+                if reopen {
+                    // The guest reuses the port of a finished connection: a new connection, so
+                    // the policy decides again. Denied now: gone. Its class changed (a rule made
+                    // the address L7, or no longer): the old session goes and the SYN is
+                    // classified as a new flow below (N10).
+                    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport, true);
+                    let l7_now = class == policy::FLOW_L7 && l7::scheme_of(l4.dport) != 0 && node.cube_dev_ifindex != 0;
+                    // SAFETY: valid map value pointer.
+                    let sess = unsafe { *s };
+                    if class == policy::FLOW_DENY {
+                        nat::delete_session(&key, &sess);
+                        return deny(ctx, cfg, &ip, &l4, ifindex);
+                    }
+                    if l7_now != (sess.packet_class == CLASS_L7) {
+                        nat::delete_session(&key, &sess);
+                        count(counter::CUBE_RECLASSIFIED);
+                        break 'existing;
+                    }
+                }
+                // A reopened port starts a new connection on the same SNAT port: the remote sees
+                // the guest's own 4-tuple reused, which its TIME_WAIT accepts (D15).
+                if !track::tcp_segment(s, Dir::Original, &ip, &l4, reopen) {
+                    // The guest's own stack decides what its RST means; only our state is kept.
+                    count(counter::CUBE_RST_OUT_OF_WINDOW);
+                }
             }
-            // A reopened port starts a new connection on the same SNAT port: the remote sees
-            // the guest's own 4-tuple reused, which its TIME_WAIT accepts (D15).
-            if !track::tcp_segment(s, Dir::Original, &ip, &l4, reopen) {
-                // The guest's own stack decides what its RST means; only our state is kept.
-                count(counter::CUBE_RST_OUT_OF_WINDOW);
+            nat::touch(s);
+            count(counter::CUBE_ESTABLISHED);
+            // SAFETY: valid map value pointer.
+            let sess = unsafe { *s };
+            if sess.packet_class == CLASS_L7 {
+                // The class was fixed when the flow began: it never switches midway.
+                return steer(ctx, ifindex, &ip, guest_ip, sandbox_ip, sess.l7_scheme, node.cube_dev_ifindex);
             }
+            return snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess);
         }
-        nat::touch(s);
-        count(counter::CUBE_ESTABLISHED);
-        // SAFETY: valid map value pointer.
-        let sess = unsafe { *s };
-        if sess.packet_class == CLASS_L7 {
-            // The class was fixed when the flow began: it never switches midway.
-            return steer(ctx, ifindex, &ip, guest_ip, sandbox_ip, sess.l7_scheme, node.cube_dev_ifindex);
-        }
-        return snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess);
     }
 
     // No session: a reply from a port-mapped guest port? (Checked after the session lookup, so
@@ -258,7 +272,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         sandbox_drop(ifindex, counter::CUBE_NO_SESSION);
         return rst::reply(ctx, cfg, &ip, &l4, ifindex);
     }
-    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport);
+    let class = policy::flow_class(ifindex, version, ip.dst, l4.dport, ip.proto == proto::TCP);
     if class == policy::FLOW_DENY {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }

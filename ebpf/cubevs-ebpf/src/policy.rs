@@ -16,7 +16,7 @@
 //! (address, port) or (address, any port) before `DENY_OUT` is consulted ([`allowed_flow`]).
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, maps::lpm_trie::Key};
-use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData, counter};
+use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData, allow_flag, counter};
 
 use crate::{
     dns,
@@ -46,16 +46,31 @@ mod v {
     pub const DENY: u8 = 2;
     /// Neither: default allow.
     pub const OPEN: u8 = 3;
+    /// A static L7 entry steers this (TCP, port) to CubeEgress.
+    pub const L7: u8 = 4;
 }
 
-/// The verdict of generation `generation` of `ifindex` for `daddr` (NBO).
+/// The verdict of generation `generation` of `ifindex` for `daddr` (NBO); `scheme` is the
+/// [`cubevs_common::l7`] scheme of a new TCP flow's port (0: not TCP or not 80/443). A static
+/// L7 entry (N10) steers its schemes, and is plain allow for the rest only with `L3_ALLOWED`;
+/// otherwise the rest falls through to `deny_out` as if the entry were absent.
 #[inline(always)]
-fn classify(ifindex: u32, generation: u32, daddr: u32) -> u8 {
+fn classify(ifindex: u32, generation: u32, daddr: u32, scheme: u8) -> u8 {
     let key = Key::new(POLICY_PREFIX_BITS + 32, PolicyLpmData { ifindex, generation, ip: daddr });
     if let Some(e) = ALLOW_OUT.get(&key) {
         // SAFETY: helper without arguments.
         if e.expires_ns == 0 || e.expires_ns > unsafe { bpf_ktime_get_ns() } {
-            return v::ALLOW;
+            let flags = e.flags;
+            let l7 = flags & (allow_flag::L7_HTTP | allow_flag::L7_HTTPS);
+            if l7 == 0 || flags & allow_flag::L3_ALLOWED != 0 {
+                if l7 & allow_flag::of_scheme(scheme) != 0 {
+                    return v::L7;
+                }
+                return v::ALLOW;
+            }
+            if l7 & allow_flag::of_scheme(scheme) != 0 {
+                return v::L7;
+            }
         }
     }
     if DENY_OUT.get(&key).is_none() { v::OPEN } else { v::DENY }
@@ -63,10 +78,10 @@ fn classify(ifindex: u32, generation: u32, daddr: u32) -> u8 {
 
 /// The verdict of the active generation ([`v`]).
 #[inline(always)]
-fn verdict(ifindex: u32, daddr: u32) -> u8 {
+fn verdict(ifindex: u32, daddr: u32, scheme: u8) -> u8 {
     let Some(mut seen) = generation(ifindex) else { return v::NONE };
     for _ in 0..ATTEMPTS {
-        let verdict = classify(ifindex, seen, daddr);
+        let verdict = classify(ifindex, seen, daddr, scheme);
         match generation(ifindex) {
             Some(now) if now == seen => return verdict,
             Some(now) => seen = now,
@@ -79,15 +94,16 @@ fn verdict(ifindex: u32, daddr: u32) -> u8 {
 /// True when the sandbox on `ifindex` may open a flow to `daddr` (NBO), static entries only.
 #[inline(always)]
 pub fn allowed(ifindex: u32, daddr: u32) -> bool {
-    let r = verdict(ifindex, daddr);
+    let r = verdict(ifindex, daddr, 0);
     r == v::ALLOW || r == v::OPEN
 }
 
 /// True when the sandbox on `ifindex` (at `version`) may open a new flow to `daddr`:`dport`
-/// (NBO; `dport` 0 for ICMP): static allow, else a learned address, else not denied.
+/// (NBO; `dport` 0 for ICMP; `tcp` for TCP): static allow, else a learned address, else not
+/// denied.
 #[inline(always)]
-pub fn allowed_flow(ifindex: u32, version: u32, daddr: u32, dport: u16) -> bool {
-    flow_class(ifindex, version, daddr, dport) != FLOW_DENY
+pub fn allowed_flow(ifindex: u32, version: u32, daddr: u32, dport: u16, tcp: bool) -> bool {
+    flow_class(ifindex, version, daddr, dport, tcp) != FLOW_DENY
 }
 
 /// [`flow_class`]: denied.
@@ -97,13 +113,18 @@ pub const FLOW_SNAT: u8 = 1;
 /// [`flow_class`]: allowed by a learned L7 address: steer to CubeEgress (80/443).
 pub const FLOW_L7: u8 = 2;
 
-/// The class of a new flow from `ifindex` (at `version`) to `daddr`:`dport` (NBO): a static
-/// allow is plain SNAT; else a learned address decides (plain or L7); else not denied = SNAT.
+/// The class of a new flow from `ifindex` (at `version`) to `daddr`:`dport` (NBO; `tcp` for
+/// TCP): a static L7 entry steering this TCP port is L7 (N10); a static allow is plain SNAT;
+/// else a learned address decides (plain or L7); else not denied = SNAT.
 #[inline(always)]
-pub fn flow_class(ifindex: u32, version: u32, daddr: u32, dport: u16) -> u8 {
-    let r = verdict(ifindex, daddr);
+pub fn flow_class(ifindex: u32, version: u32, daddr: u32, dport: u16, tcp: bool) -> u8 {
+    let scheme = if tcp { cubevs_common::l7::scheme_of(dport) } else { 0 };
+    let r = verdict(ifindex, daddr, scheme);
     if r == v::NONE {
         return FLOW_DENY;
+    }
+    if r == v::L7 {
+        return FLOW_L7;
     }
     if r == v::ALLOW {
         return FLOW_SNAT;

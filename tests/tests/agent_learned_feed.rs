@@ -1,0 +1,280 @@
+//! The learned-address feed (issue 11 remainder, decision N8), end to end: the real agent and
+//! the real `cube-egress` in the agent's namespace; a real DNS query and response pass the
+//! agent's own datapath (`BPF_PROG_TEST_RUN` of the active slot's pinned `from_cube` and
+//! `from_world` on the agent's TAP and uplink, so the learned entry is written by the kernel
+//! into the agent's maps); the agent names it by the pattern it was learned for and the
+//! gateway's `GET /admin/v1/learned/<sandboxIP>` shows it. A second sandbox with the same
+//! patterns never gets the first one's addresses, and Release makes the gateway forget.
+//! `static_l7_rule_through_the_agent`: an IPv4-literal L7 rule sent over gRPC is steered by the
+//! agent's datapath (N10), other ports are not.
+
+use std::{
+    io::{Read, Write},
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{
+    agent::{AgentUnderTest, workspace_bin},
+    dns::{self, Owner, a},
+    frames::udp,
+    netns::{ChildGuard, TestNetns},
+    packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+    require_root, tls,
+    topology::{NODE_UPLINK, WORLD_IP},
+};
+use cubevs::{
+    slots,
+    testrun::{self, SkBuffCtx, TC_ACT_REDIRECT},
+};
+use serde_json::{Value, json};
+
+const ADMIN: &str = "127.0.0.1:9091";
+/// Addresses the answers hand out (TEST-NET-3; denied by the CIDR policy below).
+const ADDR_API: [u8; 4] = [203, 0, 113, 10];
+const ADDR_CDN: [u8; 4] = [203, 0, 113, 20];
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+/// Internet off, the resolver (the world address) allowed by CIDR, two names by DNS learning,
+/// both named by L7 rules (so their learned addresses are L7).
+fn ctx() -> pb::CubeVsContext {
+    let rule = |id: &str, host: &str| pb::EgressRule {
+        id: id.into(),
+        r#match: Some(pb::EgressMatch { host: Some(host.into()), ..Default::default() }),
+        action: Some(pb::EgressAction { allow: true, ..Default::default() }),
+    };
+    pb::CubeVsContext {
+        allow_internet_access: Some(false),
+        allow_out: vec![format!("{}/32", std::net::Ipv4Addr::from(WORLD_IP))],
+        allow_fqdn: vec![
+            pb::FqdnAllow { name: "api.example.com".into(), ports: vec![] },
+            pb::FqdnAllow { name: "*.cdn.example".into(), ports: vec![443] },
+        ],
+        rules: vec![rule("api", "api.example.com"), rule("cdn", "*.cdn.example")],
+        ..Default::default()
+    }
+}
+
+fn ensure(a: &AgentUnderTest, id: &str) -> pb::EnsureNetworkResponse {
+    rt().block_on(async {
+        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        cl.ensure_network(pb::EnsureNetworkRequest {
+            sandbox_id: id.into(),
+            cubevs_context: Some(ctx()),
+            ..Default::default()
+        })
+        .await
+        .expect("ensure")
+        .into_inner()
+    })
+}
+
+fn release(a: &AgentUnderTest, id: &str) {
+    rt().block_on(async {
+        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        let r = cl.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await;
+        assert!(r.expect("release").into_inner().released);
+    })
+}
+
+/// One HTTP/1.0 request in `ns`; (status, body), status 0 when unreachable.
+fn admin(ns: &TestNetns, method: &str, path: &str) -> (u16, String) {
+    let (m, p) = (method.to_string(), path.to_string());
+    ns.run(move || -> std::io::Result<(u16, String)> {
+        let mut s = std::net::TcpStream::connect(ADMIN)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(s, "{m} {p} HTTP/1.0\r\nHost: {ADMIN}\r\n\r\n")?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf)?;
+        let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
+        let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        Ok((code, body.to_string()))
+    })
+    .unwrap_or((0, String::new()))
+}
+
+/// The gateway's learned names of `ip` (`None` = 404 nothing learned).
+fn learned(ns: &TestNetns, ip: &str) -> Option<Value> {
+    match admin(ns, "GET", &format!("/admin/v1/learned/{ip}")) {
+        (200, b) => Some(serde_json::from_str::<Value>(&b).unwrap()["names"].clone()),
+        (404, _) => None,
+        (c, b) => panic!("GET learned {ip}: {c} {b}"),
+    }
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out after {timeout:?} waiting for {what}");
+}
+
+/// `cube-egress` in the agent's namespace (admin on its loopback:9091); killed on drop.
+fn gateway(ns: &TestNetns, dir: &Path) -> ChildGuard {
+    let ca = dir.join("ca");
+    std::fs::create_dir_all(&ca).unwrap();
+    let c = tls::make_ca("CubeEgress learned-feed test CA");
+    std::fs::write(ca.join("cube-root-ca.crt"), &c.pem).unwrap();
+    std::fs::write(ca.join("cube-root-ca.key"), &c.key_pem).unwrap();
+    let log = dir.join("gateway.log");
+    let out = std::fs::File::create(&log).unwrap();
+    let child = ns
+        .command(workspace_bin("cube-egress").to_str().unwrap())
+        .args(["--sandbox-cidr", "192.168.0.0/18", "--http-port", "18080", "--https-port", "18443"])
+        .arg("--ca-dir")
+        .arg(&ca)
+        .arg("--audit-file")
+        .arg(dir.join("audit.jsonl"))
+        .args(["--bootstrap-url", ""])
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .expect("spawn cube-egress");
+    let g = ChildGuard::from_child(child);
+    wait_for("cube-egress admin API", Duration::from_secs(15), || admin(ns, "GET", "/admin/v1/health").0 == 200);
+    g
+}
+
+struct TmpDir(PathBuf);
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A guest query for `name` (id `id`, guest port `gport`) out of `tap`, and the resolver's
+/// answer `addr` back through the uplink, both through the agent's active programs. Returns
+/// the query's and the response's verdicts.
+fn resolve(ag: &AgentUnderTest, tap: &str, gport: u16, id: u16, name: &str, addr: [u8; 4]) -> (u32, u32) {
+    let pin_dir = ag.pin_dir();
+    let (world_mac, up_mac) = (ag.topo.world_mac(), ag.topo.node_uplink_mac());
+    let (tap, name) = (tap.to_string(), name.to_string());
+    ag.topo.node.run(move || {
+        let meta = cubevs::layout::read_meta(&pin_dir).expect("meta").expect("slot metadata");
+        let progs = slots::slot_programs(&pin_dir, meta.active.expect("active slot")).expect("slot programs");
+        let tap_if = cubenet_sys::ifindex(&tap).expect("tap ifindex");
+        let up_if = cubenet_sys::ifindex(NODE_UPLINK).expect("uplink ifindex");
+        let q = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, gport, 53, &dns::query(id, &name));
+        let ctx = |i| SkBuffCtx { ingress_ifindex: i, ..Default::default() };
+        let out = testrun::run(&progs["from_cube"], &q, ctx(tap_if), 1).expect("run from_cube");
+        // Left SNATed: the node address and port the answer comes back to.
+        let (snat_ip, snat_port) = (
+            [out.data[26], out.data[27], out.data[28], out.data[29]],
+            u16::from_be_bytes([out.data[34], out.data[35]]),
+        );
+        let r = dns::response(id, &name, &[a(Owner::Question, addr, 600)]);
+        let back = udp(world_mac, up_mac, WORLD_IP, snat_ip, 53, snat_port, &r);
+        let resp = testrun::run(&progs["from_world"], &back, ctx(up_if), 1).expect("run from_world");
+        (out.verdict, resp.verdict)
+    })
+}
+
+#[test]
+fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
+    if !require_root("learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release") {
+        return;
+    }
+    let mut ag = AgentUnderTest::prepare("learned-feed", 2, "cube_egress_push_timeout_ms = 5000\n");
+    let dir = TmpDir(ag.dir.join("gw"));
+    let _gw = gateway(&ag.ns, &dir.0);
+    ag.start();
+
+    let ra = ensure(&ag, "sb-a");
+    let rb = ensure(&ag, "sb-b");
+    let (ip_a, ip_b) = (ra.persist_metadata["sandbox_ip"].clone(), rb.persist_metadata["sandbox_ip"].clone());
+    let tap_a = ra.persist_metadata["host_tap_name"].clone();
+    wait_for("both policies on the gateway", Duration::from_secs(10), || {
+        admin(&ag.ns, "GET", &format!("/admin/v1/policies/{ip_a}")).0 == 200
+            && admin(&ag.ns, "GET", &format!("/admin/v1/policies/{ip_b}")).0 == 200
+    });
+    assert_eq!(learned(&ag.ns, &ip_a), None, "nothing learned yet");
+
+    // Sandbox A resolves an exact name and a subdomain of a `*.` pattern.
+    assert_eq!(resolve(&ag, &tap_a, 40000, 0x1111, "API.example.com", ADDR_API), (TC_ACT_REDIRECT, TC_ACT_REDIRECT));
+    assert_eq!(resolve(&ag, &tap_a, 40001, 0x2222, "img.cdn.example", ADDR_CDN), (TC_ACT_REDIRECT, TC_ACT_REDIRECT));
+    let want = json!({"api.example.com": ["203.0.113.10"], "*.cdn.example": ["203.0.113.20"]});
+    wait_for("A's learned names on the gateway", Duration::from_secs(10), || {
+        learned(&ag.ns, &ip_a).as_ref() == Some(&want)
+    });
+    let m = ag.http("/metrics").expect("metrics").1;
+    assert!(m.contains("cubenet_egress_learned_push_total{result=\"ok\"}"), "{m}");
+
+    // Attack: B has the same patterns and rules and learned nothing; it never gets A's
+    // addresses, under any name (the feed runs every second: wait two more rounds).
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(learned(&ag.ns, &ip_b), None, "A's addresses fed under B");
+    assert_eq!(learned(&ag.ns, &ip_a).as_ref(), Some(&want));
+
+    // Release forgets A's learned names on the gateway; B still has nothing.
+    release(&ag, "sb-a");
+    wait_for("A's learned names gone", Duration::from_secs(10), || learned(&ag.ns, &ip_a).is_none());
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(learned(&ag.ns, &ip_a), None, "fed again after Release");
+    assert_eq!(learned(&ag.ns, &ip_b), None);
+    release(&ag, "sb-b");
+}
+
+#[test]
+fn static_l7_rule_through_the_agent() {
+    if !require_root("static_l7_rule_through_the_agent") {
+        return;
+    }
+    use cubenet_tests::frames::{Tcp, tcp};
+    let mut ag = AgentUnderTest::prepare("static-l7", 1, "cube_egress_admin_url = \"\"\n");
+    ag.start();
+    let c = pb::CubeVsContext {
+        allow_internet_access: Some(false),
+        rules: vec![pb::EgressRule {
+            id: "ip".into(),
+            r#match: Some(pb::EgressMatch { host: Some("203.0.113.10".into()), ..Default::default() }),
+            action: Some(pb::EgressAction { allow: true, ..Default::default() }),
+        }],
+        ..Default::default()
+    };
+    let r = rt()
+        .block_on(async {
+            let mut cl = network_agent::client::connect(&ag.grpc_endpoint()).await.unwrap();
+            cl.ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: "sb-ip".into(),
+                cubevs_context: Some(c),
+                ..Default::default()
+            })
+            .await
+        })
+        .expect("ensure")
+        .into_inner();
+    let tap = r.persist_metadata["host_tap_name"].clone();
+    let pol = ag.http_json("/v1/dataplane/policies");
+    let p =
+        pol["policies"].as_array().unwrap().iter().find(|p| p["tapName"] == tap.as_str()).unwrap()["policy"].clone();
+    assert_eq!(p["l7"], json!(["203.0.113.10/32"]), "{p}");
+    let pin_dir = ag.pin_dir();
+    let (mark443, mark22) = ag.topo.node.run(move || {
+        let meta = cubevs::layout::read_meta(&pin_dir).unwrap().unwrap();
+        let progs = slots::slot_programs(&pin_dir, meta.active.unwrap()).unwrap();
+        let tap_if = cubenet_sys::ifindex(&tap).unwrap();
+        let run = |dport| {
+            let t = Tcp { sport: 40000 + dport, dport, seq: 1, syn: true, win: 1000, ..Default::default() };
+            let f = tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, ADDR_API, t, b"");
+            let o =
+                testrun::run(&progs["from_cube"], &f, SkBuffCtx { ingress_ifindex: tap_if, ..Default::default() }, 1)
+                    .unwrap();
+            (o.verdict, o.mark, o.data[26..30].to_vec())
+        };
+        (run(443), run(22))
+    });
+    let sandbox: std::net::Ipv4Addr = r.persist_metadata["sandbox_ip"].parse().unwrap();
+    assert_eq!(mark443, (TC_ACT_REDIRECT, cubevs_common::l7::MARK_HTTPS, sandbox.octets().to_vec()), "steered");
+    // Port 22 of the same address: internet off, no allow: a RST from it back to the guest.
+    assert_eq!(mark22, (TC_ACT_REDIRECT, 0, ADDR_API.to_vec()), "denied by the CIDR policy");
+}
