@@ -46,7 +46,8 @@ pub struct Metrics {
     /// `cubenet_egress_up`: 1 while the gateway's health endpoint answers.
     pub egress_up: IntGauge,
     /// `cubenet_tap_warmup_filters`: TAPs whose `from_cube` still runs from the warm-up
-    /// filter, waiting for the maintenance loop to move them to their tcx link (F5).
+    /// filter, waiting for the maintenance loop to move them to their tcx link (F5); read
+    /// from the datapath at scrape time.
     pub warmup_filters: IntGauge,
 }
 

@@ -183,9 +183,7 @@ impl Agent {
                 Err(e) => tracing::warn!("moving a TAP from its warm-up filter to tcx: {e}"),
             }
         }
-        let left = self.dp.filters_pending();
-        self.metrics.warmup_filters.set(left as i64);
-        left > 0
+        self.dp.filters_pending() > 0
     }
 
     /// Retries every Cleaning TAP no cleanup is running on: the scrub where it failed, and
