@@ -148,6 +148,7 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let rss_n = rss_mib(pid);
     let rate = n as f64 / register_s;
     let (mut e, _) = create_latency(&a, 50, (extra / 50).max(1), true);
+    let full = run_scale_sessions(&a, &rt, extra, pid);
     let mut rows = vec![
         Row {
             bench: "agent-scale".into(),
@@ -180,8 +181,53 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
             target: None,
         });
     }
+    rows.extend(full);
     eprintln!("  pool of {} warmed in {warm_s:.1} s; {n} registered in {register_s:.1} s", n + extra);
     rows
+}
+
+/// The RSS target in one run: registers `extra` more sandboxes (every pooled TAP Active:
+/// `n + extra` registered, 8,192 with the defaults), writes 1,000,000 established sessions
+/// (`CUBENET_BENCH_SESSIONS` for fewer) spread over them straight into the agent's pinned
+/// maps, waits two reaper passes and reads the agent's RSS.
+fn run_scale_sessions(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, extra: usize, pid: u32) -> Vec<Row> {
+    let sessions: usize =
+        std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+    let endpoint = a.grpc_endpoint();
+    rt.block_on(async {
+        let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+        for i in 0..extra {
+            c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: format!("reg-x{i}"), ..Default::default() })
+                .await
+                .expect("EnsureNetwork");
+        }
+    });
+    let rss_registered = rss_mib(pid);
+    let dp = cubevs::Datapath::load(cubevs::LoadOptions {
+        object: cubenet_tests::ebpf_object(),
+        pin_dir: Some(a.pin_dir()),
+        ..cubevs::LoadOptions::new()
+    })
+    .expect("adopt the agent's maps");
+    let maps = dp.maps();
+    let registered = maps.sandboxes.list().expect("sandboxes");
+    let entries = crate::agent_sessions::make_sessions(&registered, std::net::Ipv4Addr::new(198, 51, 100, 2), sessions);
+    let written = maps.sessions.insert_batch(&entries).expect("fill sessions");
+    drop(entries);
+    // Two reaper passes (5 s interval) over the full maps.
+    std::thread::sleep(Duration::from_secs(11));
+    let rss = rss_mib(pid);
+    eprintln!("  {} sandboxes registered, {written} sessions: RSS {rss:.1} MiB", registered.len());
+    let label = if sessions == 1_000_000 { "1M".to_string() } else { sessions.to_string() };
+    vec![Row {
+        bench: "agent-scale".into(),
+        case: format!("agent RSS, {} sandboxes + {label} sessions", registered.len()),
+        value: rss,
+        spread: (rss, rss),
+        unit: "MiB".into(),
+        baseline: Some((format!("RSS with {} sandboxes, no sessions", registered.len()), rss_registered)),
+        target: Some("<= 50 MB".into()),
+    }]
 }
 
 fn pct(v: &mut [f64], q: f64) -> f64 {
@@ -384,6 +430,7 @@ pub fn run_pool() -> Vec<Row> {
 pub fn run() -> Vec<Row> {
     let mut rows = run_pool();
     let baseline_bin = std::env::var_os("CUBENET_BASELINE_AGENT").map(std::path::PathBuf::from);
+    rows.extend(run_rate(1000, baseline_bin.as_deref()));
 
     // Create latency, warm pool vs empty pool.
     for conc in [1usize, 10, 50] {
@@ -434,4 +481,61 @@ pub fn run() -> Vec<Row> {
         }
     }
     rows
+}
+
+/// Ensures `ids` through the agent from `clients` concurrent clients, each with its own
+/// connection, taking the next id until none is left. Returns Ensure/s over the whole run.
+fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize) -> f64 {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = a.grpc_endpoint();
+    let n = ids.len();
+    let queue = std::sync::Arc::new(std::sync::Mutex::new(ids));
+    let t = Instant::now();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for _ in 0..clients {
+            let (endpoint, queue) = (endpoint.clone(), queue.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+                loop {
+                    let Some(id) = queue.lock().expect("queue").pop() else { return };
+                    c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: id, ..Default::default() })
+                        .await
+                        .expect("EnsureNetwork");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("ensure task");
+        }
+    });
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Sustained Ensure rate: 50 clients register `n` sandboxes on a warm pool of `n + 8` TAPs
+/// (every TAP on its tcx link first, so no warm-up work runs meanwhile), beside the agent
+/// `baseline_bin` (e.g. main's build) measured the same way in the same run.
+pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
+    let measure = |bin: Option<&std::path::Path>, tag: &str| {
+        let mut a = AgentUnderTest::prepare(tag, n + 8, "cidr = \"192.168.0.0/21\"\n");
+        a.agent_bin = bin.map(|b| b.to_path_buf());
+        let child = a.spawn_script();
+        a.child = Some(child);
+        a.wait_ready(Duration::from_secs(600));
+        if bin.is_none() {
+            wait_metric_zero(&a, "cubenet_tap_warmup_filters", Duration::from_secs(600));
+        }
+        ensure_rate(&a, (0..n).map(|i| format!("rate-{i}")).collect(), 50)
+    };
+    let rate = measure(None, "bench-rate");
+    let base = baseline_bin.map(|b| measure(Some(b), "bench-rate-base"));
+    vec![Row {
+        bench: "agent".into(),
+        case: format!("Ensure sustained rate, 50 clients ({n} sandboxes, warm pool)"),
+        value: rate,
+        spread: (rate, rate),
+        unit: "Ensure/s".into(),
+        baseline: base.map(|b| ("main agent".to_string(), b)),
+        target: Some(">= 5000 Ensure/s".into()),
+    }]
 }

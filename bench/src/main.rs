@@ -77,7 +77,11 @@ fn main() -> anyhow::Result<()> {
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-pool" => rows.extend(agent::run_pool()),
-            "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
+            "agent-scale" => rows.extend(agent::run_scale(8092, 100)),
+            "agent-rate" => {
+                let base = std::env::var_os("CUBENET_BASELINE_AGENT").map(std::path::PathBuf::from);
+                rows.extend(agent::run_rate(1000, base.as_deref()))
+            }
             "soak" => rows.extend(soak::run(cli.minutes)),
             "agent-sessions" => {
                 // CUBENET_BENCH_SESSIONS overrides the 1,000,000 sessions (quick checks).
