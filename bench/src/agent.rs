@@ -244,7 +244,7 @@ fn wait_metric_zero(a: &AgentUnderTest, name: &str, timeout: Duration) -> Option
         {
             return Some(());
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!("  {name} not 0 within {timeout:?}");
     None
