@@ -194,6 +194,8 @@ fn run_scale_sessions(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, extra: u
     let sessions: usize =
         std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
     let endpoint = a.grpc_endpoint();
+    // The latency rounds' TAPs are Ready again only after the maintenance pass's free check (F2).
+    wait_pool(a, extra as u64);
     rt.block_on(async {
         let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
         for i in 0..extra {
