@@ -112,8 +112,9 @@ fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool) ->
     (ensure_ms, release_ms)
 }
 
-/// Registers `n` sandboxes (warm pool of `n + extra`), then measures Ensure+fd for `extra`
-/// more at concurrency 50, and the agent's RSS with everything registered.
+/// Warms a pool of `n + extra` and waits until every TAP is on its tcx link, measures
+/// Ensure+fd for `extra` sandboxes at concurrency 50 with none registered (baseline), registers
+/// `n` sandboxes, measures the same with them registered, and the agent's RSS.
 pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let mut a = AgentUnderTest::prepare("bench-scale", n + extra, "cidr = \"192.168.0.0/18\"\n");
     let t = Instant::now();
@@ -123,6 +124,13 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let warm_s = t.elapsed().as_secs_f64();
     let pid = agent_pid(&mut a);
     let rss_pool = rss_mib(pid);
+    // Every TAP on its tcx link first (F5), so no warm-up work runs during the measurements.
+    let t = Instant::now();
+    wait_metric_zero(&a, "cubenet_tap_warmup_filters", Duration::from_secs(900));
+    let convert_s = t.elapsed().as_secs_f64();
+    // Ensure+fd with nothing registered yet: the baseline of the same figure with n registered.
+    let (mut e0, _) = create_latency(&a, 50, (extra / 50).max(1), true);
+    wait_pool(&a, (n + extra) as u64);
     // Register n sandboxes, 50 at a time, and keep them.
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let endpoint = a.grpc_endpoint();
@@ -177,12 +185,15 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
             value: v,
             spread: (pct(&mut e, 0.1), pct(&mut e, 0.9)),
             unit: "ms".into(),
-            baseline: None,
+            baseline: Some((format!("{name} with none registered"), pct(&mut e0, q))),
             target: None,
         });
     }
     rows.extend(full);
-    eprintln!("  pool of {} warmed in {warm_s:.1} s; {n} registered in {register_s:.1} s", n + extra);
+    eprintln!(
+        "  pool of {} warmed in {warm_s:.1} s, on tcx {convert_s:.1} s later; {n} registered in {register_s:.1} s",
+        n + extra
+    );
     rows
 }
 
