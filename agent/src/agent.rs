@@ -423,6 +423,7 @@ impl Agent {
     /// its statistics, never a walk of the session map). Called when `/metrics` is scraped; the
     /// datapath counters themselves are collected by [`crate::metrics::Metrics::register_datapath`].
     pub fn refresh_datapath_metrics(&self) {
+        self.metrics.warmup_filters.set(self.dp.filters_pending() as i64);
         let Ok(c) = self.dp.counters() else { return };
         if let Some(s) = c.get("reaper_last_scanned") {
             self.metrics.sessions.set(*s as i64);

@@ -91,9 +91,12 @@ pub struct Config {
     pub ip_local_port_range: String,
     /// Seconds between session reaper sweeps (default 5).
     pub reaper_interval_secs: u64,
-    /// How `from_cube`/`from_world`/`from_envoy` are attached: `auto` (default: tcx links on
-    /// kernels ≥ 6.6, legacy tc below), `tcx`, or `legacy` (clsact + direct-action filter, as
-    /// upstream). Pins and filters of the other mode are not converted.
+    /// How `from_cube`/`from_world`/`from_envoy` are attached: `auto` (default: pinned tcx
+    /// links on kernels ≥ 6.6, legacy tc below; a new TAP first gets `from_cube` as a legacy
+    /// filter and the maintenance loop moves it to its tcx link in the background, decision
+    /// F5), `tcx` (tcx at creation: ~16 ms per TAP), or `legacy` (clsact + direct-action
+    /// filter, as upstream; no datapath slots). Pins of `tcx`/`auto` are not converted to
+    /// `legacy`; `auto` converts filters a `legacy` run left on TAPs it adopts.
     pub tc_attach: String,
     /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
     pub maintenance_interval_secs: u64,

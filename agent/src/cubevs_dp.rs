@@ -120,6 +120,16 @@ impl Dataplane for CubeVsDataplane {
         let n = ifname.to_string();
         self.on_thread(move |dp| dp.detach_sandbox(&n))
     }
+    fn defer_sandbox(&self, ifname: &str) -> Result<bool, DataplaneError> {
+        let n = ifname.to_string();
+        self.on_thread(move |dp| dp.defer_sandbox(&n))
+    }
+    fn convert_next_filter(&self) -> Result<Option<String>, DataplaneError> {
+        self.on_thread(|dp| dp.convert_next())
+    }
+    fn filters_pending(&self) -> usize {
+        self.datapath.lock().unwrap_or_else(|e| e.into_inner()).filters_pending()
+    }
     fn attach_uplink(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError> {
         let n = ifname.to_string();
         self.on_thread(move |dp| dp.attach_uplink(&n, ip)).map(drop)

@@ -139,6 +139,22 @@ pub trait Dataplane: Send + Sync {
     fn attach_sandbox(&self, ifname: &str) -> Result<u32, DataplaneError>;
     /// Detaches `from_cube` from `ifname` and removes its pin.
     fn detach_sandbox(&self, ifname: &str) -> Result<(), DataplaneError>;
+    /// Queues `ifname` for [`Dataplane::convert_next_filter`] when its `from_cube` runs from
+    /// a warm-up filter without a tcx link (`tc_attach = "auto"`, decision F5; e.g. a TAP a
+    /// previous agent left so). Returns whether it was queued. Default: nothing to do.
+    fn defer_sandbox(&self, _ifname: &str) -> Result<bool, DataplaneError> {
+        Ok(false)
+    }
+    /// Moves one sandbox interface from its warm-up filter to its pinned tcx link (the link
+    /// first, then the filter goes: no instant without `from_cube`). Returns the interface,
+    /// `None` when none is left. Default: none.
+    fn convert_next_filter(&self) -> Result<Option<String>, DataplaneError> {
+        Ok(None)
+    }
+    /// How many sandbox interfaces still run `from_cube` from a warm-up filter.
+    fn filters_pending(&self) -> usize {
+        0
+    }
     /// Attaches the uplink programs (`from_world`) to `ifname` whose address is `ip`.
     fn attach_uplink(&self, ifname: &str, ip: Ipv4Addr) -> Result<(), DataplaneError>;
     /// Attaches `xdp_world` to the uplink `ifname` in `mode` (pinned, adopted when already

@@ -48,6 +48,10 @@ pub struct Metrics {
     pub egress_pending: IntGauge,
     /// `cubenet_egress_up`: 1 while the gateway's health endpoint answers.
     pub egress_up: IntGauge,
+    /// `cubenet_tap_warmup_filters`: TAPs whose `from_cube` still runs from the warm-up
+    /// filter, waiting for the maintenance loop to move them to their tcx link (F5); read
+    /// from the datapath at scrape time.
+    pub warmup_filters: IntGauge,
 }
 
 impl Metrics {
@@ -92,8 +96,12 @@ impl Metrics {
             IntGauge::new("cubenet_egress_pending", "Sandbox addresses whose CubeEgress policy is out of date")
                 .unwrap();
         let egress_up = IntGauge::new("cubenet_egress_up", "CubeEgress admin API reachable").unwrap();
+        let warmup_filters =
+            IntGauge::new("cubenet_tap_warmup_filters", "TAPs on a warm-up tc filter, waiting for their tcx link")
+                .unwrap();
         for c in [
-            Box::new(pool.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(warmup_filters.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pool.clone()),
             Box::new(egress_push.clone()),
             Box::new(egress_learned_push.clone()),
             Box::new(egress_pending.clone()),
@@ -124,6 +132,7 @@ impl Metrics {
             egress_learned_push,
             egress_pending,
             egress_up,
+            warmup_filters,
         }
     }
 

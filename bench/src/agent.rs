@@ -112,8 +112,9 @@ fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool) ->
     (ensure_ms, release_ms)
 }
 
-/// Registers `n` sandboxes (warm pool of `n + extra`), then measures Ensure+fd for `extra`
-/// more at concurrency 50, and the agent's RSS with everything registered.
+/// Warms a pool of `n + extra` and waits until every TAP is on its tcx link, measures
+/// Ensure+fd for `extra` sandboxes at concurrency 50 with none registered (baseline), registers
+/// `n` sandboxes, measures the same with them registered, and the agent's RSS.
 pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let mut a = AgentUnderTest::prepare("bench-scale", n + extra, "cidr = \"192.168.0.0/18\"\n");
     let t = Instant::now();
@@ -123,6 +124,13 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let warm_s = t.elapsed().as_secs_f64();
     let pid = agent_pid(&mut a);
     let rss_pool = rss_mib(pid);
+    // Every TAP on its tcx link first (F5), so no warm-up work runs during the measurements.
+    let t = Instant::now();
+    wait_metric_zero(&a, "cubenet_tap_warmup_filters", Duration::from_secs(900));
+    let convert_s = t.elapsed().as_secs_f64();
+    // Ensure+fd with nothing registered yet: the baseline of the same figure with n registered.
+    let (mut e0, _) = create_latency(&a, 50, (extra / 50).max(1), true);
+    wait_pool(&a, (n + extra) as u64);
     // Register n sandboxes, 50 at a time, and keep them.
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let endpoint = a.grpc_endpoint();
@@ -148,6 +156,7 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
     let rss_n = rss_mib(pid);
     let rate = n as f64 / register_s;
     let (mut e, _) = create_latency(&a, 50, (extra / 50).max(1), true);
+    let full = run_scale_sessions(&a, &rt, extra, pid);
     let mut rows = vec![
         Row {
             bench: "agent-scale".into(),
@@ -176,17 +185,82 @@ pub fn run_scale(n: usize, extra: usize) -> Vec<Row> {
             value: v,
             spread: (pct(&mut e, 0.1), pct(&mut e, 0.9)),
             unit: "ms".into(),
-            baseline: None,
+            baseline: Some((format!("{name} with none registered"), pct(&mut e0, q))),
             target: None,
         });
     }
-    eprintln!("  pool of {} warmed in {warm_s:.1} s; {n} registered in {register_s:.1} s", n + extra);
+    rows.extend(full);
+    eprintln!(
+        "  pool of {} warmed in {warm_s:.1} s, on tcx {convert_s:.1} s later; {n} registered in {register_s:.1} s",
+        n + extra
+    );
     rows
+}
+
+/// The RSS target in one run: registers `extra` more sandboxes (every pooled TAP Active:
+/// `n + extra` registered, 8,192 with the defaults), writes 1,000,000 established sessions
+/// (`CUBENET_BENCH_SESSIONS` for fewer) spread over them straight into the agent's pinned
+/// maps, waits two reaper passes and reads the agent's RSS.
+fn run_scale_sessions(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, extra: usize, pid: u32) -> Vec<Row> {
+    let sessions: usize =
+        std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+    let endpoint = a.grpc_endpoint();
+    // The latency rounds' TAPs are Ready again only after the maintenance pass's free check (F2).
+    wait_pool(a, extra as u64);
+    rt.block_on(async {
+        let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+        for i in 0..extra {
+            c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: format!("reg-x{i}"), ..Default::default() })
+                .await
+                .expect("EnsureNetwork");
+        }
+    });
+    let rss_registered = rss_mib(pid);
+    let dp = cubevs::Datapath::load(cubevs::LoadOptions {
+        object: cubenet_tests::ebpf_object(),
+        pin_dir: Some(a.pin_dir()),
+        ..cubevs::LoadOptions::new()
+    })
+    .expect("adopt the agent's maps");
+    let maps = dp.maps();
+    let registered = maps.sandboxes.list().expect("sandboxes");
+    let entries = crate::agent_sessions::make_sessions(&registered, std::net::Ipv4Addr::new(198, 51, 100, 2), sessions);
+    let written = maps.sessions.insert_batch(&entries).expect("fill sessions");
+    drop(entries);
+    // Two reaper passes (5 s interval) over the full maps.
+    std::thread::sleep(Duration::from_secs(11));
+    let rss = rss_mib(pid);
+    eprintln!("  {} sandboxes registered, {written} sessions: RSS {rss:.1} MiB", registered.len());
+    let label = if sessions == 1_000_000 { "1M".to_string() } else { sessions.to_string() };
+    vec![Row {
+        bench: "agent-scale".into(),
+        case: format!("agent RSS, {} sandboxes + {label} sessions", registered.len()),
+        value: rss,
+        spread: (rss, rss),
+        unit: "MiB".into(),
+        baseline: Some((format!("RSS with {} sandboxes, no sessions", registered.len()), rss_registered)),
+        target: Some("<= 50 MB".into()),
+    }]
 }
 
 fn pct(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Polls `/metrics` until the gauge `name` reads 0 (at most `timeout`); `None` on timeout.
+fn wait_metric_zero(a: &AgentUnderTest, name: &str, timeout: Duration) -> Option<()> {
+    let t = Instant::now();
+    while t.elapsed() < timeout {
+        if let Some((200, body)) = a.http("/metrics")
+            && body.lines().any(|l| l.strip_prefix(name).is_some_and(|v| v.trim() == "0"))
+        {
+            return Some(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("  {name} not 0 within {timeout:?}");
+    None
 }
 
 /// `cubenet_tap_create_phase_seconds{phase}` from the agent's `/metrics`: (phase, sum in s,
@@ -270,42 +344,56 @@ pub fn run_pool() -> Vec<Row> {
         baseline: Some(("RSS with no pool".into(), idle_rss)),
         target: Some("<= 50 MB".into()),
     });
+
+    // The default (F5) Ready on warm-up filters: time until every TAP is on its tcx link too.
+    let converted_s = wait_metric_zero(&warm, "cubenet_tap_warmup_filters", Duration::from_secs(300))
+        .map(|_| t.elapsed().as_secs_f64());
     drop(warm);
 
-    // The same with legacy tc attachment (clsact + filter) instead of tcx links.
-    let mut legacy =
-        AgentUnderTest::prepare("bench-pool500-legacy", 500, "cidr = \"192.168.0.0/22\"\ntc_attach = \"legacy\"\n");
+    // The same with tcx links at creation (`tc_attach = "tcx"`, the default before F5).
+    let mut tcx = AgentUnderTest::prepare("bench-pool500-tcx", 500, "cidr = \"192.168.0.0/22\"\ntc_attach = \"tcx\"\n");
     let t = Instant::now();
-    let child = legacy.spawn_script();
-    legacy.child = Some(child);
-    legacy.wait_ready(Duration::from_secs(300));
-    let legacy_s = t.elapsed().as_secs_f64();
+    let child = tcx.spawn_script();
+    tcx.child = Some(child);
+    tcx.wait_ready(Duration::from_secs(300));
+    let tcx_s = t.elapsed().as_secs_f64();
     rows.push(Row {
         bench: "agent".into(),
-        case: "500 TAPs Ready, tc_attach = legacy (start to /readyz)".into(),
-        value: legacy_s,
-        spread: (legacy_s, legacy_s),
+        case: "500 TAPs Ready, tc_attach = tcx (start to /readyz)".into(),
+        value: tcx_s,
+        spread: (tcx_s, tcx_s),
         unit: "s".into(),
-        baseline: Some(("tc_attach = auto (tcx)".into(), warm_s)),
-        target: Some("<= 2 s".into()),
+        baseline: Some(("tc_attach = auto (filter first, F5)".into(), warm_s)),
+        target: None,
     });
-    for (phase, sum, n) in create_phases(&legacy) {
+    if let Some(c) = converted_s {
+        rows.push(Row {
+            bench: "agent".into(),
+            case: "500 TAPs on their tcx link, tc_attach = auto (start to 0 warm-up filters)".into(),
+            value: c,
+            spread: (c, c),
+            unit: "s".into(),
+            baseline: Some(("tc_attach = tcx Ready".into(), tcx_s)),
+            target: None,
+        });
+    }
+    for (phase, sum, n) in create_phases(&tcx) {
         if phase != "attach" {
             continue;
         }
         let us = if n > 0.0 { sum / n * 1e6 } else { 0.0 };
-        let tcx = phases.iter().find(|(p, ..)| p == "attach").map_or(0.0, |(_, s, n)| s / n * 1e6);
+        let auto = phases.iter().find(|(p, ..)| p == "attach").map_or(0.0, |(_, s, n)| s / n * 1e6);
         rows.push(Row {
             bench: "agent".into(),
-            case: format!("warm-up step attach per TAP, tc_attach = legacy ({n} TAPs)"),
+            case: format!("warm-up step attach per TAP, tc_attach = tcx ({n} TAPs)"),
             value: us,
             spread: (us, us),
             unit: "µs".into(),
-            baseline: Some(("tcx attach per TAP".into(), tcx)),
+            baseline: Some(("auto (warm-up filter) attach per TAP".into(), auto)),
             target: None,
         });
     }
-    drop(legacy);
+    drop(tcx);
 
     // Restart with 500 Active sandboxes (no pool: what is timed is adopting them).
     let mut act = AgentUnderTest::prepare("bench-active500", 0, "cidr = \"192.168.0.0/22\"\n");
@@ -355,6 +443,7 @@ pub fn run_pool() -> Vec<Row> {
 pub fn run() -> Vec<Row> {
     let mut rows = run_pool();
     let baseline_bin = std::env::var_os("CUBENET_BASELINE_AGENT").map(std::path::PathBuf::from);
+    rows.extend(run_rate(1000, baseline_bin.as_deref()));
 
     // Create latency, warm pool vs empty pool.
     for conc in [1usize, 10, 50] {
@@ -405,4 +494,61 @@ pub fn run() -> Vec<Row> {
         }
     }
     rows
+}
+
+/// Ensures `ids` through the agent from `clients` concurrent clients, each with its own
+/// connection, taking the next id until none is left. Returns Ensure/s over the whole run.
+fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize) -> f64 {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = a.grpc_endpoint();
+    let n = ids.len();
+    let queue = std::sync::Arc::new(std::sync::Mutex::new(ids));
+    let t = Instant::now();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for _ in 0..clients {
+            let (endpoint, queue) = (endpoint.clone(), queue.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
+                loop {
+                    let Some(id) = queue.lock().expect("queue").pop() else { return };
+                    c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: id, ..Default::default() })
+                        .await
+                        .expect("EnsureNetwork");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("ensure task");
+        }
+    });
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Sustained Ensure rate: 50 clients register `n` sandboxes on a warm pool of `n + 8` TAPs
+/// (every TAP on its tcx link first, so no warm-up work runs meanwhile), beside the agent
+/// `baseline_bin` (e.g. main's build) measured the same way in the same run.
+pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
+    let measure = |bin: Option<&std::path::Path>, tag: &str| {
+        let mut a = AgentUnderTest::prepare(tag, n + 8, "cidr = \"192.168.0.0/21\"\n");
+        a.agent_bin = bin.map(|b| b.to_path_buf());
+        let child = a.spawn_script();
+        a.child = Some(child);
+        a.wait_ready(Duration::from_secs(600));
+        if bin.is_none() {
+            wait_metric_zero(&a, "cubenet_tap_warmup_filters", Duration::from_secs(600));
+        }
+        ensure_rate(&a, (0..n).map(|i| format!("rate-{i}")).collect(), 50)
+    };
+    let rate = measure(None, "bench-rate");
+    let base = baseline_bin.map(|b| measure(Some(b), "bench-rate-base"));
+    vec![Row {
+        bench: "agent".into(),
+        case: format!("Ensure sustained rate, 50 clients ({n} sandboxes, warm pool)"),
+        value: rate,
+        spread: (rate, rate),
+        unit: "Ensure/s".into(),
+        baseline: base.map(|b| ("main agent".to_string(), b)),
+        target: Some(">= 5000 Ensure/s".into()),
+    }]
 }

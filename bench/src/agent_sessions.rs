@@ -34,7 +34,11 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
 
 /// `sessions` established TCP sessions, spread round-robin over `sandboxes`, SNATed to
 /// `snat_ip`; every egress and reverse key distinct.
-fn make_sessions(sandboxes: &[SandboxEntry], snat_ip: Ipv4Addr, sessions: usize) -> Vec<(SessionKey, NatSession)> {
+pub(crate) fn make_sessions(
+    sandboxes: &[SandboxEntry],
+    snat_ip: Ipv4Addr,
+    sessions: usize,
+) -> Vec<(SessionKey, NatSession)> {
     let now = cubevs::reaper::monotonic_ns();
     let snat = u32::from_ne_bytes(snat_ip.octets());
     (0..sessions)

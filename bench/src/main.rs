@@ -25,9 +25,10 @@ use clap::Parser;
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
     /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale, upgrade,
-    /// agent-pool (the warm-up and restart rows of `agent` only), soak (`--minutes`)
+    /// agent-pool (the warm-up and restart rows of `agent` only), agent-rate (the sustained
+    /// Ensure row of `agent` only), soak (`--minutes`)
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
-    /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,000 sandboxes — every pooled TAP holds a slot of the 8,192-entry sandbox maps — and takes minutes;
+    /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,192 sandboxes (every pooled TAP holds a slot of the 8,192-entry sandbox maps), then fills 1,000,000 sessions, and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
     /// upgrade: datapath switch/rollback, agent upgrade/restart and gateway swap under load;
     /// xdp: the XDP fast path beside the TC reverse path, ns/pkt and world → guest throughput).
@@ -77,7 +78,11 @@ fn main() -> anyhow::Result<()> {
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-pool" => rows.extend(agent::run_pool()),
-            "agent-scale" => rows.extend(agent::run_scale(8000, 100)),
+            "agent-scale" => rows.extend(agent::run_scale(8092, 100)),
+            "agent-rate" => {
+                let base = std::env::var_os("CUBENET_BASELINE_AGENT").map(std::path::PathBuf::from);
+                rows.extend(agent::run_rate(1000, base.as_deref()))
+            }
             "soak" => rows.extend(soak::run(cli.minutes)),
             "agent-sessions" => {
                 // CUBENET_BENCH_SESSIONS overrides the 1,000,000 sessions (quick checks).
@@ -149,11 +154,15 @@ path in a fresh topology, 3 rounds.\n\
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \
 warm pool = tap_init_num above the concurrency (each round starts once the pool is back to that many Ready TAPs), \
 empty pool = tap_init_num 0 (every Ensure creates its TAP). Release rows stand beside the agent binary named by \
-`CUBENET_BASELINE_AGENT` (here: main's build before decision F2) measured in the same run. Warm-up steps: the agent's \
+`CUBENET_BASELINE_AGENT` (here: main's build before decision F5) measured in the same run; so does the sustained \
+rate (50 clients, each taking the next of 1,000 sandbox ids until none is left, on a warm pool of 1,008 TAPs all on \
+their tcx link). 500 TAPs Ready: the default (F5: tc filter first) beside `tc_attach = \"tcx\"`, plus the time until \
+the default has moved every TAP to its tcx link (`cubenet_tap_warmup_filters` = 0). Warm-up steps: the agent's \
 `cubenet_tap_create_phase_seconds` after 500 creations, µs per TAP per worker (4 workers: the steps wait on each other \
 in the kernel, so the sum is ~4× the wall time per TAP). Restart: 500 sandboxes ensured (tap_init_num 0), the agent \
 SIGKILLed and started again, timed to /readyz with all 500 adopted Active. The machine is shared with other builds \
-(load average 12–15 on 2 cores during these runs): repeated runs differ by ±30 %.\n\
+(load average 12–15 on 2 cores during earlier runs, 50–80 during the latest `agent` and `agent-scale` runs): \
+repeated runs differ by ±30 % and more.\n\
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
@@ -180,11 +189,15 @@ kernel FIB, never a configured gateway MAC), the rest is two hash lookups (sandb
 - Ensure+fd p99 <= 2 ms at 50 concurrent: missed. One Ensure+fd takes ~0.8 ms end to end alone; 50 arriving at once \
 on 2 shared cores (client, gRPC, state file, maps, fd handoff) queue behind each other: meeting 2 ms would need under \
 ~80 µs of CPU per Ensure+fd including the client.\n\
-- 500 TAPs Ready <= 2 s: missed with tcx (the default), met with `tc_attach = \"legacy\"` (same run). A tcx attach waits \
-for an RCU grace period under RTNL (~16 ms per TAP, serialised node-wide; decision F4).\n\
-- Release p99 <= 5 ms at 50 concurrent: at the target (5.2 ms in this run; 4.6..5.4 ms over runs) since the free \
-check left the Release path (decision F2).\n\
+- 500 TAPs Ready <= 2 s: met with the default `tc_attach = \"auto\"` (decision F5: `from_cube` first as a tc \
+filter, ~0.8 ms per TAP; every TAP moved to its tcx link in the background); `tc_attach = \"tcx\"` in the same run \
+misses it: a tcx attach waits for an RCU grace period under RTNL (~16 ms per TAP, serialised node-wide; F4).\n\
+- sustained Ensure >= 5,000/s (50 clients): missed, at parity with main's agent in the same run (see the row); \
+the 2 cores are shared by the clients, gRPC, the state file, the map writes and the pool refill.\n\
+- Release p99 <= 5 ms at 50 concurrent: missed in the latest run, 8.0 ms beside 5.7 ms for main's agent in the same \
+run at a load average of 50–80 (at concurrency 10 the order was the other way round, 1.8 vs 3.2 ms); 4.6..5.4 ms \
+over earlier, quieter runs since the free check left the Release path (decision F2).\n\
 - restart with 500 Active <= 1 s: met.\n\
 - CubeVS TCP throughput >= 1.2x and connection rate >= 1.5x bridge+iptables: see the ratios; single-stream TCP is \
 near the veth ceiling (plain routing) on both paths, so the headroom over bridge+iptables is small.\n\
-- agent RSS <= 50 MB: met.\n";
+- agent RSS <= 50 MB: met, also with 8,192 sandboxes and 1,000,000 sessions in one run (`agent-scale`; decision F6).\n";

@@ -8,7 +8,7 @@
 //! [`crate::xdp`]).
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -68,6 +68,12 @@ pub enum AttachMode {
     /// clsact qdisc + direct-action filter at priority 1, handle 1 (what upstream uses);
     /// filters persist in the kernel until removed.
     LegacyTc,
+    /// Pinned tcx links, but `from_cube` first goes onto a sandbox interface as a legacy
+    /// filter running the active slot's program (about 1 ms instead of the ~16 ms RCU grace
+    /// period a tcx attach waits for under RTNL), and [`Datapath::convert_next`] later puts
+    /// the tcx link in front of it and removes the filter. Legacy tc on kernels < 6.6 and
+    /// without a pin directory. Uplink and cube-dev attach with tcx directly.
+    TcxDeferred,
 }
 
 /// `max_entries` of the resizable maps.
@@ -206,6 +212,10 @@ pub struct Datapath {
     pub(crate) opts: LoadOptions,
     maps: Arc<Maps>,
     legacy: bool,
+    /// [`AttachMode::TcxDeferred`] in effect (pinned tcx, not legacy).
+    deferred: bool,
+    /// Sandbox interfaces (names) whose `from_cube` still runs from a warm-up filter.
+    filtered: BTreeSet<String>,
     /// Slot activated at load (pinned tcx mode).
     slot: Option<usize>,
     /// Unpinned tcx links, keyed by (program, ifindex); detached when dropped.
@@ -251,8 +261,11 @@ impl Datapath {
         let legacy = match opts.attach_mode {
             AttachMode::Tcx => false,
             AttachMode::LegacyTc => true,
-            AttachMode::Auto => KernelVersion::current().map(|v| v < KernelVersion::new(6, 6, 0)).unwrap_or(false),
+            AttachMode::Auto | AttachMode::TcxDeferred => {
+                KernelVersion::current().map(|v| v < KernelVersion::new(6, 6, 0)).unwrap_or(false)
+            }
         };
+        let deferred = opts.attach_mode == AttachMode::TcxDeferred && !legacy && opts.pin_dir.is_some();
         let l = opts.limits;
         let policy_entries = l.policy_entries()?;
         let mut sizes = vec![
@@ -351,7 +364,17 @@ impl Datapath {
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
             sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
         });
-        Ok(Self { ebpf, opts, maps, legacy, slot, owned_links: HashMap::new(), owned_xdp: HashMap::new() })
+        Ok(Self {
+            ebpf,
+            opts,
+            maps,
+            legacy,
+            deferred,
+            filtered: BTreeSet::new(),
+            slot,
+            owned_links: HashMap::new(),
+            owned_xdp: HashMap::new(),
+        })
     }
 
     /// Makes this process's programs the ones every pinned link runs (the fix for a new
@@ -435,13 +458,63 @@ impl Datapath {
     /// node-side veth of a test guest), resolved in the calling thread's netns. An interface
     /// that already carries our pinned link is adopted, never attached twice. Returns the
     /// ifindex.
+    ///
+    /// With [`AttachMode::TcxDeferred`], an interface without a pinned link gets a warm-up
+    /// filter (clsact, priority 1, handle 1, direct action) running the active slot's
+    /// `from_cube`, and is queued for [`Datapath::convert_next`].
     pub fn attach_sandbox(&mut self, ifname: &str) -> Result<u32, Error> {
+        if self.deferred {
+            let ifindex = ifindex(ifname)?;
+            let pinned = self.link_pin_path(prog::FROM_CUBE, ifindex).is_some_and(|p| p.exists());
+            if !pinned {
+                self.attach_filter(prog::FROM_CUBE, ifname, TcAttachType::Ingress, true)?;
+                self.filtered.insert(ifname.to_string());
+                return Ok(ifindex);
+            }
+        }
         self.attach(prog::FROM_CUBE, ifname, TcAttachType::Ingress)
     }
 
-    /// Detaches `from_cube` from `ifname` and removes its pin.
+    /// Detaches `from_cube` from `ifname` and removes its pin (and, in
+    /// [`AttachMode::TcxDeferred`], its warm-up filter).
     pub fn detach_sandbox(&mut self, ifname: &str) -> Result<(), Error> {
+        if self.deferred {
+            self.filtered.remove(ifname);
+            detach_filter(prog::FROM_CUBE, ifname, TcAttachType::Ingress)?;
+        }
         self.detach(prog::FROM_CUBE, ifname, TcAttachType::Ingress)
+    }
+
+    /// Queues the sandbox interface `ifname` for [`Datapath::convert_next`] when its
+    /// `from_cube` has no pinned tcx link ([`AttachMode::TcxDeferred`] only; e.g. a TAP a
+    /// previous process left on its warm-up filter). Returns whether it was queued.
+    pub fn defer_sandbox(&mut self, ifname: &str) -> Result<bool, Error> {
+        if !self.deferred {
+            return Ok(false);
+        }
+        let ifindex = ifindex(ifname)?;
+        if self.link_pin_path(prog::FROM_CUBE, ifindex).is_some_and(|p| p.exists()) {
+            return Ok(false);
+        }
+        Ok(self.filtered.insert(ifname.to_string()))
+    }
+
+    /// How many sandbox interfaces still run `from_cube` from a warm-up filter.
+    pub fn filters_pending(&self) -> usize {
+        self.filtered.len()
+    }
+
+    /// Moves one queued sandbox interface from its warm-up filter to a pinned tcx link:
+    /// attaches the link (the active slot's `from_cube`; tcx runs before clsact and
+    /// `from_cube` never returns `TC_ACT_UNSPEC`, so from that instant the filter sees no
+    /// packet), then deletes the filter. No instant without a program. Returns the
+    /// interface, `None` when nothing is queued. An interface that vanished meanwhile is
+    /// dropped from the queue with its error.
+    pub fn convert_next(&mut self) -> Result<Option<String>, Error> {
+        let Some(ifname) = self.filtered.pop_first() else { return Ok(None) };
+        self.attach(prog::FROM_CUBE, &ifname, TcAttachType::Ingress)?;
+        detach_filter(prog::FROM_CUBE, &ifname, TcAttachType::Ingress)?;
+        Ok(Some(ifname))
     }
 
     /// Attaches `from_world` to the ingress of the uplink `ifname` and records its ifindex
@@ -462,27 +535,11 @@ impl Datapath {
 
     fn attach(&mut self, name: &'static str, ifname: &str, kind: TcAttachType) -> Result<u32, Error> {
         let ifindex = ifindex(ifname)?;
-        let what = format!("attach {name} to {kind:?} of {ifname}");
         if self.legacy {
-            if let Err(e) = tc::qdisc_add_clsact(ifname)
-                && !is_eexist(&e)
-            {
-                return Err(Error::Program { what: format!("{what}: add clsact"), source: Box::new(e.into()) });
-            }
-            let nl = NlOptions { priority: 1, handle: TcHandle::new(0, 1), ..Default::default() };
-            let prog = Self::classifier(&mut self.ebpf, name)?;
-            match prog.attach_with_options(ifname, kind, TcAttachOptions::Netlink(nl)) {
-                Ok(id) => {
-                    // Keep the filter after this process exits: take the link out of aya's
-                    // bookkeeping and forget it so nothing detaches it on drop.
-                    let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
-                    std::mem::forget(link);
-                }
-                Err(e) if is_eexist(&e) => {}
-                Err(e) => return Err(prog_err(what)(e)),
-            }
+            self.attach_filter(name, ifname, kind, false)?;
             return Ok(ifindex);
         }
+        let what = format!("attach {name} to {kind:?} of {ifname}");
         if let (Some(dir), Some(slot)) = (self.opts.pin_dir.clone(), self.slot) {
             return self.attach_pinned(&dir, slot, name, ifname, ifindex, kind);
         }
@@ -496,6 +553,50 @@ impl Datapath {
         let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
         self.owned_links.insert((name, ifindex), link);
         Ok(ifindex)
+    }
+
+    /// Legacy attach: clsact qdisc (kept when present) and a direct-action filter at priority
+    /// 1, handle 1 that outlives this process (an existing one is kept: `EEXIST`). With
+    /// `from_slot`, the filter runs the active slot's pinned program (read under the update
+    /// lock), else this process's.
+    fn attach_filter(
+        &mut self,
+        name: &'static str,
+        ifname: &str,
+        kind: TcAttachType,
+        from_slot: bool,
+    ) -> Result<(), Error> {
+        let what = format!("attach {name} to {kind:?} of {ifname} (tc filter)");
+        if let Err(e) = tc::qdisc_add_clsact(ifname)
+            && !is_eexist(&e)
+        {
+            return Err(Error::Program { what: format!("{what}: add clsact"), source: Box::new(e.into()) });
+        }
+        let nl = NlOptions { priority: 1, handle: TcHandle::new(0, 1), ..Default::default() };
+        let mut pinned;
+        let mut _lock = None;
+        let prog = match (&self.opts.pin_dir, self.slot, from_slot) {
+            (Some(dir), Some(slot), true) => {
+                _lock = Some(UpdateLock::acquire(dir)?);
+                let slot = read_meta(dir)?.and_then(|m| m.active).unwrap_or(slot);
+                let prog_pin = slots::slot_dir(dir, slot).join(name);
+                pinned =
+                    SchedClassifier::from_pin(&prog_pin).map_err(prog_err(format!("open {}", prog_pin.display())))?;
+                &mut pinned
+            }
+            _ => Self::classifier(&mut self.ebpf, name)?,
+        };
+        match prog.attach_with_options(ifname, kind, TcAttachOptions::Netlink(nl)) {
+            Ok(id) => {
+                // Keep the filter after this process exits: take the link out of aya's
+                // bookkeeping and forget it so nothing detaches it on drop.
+                let link = prog.take_link(id).map_err(prog_err(what.clone()))?;
+                std::mem::forget(link);
+            }
+            Err(e) if is_eexist(&e) => {}
+            Err(e) => return Err(prog_err(what)(e)),
+        }
+        Ok(())
     }
 
     /// Pinned tcx attach under the update lock with the ACTIVE slot's program (which a
@@ -555,13 +656,7 @@ impl Datapath {
 
     fn detach(&mut self, name: &'static str, ifname: &str, kind: TcAttachType) -> Result<(), Error> {
         if self.legacy {
-            return match tc::qdisc_detach_program(ifname, kind, name) {
-                Ok(()) => Ok(()),
-                Err(e) if e.to_string().contains("No such file") || e.to_string().contains("not found") => Ok(()),
-                Err(e) => {
-                    Err(Error::Program { what: format!("detach {name} from {ifname}"), source: Box::new(e.into()) })
-                }
-            };
+            return detach_filter(name, ifname, kind);
         }
         let ifindex = ifindex(ifname)?;
         self.owned_links.remove(&(name, ifindex));
@@ -598,6 +693,16 @@ impl Datapath {
             }
         }
         Ok(removed)
+    }
+}
+
+/// Deletes every filter running a program called `name` on `kind` of `ifname` (none: Ok).
+fn detach_filter(name: &'static str, ifname: &str, kind: TcAttachType) -> Result<(), Error> {
+    match tc::qdisc_detach_program(ifname, kind, name) {
+        Ok(()) => Ok(()),
+        Err(aya::programs::tc::TcError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) if e.to_string().contains("No such file") || e.to_string().contains("not found") => Ok(()),
+        Err(e) => Err(Error::Program { what: format!("detach {name} from {ifname}"), source: Box::new(e.into()) }),
     }
 }
 

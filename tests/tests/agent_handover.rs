@@ -656,6 +656,10 @@ fn after_handover_wait_holds_nothing_until_sigterm() {
     assert_eq!(c["errCode"], "0");
     let guest = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
     let mut old = a.child.take().unwrap();
+    // The Ensure's maintenance pass refills the pool in the background (after the TAPs'
+    // warm-up filters move to tcx, F5): two Ready TAPs and the Active one.
+    let pid = old.id();
+    wait_until("the pool refilled", Duration::from_secs(30), || tun_and_socket_fds(pid).0 >= 3);
     let (tun_before, _) = tun_and_socket_fds(old.id());
     assert!(tun_before >= 3, "the agent holds its pool's queues: {tun_before}");
     a.child = Some(spawn_agent(&a, ""));

@@ -25,7 +25,7 @@ use cubenet_tests::{
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology},
 };
 use cubevs::{
-    Datapath, DatapathConfig, Error, LoadOptions, MapLimits, SandboxEntry, SnatAddr,
+    AttachMode, Datapath, DatapathConfig, Error, LoadOptions, MapLimits, SandboxEntry, SnatAddr,
     layout::{self, LAYOUT_VERSION},
     slots,
 };
@@ -68,12 +68,17 @@ fn attach_all(thread: &NetnsThread, mut dp: Datapath, veth_if: String) -> Datapa
 }
 
 fn setup() -> Node {
+    setup_with(AttachMode::Auto)
+}
+
+fn setup_with(attach_mode: AttachMode) -> Node {
     let mut topo = Topology::new();
     topo.add_cube_dev();
     let veth = topo.add_veth_guest(0);
     let bpffs = BpfFs::new();
     let thread = topo.node.thread();
-    let dp = Datapath::load(opts(&bpffs, ebpf_object())).unwrap_or_else(|e| panic!("load datapath: {e}"));
+    let dp = Datapath::load(LoadOptions { attach_mode, ..opts(&bpffs, ebpf_object()) })
+        .unwrap_or_else(|e| panic!("load datapath: {e}"));
     let dp = attach_all(&thread, dp, veth.node_if.clone());
     let maps = dp.maps();
     let uplink_ifindex = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
@@ -273,6 +278,39 @@ fn assert_links_on(pin_dir: &Path, slot: usize) {
 fn veth_programs(n: &Node) -> Vec<String> {
     let veth_if = n.veth.node_if.clone();
     n.thread.run(move || cubevs::tcx_ingress_programs(&veth_if).unwrap()).unwrap()
+}
+
+/// Program ids of the `from_cube` tc filters on the veth's ingress (`tc filter show`).
+fn veth_filter_ids(n: &Node) -> Vec<u32> {
+    let out = n.topo.node.exec("tc", &["filter", "show", "dev", &n.veth.node_if, "ingress"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines()
+        .filter(|l| l.contains("from_cube") && l.contains("direct-action"))
+        .map(|l| {
+            let id = l.split_whitespace().skip_while(|w| *w != "id").nth(1);
+            id.and_then(|w| w.parse().ok()).unwrap_or_else(|| panic!("no program id in {l:?}"))
+        })
+        .collect()
+}
+
+/// Id of the `from_cube` pinned in slot `slot`.
+fn slot_from_cube_id(pin_dir: &Path, slot: usize) -> u32 {
+    let p = slots::slot_dir(pin_dir, slot).join("from_cube");
+    aya::programs::SchedClassifier::from_pin(&p).unwrap().info().unwrap().id()
+}
+
+/// Runs `f` on the node thread with the node's datapath.
+fn with_dp<R: Send + 'static>(n: &mut Node, f: impl FnOnce(&mut Datapath) -> R + Send + 'static) -> R {
+    let mut dp = n.dp.take().expect("datapath");
+    let (dp, r) = n
+        .thread
+        .run(move || {
+            let r = f(&mut dp);
+            (dp, r)
+        })
+        .expect("node thread");
+    n.dp = Some(dp);
+    r
 }
 
 /// The real object with `from_world` starting `r0 = TC_ACT_SHOT; if r0 != 2 goto +1; exit`
@@ -635,6 +673,77 @@ fn switch_drops_pins_of_deleted_interfaces() {
     assert_eq!(slots::switch(&pin).expect("switch with a defunct link"), 1);
     assert!(!link_pin.exists(), "pin of the deleted interface removed");
     assert_links_on(&pin, 1);
+}
+
+/// `AttachMode::TcxDeferred` (the agent's default, decision F5): the sandbox interface first
+/// gets `from_cube` as a tc filter running the active slot's program, no tcx link; a process
+/// restart finds it without a link pin and queues it again (`defer_sandbox`); `convert_next`
+/// under traffic puts the pinned tcx link in front and removes the filter: no reset, no
+/// failed connection, no lost ping, no datapath drop, one program on the hook.
+#[test]
+fn warmup_filter_moves_to_tcx_under_load() {
+    if !require_root("warmup_filter_moves_to_tcx_under_load") {
+        return;
+    }
+    let mut n = setup_with(AttachMode::TcxDeferred);
+    let pin = n.pin_dir();
+    assert!(veth_programs(&n).is_empty(), "no tcx link yet: {:?}", veth_programs(&n));
+    assert_eq!(veth_filter_ids(&n), vec![slot_from_cube_id(&pin, 0)], "one filter with slot a's from_cube");
+    assert_eq!(n.dp.as_ref().unwrap().filters_pending(), 1);
+    let load = Load::start(&n, 7111);
+    std::thread::sleep(Duration::from_millis(300));
+    // A restart before the conversion: the new process queues the interface again.
+    drop(n.dp.take());
+    n.dp = Some(
+        Datapath::load(LoadOptions { attach_mode: AttachMode::TcxDeferred, ..opts(&n.bpffs, ebpf_object()) })
+            .expect("restart"),
+    );
+    let veth_if = n.veth.node_if.clone();
+    assert!(with_dp(&mut n, move |dp| dp.defer_sandbox(&veth_if).unwrap()), "queued after a restart");
+    std::thread::sleep(Duration::from_millis(300));
+    let converted = with_dp(&mut n, |dp| dp.convert_next().unwrap());
+    assert_eq!(converted.as_deref(), Some(n.veth.node_if.as_str()));
+    std::thread::sleep(Duration::from_millis(300));
+    load.finish("warm-up filter to tcx link", 0);
+    assert_eq!(veth_programs(&n), vec!["from_cube".to_string()]);
+    assert!(veth_filter_ids(&n).is_empty(), "filter removed: {:?}", veth_filter_ids(&n));
+    assert_links_on(&pin, 0);
+    assert_eq!(with_dp(&mut n, |dp| dp.convert_next().unwrap()), None);
+    let veth_if = n.veth.node_if.clone();
+    assert!(!with_dp(&mut n, move |dp| dp.defer_sandbox(&veth_if).unwrap()), "a linked interface is not queued");
+}
+
+/// A `datapath switch` while an interface is still on its warm-up filter: the pinned links
+/// switch at once, the filter keeps slot a's program (both read the same maps), and the
+/// conversion attaches the ACTIVE slot's program, so afterwards every link runs slot b; a
+/// rollback then switches the converted link like any other. All under traffic, no failure.
+#[test]
+fn switch_during_warmup_reaches_the_interface_at_conversion() {
+    if !require_root("switch_during_warmup_reaches_the_interface_at_conversion") {
+        return;
+    }
+    let mut n = setup_with(AttachMode::TcxDeferred);
+    let pin = n.pin_dir();
+    let tmp = tmpdir("warmup-switch");
+    let next = other_build(tmp.path());
+    assert!(slots::load_standby(&pin, &next).expect("load standby").selftest.passed());
+    let load = Load::start(&n, 7112);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(slots::switch(&pin).expect("switch"), 1);
+    let st = slots::status(&pin).unwrap();
+    assert_eq!(st.attach.len(), 2, "uplink and cube-dev linked, veth not yet: {:?}", st.attach);
+    assert!(st.attach.iter().all(|a| a.slot == Some(1)), "{:?}", st.attach);
+    assert_eq!(veth_filter_ids(&n), vec![slot_from_cube_id(&pin, 0)], "the filter keeps slot a until converted");
+    std::thread::sleep(Duration::from_millis(300));
+    with_dp(&mut n, |dp| dp.convert_next().unwrap()).expect("one interface converted");
+    assert_links_on(&pin, 1);
+    assert!(veth_filter_ids(&n).is_empty());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(slots::rollback(&pin).expect("rollback"), 0);
+    assert_links_on(&pin, 0);
+    std::thread::sleep(Duration::from_millis(300));
+    load.finish("switch during warm-up, conversion, rollback", 0);
+    assert_eq!(veth_programs(&n), vec!["from_cube".to_string()]);
 }
 
 /// The ids of slot `slot`'s pinned programs, in `dns_progs` slot order (query, from_cube,

@@ -172,6 +172,20 @@ impl Agent {
         self.warm(target, self.cfg.raw.warm_parallelism);
     }
 
+    /// Moves up to `max` TAPs from their warm-up filter to their tcx link (F5), each ~one
+    /// RCU grace period under RTNL. Returns whether any is left. Runs between maintenance
+    /// passes on the same task, so a trim never races a conversion of the TAP it deletes.
+    pub fn convert_filters(&self, max: usize) -> bool {
+        for _ in 0..max {
+            match self.dp.convert_next_filter() {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => tracing::warn!("moving a TAP from its warm-up filter to tcx: {e}"),
+            }
+        }
+        self.dp.filters_pending() > 0
+    }
+
     /// Retries every Cleaning TAP no cleanup is running on: the scrub where it failed, and
     /// the free check (one reopen) of TAPs a Release scrubbed. Returns how many went Ready.
     pub fn finish_cleanups(&self) -> usize {

@@ -193,6 +193,17 @@ impl Agent {
                 summary.stale_records += 1;
             }
         }
+        // TAPs a previous run left on their warm-up filter (crash or hand-over before the
+        // maintenance loop moved them to tcx, or a `legacy` run): queued for conversion.
+        let adopted: Vec<String> = {
+            let inner = lock(&self.inner);
+            inner.pool.names(TapState::Active).chain(inner.pool.names(TapState::Ready)).cloned().collect()
+        };
+        for name in adopted {
+            if let Err(e) = self.dp.defer_sandbox(&name) {
+                tracing::warn!("queue {name} for its tcx link: {e}");
+            }
+        }
         if !received.is_empty() {
             let names: Vec<_> = received.keys().cloned().collect();
             tracing::warn!(?names, "handed-over TAP fds without a live TAP in the dataplane netns: closed");
