@@ -153,8 +153,9 @@ fn l7_guest_reaches_the_world_by_name_through_cube_egress() {
     a.in_dataplane = true;
     a.topo.add_world_address(API_IP.octets(), 24);
     a.topo.world.ip(&["addr", "add", &format!("{OTHER_IP}/24"), "dev", "wp0"]);
-    let world = World::start(&a.topo.world, Ipv4Addr::from(WORLD_IP), &[(API, API_IP), (OTHER, OTHER_IP)])
-        .expect("world servers");
+    let world =
+        World::start(&a.topo.world, Ipv4Addr::from(WORLD_IP), &[(API, API_IP), (OTHER, OTHER_IP)], &[API_IP, OTHER_IP])
+            .expect("world servers");
     a.start();
 
     // Ensure while no gateway runs: the rules reach it later through the agent's dump.
@@ -187,6 +188,7 @@ fn l7_guest_reaches_the_world_by_name_through_cube_egress() {
             bootstrap_url: format!("http://{HEALTH}/v1/policies/dump"),
             dns_server: SocketAddr::from((WORLD_IP, 53)),
             admin_addr: "127.0.0.1:9091".parse().unwrap(),
+            bin: None,
         },
     )
     .unwrap_or_else(|e| panic!("gateway: {e}"));
@@ -246,6 +248,14 @@ fn l7_guest_reaches_the_world_by_name_through_cube_egress() {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].scheme, "http");
     assert!(seen[0].header("authorization").is_none(), "no credential over plain HTTP: {seen:?}");
+
+    // A client that shuts its write side after the request (busybox nc, as the demo's guest
+    // does) still gets the answer: the gateway supports HTTP/1 half-close (regression).
+    let req = format!("GET /v1/half-close HTTP/1.0\r\nHost: {API}\r\n\r\n");
+    let o = g.exec("sh", &["-c", &format!("printf '{}' | busybox nc -w 10 {ip} 80", req.replace("\r\n", "\\r\\n"))]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "half-closed request: {o:?}");
+    assert_eq!(world.requests_to("/v1/half-close").len(), 1);
 
     // Another name resolves (the DNS server is allowed) but its address is refused.
     let other = nslookup(g, OTHER).expect("the other name resolves");
