@@ -70,8 +70,13 @@ impl World {
     /// Starts DNS on `dns_ip:53` answering each `(name, address)` of `records` (A records, TTL
     /// 60; other types of a known name: empty answer; other names: NXDOMAIN), and HTTP :80 plus
     /// HTTPS :443 (one certificate naming every name, signed by a fresh world CA, ALPN h2 and
-    /// http/1.1) on every distinct address of `records`. The addresses must exist in `ns`.
-    pub fn start(ns: &TestNetns, dns_ip: Ipv4Addr, records: &[(&str, Ipv4Addr)]) -> anyhow::Result<World> {
+    /// http/1.1) on every address of `serve`. The addresses must exist in `ns`.
+    pub fn start(
+        ns: &TestNetns,
+        dns_ip: Ipv4Addr,
+        records: &[(&str, Ipv4Addr)],
+        serve: &[Ipv4Addr],
+    ) -> anyhow::Result<World> {
         let table: Vec<(String, Ipv4Addr)> =
             records.iter().map(|(n, a)| (n.trim_end_matches('.').to_ascii_lowercase(), *a)).collect();
         let dns = servers::udp_responder(ns, dns_ip.octets(), 53, move |q, _| answer(q, &table))?;
@@ -80,10 +85,7 @@ impl World {
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls::server_config_names(&ca, &names)));
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
         let seen: Arc<Mutex<Vec<SeenRequest>>> = Arc::default();
-        let mut addrs: Vec<Ipv4Addr> = records.iter().map(|(_, a)| *a).collect();
-        addrs.sort();
-        addrs.dedup();
-        for ip in addrs {
+        for &ip in serve {
             for (port, scheme) in [(80u16, "http"), (443, "https")] {
                 let addr = SocketAddr::from((ip, port));
                 let l = ns.run(move || std::net::TcpListener::bind(addr))?;
@@ -201,6 +203,8 @@ pub struct GatewayOptions {
     pub dns_server: SocketAddr,
     /// Admin API address (in the gateway's namespace).
     pub admin_addr: SocketAddr,
+    /// The `cube-egress` binary (`None`: [`egress_bin`]).
+    pub bin: Option<PathBuf>,
 }
 
 impl Gateway {
@@ -233,7 +237,7 @@ impl Gateway {
         let log = std::fs::File::create(dir.join("cube-egress.log"))?;
         let d = |p: &str| dir.join(p).to_string_lossy().into_owned();
         let child = ns
-            .command(egress_bin().to_str().unwrap_or_default())
+            .command(o.bin.clone().unwrap_or_else(egress_bin).to_str().unwrap_or_default())
             .args(["--sandbox-cidr", &o.sandbox_cidr, "--admin-addr", &o.admin_addr.to_string()])
             .args(["--ca-dir", &d("ca"), "--upstream-extra-ca", &d("world-ca.pem"), "--audit-file", &d("audit.jsonl")])
             .args(["--bootstrap-url", &o.bootstrap_url, "--dns-server", &o.dns_server.to_string()])
@@ -277,6 +281,11 @@ impl Gateway {
         let out = String::from_utf8_lossy(&o.stdout).into_owned();
         let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
         (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    /// The gateway's PID.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, ChildGuard::id)
     }
 
     /// The gateway CA certificate's path (for `curl --cacert`).
