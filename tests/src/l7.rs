@@ -336,3 +336,134 @@ impl Drop for Gateway {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// What [`https_load`] measured.
+#[derive(Debug, Default, Clone)]
+pub struct HttpsLoad {
+    /// Requests answered 200.
+    pub ok: u64,
+    /// Connects, handshakes or requests that failed.
+    pub failed: u64,
+    /// Latency of every answered request (request sent → body read), microseconds.
+    pub latencies_us: Vec<u64>,
+    /// Wall time of the load.
+    pub elapsed: Duration,
+    /// The first failures, for messages.
+    pub errors: Vec<String>,
+}
+
+/// `conns` keep-alive HTTP/1.1-over-TLS clients (rustls trusting only `ca_pem`, SNI `name`)
+/// in namespace `ns`, each sending `GET path` (Host `name`) to `addr` back to back for `dur`.
+/// A failed connection is replaced after 20 ms. Bounded by `dur` (plus one request's 10 s
+/// timeout).
+pub fn https_load(
+    ns: &TestNetns,
+    ca_pem: &str,
+    name: &str,
+    addr: SocketAddr,
+    path: &str,
+    conns: usize,
+    dur: Duration,
+) -> HttpsLoad {
+    let (ca, name, path) = (ca_pem.to_string(), name.to_string(), path.to_string());
+    let h = ns.spawn_thread(move || {
+        // A runtime on this thread only: its sockets are created in the namespace.
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("load runtime");
+        rt.block_on(load(tls::client_config(&ca), name, addr, path, conns, dur))
+    });
+    h.join().expect("load thread")
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<http_body_util::Empty<Bytes>>;
+
+async fn connect(
+    tls: &tokio_rustls::TlsConnector,
+    name: &str,
+    addr: SocketAddr,
+) -> Result<Sender, Box<dyn std::error::Error + Send + Sync>> {
+    let tcp = tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(addr))
+        .await
+        .map_err(|_| "connect timeout")??;
+    tcp.set_nodelay(true)?;
+    let sni = rustls::pki_types::ServerName::try_from(name.to_string())?;
+    let t = tokio::time::timeout(Duration::from_secs(10), tls.connect(sni, tcp)).await.map_err(|_| "TLS timeout")??;
+    let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(t)).await?;
+    tokio::spawn(conn);
+    Ok(s)
+}
+
+async fn one(s: &mut Sender, name: &str, path: &str) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    use http_body_util::BodyExt;
+    let req = Request::get(path).header("host", name).body(http_body_util::Empty::<Bytes>::new())?;
+    let resp =
+        tokio::time::timeout(Duration::from_secs(10), s.send_request(req)).await.map_err(|_| "no response")??;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    if status != 200 {
+        return Err(format!("HTTP {status}: {}", String::from_utf8_lossy(&body)).into());
+    }
+    Ok(())
+}
+
+fn fail(out: &Mutex<HttpsLoad>, what: String) {
+    let mut o = out.lock().expect("load lock");
+    o.failed += 1;
+    if o.errors.len() < 10 {
+        o.errors.push(what);
+    }
+}
+
+async fn load(
+    tls: Arc<rustls::ClientConfig>,
+    name: String,
+    addr: SocketAddr,
+    path: String,
+    conns: usize,
+    dur: Duration,
+) -> HttpsLoad {
+    let tls = tokio_rustls::TlsConnector::from(tls);
+    let out = Arc::new(Mutex::new(HttpsLoad::default()));
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let (tls, name, path, out) = (tls.clone(), name.clone(), path.clone(), out.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut sender: Option<Sender> = None;
+            while tokio::time::Instant::now() < deadline {
+                if let Some(s) = sender.as_mut()
+                    && (s.is_closed() || s.ready().await.is_err())
+                {
+                    sender = None;
+                }
+                let mut s = match sender.take() {
+                    Some(s) => s,
+                    None => match connect(&tls, &name, addr).await {
+                        Ok(s) => s,
+                        Err(e) => {
+                            fail(&out, format!("connect: {e}"));
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            continue;
+                        }
+                    },
+                };
+                let t = Instant::now();
+                match one(&mut s, &name, &path).await {
+                    Ok(()) => {
+                        let mut o = out.lock().expect("load lock");
+                        o.ok += 1;
+                        o.latencies_us.push(t.elapsed().as_micros() as u64);
+                        sender = Some(s);
+                    }
+                    Err(e) => fail(&out, format!("request: {e}")),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let mut o = std::mem::take(&mut *out.lock().expect("load lock"));
+    o.elapsed = started.elapsed();
+    o
+}
