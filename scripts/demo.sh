@@ -9,7 +9,7 @@
 # table, releases everything and removes what it created. Nothing touches the machine's own
 # interfaces, routes, sysctls or /sys/fs/bpf.
 #
-# Usage: bash scripts/demo.sh [--keep] [--guests 1|2|3] [--accel tcg|kvm]   (root; arguments go to cubenet-demo)
+# Usage: bash scripts/demo.sh [--keep] [--guests 1|2|3|4] [--accel tcg|kvm]   (root; arguments go to cubenet-demo)
 # Exit status: 0 all checks passed, 1 a check failed (or the run failed), 2 not root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +28,8 @@ bash scripts/setup.sh
 step "build eBPF (target/ebpf/cubevs.bpf.o)"
 cargo xtask build-ebpf --release
 
-step "build release binaries (network-agent, cubenet-cli, cubenet-demo)"
-cargo build --release --locked -p network-agent -p cubenet-demo --bins
+step "build release binaries (network-agent, cubenet-cli, cube-egress, cubenet-demo)"
+cargo build --release --locked -p network-agent -p cube-egress -p cubenet-demo --bins
 
 step "guest image (built on first use, then cached)"
 bash scripts/guest-image.sh >/dev/null

@@ -19,6 +19,8 @@
 #       send:IP:PORT:BYTES     BYTES zero bytes sent over TCP, then EOF    (detail: first reply line)
 #       refused:IP:PORT        a TCP connect is actively refused (RST)     (detail: the error)
 #       dns:NAME@SERVER        nslookup -type=a NAME SERVER answers        (detail: first address)
+#       vhost:NAME@IP:PORT/PATH=CODE  HTTP GET with Host: NAME answers status CODE
+#                              (detail: first body line)
 # and prints to the console (ttyS0), one line each:
 #   CUBENET-INFO <key> <value>              diagnostics (virtio-net-features: negotiated bits)
 #   CUBENET-READY <ip> <ms since boot>      eth0 is configured (and httpd started)
@@ -107,10 +109,11 @@ echo "CUBENET-READY $IP $(now_ms)"
 
 CR=$(printf '\r')
 
-# HTTP/1.0 GET HOST:PORT PATH over busybox nc, response in /tmp/http. Not busybox wget: the
-# static (glibc) busybox's wget crashes in this NSS-less initramfs.
+# HTTP/1.0 GET IP:PORT PATH [HOST] over busybox nc, response in /tmp/http (Host: HOST, default
+# IP:PORT). Not busybox wget: the static (glibc) busybox's wget crashes in this NSS-less
+# initramfs.
 http_get() {
-  printf 'GET %s HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n' "$2" "$1" |
+  printf 'GET %s HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n' "$2" "${3:-$1}" |
     timeout "$((TIMEOUT + 1))" nc -w "$TIMEOUT" "${1%:*}" "${1##*:}" >/tmp/http 2>/tmp/http.err
 }
 
@@ -150,6 +153,23 @@ run_check() {
             ;;
           *) DETAIL="status: $status" ;;
         esac
+      else
+        DETAIL="no response: $(cat /tmp/http.err)"
+      fi
+      rm -f /tmp/http /tmp/http.err
+      ;;
+    vhost)
+      vname=${args%%@*}
+      rest=${args#*@}
+      want=${rest##*=}
+      rest=${rest%=*}
+      hostport=${rest%%/*}
+      path=/
+      [ "$hostport" = "$rest" ] || path=/${rest#*/}
+      if http_get "$hostport" "$path" "$vname"; then
+        code=$(head -n 1 /tmp/http | tr -d '\r' | cut -d ' ' -f 2)
+        body=$(sed "1,/^$CR\$/d" /tmp/http | head -n 1)
+        if [ "$code" = "$want" ]; then RESULT=PASS DETAIL=$body; else DETAIL="status $code: $body"; fi
       else
         DETAIL="no response: $(cat /tmp/http.err)"
       fi

@@ -7,6 +7,7 @@ mod agent;
 mod agent_sessions;
 mod dns;
 mod gateway_swap;
+mod l7;
 mod per_packet;
 mod plot;
 mod report;
@@ -31,7 +32,8 @@ struct Cli {
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,192 sandboxes (every pooled TAP holds a slot of the 8,192-entry sandbox maps), then fills 1,000,000 sessions, and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
     /// upgrade: datapath switch/rollback, agent upgrade/restart and gateway swap under load;
-    /// xdp: the XDP fast path beside the TC reverse path, ns/pkt and world → guest throughput).
+    /// xdp: the XDP fast path beside the TC reverse path, ns/pkt and world → guest throughput;
+    /// l7: HTTPS req/s and p99 through guest → CubeVS → CubeEgress → world beside guest → SNAT → world).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -93,6 +95,7 @@ fn main() -> anyhow::Result<()> {
             "gateway-swap" => rows.extend(gateway_swap::run()),
             "xdp" => rows.extend(xdp::run(cli.rounds)),
             "dns" => rows.extend(dns::run()),
+            "l7" => rows.extend(l7::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }
     }

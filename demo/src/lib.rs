@@ -10,11 +10,15 @@
 //! the outside can make (what world saw, world → host port, node → sandbox), releases every
 //! network and removes everything — or, with `keep`, leaves it running.
 //!
-//! The binary (`cubenet-demo`, run by `scripts/demo.sh`) runs three sandboxes; the automated
+//! The fourth sandbox (`sb-4-l7`) reaches a name through CubeEgress: the driver starts the
+//! real `cube-egress` in the node namespace behind `scripts/cube-egress-net.sh` (TPROXY), which
+//! bootstraps from the agent's policy dump; the agent runs in the node namespace beside it, so
+//! its pushes and the dump share that loopback (decision L7).
+//!
+//! The binary (`cubenet-demo`, run by `scripts/demo.sh`) runs four sandboxes; the automated
 //! test (`demo/tests/demo.rs`) runs the same code with one.
 
 pub mod cleanup;
-pub mod dns;
 
 use std::{
     io::{Read, Write},
@@ -28,6 +32,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
     agent::{AgentUnderTest, HEALTH, profile_bin, tap_fd},
+    l7::{Gateway, GatewayOptions, World},
     servers,
     topology::{CUBE_DEV_IP, NODE_IP, WORLD_IP, dotted},
     vm::{Check, GuestConfig, GuestImage, Vm},
@@ -39,8 +44,18 @@ pub const WORLD: Ipv4Addr = Ipv4Addr::new(WORLD_IP[0], WORLD_IP[1], WORLD_IP[2],
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 /// Another public world server (TEST-NET-3), not on sandbox 3's allow list.
 pub const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
-/// The one name world's DNS server knows; it resolves to [`WORLD`].
+/// A name world's DNS server resolves to [`WORLD`].
 pub const DNS_NAME: &str = "web.world.cubenet.test";
+/// The name sandbox 4 may reach (allow_fqdn + L7 rules), through CubeEgress.
+pub const L7_NAME: &str = "api.l7.cubenet.test";
+/// [`L7_NAME`]'s address (world serves HTTP :80 and HTTPS :443 there).
+pub const L7_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+/// A name world resolves that sandbox 4 may not reach.
+pub const L7_OTHER_NAME: &str = "other.l7.cubenet.test";
+/// [`L7_OTHER_NAME`]'s address.
+pub const L7_OTHER_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 30);
+/// The credential CubeEgress injects for sandbox 4 (the guest never has it).
+pub const L7_SECRET: &str = "sk-demo-L7-0f3c9a5e21";
 /// The port every guest serves HTTP on (busybox httpd).
 pub const GUEST_PORT: u16 = 8080;
 /// A node-side server on cube-dev's address: guests must not reach it.
@@ -52,7 +67,7 @@ const CHECKS_TIMEOUT: Duration = Duration::from_secs(120);
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// How many of the three sandboxes (1–3; 1 = the default sandbox only).
+    /// How many of the four sandboxes (1–4; 1 = the default sandbox only; 4 adds CubeEgress).
     pub guests: usize,
     /// Cargo profile whose `network-agent` to start (`release`, `debug`).
     pub profile: String,
@@ -185,8 +200,52 @@ fn plans(n: usize) -> Vec<Plan> {
                 ..req("sb-3-allowlist")
             },
         },
+        // 4. No internet, the DNS server, and one name by DNS learning whose HTTP goes through
+        //    CubeEgress: /admin* denied, the rest allowed with a credential injected.
+        Plan {
+            id: "sb-4-l7",
+            request: pb::EnsureNetworkRequest { cubevs_context: Some(l7_context()), ..req("sb-4-l7") },
+        },
     ];
-    all.into_iter().take(n.clamp(1, 3)).collect()
+    all.into_iter().take(n.clamp(1, 4)).collect()
+}
+
+/// Sandbox 4's context. The busybox guest speaks plain HTTP only (its TLS client sends no
+/// signature_algorithms, which rustls requires: decision L8), so the allow rule injects over
+/// plain HTTP too (`inject_plain_http`; the gateway still checks the destination belongs to the
+/// Host through its resolver).
+fn l7_context() -> pb::CubeVsContext {
+    pb::CubeVsContext {
+        allow_internet_access: Some(false),
+        allow_out: vec![format!("{WORLD}/32")],
+        allow_fqdn: vec![pb::FqdnAllow { name: L7_NAME.into(), ports: vec![80, 443] }],
+        rules: vec![
+            pb::EgressRule {
+                id: "deny-admin".into(),
+                r#match: Some(pb::EgressMatch {
+                    host: Some(L7_NAME.into()),
+                    path: Some("/admin*".into()),
+                    ..Default::default()
+                }),
+                action: Some(pb::EgressAction { allow: false, ..Default::default() }),
+            },
+            pb::EgressRule {
+                id: "api".into(),
+                r#match: Some(pb::EgressMatch { host: Some(L7_NAME.into()), ..Default::default() }),
+                action: Some(pb::EgressAction {
+                    allow: true,
+                    audit: Some("metadata".into()),
+                    inject: vec![pb::EgressInject {
+                        header: "Authorization".into(),
+                        secret: L7_SECRET.into(),
+                        format: Some("Bearer ${SECRET}".into()),
+                    }],
+                    inject_plain_http: true,
+                }),
+            },
+        ],
+        ..Default::default()
+    }
 }
 
 /// A sandbox whose network exists.
@@ -299,12 +358,14 @@ pub fn run(opts: &Options) -> Result<Report> {
     let plan = plans(opts.guests);
     let mut a = AgentUnderTest::prepare("demo", plan.len() + 1, "");
     a.agent_bin = Some(profile_bin(&opts.profile, "network-agent"));
+    // Beside CubeEgress in the dataplane namespace (L7): pushes and the dump on its loopback.
+    a.in_dataplane = true;
     for n in [a.topo.node.name(), a.topo.world.name(), a.ns.name()] {
         cleanup::netns(n);
     }
     cleanup::bpffs(a.bpffs.path());
     cleanup::dir(&a.dir);
-    p.say(format!("namespaces: node {}, world {}, agent {}", a.topo.node.name(), a.topo.world.name(), a.ns.name()));
+    p.say(format!("namespaces: node {} (agent, dataplane), world {}", a.topo.node.name(), a.topo.world.name()));
     let child = a.spawn_script();
     cleanup::pid(child.id(), "network-agent");
     a.child = Some(child);
@@ -321,10 +382,21 @@ pub fn run(opts: &Options) -> Result<Report> {
     let mut web = Some(servers::http(&a.topo.world, WORLD_IP, 80));
     let private_web = servers::http(&a.topo.world, PRIVATE.octets(), 80);
     let other_web = servers::http(&a.topo.world, OTHER.octets(), 80);
-    let dns = dns::start(&a.topo.world, WORLD, DNS_NAME, WORLD)?;
+    for ip in [L7_IP, L7_OTHER_IP] {
+        a.topo.world.ip(&["addr", "add", &format!("{ip}/24"), "dev", cubenet_tests::topology::WORLD_IF]);
+    }
+    // DNS for every name, and the L7 web servers (they record what they see).
+    let world = World::start(
+        &a.topo.world,
+        WORLD,
+        &[(DNS_NAME, WORLD), (L7_NAME, L7_IP), (L7_OTHER_NAME, L7_OTHER_IP)],
+        &[L7_IP, L7_OTHER_IP],
+    )?;
     // Node: a server on cube-dev's address (the agent gave cube-dev the CIDR's .1).
     let node_web = servers::http(&a.topo.node, CUBE_DEV_IP, NODE_PORT);
-    p.say(format!("world serves HTTP on {WORLD}:80, {PRIVATE}:80, {OTHER}:80 and DNS {DNS_NAME} on {WORLD}:53"));
+    p.say(format!(
+        "world serves HTTP on {WORLD}:80, {PRIVATE}:80, {OTHER}:80, HTTP+HTTPS on {L7_IP} and {L7_OTHER_IP}, DNS on {WORLD}:53"
+    ));
 
     // Cubelet's part: Ensure over gRPC, TAP fd over the fd socket.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -365,6 +437,37 @@ pub fn run(opts: &Options) -> Result<Report> {
         sbs.push(sb);
     }
 
+    // CubeEgress for sandbox 4, started after its Ensure: its rules come from the agent's dump.
+    let mut gateway = None;
+    if let Some(sb) = sbs.iter().find(|s| s.id == "sb-4-l7") {
+        let t = Instant::now();
+        let dir = std::env::temp_dir().join(format!("cubenet-demo-{}-egress", std::process::id()));
+        cleanup::dir(&dir);
+        let gw = Gateway::start(
+            &a.topo.node,
+            &dir,
+            &world.ca.pem,
+            &GatewayOptions {
+                sandbox_cidr: "192.168.0.0/24".into(),
+                bootstrap_url: format!("http://{HEALTH}/v1/policies/dump"),
+                dns_server: SocketAddr::from((WORLD, 53)),
+                admin_addr: "127.0.0.1:9091".parse()?,
+                bin: Some(profile_bin(&opts.profile, "cube-egress")),
+            },
+        )?;
+        cleanup::pid(gw.pid(), "cube-egress");
+        let h = gw.health(&a.topo.node).unwrap_or_default();
+        let (code, pol) = gw.admin_get(&a.topo.node, &format!("/policies/{}", sb.mvm_ip));
+        rows.push(sb.row(
+            "CubeEgress up, bootstrapped from the agent's dump",
+            h["bootstrap_status"] == "ready" && code == 200 && !pol.contains(L7_SECRET),
+            ms(t),
+            format!("{}, {} policies; TPROXY on cube-dev", h["bootstrap_status"], h["policy_count"]),
+        ));
+        p.say(format!("cube-egress pid {} in the node namespace (dir {})", gw.pid(), dir.display()));
+        gateway = Some(gw);
+    }
+
     // The checks each guest runs.
     let w = |ip: Ipv4Addr, port| SocketAddrV4::new(ip, port);
     let cube_dev = Ipv4Addr::from(CUBE_DEV_IP);
@@ -381,6 +484,19 @@ pub fn run(opts: &Options) -> Result<Report> {
                 c.push((format!("HTTP world {OTHER}:80"), Check::Http(w(OTHER, 80), "/".into())));
             }
             1 => c.push((format!("HTTP world {WORLD}:80"), Check::Http(w(WORLD, 80), "/".into()))),
+            3 => {
+                let vhost = |path: &str, status| Check::HttpHost {
+                    addr: w(L7_IP, 80),
+                    host: L7_NAME.into(),
+                    path: path.into(),
+                    status,
+                };
+                c.push((format!("DNS {L7_NAME} (learned)"), Check::Dns(L7_NAME.into(), WORLD)));
+                c.push(("HTTP /v1/models via CubeEgress → 200".into(), vhost("/v1/models", 200)));
+                c.push(("denied path /admin/keys → 403".into(), vhost("/admin/keys", 403)));
+                c.push((format!("DNS {L7_OTHER_NAME}"), Check::Dns(L7_OTHER_NAME.into(), WORLD)));
+                c.push((format!("its address {L7_OTHER_IP}:80 refused"), Check::Refused(w(L7_OTHER_IP, 80))));
+            }
             _ => {
                 c.push((format!("allowed {WORLD}:80 (allow_out)"), Check::Http(w(WORLD, 80), "/".into())));
                 c.push((format!("not allowed {OTHER}:80 refused"), Check::Refused(w(OTHER, 80))));
@@ -460,7 +576,7 @@ pub fn run(opts: &Options) -> Result<Report> {
             0,
             count(private.len(), "connection"),
         ));
-        let dns_peers = dns.peers();
+        let dns_peers = world.dns.peers();
         rows.push(sb.row(
             "world DNS saw the node address",
             dns_peers.iter().any(|s| s.ip() == std::net::IpAddr::V4(node)),
@@ -498,6 +614,9 @@ pub fn run(opts: &Options) -> Result<Report> {
             count(other.len(), "connection"),
         ));
     }
+    if let (Some(sb), Some(gw)) = (sbs.get(3), gateway.as_ref()) {
+        l7_rows(sb, gw, &world, &mut rows);
+    }
     let node_peers = node_web.peers();
     rows.push(Row {
         sandbox: "(all)".into(),
@@ -511,6 +630,7 @@ pub fn run(opts: &Options) -> Result<Report> {
 
     if opts.keep {
         let rows = by_sandbox(rows, &plan);
+        std::mem::forget(gateway);
         return keep(a, sbs, web.take(), rows, t0, opts, &p);
     }
 
@@ -547,10 +667,50 @@ pub fn run(opts: &Options) -> Result<Report> {
     }
     p.say("released; removing the agent, namespaces, bpffs and temp dir");
     drop(client);
-    drop((web, private_web, other_web, dns, node_web));
+    drop(gateway);
+    drop((web, private_web, other_web, world, node_web));
     drop(a);
     cleanup::take();
     Ok(Report { rows: by_sandbox(rows, &plan), elapsed: t0.elapsed(), kept: None })
+}
+
+/// What only the outside sees of sandbox 4: the world server's and the gateway's view.
+fn l7_rows(sb: &Sandbox, gw: &Gateway, world: &World, rows: &mut Vec<Row>) {
+    let node = Ipv4Addr::from(NODE_IP);
+    let seen = world.requests_to("/v1/models");
+    let bearer = format!("Bearer {L7_SECRET}");
+    let injected = seen.iter().any(|r| r.header("authorization") == Some(bearer.as_str()));
+    rows.push(sb.row(
+        "world saw the injected credential",
+        seen.len() == 1 && injected && seen[0].peer.ip() == node,
+        0,
+        format!("{} request(s) from {}", seen.len(), seen.first().map_or("-".into(), |r| r.peer.to_string())),
+    ));
+    let admin = world.requests_to("/admin");
+    rows.push(sb.row("world never saw /admin", admin.is_empty(), 0, count(admin.len(), "request")));
+    let text = gw.audit_text();
+    let recs = gw.audit_records().unwrap_or_default();
+    let req = |path: &str| {
+        recs.iter().find(|r| r["event"] == "http_request" && r["http"]["path"].as_str() == Some(path)).cloned()
+    };
+    let (models, admin) = (req("/v1/models").unwrap_or_default(), req("/admin/keys").unwrap_or_default());
+    let pass = models["policy"]["decision"] == "allow"
+        && models["credentials"]["secret_ids"][0].as_str().is_some_and(|f| f.starts_with("fp-"))
+        && admin["http"]["status"] == 403
+        && !text.contains(L7_SECRET);
+    rows.push(sb.row(
+        "audit: allow + deny records, no secret",
+        pass,
+        0,
+        format!("{} records, secret as {}", recs.len(), models["credentials"]["secret_ids"][0].as_str().unwrap_or("?")),
+    ));
+    let src = models["sandbox"]["src_ip"].as_str().unwrap_or("?").to_string();
+    rows.push(sb.row(
+        "CubeEgress saw the sandbox IP (TPROXY)",
+        src == sb.mvm_ip.to_string(),
+        0,
+        format!("client {src}"),
+    ));
 }
 
 /// Rows grouped by sandbox in plan order (then the rows about all of them), chronological
@@ -603,17 +763,16 @@ fn keep(
     std::fs::write(&script_path, res.script())?;
     let bin = profile_bin(&opts.profile, "cubenet-cli");
     let bin = bin.canonicalize().unwrap_or(bin);
-    let ag = a.ns.name().to_string();
+    let ag = a.agent_ns().name().to_string();
     let mut text = String::new();
     text += "Left running (--keep):\n";
     for (pid, what) in &res.pids {
         text += &format!("  pid {pid}: {what}\n");
     }
     text += &format!(
-        "  namespaces: node {} (dataplane, TAPs, cube-dev), world {}, agent {}\n",
+        "  namespaces: node {} (agent, dataplane, TAPs, cube-dev, CubeEgress), world {}\n",
         a.topo.node.name(),
         a.topo.world.name(),
-        ag
     );
     text += &format!("  agent dir {} (config, sockets, state, log/agent.log)\n\nExplore:\n", a.dir.display());
     text += &format!("  ip netns exec {ag} {} --grpc {} list\n", bin.display(), a.grpc_endpoint());
@@ -699,7 +858,7 @@ mod tests {
         let rows = vec![row("(all)", true), row("sb-3-allowlist", true), row("sb-1-default", true)];
         let order: Vec<String> = by_sandbox(rows, &plan).into_iter().map(|r| r.sandbox).collect();
         assert_eq!(order, ["sb-1-default", "sb-3-allowlist", "(all)"]);
-        assert_eq!(plans(9).len(), 3);
+        assert_eq!(plans(9).len(), 4);
         assert_eq!(plans(0).len(), 1);
     }
 }

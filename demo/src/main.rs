@@ -19,8 +19,8 @@ struct Args {
     /// Leave the topology, agent and guests running and print how to explore and clean up.
     #[arg(long)]
     keep: bool,
-    /// Number of sandboxes (1 = default, 2 = + port mapping, 3 = + allow-list).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=3))]
+    /// Number of sandboxes (1 = default, 2 = + port mapping, 3 = + allow-list, 4 = + L7 through CubeEgress).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=4))]
     guests: u8,
     /// QEMU accelerator (`tcg`, or `kvm` where KVM runs stock guest kernels); sets
     /// CUBENET_ACCEL. Default: $CUBENET_ACCEL, else tcg.

@@ -158,7 +158,10 @@ where
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // A timer enables HTTP/1 header-read timeouts (slow clients) and HTTP/2 keep-alive.
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    // Half-close: a client may shut its write side once the request is sent (busybox nc,
+    // HTTP/1.0 tools) and still wait for the answer; without this hyper takes the EOF for a
+    // gone client and drops the request in flight, with no response and no audit record.
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).half_close(true);
     builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(io, svc).into_owned();
     tokio::pin!(conn);

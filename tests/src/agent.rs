@@ -60,6 +60,10 @@ pub struct AgentUnderTest {
     pub mount_ns_of: Option<u32>,
     /// Extra environment for the agent.
     pub env: Vec<(String, String)>,
+    /// Run the agent in the node namespace (the dataplane) instead of [`AgentUnderTest::ns`],
+    /// as upstream's pod does: its health/dump listener and its CubeEgress client then share
+    /// the dataplane's loopback with a gateway there (decision L7).
+    pub in_dataplane: bool,
 }
 
 impl AgentUnderTest {
@@ -97,7 +101,23 @@ impl AgentUnderTest {
                 if extra.contains("reserved_ports_file =") { "" } else { "reserved_ports_file = \"/nonexistent\"\n" },
         );
         std::fs::write(dir.join("agent.toml"), cfg).unwrap();
-        Self { child: None, ns, bpffs, dir, topo, agent_bin: None, mount_ns_of: None, env: Vec::new() }
+        Self {
+            child: None,
+            ns,
+            bpffs,
+            dir,
+            topo,
+            agent_bin: None,
+            mount_ns_of: None,
+            env: Vec::new(),
+            in_dataplane: false,
+        }
+    }
+
+    /// The namespace the agent runs in: [`AgentUnderTest::ns`], or the node namespace with
+    /// [`AgentUnderTest::in_dataplane`].
+    pub fn agent_ns(&self) -> &TestNetns {
+        if self.in_dataplane { &self.topo.node } else { &self.ns }
     }
 
     /// Starts the agent through the start script and waits for `/readyz`.
@@ -119,11 +139,11 @@ impl AgentUnderTest {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/start-network-agent.sh");
         let mut cmd = match self.mount_ns_of {
             Some(pid) => {
-                let mut c = self.ns.command("nsenter");
+                let mut c = self.agent_ns().command("nsenter");
                 c.args(["-t", &pid.to_string(), "-m", "--", "bash"]);
                 c
             }
-            None => self.ns.command("bash"),
+            None => self.agent_ns().command("bash"),
         };
         cmd.arg(script)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -163,7 +183,7 @@ impl AgentUnderTest {
     /// `GET path` on the health address from inside the agent namespace.
     pub fn http(&self, path: &str) -> Option<(u16, String)> {
         let p = path.to_string();
-        self.ns.run(move || http_get(HEALTH, &p).ok())
+        self.agent_ns().run(move || http_get(HEALTH, &p).ok())
     }
 
     /// `GET path` parsed as JSON (panics on non-200).

@@ -17,6 +17,8 @@
 //!   namespace, programming the topology's node namespace; [`agent_upgrade`]: its live
 //!   upgrade (hand-over to a new binary), crash restart, and a kernel guest on a frame relay.
 //! - [`mntns::PrivateTmpfs`]: a size-limited tmpfs in a private mount namespace (real ENOSPC).
+//! - [`l7`]: world DNS + HTTP/HTTPS servers that record requests, and the real `cube-egress`
+//!   behind TPROXY in a namespace (the L7 path end to end).
 //! - [`tls`]: a throwaway CA, leaves and client configs for TLS tests.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
@@ -34,6 +36,7 @@ pub mod egress_swap;
 pub mod frames;
 pub mod fuzz;
 pub mod guest;
+pub mod l7;
 pub mod mntns;
 pub mod netns;
 pub mod packet;

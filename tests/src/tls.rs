@@ -36,9 +36,15 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// A server config with a fresh leaf for `name` signed by `ca`, ALPN h2 and http/1.1.
 pub fn server_config(ca: &TestCa, name: &str) -> rustls::ServerConfig {
+    server_config_names(ca, &[name])
+}
+
+/// A server config with one fresh leaf naming every name of `names` (SANs; the first is the
+/// CN), signed by `ca`, ALPN h2 and http/1.1.
+pub fn server_config_names(ca: &TestCa, names: &[&str]) -> rustls::ServerConfig {
     let key = KeyPair::generate().expect("leaf key");
-    let mut p = CertificateParams::new(vec![name.to_string()]).expect("leaf params");
-    p.distinguished_name.push(DnType::CommonName, name);
+    let mut p = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).expect("leaf params");
+    p.distinguished_name.push(DnType::CommonName, names[0]);
     let cert = p.signed_by(&key, &ca.issuer).expect("sign leaf");
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()

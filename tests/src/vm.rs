@@ -158,6 +158,18 @@ pub enum Check {
     /// `dns:NAME@SERVER`: busybox `nslookup -type=a NAME SERVER` answers; detail is the first
     /// address.
     Dns(String, Ipv4Addr),
+    /// `vhost:NAME@IP:PORT/PATH=CODE`: an HTTP GET to the address with `Host: NAME` answers
+    /// status `CODE`; detail is the body's first line.
+    HttpHost {
+        /// Where to connect.
+        addr: SocketAddrV4,
+        /// The Host header.
+        host: String,
+        /// Request path.
+        path: String,
+        /// The status that passes.
+        status: u16,
+    },
 }
 
 impl Check {
@@ -172,6 +184,7 @@ impl Check {
             Check::Send(a, n) => format!("send:{a}:{n}"),
             Check::Refused(a) => format!("refused:{a}"),
             Check::Dns(name, server) => format!("dns:{name}@{server}"),
+            Check::HttpHost { addr, host, path: p, status } => format!("vhost:{host}@{addr}{}={status}", path(p)),
         }
     }
 }
@@ -490,6 +503,8 @@ mod tests {
         assert_eq!(Check::Send(a, 5).spec(), "send:198.51.100.1:80:5");
         assert_eq!(Check::Refused(a).spec(), "refused:198.51.100.1:80");
         assert_eq!(Check::Dns("a.test".into(), *a.ip()).spec(), "dns:a.test@198.51.100.1");
+        let h = Check::HttpHost { addr: a, host: "a.test".into(), path: "x".into(), status: 403 };
+        assert_eq!(h.spec(), "vhost:a.test@198.51.100.1:80/x=403");
         let r = CheckResult::parse("http:198.51.100.1:80/ PASS 40 you are 198.51.100.2:30001").unwrap();
         assert_eq!((r.pass, r.ms, r.detail.as_str()), (true, 40, "you are 198.51.100.2:30001"));
         assert!(!CheckResult::parse("ping:1.2.3.4 FAIL 10 ").unwrap().pass);

@@ -32,7 +32,7 @@ enum Cmd {
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
     /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap,
-    /// upgrade, soak (`--minutes`), xdp, dns (cubenet-bench) and egress (cube-egress vs mitmproxy;
+    /// upgrade, soak (`--minutes`), xdp, dns, l7 (cubenet-bench) and egress (cube-egress vs mitmproxy;
     /// BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
         /// Benchmarks to run.
@@ -174,7 +174,7 @@ fn main() -> Result<()> {
             build_ebpf(true)?;
             let root = workspace_root();
             // The agent benchmark starts the release network-agent; gateway-swap (also part of
-            // upgrade) the release cube-egress.
+            // upgrade) and l7 the release cube-egress.
             let mut build = Command::new("cargo");
             build.current_dir(&root).args([
                 "build",
@@ -186,7 +186,7 @@ fn main() -> Result<()> {
                 "-p",
                 "cubenet-bench",
             ]);
-            if names.iter().any(|n| n == "gateway-swap" || n == "upgrade") {
+            if names.iter().any(|n| n == "gateway-swap" || n == "upgrade" || n == "l7") {
                 build.args(["-p", "cube-egress"]);
             }
             run(build)?;
