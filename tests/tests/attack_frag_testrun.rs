@@ -14,7 +14,10 @@ use cubenet_tests::{
     rig::{Rig, SB_IFINDEX},
     topology::{NODE_IP, WORLD_IP},
 };
-use cubevs::{SandboxEntry, prog, testrun::TC_ACT_REDIRECT};
+use cubevs::{
+    SandboxEntry, prog,
+    testrun::{TC_ACT_OK, TC_ACT_REDIRECT},
+};
 use cubevs_common::{counter, limits};
 
 const B_IFINDEX: u32 = 101;
@@ -86,10 +89,6 @@ fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
     });
     let delivered = r.maps.counters.get(counter::WORLD_REVERSE_NAT).unwrap() - frag0;
     assert_eq!(delivered, flood as u64, "every flood fragment reached A (the attack happened)");
-    let over = r.maps.counters.get(counter::WORLD_FRAG_OVER_BUDGET).unwrap();
-    assert!(over > 0, "A's budget refused part of the flood");
-    let a_entries = r.maps.frags.list(Some(SB_IFINDEX)).len() as u64;
-    assert!(a_entries <= flood as u64 - over, "A holds only what it was let record: {a_entries}");
     let b_entries = r.maps.frags.list(Some(B_IFINDEX));
     assert_eq!(b_entries.len(), 1, "B's entry kept: {b_entries:?}");
 
@@ -104,4 +103,20 @@ fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
     let out = r.world(c2);
     assert_eq!(out.verdict, TC_ACT_REDIRECT, "B's next later fragment was not delivered");
     assert_eq!(&out.data[30..34], &GUEST_IP, "to the guest address");
+
+    // How: A's budget refused most of its flood (delivered, not recorded) and A holds no more
+    // than it was let record (R12).
+    let over = r.maps.counters.get(counter::WORLD_FRAG_OVER_BUDGET).unwrap();
+    assert!(over > 0, "A's budget refused part of the flood");
+    let a_entries = r.maps.frags.list(Some(SB_IFINDEX)).len() as u64;
+    assert!(a_entries <= flood as u64 - over, "A holds only what it was let record: {a_entries}");
+
+    // Entries expire and the reaper deletes them (nothing before expiry); a later fragment
+    // without its entry goes to the host.
+    assert_eq!(r.maps.frags.reap(0).unwrap(), 0, "nothing expired at time 0");
+    let n = r.maps.frags.list(None).len();
+    assert_eq!(r.maps.frags.reap(u64::MAX).unwrap(), n, "every entry expired at the end of time");
+    assert!(r.maps.frags.list(None).is_empty());
+    let (_, d2) = fragment(&udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, b_port, &answer), 0x4343, 24);
+    assert_eq!(r.world(d2).verdict, TC_ACT_OK, "a reaped entry is not followed");
 }
