@@ -275,6 +275,7 @@ impl Dataplane for CubeVsDataplane {
         let d = self.dns_reaper.stats();
         c.insert("dns_reaper_learned_removed".into(), d.learned_removed.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("dns_reaper_queries_removed".into(), d.queries_removed.load(std::sync::atomic::Ordering::Relaxed));
+        c.insert("dns_reaper_frags_removed".into(), d.frags_removed.load(std::sync::atomic::Ordering::Relaxed));
         Ok(c)
     }
 }

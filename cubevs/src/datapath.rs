@@ -363,6 +363,7 @@ impl Datapath {
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
             sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
+            frags: crate::FragTable::new(take(&mut ebpf, map::FRAG_SESSIONS)?),
         });
         Ok(Self {
             ebpf,

@@ -1,5 +1,6 @@
-//! Background reaping of DNS learning state: every interval, learned addresses and tracked
-//! queries past their expiry are deleted ([`crate::PolicyTable::reap_dns`]). Upstream runs
+//! Background reaping of the datapath's expiring, never-evicting maps: every interval, learned
+//! addresses and tracked queries past their expiry are deleted ([`crate::PolicyTable::reap_dns`]),
+//! and so are expired fragment entries ([`crate::FragTable::reap`], decision R12). Upstream runs
 //! this in the same 5 s tick as the session reaper (`reference/upstream.md §3.8`); a thread
 //! of its own keeps the session reaper untouched.
 
@@ -22,6 +23,8 @@ pub struct DnsReaperStats {
     pub learned_removed: AtomicU64,
     /// Tracked queries removed in total.
     pub queries_removed: AtomicU64,
+    /// `frag_sessions_v2` entries removed in total.
+    pub frags_removed: AtomicU64,
     /// Ticks that failed.
     pub errors: AtomicU64,
 }
@@ -34,12 +37,13 @@ pub struct DnsReaper {
 }
 
 impl DnsReaper {
-    /// Reaps `maps.policy`'s DNS state every `interval` (upstream: 5 s).
+    /// Reaps `maps.policy`'s DNS state and `maps.frags` every `interval` (upstream: 5 s).
     pub fn spawn(maps: Arc<Maps>, interval: Duration) -> Self {
         let stats = Arc::new(DnsReaperStats::default());
         let st = stats.clone();
         let thread = Periodic::spawn("cubevs-dns-reaper", interval, move || {
-            match maps.policy.reap_dns(monotonic_ns()) {
+            let now = monotonic_ns();
+            match maps.policy.reap_dns(now) {
                 Ok(r) => {
                     st.learned_removed.fetch_add(r.learned as u64, Ordering::Relaxed);
                     st.queries_removed.fetch_add(r.queries as u64, Ordering::Relaxed);
@@ -47,6 +51,15 @@ impl DnsReaper {
                 Err(e) => {
                     st.errors.fetch_add(1, Ordering::Relaxed);
                     log::warn!("dns reaper: {e}");
+                }
+            }
+            match maps.frags.reap(now) {
+                Ok(n) => {
+                    st.frags_removed.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    st.errors.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("dns reaper (fragments): {e}");
                 }
             }
             st.runs.fetch_add(1, Ordering::Relaxed);

@@ -19,6 +19,7 @@ mod counters;
 mod datapath;
 pub mod dns_reaper;
 mod error;
+mod frags;
 pub mod layout;
 pub mod lock;
 mod node;
@@ -42,6 +43,7 @@ pub use datapath::{
     AttachMode, Datapath, LoadOptions, MapLimits, default_object_path, tcx_ingress_programs, tcx_programs,
 };
 pub use error::Error;
+pub use frags::{FragEntry, FragTable};
 pub use node::NodeTable;
 pub use policy::{Cidr, EgressPolicy, PolicyDump, PolicyLimits, PolicyTable};
 pub use ports::{PortMapping, PortMaps, Proto};
@@ -68,7 +70,7 @@ pub struct Maps {
     /// `snat_iplist`.
     pub snat: SnatTable,
     /// `allow_out`, `deny_out`, `policy_gen`, and the DNS learning maps `dns_allow`,
-    /// `dns_learned`, `dns_query_track`.
+    /// `dns_learned`, `dns_query_track_v2`.
     pub policy: PolicyTable,
     /// `node_config`.
     pub node: NodeTable,
@@ -76,6 +78,8 @@ pub struct Maps {
     pub counters: Counters,
     /// `sandbox_stats` (per-sandbox packets, bytes and drops).
     pub sandbox_stats: SandboxStatsTable,
+    /// `frag_sessions_v2` (fragmented world replies in flight).
+    pub frags: FragTable,
 }
 
 impl std::fmt::Debug for Maps {

@@ -1,7 +1,9 @@
 //! Attack on the DNS learner (`BPF_PROG_TEST_RUN`, exact map state): sandbox A tries to keep
-//! sandbox B from learning the answer to B's own query, by flooding `dns_query_track` (one LRU
-//! shared by every sandbox, 65,536 entries) with its own tracked queries between B's query and
-//! B's response. Property: a sandbox's flood never changes what another sandbox learns.
+//! sandbox B from learning the answer to B's own query, by flooding `dns_query_track_v2` (one
+//! map shared by every sandbox, 65,536 entries) with twice its size in queries for an allowed
+//! name between B's query and B's response. Property: a sandbox's flood never changes what
+//! another sandbox learns (decision R11: the map never evicts, each sandbox's inserts are
+//! budgeted, so A's flood stops only A's own tracking).
 
 use std::net::Ipv4Addr;
 
@@ -20,6 +22,7 @@ const RESOLVER: [u8; 4] = WORLD_IP;
 const B_IFINDEX: u32 = 101;
 const ADDR1: [u8; 4] = [203, 0, 113, 10];
 const ADDR2: [u8; 4] = [203, 0, 113, 11];
+const ADDR3: [u8; 4] = [203, 0, 113, 12];
 
 /// Internet off, the resolver allowed, `api.example.com` allowed by name (both sandboxes).
 fn policy() -> EgressPolicy {
@@ -50,10 +53,6 @@ fn learned(r: &Rig, ifindex: u32) -> Vec<Ipv4Addr> {
 }
 
 #[test]
-#[ignore = "HOLE: dns_query_track is one LRU shared by all sandboxes; A's flood of tracked queries \
-            (one UDP session, 65,536 DNS ids x 2 source ports) evicts B's tracked query, so B's \
-            genuine answer is 'unsolicited' and not learned (ebpf/cubevs-ebpf/src/dns.rs on_query \
-            inserts without a per-sandbox bound)"]
 fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     if !require_root("attack_dns_testrun a_query_flood_never_evicts_another_sandboxs_tracked_query") {
         return;
@@ -70,18 +69,23 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     respond(&r, snat, 0x0b01, ADDR1);
     assert_eq!(learned(&r, B_IFINDEX), [Ipv4Addr::from(ADDR1)]);
 
-    // B asks again; before the answer comes, A sends twice the map's size in tracked queries
-    // (each one forwarded: every id of two source ports, one session each).
+    // B asks again; before the answer comes, A sends twice the map's size in queries for the
+    // allowed name (every id of two source ports, one session each).
     let snat = query(&r, B_IFINDEX, 40001, 0x0b02);
     assert_eq!(r.maps.policy.dns_queries(Some(B_IFINDEX)).len(), 1, "B's query tracked");
     let tracked0 = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap();
+    let fwd0 = r.maps.counters.get(counter::CUBE_NEW_SESSION).unwrap()
+        + r.maps.counters.get(counter::CUBE_ESTABLISHED).unwrap();
     let flood = 2 * limits::DNS_QUERIES as usize;
     r.run_many(prog::FROM_CUBE, SB_IFINDEX, flood, |i| {
         let (gport, id) = (50000 + (i >> 16) as u16, i as u16);
         udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, "api.example.com"))
     });
-    let tracked = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap() - tracked0;
-    assert_eq!(tracked, flood as u64, "every flood query was tracked (the attack happened)");
+    let fwd = r.maps.counters.get(counter::CUBE_NEW_SESSION).unwrap()
+        + r.maps.counters.get(counter::CUBE_ESTABLISHED).unwrap()
+        - fwd0;
+    assert_eq!(fwd, flood as u64, "every flood query was forwarded (the attack happened)");
+    assert_eq!(r.maps.policy.dns_queries(Some(B_IFINDEX)).len(), 1, "B's query still tracked");
 
     // B's genuine answer must still be learned.
     respond(&r, snat, 0x0b02, ADDR2);
@@ -89,4 +93,20 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     let mut l = learned(&r, B_IFINDEX);
     l.sort();
     assert_eq!(l, [Ipv4Addr::from(ADDR1), Ipv4Addr::from(ADDR2)], "B learns its answer despite A's flood");
+
+    // After the flood B's next query is still tracked (A cannot fill the map) and learned.
+    let snat = query(&r, B_IFINDEX, 40002, 0x0b03);
+    respond(&r, snat, 0x0b03, ADDR3);
+    let mut l = learned(&r, B_IFINDEX);
+    l.sort();
+    assert_eq!(l, [ADDR1, ADDR2, ADDR3].map(Ipv4Addr::from), "B learns a query sent after A's flood");
+
+    // How: A's budget refused most of its flood (forwarded untracked) and A holds no more than
+    // it was let track (R11).
+    let tracked = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap() - tracked0 - 1;
+    let over = r.maps.counters.get(counter::DNS_QUERY_OVER_BUDGET).unwrap();
+    assert_eq!(tracked + over, flood as u64, "every flood query was tracked or refused by A's budget");
+    assert!(over > 0, "A's budget refused part of the flood");
+    let a_tracked = r.maps.policy.dns_queries(Some(SB_IFINDEX)).len();
+    assert!(a_tracked as u64 <= tracked, "A holds only what it was let track: {a_tracked}");
 }

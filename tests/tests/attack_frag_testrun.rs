@@ -1,8 +1,9 @@
 //! Attack on fragmented replies (`BPF_PROG_TEST_RUN`, exact verdicts and map state): sandbox
-//! A and a server A controls in the world flood `frag_sessions` (one LRU shared by every
-//! sandbox, 16,384 entries: one entry per first fragment) with first fragments of replies to
-//! A's own session, between the first and the later fragment of a reply to sandbox B.
-//! Property: B's fragmented reply is still delivered whole.
+//! A and a server A controls in the world flood `frag_sessions_v2` (one map shared by every
+//! sandbox: one entry per first fragment) with twice its size in first fragments of replies
+//! to A's own session, between the first and the later fragment of a reply to sandbox B.
+//! Property: B's fragmented reply is still delivered whole (decision R12: the map never
+//! evicts, each sandbox's inserts are budgeted, so the flood stops only A's own tracking).
 
 use std::net::Ipv4Addr;
 
@@ -13,7 +14,10 @@ use cubenet_tests::{
     rig::{Rig, SB_IFINDEX},
     topology::{NODE_IP, WORLD_IP},
 };
-use cubevs::{SandboxEntry, prog, testrun::TC_ACT_REDIRECT};
+use cubevs::{
+    SandboxEntry, prog,
+    testrun::{TC_ACT_OK, TC_ACT_REDIRECT},
+};
 use cubevs_common::{counter, limits};
 
 const B_IFINDEX: u32 = 101;
@@ -59,10 +63,6 @@ fn open(r: &Rig, ifindex: u32, dst: [u8; 4], dport: u16) -> u16 {
 }
 
 #[test]
-#[ignore = "HOLE: frag_sessions is one LRU shared by all sandboxes; a world server answering A \
-            with 32,768 first fragments (distinct IP ids) evicts the entry of B's fragmented \
-            reply, and B's later fragment is passed to the host instead of B (ebpf/cubevs-ebpf/src/\
-            frag.rs first() inserts without a per-sandbox bound; later() passes on a miss)"]
 fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
     if !require_root("attack_frag_testrun a_fragment_flood_never_loses_another_sandboxs_fragmented_reply") {
         return;
@@ -89,9 +89,34 @@ fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
     });
     let delivered = r.maps.counters.get(counter::WORLD_REVERSE_NAT).unwrap() - frag0;
     assert_eq!(delivered, flood as u64, "every flood fragment reached A (the attack happened)");
+    let b_entries = r.maps.frags.list(Some(B_IFINDEX));
+    assert_eq!(b_entries.len(), 1, "B's entry kept: {b_entries:?}");
 
     // B's later fragment must still reach B.
     let out = r.world(b2);
     assert_eq!(out.verdict, TC_ACT_REDIRECT, "B's later fragment was not delivered");
     assert_eq!(&out.data[30..34], &GUEST_IP, "to the guest address");
+
+    // A fragmented reply to B after the flood is recorded too (A cannot fill the map).
+    let (c1, c2) = fragment(&udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, b_port, &answer), 0x4343, 24);
+    assert_eq!(r.world(c1).verdict, TC_ACT_REDIRECT, "B's next first fragment");
+    let out = r.world(c2);
+    assert_eq!(out.verdict, TC_ACT_REDIRECT, "B's next later fragment was not delivered");
+    assert_eq!(&out.data[30..34], &GUEST_IP, "to the guest address");
+
+    // How: A's budget refused most of its flood (delivered, not recorded) and A holds no more
+    // than it was let record (R12).
+    let over = r.maps.counters.get(counter::WORLD_FRAG_OVER_BUDGET).unwrap();
+    assert!(over > 0, "A's budget refused part of the flood");
+    let a_entries = r.maps.frags.list(Some(SB_IFINDEX)).len() as u64;
+    assert!(a_entries <= flood as u64 - over, "A holds only what it was let record: {a_entries}");
+
+    // Entries expire and the reaper deletes them (nothing before expiry); a later fragment
+    // without its entry goes to the host.
+    assert_eq!(r.maps.frags.reap(0).unwrap(), 0, "nothing expired at time 0");
+    let n = r.maps.frags.list(None).len();
+    assert_eq!(r.maps.frags.reap(u64::MAX).unwrap(), n, "every entry expired at the end of time");
+    assert!(r.maps.frags.list(None).is_empty());
+    let (_, d2) = fragment(&udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, b_port, &answer), 0x4343, 24);
+    assert_eq!(r.world(d2).verdict, TC_ACT_OK, "a reaped entry is not followed");
 }

@@ -151,14 +151,15 @@ impl DnsMaps {
             absent_ok(self.learned.remove(&k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
             r.learned += 1;
         }
-        let expired: Vec<DnsQueryKey> = self
-            .queries
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, v)| v.expires_ns <= now_ns)
-            .map(|(k, _)| k)
-            .collect();
-        for k in expired {
+        let expired: Vec<(DnsQueryKey, DnsQueryValue)> =
+            self.queries.iter().filter_map(Result::ok).filter(|(_, v)| v.expires_ns <= now_ns).collect();
+        for (k, v) in expired {
+            // The map never evicts (decision R11): a query re-sent with the same port and id
+            // since our read is a new entry of its sandbox; keep it.
+            match self.queries.get(&k, 0) {
+                Ok(cur) if cur == v => {}
+                _ => continue,
+            }
             absent_ok(self.queries.remove(&k)).map_err(Error::map(map::DNS_QUERY_TRACK, "delete"))?;
             r.queries += 1;
         }

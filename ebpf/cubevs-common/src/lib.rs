@@ -87,9 +87,12 @@ pub mod map {
     /// Hash: [`super::dns::DnsAllowKey`] → [`super::dns::DnsAllowValue`], FQDN allow patterns
     /// per (ifindex, generation).
     pub const DNS_ALLOW: &str = "dns_allow";
-    /// LRU: [`super::dns::DnsQueryKey`] → [`super::dns::DnsQueryValue`], guest queries for
-    /// allowed names waiting for their response.
-    pub const DNS_QUERY_TRACK: &str = "dns_query_track";
+    /// Hash (not LRU): [`super::dns::DnsQueryKey`] → [`super::dns::DnsQueryValue`], guest
+    /// queries for allowed names waiting for their response; each sandbox inserts at most
+    /// [`super::limits::DNS_QUERIES_PER_SANDBOX`] per window ([`super::budget`]), expired
+    /// entries are deleted by userspace. `_v2`: the pre-R11 `dns_query_track` was an LRU any
+    /// sandbox could flush; a pin of that name is left alone (the other slot may use it).
+    pub const DNS_QUERY_TRACK: &str = "dns_query_track_v2";
     /// Hash: [`super::dns::LearnedKey`] → [`super::dns::LearnedValue`], addresses learned from
     /// answers, with expiry.
     pub const DNS_LEARNED: &str = "dns_learned";
@@ -111,9 +114,16 @@ pub mod map {
     /// LRU: [`super::PortmapKey`] → [`super::PortmapSession`], connections the world opened to
     /// a host port; only their packets take the mapped fast path out (not in upstream).
     pub const PORTMAP_SESSIONS: &str = "portmap_sessions";
-    /// LRU: [`super::FragKey`] → [`super::FragTarget`], fragmented replies from the world whose
-    /// first fragment matched a session; later fragments follow it (not in upstream).
-    pub const FRAG_SESSIONS: &str = "frag_sessions";
+    /// Hash (not LRU): [`super::FragKey`] → [`super::FragTarget`], fragmented replies from the
+    /// world whose first fragment matched a session; later fragments follow it until
+    /// [`super::FragTarget::expires_ns`] (not in upstream). Each sandbox inserts at most
+    /// [`super::limits::FRAG_PER_SANDBOX`] per window ([`super::budget`]); expired entries are
+    /// deleted by userspace. `_v2`: the pre-R12 `frag_sessions` was an LRU with an 8-byte
+    /// value; a pin of that name is left alone (the other slot may use it).
+    pub const FRAG_SESSIONS: &str = "frag_sessions_v2";
+    /// LRU: [`super::BudgetKey`] → [`super::BudgetValue`], the insert windows of
+    /// [`super::budget`] (written by the datapath only).
+    pub const INSERT_BUDGET: &str = "insert_budget";
     /// Hash: [`super::QuotaKey`] → `u64` sessions the kernel charged to that sandbox version
     /// (created and atomically added to / subtracted from by the datapath only, see
     /// [`super::quota`]).
@@ -144,6 +154,7 @@ pub mod map {
         SANDBOX_STATS,
         PORTMAP_SESSIONS,
         FRAG_SESSIONS,
+        INSERT_BUDGET,
         SESSION_OPENED,
         SESSION_CLOSED,
     ];
@@ -178,13 +189,28 @@ pub mod limits {
     pub const COUNTERS: u32 = 64;
     /// Tracked host-port connections (`portmap_sessions`, LRU: the oldest is evicted first).
     pub const PORTMAP_SESSIONS: u32 = 1 << 18;
-    /// Fragmented datagrams in flight from the world (`frag_sessions`, LRU).
-    pub const FRAG_SESSIONS: u32 = 1 << 14;
+    /// Fragmented datagrams in flight from the world (`frag_sessions_v2`, hash: when full, a
+    /// new first fragment is not recorded; nothing is evicted).
+    pub const FRAG_SESSIONS: u32 = 1 << 16;
+    /// First fragments one sandbox may record per [`super::budget::FRAG_WINDOW_NS`] (decision
+    /// R12): 1,024 per 2 s. An entry lives [`super::FRAG_TIMEOUT_NS`] plus up to one reaper
+    /// interval, so one sandbox holds at most about 1,024 × (1 + (2 s + interval) / 2 s)
+    /// entries (4,608 at the 5 s default), far below [`FRAG_SESSIONS`].
+    pub const FRAG_PER_SANDBOX: u32 = 1024;
+    /// Keys of `insert_budget`: two kinds per sandbox, twice (released interfaces linger until
+    /// the LRU drops them).
+    pub const INSERT_BUDGET: u32 = 4 * SANDBOXES;
     /// FQDN allow patterns summed over all sandboxes and two generations each (`dns_allow`;
     /// userspace sizes it at load).
     pub const DNS_ALLOW: u32 = 1 << 16;
-    /// Queries in flight (`dns_query_track`, LRU: the oldest is evicted first).
+    /// Queries in flight (`dns_query_track_v2`, hash: when full, a new query is not tracked;
+    /// nothing is evicted).
     pub const DNS_QUERIES: u32 = 1 << 16;
+    /// Queries one sandbox may track per [`super::budget::DNS_WINDOW_NS`] (decision R11): 512
+    /// per 10 s. An entry lives [`super::dns::QUERY_TIMEOUT_NS`] plus up to one reaper
+    /// interval, so one sandbox holds at most about 512 × (1 + (10 s + interval) / 10 s)
+    /// entries (1,280 at the 5 s default), far below [`DNS_QUERIES`].
+    pub const DNS_QUERIES_PER_SANDBOX: u32 = 512;
     /// Learned (address, port) entries over all sandboxes (`dns_learned`); when full, new
     /// answers are not learned (counted), never evicting another sandbox's entries.
     pub const DNS_LEARNED: u32 = 1 << 18;
@@ -435,7 +461,7 @@ pub struct PortmapSession {
 }
 const _: () = assert!(core::mem::size_of::<PortmapSession>() == 16);
 
-/// Key of `frag_sessions` (12 bytes): a fragmented datagram from the world, as the IP header
+/// Key of `frag_sessions_v2` (12 bytes): a fragmented datagram from the world, as the IP header
 /// identifies it (`{src, dst, IP id, proto}`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -453,7 +479,12 @@ pub struct FragKey {
 }
 const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
 
-/// Value of `frag_sessions` (8 bytes): where the first fragment went.
+/// How long a later fragment may follow its first fragment: 2 s, CLOCK_MONOTONIC ns (Linux
+/// waits up to 30 s to reassemble, but the fragments of one datagram leave the sender back to
+/// back; a later fragment past this is passed to the host like one without a first fragment).
+pub const FRAG_TIMEOUT_NS: u64 = 2_000_000_000;
+
+/// Value of `frag_sessions_v2` (16 bytes): where the first fragment went, and until when.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FragTarget {
@@ -461,8 +492,53 @@ pub struct FragTarget {
     pub ifindex: u32,
     /// Sandbox version of the session the first fragment matched.
     pub version: u32,
+    /// Expiry, CLOCK_MONOTONIC ns (`bpf_ktime_get_ns`): first fragment + [`FRAG_TIMEOUT_NS`].
+    pub expires_ns: u64,
 }
-const _: () = assert!(core::mem::size_of::<FragTarget>() == 8);
+const _: () = assert!(core::mem::size_of::<FragTarget>() == 16);
+
+/// Per-sandbox insert budgets of the shared, non-evicting maps `dns_query_track_v2` and
+/// `frag_sessions_v2` (decisions R11, R12; not in upstream).
+///
+/// A sandbox may insert at most `cap` entries of a kind per window: the window state
+/// ([`BudgetValue`]) is written by the datapath only (atomic add; a window that is over is
+/// restarted by a plain store, so concurrent CPUs may overshoot by at most one insert each per
+/// window). Entries expire and are deleted by userspace, so one sandbox's share of a map is
+/// bounded by `cap × (1 + (lifetime + reaper interval) / window)`, and since the maps never
+/// evict, no sandbox can remove another's entry. Over its budget, a sandbox's own new entry
+/// is not made (counted), its packet is forwarded as before.
+pub mod budget {
+    /// [`super::BudgetKey::kind`] of tracked DNS queries.
+    pub const KIND_DNS_QUERY: u32 = 1;
+    /// [`super::BudgetKey::kind`] of recorded first fragments.
+    pub const KIND_FRAG: u32 = 2;
+    /// Window of [`KIND_DNS_QUERY`]: the query lifetime, 10 s.
+    pub const DNS_WINDOW_NS: u64 = super::dns::QUERY_TIMEOUT_NS;
+    /// Window of [`KIND_FRAG`]: the fragment lifetime, 2 s.
+    pub const FRAG_WINDOW_NS: u64 = super::FRAG_TIMEOUT_NS;
+}
+
+/// Key of `insert_budget` (8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BudgetKey {
+    /// Sandbox interface ifindex (host order).
+    pub ifindex: u32,
+    /// [`budget::KIND_DNS_QUERY`] or [`budget::KIND_FRAG`].
+    pub kind: u32,
+}
+const _: () = assert!(core::mem::size_of::<BudgetKey>() == 8);
+
+/// Value of `insert_budget` (16 bytes): the current window of one sandbox and kind.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BudgetValue {
+    /// Start of the window, CLOCK_MONOTONIC ns.
+    pub start_ns: u64,
+    /// Inserts taken in the window.
+    pub used: u64,
+}
+const _: () = assert!(core::mem::size_of::<BudgetValue>() == 16);
 
 /// Reverse NAT entry (`ingress_sessions` value, 16 bytes).
 #[repr(C)]
@@ -599,7 +675,9 @@ pod!(
     PortmapKey,
     PortmapSession,
     FragKey,
-    FragTarget
+    FragTarget,
+    BudgetKey,
+    BudgetValue
 );
 
 /// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.
@@ -675,6 +753,13 @@ pub mod counter {
     pub const ENVOY_TO_SANDBOX: u32 = 30;
     /// from_envoy: dropped, unknown destination.
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
+    /// from_cube: a guest query for an allowed name not tracked: its sandbox used its window's
+    /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]) or `dns_query_track_v2` is full.
+    pub const DNS_QUERY_OVER_BUDGET: u32 = 38;
+    /// from_world: a first fragment not recorded: its sandbox used its window's budget
+    /// ([`super::limits::FRAG_PER_SANDBOX`]) or `frag_sessions_v2` is full (delivered; its
+    /// later fragments go to the host).
+    pub const WORLD_FRAG_OVER_BUDGET: u32 = 39;
     /// from_cube: a guest query (UDP/53, IN A) for an allowed name, tracked.
     pub const DNS_QUERY_TRACKED: u32 = 40;
     /// from_cube: a guest query for a name no FQDN pattern allows (forwarded, not tracked).
@@ -758,6 +843,8 @@ pub mod counter {
         (WORLD_FRAGMENT, "from_world", "fragment"),
         (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
         (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
+        (DNS_QUERY_OVER_BUDGET, "from_cube", "dns_query_over_budget"),
+        (WORLD_FRAG_OVER_BUDGET, "from_world", "frag_over_budget"),
         (DNS_QUERY_TRACKED, "from_cube", "dns_query_tracked"),
         (DNS_QUERY_NOT_ALLOWED, "from_cube", "dns_query_not_allowed"),
         (DNS_QUERY_UNPARSED, "from_cube", "dns_query_unparsed"),

@@ -3,7 +3,8 @@
 //! - [`on_query`] (from `from_cube`, UDP to port 53 that policy lets through): a standard
 //!   IN A query whose name matches one of the sandbox's FQDN patterns (active policy
 //!   generation) is tracked in `dns_query_track` under {ifindex, server, guest port, id,
-//!   version} with the pattern's ports, for [`QUERY_TIMEOUT_NS`].
+//!   version} with the pattern's ports, for [`QUERY_TIMEOUT_NS`], within the sandbox's
+//!   insert budget (`crate::budget`; `dns_query_track_v2` never evicts, decision R11).
 //! - [`on_response`] (from `from_world`, UDP from port 53 that matched a live session, after
 //!   the reverse-NAT lookups): the tracked query with this server, guest port and id must
 //!   exist, be unexpired and have the same question; then every IN A answer becomes
@@ -25,14 +26,18 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use cubevs_common::{
-    SessionKey, counter,
+    SessionKey,
+    budget::DNS_WINDOW_NS,
+    counter,
     dns::{
         self, CB_MAGIC, DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Loop,
         MSG_WINDOW, QUERY_TIMEOUT_NS, Reject, Scratch, flags, slot,
     },
+    limits,
 };
 
 use crate::{
+    budget,
     maps::{
         DNS_ALLOW, DNS_LEARNED, DNS_PROGS, DNS_QUERY_TRACK, DNS_SCRATCH, EGRESS_SESSIONS, IFINDEX_TO_MVMMETA,
         INGRESS_SESSIONS, count,
@@ -226,9 +231,15 @@ pub fn on_query(ctx: &TcContext, ip: &Ipv4, ifindex: u32, version: u32, guest_po
         allow,
         _pad: 0,
     };
-    if DNS_QUERY_TRACK.insert(&key, &v, BPF_ANY as u64).is_ok() {
-        count(counter::DNS_QUERY_TRACKED);
+    // A sandbox's inserts are budgeted and the map never evicts (decision R11): another
+    // sandbox's flood cannot remove this entry, and this sandbox's flood only stops its own.
+    if !budget::take(ifindex, cubevs_common::budget::KIND_DNS_QUERY, limits::DNS_QUERIES_PER_SANDBOX, DNS_WINDOW_NS)
+        || DNS_QUERY_TRACK.insert(&key, &v, BPF_ANY as u64).is_err()
+    {
+        count(counter::DNS_QUERY_OVER_BUDGET);
+        return;
     }
+    count(counter::DNS_QUERY_TRACKED);
 }
 
 /// Learns the answers of a response to a tracked query (see the module docs). `server` is

@@ -1,18 +1,29 @@
 //! Fragmented replies from the world (decision D27): the first fragment carries the ports and
 //! is reverse-translated like any packet of its session; it also records `{src, dst, IP id,
-//! proto}` → (sandbox interface, version) in the LRU map `frag_sessions`, and later fragments
+//! proto}` → (sandbox interface, version, expiry) in `frag_sessions_v2`, and later fragments
 //! (no L4 header) follow that entry: destination rewritten to 169.254.68.6 (IP checksum only)
 //! and redirected to the same interface, where the guest reassembles. A later fragment that
-//! arrives before its first fragment is passed to the host stack (lost for the guest).
+//! arrives before its first fragment, or after the entry expired, is passed to the host stack
+//! (lost for the guest).
+//!
+//! The map never evicts: each sandbox records at most `limits::FRAG_PER_SANDBOX` first
+//! fragments per window (`crate::budget`), and userspace deletes expired entries (decision
+//! R12), so a flood of first fragments toward one sandbox can only stop its own later
+//! fragments from being followed.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    helpers::generated::bpf_redirect,
+    bindings::{BPF_ANY, TC_ACT_OK, TC_ACT_SHOT},
+    helpers::{bpf_ktime_get_ns, generated::bpf_redirect},
     programs::TcContext,
 };
-use cubevs_common::{DatapathConfig, FragKey, FragTarget, counter};
+use cubevs_common::{
+    DatapathConfig, FRAG_TIMEOUT_NS, FragKey, FragTarget,
+    budget::{FRAG_WINDOW_NS, KIND_FRAG},
+    counter, limits,
+};
 
 use crate::{
+    budget,
     maps::{FRAG_SESSIONS, IFINDEX_TO_MVMMETA, count, sandbox_in},
     packet::{IP_DST_OFF, Ipv4, set_ip, set_macs},
 };
@@ -22,10 +33,17 @@ fn key(ip: &Ipv4) -> FragKey {
     FragKey { src_ip: ip.src, dst_ip: ip.dst, ip_id: ip.id, proto: ip.proto, _pad: 0 }
 }
 
-/// Records where the first fragment `ip` of a datagram went.
+/// Records where the first fragment `ip` of a datagram went, within the sandbox's budget
+/// (over it, or with the map full: not recorded, counted).
 #[inline(always)]
 pub fn first(ip: &Ipv4, ifindex: u32, version: u32) {
-    let _ = FRAG_SESSIONS.insert(&key(ip), &FragTarget { ifindex, version }, 0);
+    // SAFETY: helper without arguments.
+    let expires_ns = unsafe { bpf_ktime_get_ns() } + FRAG_TIMEOUT_NS;
+    if !budget::take(ifindex, KIND_FRAG, limits::FRAG_PER_SANDBOX, FRAG_WINDOW_NS)
+        || FRAG_SESSIONS.insert(&key(ip), &FragTarget { ifindex, version, expires_ns }, BPF_ANY as u64).is_err()
+    {
+        count(counter::WORLD_FRAG_OVER_BUDGET);
+    }
 }
 
 /// Delivers a later fragment after its first fragment, or passes it (`TC_ACT_OK`).
@@ -33,6 +51,11 @@ pub fn first(ip: &Ipv4, ifindex: u32, version: u32) {
 pub fn later(ctx: &TcContext, ip: &Ipv4, cfg: &DatapathConfig) -> i32 {
     // SAFETY: plain map lookup; the value is copied out.
     let Some(t) = (unsafe { FRAG_SESSIONS.get(&key(ip)) }).copied() else { return TC_ACT_OK };
+    // An expired entry not yet reaped is a miss.
+    // SAFETY: helper without arguments.
+    if t.expires_ns <= unsafe { bpf_ktime_get_ns() } {
+        return TC_ACT_OK;
+    }
     // SAFETY: plain map lookup; one field copied out.
     if unsafe { IFINDEX_TO_MVMMETA.get(&t.ifindex) }.map(|m| m.version) != Some(t.version) {
         count(counter::WORLD_DROP_STALE_VERSION);

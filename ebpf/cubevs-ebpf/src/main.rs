@@ -24,6 +24,7 @@
 
 mod arp;
 mod baseline;
+mod budget;
 mod config;
 mod dns;
 mod forward;

@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
 };
 use cubevs_common::{
-    AllowValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig, PolicyLpmData, PortmapKey,
-    PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp,
+    AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig,
+    PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp,
     dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
 };
@@ -73,10 +73,11 @@ pub static DENY_OUT: LpmTrie<PolicyLpmData, u32> = LpmTrie::with_max_entries(lim
 pub static DNS_ALLOW: HashMap<DnsAllowKey, DnsAllowValue> =
     HashMap::with_max_entries(limits::DNS_ALLOW, BPF_F_NO_PREALLOC);
 
-/// Guest queries for allowed names waiting for their response.
-#[map(name = "dns_query_track")]
-pub static DNS_QUERY_TRACK: LruHashMap<DnsQueryKey, DnsQueryValue> =
-    LruHashMap::with_max_entries(limits::DNS_QUERIES, 0);
+/// Guest queries for allowed names waiting for their response. Not an LRU: nothing is
+/// evicted, each sandbox's inserts are budgeted (`crate::budget`), userspace deletes expired
+/// entries (decision R11).
+#[map(name = "dns_query_track_v2")]
+pub static DNS_QUERY_TRACK: HashMap<DnsQueryKey, DnsQueryValue> = HashMap::with_max_entries(limits::DNS_QUERIES, 0);
 
 /// Addresses learned from answers.
 #[map(name = "dns_learned")]
@@ -104,9 +105,17 @@ pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);
 pub static PORTMAP_SESSIONS: LruHashMap<PortmapKey, PortmapSession> =
     LruHashMap::with_max_entries(limits::PORTMAP_SESSIONS, 0);
 
-/// Fragmented world datagrams whose first fragment matched a session; LRU.
-#[map(name = "frag_sessions")]
-pub static FRAG_SESSIONS: LruHashMap<FragKey, FragTarget> = LruHashMap::with_max_entries(limits::FRAG_SESSIONS, 0);
+/// Fragmented world datagrams whose first fragment matched a session. Not an LRU: nothing is
+/// evicted, each sandbox's inserts are budgeted (`crate::budget`), userspace deletes expired
+/// entries (decision R12).
+#[map(name = "frag_sessions_v2")]
+pub static FRAG_SESSIONS: HashMap<FragKey, FragTarget> = HashMap::with_max_entries(limits::FRAG_SESSIONS, 0);
+
+/// Per-sandbox insert windows of `dns_query_track_v2` and `frag_sessions_v2` (datapath-written
+/// only). LRU: a sandbox has one key per kind, so only new interfaces' first inserts evict, and
+/// an evicted window only restarts that sandbox's count.
+#[map(name = "insert_budget")]
+pub static INSERT_BUDGET: LruHashMap<BudgetKey, BudgetValue> = LruHashMap::with_max_entries(limits::INSERT_BUDGET, 0);
 
 /// Verdict and drop-reason COUNTERS.
 #[map(name = "counters")]

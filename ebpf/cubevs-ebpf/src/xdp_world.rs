@@ -6,7 +6,7 @@
 //!
 //! Everything else returns `XDP_PASS` with the frame and the maps untouched, so `from_world`
 //! (tcx ingress, which runs next) handles it exactly as without XDP: non-IPv4, fragments
-//! (first fragments must fill `frag_sessions` on the TC path), ICMP (echo replies and errors),
+//! (first fragments must fill `frag_sessions_v2` on the TC path), ICMP (echo replies and errors),
 //! frames without a mapping or session, host-port frames from another device, and sessions
 //! whose egress half is gone. Drops are the TC path's drops.
 

@@ -1,0 +1,78 @@
+//! Typed access to `frag_sessions_v2` (`cubevs_common::FragKey` → `cubevs_common::FragTarget`,
+//! decision R12): the datapath records each fragmented world reply's first fragment there,
+//! within a per-sandbox insert budget, and never evicts; expired entries are deleted here
+//! ([`FragTable::reap`], run by [`crate::dns_reaper::DnsReaper`]'s tick).
+
+use std::{net::Ipv4Addr, sync::Mutex};
+
+use aya::maps::{HashMap, MapData};
+use cubevs_common::{FragKey, FragTarget, map};
+
+use crate::{Error, policy::absent_ok};
+
+/// One recorded fragmented datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FragEntry {
+    /// The world sender.
+    pub src: Ipv4Addr,
+    /// The node address it was sent to.
+    pub dst: Ipv4Addr,
+    /// IP identification (host order).
+    pub ip_id: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// Sandbox interface the later fragments go to.
+    pub ifindex: u32,
+    /// Sandbox version of the session the first fragment matched.
+    pub version: u32,
+    /// Expiry, CLOCK_MONOTONIC ns.
+    pub expires_ns: u64,
+}
+
+/// `frag_sessions_v2`.
+pub struct FragTable {
+    inner: Mutex<HashMap<MapData, FragKey, FragTarget>>,
+}
+
+impl FragTable {
+    pub(crate) fn new(m: HashMap<MapData, FragKey, FragTarget>) -> Self {
+        Self { inner: Mutex::new(m) }
+    }
+
+    /// Every recorded datagram (optionally of one interface).
+    pub fn list(&self, ifindex: Option<u32>) -> Vec<FragEntry> {
+        let m = self.inner.lock().expect("frag lock");
+        m.iter()
+            .filter_map(Result::ok)
+            .filter(|(_, t)| ifindex.is_none_or(|i| i == t.ifindex))
+            .map(|(k, t)| FragEntry {
+                src: Ipv4Addr::from(k.src_ip.to_ne_bytes()),
+                dst: Ipv4Addr::from(k.dst_ip.to_ne_bytes()),
+                ip_id: u16::from_be(k.ip_id),
+                proto: k.proto,
+                ifindex: t.ifindex,
+                version: t.version,
+                expires_ns: t.expires_ns,
+            })
+            .collect()
+    }
+
+    /// Deletes the entries expired at `now_ns` (CLOCK_MONOTONIC); returns how many. An entry
+    /// is re-read right before its delete and kept when the datapath rewrote it meanwhile (a
+    /// new datagram with the same key). Errors: `Map` for a failed delete.
+    pub fn reap(&self, now_ns: u64) -> Result<usize, Error> {
+        let mut m = self.inner.lock().expect("frag lock");
+        let expired: Vec<(FragKey, FragTarget)> =
+            m.iter().filter_map(Result::ok).filter(|(_, t)| t.expires_ns <= now_ns).collect();
+        let mut n = 0;
+        for (k, t) in expired {
+            match m.get(&k, 0) {
+                Ok(cur) if cur == t => {}
+                _ => continue,
+            }
+            absent_ok(m.remove(&k)).map_err(Error::map(map::FRAG_SESSIONS, "delete"))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
