@@ -51,6 +51,11 @@ pub struct Config {
     pub health_listen: String,
     /// Network namespace to program (default `/proc/1/ns/net`; empty = the agent's own).
     pub dataplane_netns: String,
+    /// `host:port` of the CubeEgress bootstrap listener bound INSIDE `dataplane_netns`
+    /// (default `127.0.0.1:19091`; `""` = none). It serves only `GET /v1/policies/dump`, to
+    /// loopback peers of that namespace (decision L9). Unused when `dataplane_netns` is empty
+    /// (the dump is then on `health_listen`).
+    pub egress_dump_listen: String,
     /// Uplink interface in the dataplane netns (default empty = the default-route device).
     pub eth_name: String,
     /// Sandbox address pool (default `192.168.0.0/18`; prefix /16…/24).
@@ -153,6 +158,7 @@ impl Default for Config {
             tap_fd_listen: "/tmp/cube/network-agent-tap.sock".into(),
             health_listen: "127.0.0.1:19090".into(),
             dataplane_netns: "/proc/1/ns/net".into(),
+            egress_dump_listen: "127.0.0.1:19091".into(),
             eth_name: String::new(),
             cidr: "192.168.0.0/18".into(),
             mtu: 1500,
@@ -354,6 +360,11 @@ impl Config {
         self.health_listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| invalid("health_listen", format!("{:?}: {e}", self.health_listen)))?;
+        if !self.egress_dump_listen.is_empty() {
+            self.egress_dump_listen
+                .parse::<std::net::SocketAddr>()
+                .map_err(|e| invalid("egress_dump_listen", format!("{:?}: {e}", self.egress_dump_listen)))?;
+        }
         if self.state_dir.as_os_str().is_empty() {
             return Err(invalid("state_dir", "must not be empty"));
         }

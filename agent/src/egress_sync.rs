@@ -29,6 +29,10 @@
 //!   was released or lost its rules ([`EgressSync::forget_learned`]). Same per-address
 //!   sequencing, generations, retries and full sync as the policies.
 //!
+//! - Connections are made from sockets created in `dataplane_netns` when it is set
+//!   ([`crate::dataplane_sockets`], decision L9): the gateway's admin address is the
+//!   dataplane namespace's, not the agent's.
+//!
 //! Secrets: bodies are never logged; errors carry the method, path, status and the gateway's
 //! error text (which names a field, never a value).
 
@@ -131,6 +135,8 @@ struct LearnedBody<'a> {
 #[derive(Debug)]
 pub struct EgressSync {
     authority: String,
+    /// Where connections are made (the dataplane namespace, or the agent's own).
+    sockets: crate::dataplane_sockets::DataplaneSockets,
     timeout: Duration,
     /// Wanted gateway state per sandbox IP. Lock order: this lock, then the agent's state.
     entries: Mutex<HashMap<Ipv4Addr, Entry>>,
@@ -160,8 +166,20 @@ impl EgressSync {
         rt: tokio::runtime::Handle,
         metrics: Metrics,
     ) -> Result<Arc<Self>, String> {
+        Self::new_in(admin_url, timeout, rt, metrics, crate::dataplane_sockets::DataplaneSockets::local())
+    }
+
+    /// [`Self::new`] connecting from sockets made by `sockets` (in `dataplane_netns`).
+    pub fn new_in(
+        admin_url: &str,
+        timeout: Duration,
+        rt: tokio::runtime::Handle,
+        metrics: Metrics,
+        sockets: crate::dataplane_sockets::DataplaneSockets,
+    ) -> Result<Arc<Self>, String> {
         Ok(Arc::new(Self {
             authority: parse_admin_url(admin_url)?,
+            sockets,
             timeout,
             entries: Mutex::new(HashMap::new()),
             feed: Mutex::new(HashMap::new()),
@@ -430,7 +448,7 @@ impl EgressSync {
 
     async fn request(&self, method: Method, path: &str, body: Vec<u8>) -> Result<(u16, Bytes), String> {
         let fut = async {
-            let stream = tokio::net::TcpStream::connect(&self.authority).await.map_err(|e| e.to_string())?;
+            let stream = self.sockets.connect(&self.authority).await.map_err(|e| e.to_string())?;
             let (mut tx, conn) =
                 hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
             tokio::spawn(async move {

@@ -4,7 +4,8 @@
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
 //! sandboxes,portmaps,policies,counters}` (`counters`: every registered sandbox with its
 //! packets/bytes each way and drops by reason) and `GET /v1/policies/dump` (CubeEgress
-//! bootstrap, with secrets: [`crate::policy_dump`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
+//! bootstrap, with secrets: [`crate::policy_dump`]; with `dataplane_netns` also on
+//! `egress_dump_listen` in that namespace, [`Routes::DumpOnly`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
 //! `/v1/` paths get 403.
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
@@ -44,11 +45,24 @@ pub fn is_loopback_peer(ip: std::net::IpAddr) -> bool {
     }
 }
 
+/// What a listener serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routes {
+    /// `health_listen`: everything above.
+    All,
+    /// `egress_dump_listen` in the dataplane namespace: only `GET /v1/policies/dump` (to
+    /// loopback peers); every other path is 404.
+    DumpOnly,
+}
+
 /// A request handler run on the blocking pool.
 type Job = Box<dyn FnOnce(&Agent) -> Response<Full<Bytes>> + Send>;
 
-async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route(agent: Arc<Agent>, routes: Routes, peer: SocketAddr, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
+    if routes == Routes::DumpOnly && path != "/v1/policies/dump" {
+        return text(StatusCode::NOT_FOUND, "not found\n", "text/plain");
+    }
     if req.method() != Method::GET {
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n", "text/plain");
         r.headers_mut().insert("allow", hyper::header::HeaderValue::from_static("GET"));
@@ -162,15 +176,20 @@ async fn route(agent: Arc<Agent>, peer: SocketAddr, req: Request<Incoming>) -> R
     }
 }
 
-/// Serves on an already bound listener forever.
+/// Serves everything on an already bound listener forever.
 pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) -> std::io::Result<()> {
+    serve_routes(listener, agent, Routes::All).await
+}
+
+/// Serves `routes` on an already bound listener forever.
+pub async fn serve_routes(listener: tokio::net::TcpListener, agent: Arc<Agent>, routes: Routes) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
         let agent = agent.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let agent = agent.clone();
-                async move { Ok::<_, Infallible>(route(agent, peer, req).await) }
+                async move { Ok::<_, Infallible>(route(agent, routes, peer, req).await) }
             });
             let conn = http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())

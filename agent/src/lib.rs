@@ -5,6 +5,7 @@ pub mod client;
 pub mod config;
 pub mod cubevs_dp;
 pub mod dataplane;
+pub mod dataplane_sockets;
 pub mod egress_sync;
 pub mod fdserver;
 pub mod grpc;

@@ -321,17 +321,44 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     // Every accept loop can be stopped for a hand-over (listeners.rs).
     let acceptors = Acceptors::default();
     let mut health_task = tokio::spawn(until_stopped(acceptors.token(), http::serve(health, agent.clone())));
+    // The CubeEgress bridge (dataplane_sockets.rs, decision L9): with a dataplane namespace
+    // the gateway's admin API and its bootstrap are on THAT namespace's loopback. The dump
+    // listener is not handed over: the previous agent closed it when it stopped accepting
+    // (before the commit above), so it is bound afresh here (decision L10).
+    let dp_sockets = if raw.dataplane_netns.is_empty() {
+        network_agent::dataplane_sockets::DataplaneSockets::local()
+    } else {
+        network_agent::dataplane_sockets::DataplaneSockets::open(&raw.dataplane_netns)
+            .with_context(|| format!("dataplane_netns {} (CubeEgress bridge)", raw.dataplane_netns))?
+    };
+    let mut dump_task = None;
+    if dp_sockets.is_dataplane() && !raw.egress_dump_listen.is_empty() {
+        let addr: std::net::SocketAddr = raw.egress_dump_listen.parse().context("egress_dump_listen")?;
+        let l = dp_sockets
+            .bind(addr)
+            .await
+            .with_context(|| format!("bind egress_dump_listen {addr} in {}", raw.dataplane_netns))?;
+        let l = tokio::net::TcpListener::from_std(l)?;
+        tracing::info!(listen = %addr, netns = %raw.dataplane_netns, "CubeEgress bootstrap dump listener");
+        let serve = until_stopped(acceptors.token(), http::serve_routes(l, agent.clone(), http::Routes::DumpOnly));
+        dump_task = Some(tokio::spawn(async move {
+            if let Some(Err(e)) = serve.await {
+                tracing::error!("egress_dump_listen stopped: {e}");
+            }
+        }));
+    }
     // CubeEgress push client (egress_sync.rs): before gRPC serves, so no Ensure skips it.
     // Its loop stops when this agent hands over: a stale full sync must not undo the
     // successor's pushes (the successor starts with a full sync of its own).
     let mut egress_loop = None;
     if !raw.cube_egress_admin_url.is_empty() {
         let timeout = std::time::Duration::from_millis(raw.cube_egress_push_timeout_ms);
-        let sync = network_agent::egress_sync::EgressSync::new(
+        let sync = network_agent::egress_sync::EgressSync::new_in(
             &raw.cube_egress_admin_url,
             timeout,
             tokio::runtime::Handle::current(),
             agent.metrics.clone(),
+            dp_sockets.clone(),
         )
         .map_err(anyhow::Error::msg)?;
         agent.set_egress_sync(sync.clone());
@@ -495,6 +522,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     fd_task.abort();
     health_task.abort();
+    if let Some(t) = dump_task {
+        t.abort();
+    }
     // After a hand-over, forwarded calls may take longer than a plain stop allows.
     let grace = Duration::from_secs(if gate.handed_over() { 10 } else { 5 });
     let _ = tokio::time::timeout(grace, grpc_task).await;

@@ -710,8 +710,8 @@ fn sigterm_during_a_handover_leaves_the_sockets_to_the_successor() {
     drop(fds);
 }
 
-/// A stand-in for the CubeEgress admin API on the agent namespace's 127.0.0.1:9091 (the
-/// agent's default `cube_egress_admin_url`): keeps what is PUT, records every DELETE, and
+/// A stand-in for the CubeEgress admin API on the dataplane (node) namespace's 127.0.0.1:9091
+/// (the agent's default `cube_egress_admin_url`, reached from there: decision L9): keeps what is PUT, records every DELETE, and
 /// reports `policy_count` = held + `inflate` (a count the agents cannot explain makes them
 /// run a full sync, which deletes every address they do not know).
 struct FakeGateway {
@@ -724,7 +724,7 @@ struct FakeGateway {
 
 impl FakeGateway {
     fn start(ns: &TestNetns) -> Self {
-        let l = ns.run(|| TcpListener::bind("127.0.0.1:9091").expect("bind 127.0.0.1:9091 in the agent netns"));
+        let l = ns.run(|| TcpListener::bind("127.0.0.1:9091").expect("bind 127.0.0.1:9091 in the node netns"));
         l.set_nonblocking(true).unwrap();
         let held: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>> = Arc::default();
         let deleted: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
@@ -823,7 +823,7 @@ fn the_old_agent_never_pushes_to_cube_egress_after_the_handover() {
     }
     // `wait`: the old agent stays alive, so a push loop it kept would have all the time it needs.
     let mut a = AgentUnderTest::prepare("ho-egress", 2, "after_handover = \"wait\"\n");
-    let gw = FakeGateway::start(&a.ns);
+    let gw = FakeGateway::start(&a.topo.node);
     start(&mut a);
     let mut old = agent_upgrade::hand_over(&mut a).unwrap_or_else(|e| panic!("{e}:\n{}", a.log()));
     wait_until("old agent idle", Duration::from_secs(30), || a.log().contains("idle until SIGTERM/SIGINT"));
@@ -865,6 +865,15 @@ fn the_old_agent_never_pushes_to_cube_egress_after_the_handover() {
     });
     let ip = r.persist_metadata["sandbox_ip"].clone();
     wait_until("the successor's PUT", Duration::from_secs(10), || gw.held.lock().unwrap().contains(&ip));
+    // The CubeEgress bootstrap listener in the node namespace is not handed over but re-bound
+    // (decision L10): with the old agent still alive, it is the successor's (only it has sb-l7).
+    let (code, dump) = a
+        .topo
+        .node
+        .run(|| cubenet_tests::agent::http_get("127.0.0.1:19091", "/v1/policies/dump"))
+        .expect("the successor's egress_dump_listen in the node namespace");
+    assert_eq!(code, 200, "{dump}");
+    assert!(dump.contains(&format!("\"{ip}\"")), "the successor serves the dump: {dump}");
     // A policy_count nobody can explain: every live push loop runs a full sync now. The
     // successor's keeps sb-l7's policy; the old agent's (which never saw sb-l7) would delete it.
     gw.inflate.store(5, Ordering::Relaxed);

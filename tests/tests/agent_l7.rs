@@ -1,7 +1,8 @@
 //! The agent's FQDN/L7 policy model and how it drives CubeEgress (issue 11, "Policy model" and
 //! "The agent drives CubeEgress"), end to end with the real agent and the real `cube-egress`
-//! binary, both in the agent's namespace (the gateway's admin API and the agent's dump are
-//! on that namespace's loopback):
+//! binary (the agent in a namespace of its own programming the node namespace; the gateway
+//! in the node namespace when the agent pushes to it, decision L9, and in the agent's when it
+//! bootstraps from `health_listen`):
 //!
 //! - `l7_fields_validate_and_old_clients_are_unchanged`: a client generated from the
 //!   pre-CubeNet schema gets exactly what a new client sending the same fields gets (stored
@@ -214,7 +215,7 @@ fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     panic!("timed out after {timeout:?} waiting for {what}");
 }
 
-/// A `cube-egress` process in the agent's namespace (admin on its loopback:9091), with a CA
+/// A `cube-egress` process in `ns` (admin on its loopback:9091), with a CA
 /// of its own; `bootstrap` is its bootstrap URL ("" = none: only the agent's pushes fill it).
 struct Gateway {
     child: ChildGuard,
@@ -434,7 +435,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     // 1. Gateway down — a black hole on its address (connections are queued, never
     //    answered), so a push would wait the whole 5 s timeout: Ensure does not wait; the
     //    rules arrive when the gateway starts.
-    let hole = a.ns.run(|| std::net::TcpListener::bind(ADMIN)).expect("black hole on the admin address");
+    let hole = a.topo.node.run(|| std::net::TcpListener::bind(ADMIN)).expect("black hole on the admin address");
     let t = Instant::now();
     let r1 = ensure(&a, "sb-1", Some(l7_ctx(vec![inject_rule("api", "api.example.com", SECRET)]))).expect("ensure");
     assert!(t.elapsed() < Duration::from_secs(4), "Ensure waited for a gateway that is down: {:?}", t.elapsed());
@@ -445,11 +446,11 @@ fn l7_agent_pushes_rules_to_the_gateway() {
         m.contains("cubenet_egress_pending 1") && m.contains("cubenet_egress_up 0")
     });
     drop(hole);
-    let gw = Gateway::start(&a.ns, &tmp.0, "");
+    let gw = Gateway::start(&a.topo.node, &tmp.0, "");
     let t = Instant::now();
-    wait_for("sb-1's rules on the gateway", Duration::from_secs(10), || gateway_policy(&a.ns, &ip1).is_some());
+    wait_for("sb-1's rules on the gateway", Duration::from_secs(10), || gateway_policy(&a.topo.node, &ip1).is_some());
     eprintln!("rules arrived {:?} after the gateway came up", t.elapsed());
-    let p = gateway_policy(&a.ns, &ip1).unwrap();
+    let p = gateway_policy(&a.topo.node, &ip1).unwrap();
     assert_eq!(p["policy_id"], ip1.as_str());
     assert_eq!(rule_ids(&p), ["api"]);
     assert_eq!(p["rules"][0]["match"], json!({"host": "api.example.com", "path": "/v1/*"}));
@@ -469,7 +470,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
         deny
     }]);
     reconcile(&a, "sb-1", ctx2.clone()).expect("reconcile");
-    assert_eq!(rule_ids(&gateway_policy(&a.ns, &ip1).unwrap()), ["api-v2", "deny-admin"]);
+    assert_eq!(rule_ids(&gateway_policy(&a.topo.node, &ip1).unwrap()), ["api-v2", "deny-admin"]);
 
     // 3. A refused Reconcile changes nothing, on the gateway either.
     let before = state_files(&a);
@@ -478,53 +479,59 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     assert_invalid(reconcile(&a, "sb-1", l7_ctx(vec![badr])), "cubevs_context.rules[0].match.path");
     assert_eq!(state_files(&a), before);
     std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(rule_ids(&gateway_policy(&a.ns, &ip1).unwrap()), ["api-v2", "deny-admin"]);
+    assert_eq!(rule_ids(&gateway_policy(&a.topo.node, &ip1).unwrap()), ["api-v2", "deny-admin"]);
 
     // 4. A sandbox without rules has no gateway policy.
     let r2 = ensure(&a, "sb-2", None).expect("ensure sb-2");
     let ip2 = sandbox_ip(&r2);
-    assert_eq!(gateway_policy(&a.ns, &ip2), None);
+    assert_eq!(gateway_policy(&a.topo.node, &ip2), None);
 
     // 5. A stale policy (an address of no sandbox) is removed when the agent (re)starts.
     let stray = json!({"policy_id": "stray", "rules": [{"id": "all", "action": {"allow": true}}]}).to_string();
-    assert_eq!(admin(&a.ns, "PUT", "/admin/v1/policies/192.168.0.200", &stray).0, 200);
+    assert_eq!(admin(&a.topo.node, "PUT", "/admin/v1/policies/192.168.0.200", &stray).0, 200);
     a.kill(nix::sys::signal::Signal::SIGTERM);
     start_agent(&mut a);
-    wait_for("stale policy deleted", Duration::from_secs(10), || gateway_policy(&a.ns, "192.168.0.200").is_none());
-    assert_eq!(gateway_ips(&a.ns), std::slice::from_ref(&ip1));
+    wait_for("stale policy deleted", Duration::from_secs(10), || {
+        gateway_policy(&a.topo.node, "192.168.0.200").is_none()
+    });
+    assert_eq!(gateway_ips(&a.topo.node), std::slice::from_ref(&ip1));
 
     // 6. Gateway down: Release and a new Ensure; a fresh gateway gets exactly the live set.
-    gw.stop(&a.ns);
+    gw.stop(&a.topo.node);
     let t = Instant::now();
     release(&a, "sb-1");
     let r3 = ensure(&a, "sb-3", Some(l7_ctx(vec![inject_rule("three", "three.example.com", SECRET)]))).unwrap();
     assert!(t.elapsed() < Duration::from_secs(2), "calls waited for a gateway that is down: {:?}", t.elapsed());
     let ip3 = sandbox_ip(&r3);
-    let gw = Gateway::start(&a.ns, &tmp.0, "");
-    wait_for("sb-3's rules on the restarted gateway", Duration::from_secs(10), || gateway_ips(&a.ns) == [ip3.clone()]);
-    assert_eq!(rule_ids(&gateway_policy(&a.ns, &ip3).unwrap()), ["three"]);
+    let gw = Gateway::start(&a.topo.node, &tmp.0, "");
+    wait_for("sb-3's rules on the restarted gateway", Duration::from_secs(10), || {
+        gateway_ips(&a.topo.node) == [ip3.clone()]
+    });
+    assert_eq!(rule_ids(&gateway_policy(&a.topo.node, &ip3).unwrap()), ["three"]);
 
     // 7. A restart between two health polls (the gateway lost its policies): the agent
     //    notices the count and re-sends ...
-    assert_eq!(admin(&a.ns, "DELETE", &format!("/admin/v1/policies/{ip3}"), "").0, 200);
-    wait_for("lost policy re-sent", Duration::from_secs(10), || gateway_policy(&a.ns, &ip3).is_some());
+    assert_eq!(admin(&a.topo.node, "DELETE", &format!("/admin/v1/policies/{ip3}"), "").0, 200);
+    wait_for("lost policy re-sent", Duration::from_secs(10), || gateway_policy(&a.topo.node, &ip3).is_some());
     // ... and a policy put there behind its back (an address without a sandbox) is removed.
-    assert_eq!(admin(&a.ns, "PUT", "/admin/v1/policies/192.168.0.201", &stray).0, 200);
-    wait_for("foreign policy deleted", Duration::from_secs(10), || gateway_policy(&a.ns, "192.168.0.201").is_none());
-    assert_eq!(gateway_ips(&a.ns), std::slice::from_ref(&ip3));
+    assert_eq!(admin(&a.topo.node, "PUT", "/admin/v1/policies/192.168.0.201", &stray).0, 200);
+    wait_for("foreign policy deleted", Duration::from_secs(10), || {
+        gateway_policy(&a.topo.node, "192.168.0.201").is_none()
+    });
+    assert_eq!(gateway_ips(&a.topo.node), std::slice::from_ref(&ip3));
 
     // 8. Ensure with the gateway up: the rules are there when Ensure returns.
     let r4 = ensure(&a, "sb-4", Some(l7_ctx(vec![inject_rule("four", "four.example.com", SECRET)]))).unwrap();
     let ip4 = sandbox_ip(&r4);
-    assert_eq!(rule_ids(&gateway_policy(&a.ns, &ip4).expect("pushed before Ensure returned")), ["four"]);
+    assert_eq!(rule_ids(&gateway_policy(&a.topo.node, &ip4).expect("pushed before Ensure returned")), ["four"]);
     release(&a, "sb-4");
-    assert_eq!(gateway_policy(&a.ns, &ip4), None);
+    assert_eq!(gateway_policy(&a.topo.node, &ip4), None);
 
     // 9. Release with the gateway up: gone when Release returns.
     let dump = a.http("/v1/policies/dump").unwrap().1;
     assert!(dump.contains(SECRET), "the loopback dump carries the secret for the gateway");
     release(&a, "sb-3");
-    assert_eq!(gateway_policy(&a.ns, &ip3), None);
+    assert_eq!(gateway_policy(&a.topo.node, &ip3), None);
     release(&a, "sb-2");
 
     // Secrets: never in the agent's log; state files are 0600 in a 0700 directory.

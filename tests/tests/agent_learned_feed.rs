@@ -1,5 +1,6 @@
 //! The learned-address feed (issue 11 remainder, decision N8), end to end: the real agent and
-//! the real `cube-egress` in the agent's namespace; a real DNS query and response pass the
+//! the real `cube-egress` in the node (dataplane) namespace, where the agent reaches it
+//! (decision L9); a real DNS query and response pass the
 //! agent's own datapath (`BPF_PROG_TEST_RUN` of the active slot's pinned `from_cube` and
 //! `from_world` on the agent's TAP and uplink, so the learned entry is written by the kernel
 //! into the agent's maps); the agent names it by the pattern it was learned for and the
@@ -186,7 +187,7 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     }
     let mut ag = AgentUnderTest::prepare("learned-feed", 2, "cube_egress_push_timeout_ms = 5000\n");
     let dir = TmpDir(ag.dir.join("gw"));
-    let _gw = gateway(&ag.ns, &dir.0);
+    let _gw = gateway(&ag.topo.node, &dir.0);
     ag.start();
 
     let ra = ensure(&ag, "sb-a");
@@ -194,17 +195,17 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     let (ip_a, ip_b) = (ra.persist_metadata["sandbox_ip"].clone(), rb.persist_metadata["sandbox_ip"].clone());
     let tap_a = ra.persist_metadata["host_tap_name"].clone();
     wait_for("both policies on the gateway", Duration::from_secs(10), || {
-        admin(&ag.ns, "GET", &format!("/admin/v1/policies/{ip_a}")).0 == 200
-            && admin(&ag.ns, "GET", &format!("/admin/v1/policies/{ip_b}")).0 == 200
+        admin(&ag.topo.node, "GET", &format!("/admin/v1/policies/{ip_a}")).0 == 200
+            && admin(&ag.topo.node, "GET", &format!("/admin/v1/policies/{ip_b}")).0 == 200
     });
-    assert_eq!(learned(&ag.ns, &ip_a), None, "nothing learned yet");
+    assert_eq!(learned(&ag.topo.node, &ip_a), None, "nothing learned yet");
 
     // Sandbox A resolves an exact name and a subdomain of a `*.` pattern.
     assert_eq!(resolve(&ag, &tap_a, 40000, 0x1111, "API.example.com", ADDR_API), (TC_ACT_REDIRECT, TC_ACT_REDIRECT));
     assert_eq!(resolve(&ag, &tap_a, 40001, 0x2222, "img.cdn.example", ADDR_CDN), (TC_ACT_REDIRECT, TC_ACT_REDIRECT));
     let want = json!({"api.example.com": ["203.0.113.10"], "*.cdn.example": ["203.0.113.20"]});
     wait_for("A's learned names on the gateway", Duration::from_secs(10), || {
-        learned(&ag.ns, &ip_a).as_ref() == Some(&want)
+        learned(&ag.topo.node, &ip_a).as_ref() == Some(&want)
     });
     let m = ag.http("/metrics").expect("metrics").1;
     assert!(m.contains("cubenet_egress_learned_push_total{result=\"ok\"}"), "{m}");
@@ -212,15 +213,15 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     // Attack: B has the same patterns and rules and learned nothing; it never gets A's
     // addresses, under any name (the feed runs every second: wait two more rounds).
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(learned(&ag.ns, &ip_b), None, "A's addresses fed under B");
-    assert_eq!(learned(&ag.ns, &ip_a).as_ref(), Some(&want));
+    assert_eq!(learned(&ag.topo.node, &ip_b), None, "A's addresses fed under B");
+    assert_eq!(learned(&ag.topo.node, &ip_a).as_ref(), Some(&want));
 
     // Release forgets A's learned names on the gateway; B still has nothing.
     release(&ag, "sb-a");
-    wait_for("A's learned names gone", Duration::from_secs(10), || learned(&ag.ns, &ip_a).is_none());
+    wait_for("A's learned names gone", Duration::from_secs(10), || learned(&ag.topo.node, &ip_a).is_none());
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(learned(&ag.ns, &ip_a), None, "fed again after Release");
-    assert_eq!(learned(&ag.ns, &ip_b), None);
+    assert_eq!(learned(&ag.topo.node, &ip_a), None, "fed again after Release");
+    assert_eq!(learned(&ag.topo.node, &ip_b), None);
     release(&ag, "sb-b");
 }
 

@@ -275,6 +275,13 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
             .or_else(|| exec_wget("cubenet-node-cube-egress-standby", "http://127.0.0.1:9091/admin/v1/health", true))
     });
     assert!(health.contains("\"status\":\"ok\""), "{health}");
+    // Its bootstrap (chart `egress.bootstrapUrl: auto`) reaches the agent's dump listener that
+    // the agent, in the pod's namespace, binds in the node namespace (decision L9).
+    let health = wait_for("CubeEgress bootstrapped from the agent", Duration::from_secs(90), || {
+        exec_wget("cubenet-node-cube-egress", "http://127.0.0.1:9091/admin/v1/health", true)
+            .or_else(|| exec_wget("cubenet-node-cube-egress-standby", "http://127.0.0.1:9091/admin/v1/health", true))
+            .filter(|h| h.contains("\"bootstrap_status\":\"ready\""))
+    });
     eprintln!("[k8s-pod] CubeEgress health: {}", health.trim());
     wait_for("TPROXY chain in the node namespace", Duration::from_secs(60), || {
         let s = topo.node.exec("iptables", &["-t", "mangle", "-S", "TRANSPROXY"]);

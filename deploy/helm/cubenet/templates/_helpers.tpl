@@ -31,6 +31,17 @@ app.kubernetes.io/component: cube-node
 {{- if eq .Values.mode "underlay" -}}{{ .Values.underlay.netnsPath }}{{- end -}}
 {{- end -}}
 
+{{/* CubeEgress's bootstrap URL: `auto` = the agent's policy dump where the gateway reaches
+     it on its loopback: in underlay mode the agent's egress_dump_listen, which the agent
+     binds inside the dataplane namespace (decision L9); in overlay mode the agent and the
+     gateway share the pod's namespace and the dump is on health_listen. "" = none. */}}
+{{- define "cubenet.egressBootstrapUrl" -}}
+{{- if ne .Values.egress.bootstrapUrl "auto" -}}{{ .Values.egress.bootstrapUrl }}
+{{- else if eq .Values.mode "underlay" -}}http://127.0.0.1:{{ int .Values.agent.egressDumpPort }}/v1/policies/dump
+{{- else -}}http://127.0.0.1:{{ int .Values.agent.healthPort }}/v1/policies/dump
+{{- end -}}
+{{- end -}}
+
 {{/* hostPID is needed when the dataplane is reached through /proc/1/ns/net. */}}
 {{- define "cubenet.hostPID" -}}
 {{- if and (eq .Values.mode "underlay") (hasPrefix "/proc/" .Values.underlay.netnsPath) -}}true{{- end -}}
