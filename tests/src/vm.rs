@@ -368,6 +368,11 @@ impl Vm {
         // SAFETY: `raw` is a fresh fd nobody else owns.
         let child_tap = unsafe { OwnedFd::from_raw_fd(raw) };
         drop(tap);
+        let cmdline = cfg.cmdline();
+        // x86 COMMAND_LINE_SIZE (2048 with the NUL): the kernel would cut the rest silently.
+        if cmdline.len() >= 2048 {
+            bail!("guest kernel command line is {} bytes, the x86 limit is 2047", cmdline.len());
+        }
         let qemu = qemu_binary();
         let mut cmd = Command::new(&qemu);
         cmd.args(["-accel", &accel(), "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
@@ -376,7 +381,7 @@ impl Vm {
             .arg(&image.kernel)
             .arg("-initrd")
             .arg(&image.initramfs)
-            .args(["-append", &cfg.cmdline()])
+            .args(["-append", &cmdline])
             .args(["-netdev", &format!("tap,id=n0,fd={raw}")])
             .args(["-device", &format!("virtio-net-device,netdev=n0,mac={}", mac_string(cfg.mac))])
             .stdin(Stdio::null())
