@@ -46,7 +46,9 @@ log "cargo: static cubenet-https-get"
 (cd "$repo" && cargo rustc --release --locked -q -p cubenet-guest-tools --bin cubenet-https-get \
   -- -C target-feature=+crt-static) >&2 || { log "cannot build guest-tools/cubenet-https-get"; exit 1; }
 https_get=${CARGO_TARGET_DIR:-$repo/target}/release/cubenet-https-get
-! ldd "$https_get" >/dev/null 2>&1 || { log "$https_get is dynamically linked"; exit 1; }
+# Static (also static-pie, which ldd calls "statically linked" with status 0): no ELF interpreter.
+headers=$(readelf -l "$https_get") || { log "cannot read $https_get"; exit 1; }
+[[ "$headers" != *INTERP* ]] || { log "$https_get is dynamically linked"; exit 1; }
 
 # Modules virtio-net needs on the microvm machine, in load order (guest-init.sh loads them).
 MODULES=(virtio_ring virtio virtio_mmio failover net_failover virtio_net)
