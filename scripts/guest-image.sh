@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds the real-Linux test guest: the Debian 12 kernel (vmlinuz), and an initramfs with
-# static busybox, the virtio-net modules and scripts/guest-init.sh as /init.
+# static busybox, the virtio-net modules, scripts/guest-init.sh as /init and
+# /bin/cubenet-https-get (guest-tools/, built here statically with cargo: busybox's own TLS
+# client cannot talk to rustls servers, decision L20).
 #
 # Usage: scripts/guest-image.sh [DIR]     (or CUBENET_GUEST_DIR=DIR; default <repo>/target/guest)
 # Writes DIR/vmlinuz and DIR/initramfs.cpio.gz and prints DIR. Idempotent and cached: it
-# rebuilds only when the kernel package, busybox, /init or this script changed (DIR/stamp).
+# rebuilds only when the kernel package, busybox, /init, cubenet-https-get or this script changed
+# (DIR/stamp).
 # Installs nothing itself except through scripts/guest-lib.sh (shared with setup.sh).
 # Exit status 3: a prerequisite could not be obtained (apt install or kernel download failed),
 # i.e. the machine cannot run guests; any other failure is a defect.
@@ -37,13 +40,23 @@ busybox_file=$(readlink -f /bin/busybox)
 deb=$(guest_kernel_fetch "$dir") || { log "cannot obtain the guest kernel package"; exit 3; }
 deb=$(readlink -f "$deb")
 
+# The guest's HTTPS client: static (glibc, -static-pie), release profile, in the repo's target
+# directory (or $CARGO_TARGET_DIR). `cargo rustc` so crt-static applies to this binary only.
+log "cargo: static cubenet-https-get"
+(cd "$repo" && cargo rustc --release --locked -q -p cubenet-guest-tools --bin cubenet-https-get \
+  -- -C target-feature=+crt-static) >&2 || { log "cannot build guest-tools/cubenet-https-get"; exit 1; }
+https_get=${CARGO_TARGET_DIR:-$repo/target}/release/cubenet-https-get
+# Static (also static-pie, which ldd calls "statically linked" with status 0): no ELF interpreter.
+headers=$(readelf -l "$https_get") || { log "cannot read $https_get"; exit 1; }
+[[ "$headers" != *INTERP* ]] || { log "$https_get is dynamically linked"; exit 1; }
+
 # Modules virtio-net needs on the microvm machine, in load order (guest-init.sh loads them).
 MODULES=(virtio_ring virtio virtio_mmio failover net_failover virtio_net)
 
 stamp_now=$(
   {
     basename "$deb"
-    sha256sum "$busybox_file" "$here/guest-init.sh" "$here/guest-image.sh" | awk '{print $1}'
+    sha256sum "$busybox_file" "$here/guest-init.sh" "$here/guest-image.sh" "$https_get" | awk '{print $1}'
   } | sha256sum | awk '{print $1}'
 )
 if [[ -f "$dir/stamp" && -f "$dir/vmlinuz" && -f "$dir/initramfs.cpio.gz" ]]; then
@@ -82,6 +95,9 @@ for a in $applets; do
   [[ "$a" == busybox ]] || ln -s busybox "$root/bin/$a"
 done
 install -m 0755 "$here/guest-init.sh" "$root/init"
+# Stripped: a smaller initramfs boots faster under TCG.
+strip -o "$root/bin/cubenet-https-get" "$https_get"
+chmod 0755 "$root/bin/cubenet-https-get"
 
 # What the guest serves with cubenet.serve=PORT (busybox httpd, CGI from /cgi-bin).
 printf 'cubenet guest\n' >"$root/www/index.html"

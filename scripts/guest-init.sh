@@ -11,6 +11,8 @@
 #   cubenet.serve=PORT         run busybox httpd on PORT: / is index.html, /cgi-bin/whoami
 #                              answers "you are <client ip>:<client port>"
 #   cubenet.timeout=SECONDS    per-check timeout (default 5)
+#   cubenet.ca=BASE64          a CA certificate (DER, base64) the https check trusts; written
+#                              as PEM to /etc/cubenet-ca.pem (optional)
 #   cubenet.check=KIND:ARGS    a check, repeatable, run in order:
 #       arp:IP                 an ARP request for IP on eth0 is answered  (detail: the MAC)
 #       ping:IP                one ICMP echo to IP is answered            (detail: rtt)
@@ -20,6 +22,9 @@
 #       refused:IP:PORT        a TCP connect is actively refused (RST)     (detail: the error)
 #       dns:NAME@SERVER        nslookup -type=a NAME SERVER answers        (detail: first address)
 #       vhost:NAME@IP:PORT/PATH=CODE  HTTP GET with Host: NAME answers status CODE
+#                              (detail: first body line)
+#       https:NAME@IP:PORT/PATH=CODE  HTTPS GET with SNI and Host NAME, trusting only
+#                              cubenet.ca (/bin/cubenet-https-get), answers status CODE
 #                              (detail: first body line)
 # and prints to the console (ttyS0), one line each:
 #   CUBENET-INFO <key> <value>              diagnostics (virtio-net-features: negotiated bits)
@@ -55,7 +60,7 @@ now_ms() {
   awk '{ printf "%d", $1 * 1000 }' /proc/uptime
 }
 
-IP='' GW='' GWMAC='' MAC='' MTU='' SERVE='' TIMEOUT=5 CHECKS=''
+IP='' GW='' GWMAC='' MAC='' MTU='' SERVE='' TIMEOUT=5 CHECKS='' CA=''
 read -r cmdline </proc/cmdline
 set -f
 for arg in $cmdline; do
@@ -68,9 +73,18 @@ for arg in $cmdline; do
     cubenet.serve=*) SERVE=${arg#*=} ;;
     cubenet.timeout=*) TIMEOUT=${arg#*=} ;;
     cubenet.check=*) CHECKS="$CHECKS ${arg#*=}" ;;
+    cubenet.ca=*) CA=${arg#*=} ;;
   esac
 done
 { [ -n "$IP" ] && [ -n "$GW" ]; } || fatal "cubenet.ip and cubenet.gw are required"
+if [ -n "$CA" ]; then
+  mkdir -p /etc
+  {
+    echo "-----BEGIN CERTIFICATE-----"
+    printf '%s\n' "$CA" | fold -w 64
+    echo "-----END CERTIFICATE-----"
+  } >/etc/cubenet-ca.pem || fatal "write /etc/cubenet-ca.pem"
+fi
 
 # Keep the console for our lines: only emergencies from the kernel from now on.
 dmesg -n 1
@@ -169,6 +183,24 @@ run_check() {
       if http_get "$hostport" "$path" "$vname"; then
         code=$(head -n 1 /tmp/http | tr -d '\r' | cut -d ' ' -f 2)
         body=$(sed "1,/^$CR\$/d" /tmp/http | head -n 1)
+        if [ "$code" = "$want" ]; then RESULT=PASS DETAIL=$body; else DETAIL="status $code: $body"; fi
+      else
+        DETAIL="no response: $(cat /tmp/http.err)"
+      fi
+      rm -f /tmp/http /tmp/http.err
+      ;;
+    https)
+      vname=${args%%@*}
+      rest=${args#*@}
+      want=${rest##*=}
+      rest=${rest%=*}
+      hostport=${rest%%/*}
+      path=/
+      [ "$hostport" = "$rest" ] || path=/${rest#*/}
+      if timeout "$((TIMEOUT + 1))" cubenet-https-get "${hostport%:*}" "${hostport##*:}" "$vname" "$path" \
+        /etc/cubenet-ca.pem >/tmp/http 2>/tmp/http.err; then
+        code=$(head -n 1 /tmp/http | cut -d ' ' -f 2)
+        body=$(sed 1d /tmp/http | head -n 1)
         if [ "$code" = "$want" ]; then RESULT=PASS DETAIL=$body; else DETAIL="status $code: $body"; fi
       else
         DETAIL="no response: $(cat /tmp/http.err)"

@@ -210,8 +210,8 @@ fn plans(n: usize) -> Vec<Plan> {
     all.into_iter().take(n.clamp(1, 4)).collect()
 }
 
-/// Sandbox 4's context. The busybox guest speaks plain HTTP only (its TLS client sends no
-/// signature_algorithms, which rustls requires: decision L8), so the allow rule injects over
+/// Sandbox 4's context. The guest speaks HTTPS with `cubenet-https-get` (rustls, trusting the
+/// gateway's CA: decision L20) and plain HTTP with busybox nc; the allow rule injects over
 /// plain HTTP too (`inject_plain_http`; the gateway still checks the destination belongs to the
 /// Host through its resolver).
 fn l7_context() -> pb::CubeVsContext {
@@ -256,6 +256,8 @@ struct Sandbox {
     resp: pb::EnsureNetworkResponse,
     fd: Option<OwnedFd>,
     checks: Vec<(String, Check)>,
+    /// Extra kernel command-line words (sandbox 4: `cubenet.ca=`, the gateway's CA).
+    cmdline: Vec<String>,
     vm: Option<Vm>,
 }
 
@@ -291,7 +293,7 @@ impl Sandbox {
             Some(a) => Some(parse_mac(&a.mac_address)?),
             None => None,
         };
-        let mut extra = Vec::new();
+        let mut extra = self.cmdline.clone();
         if i.mtu > 0 {
             extra.push(format!("cubenet.mtu={}", i.mtu));
         }
@@ -414,7 +416,16 @@ pub fn run(opts: &Options) -> Result<Report> {
         let mvm_ip: Ipv4Addr =
             resp.persist_metadata.get("sandbox_ip").context("no sandbox_ip in persist_metadata")?.parse()?;
         let (reply, fd) = tap_fd(&a.tap_socket(), &tap, pl.id);
-        let mut sb = Sandbox { id: pl.id.to_string(), tap, mvm_ip, resp, fd: None, checks: Vec::new(), vm: None };
+        let mut sb = Sandbox {
+            id: pl.id.to_string(),
+            tap,
+            mvm_ip,
+            resp,
+            fd: None,
+            checks: Vec::new(),
+            cmdline: Vec::new(),
+            vm: None,
+        };
         let ok = reply["errCode"] == "0" && fd.is_some();
         let ports: Vec<String> = sb
             .resp
@@ -439,7 +450,7 @@ pub fn run(opts: &Options) -> Result<Report> {
 
     // CubeEgress for sandbox 4, started after its Ensure: its rules come from the agent's dump.
     let mut gateway = None;
-    if let Some(sb) = sbs.iter().find(|s| s.id == "sb-4-l7") {
+    if let Some(sb) = sbs.iter_mut().find(|s| s.id == "sb-4-l7") {
         let t = Instant::now();
         let dir = std::env::temp_dir().join(format!("cubenet-demo-{}-egress", std::process::id()));
         cleanup::dir(&dir);
@@ -465,6 +476,8 @@ pub fn run(opts: &Options) -> Result<Report> {
             format!("{}, {} policies; TPROXY on cube-dev", h["bootstrap_status"], h["policy_count"]),
         ));
         p.say(format!("cube-egress pid {} in the node namespace (dir {})", gw.pid(), dir.display()));
+        // The guest trusts the gateway's CA only (it never sees the world CA or the secret).
+        sb.cmdline.push(cubenet_tests::vm::ca_cmdline(&gw.ca_pem)?);
         gateway = Some(gw);
     }
 
@@ -492,8 +505,16 @@ pub fn run(opts: &Options) -> Result<Report> {
                     status,
                 };
                 c.push((format!("DNS {L7_NAME} (learned)"), Check::Dns(L7_NAME.into(), WORLD)));
+                let https = |path: &str, status| Check::Https {
+                    addr: w(L7_IP, 443),
+                    host: L7_NAME.into(),
+                    path: path.into(),
+                    status,
+                };
                 c.push(("HTTP /v1/models via CubeEgress → 200".into(), vhost("/v1/models", 200)));
                 c.push(("denied path /admin/keys → 403".into(), vhost("/admin/keys", 403)));
+                c.push(("HTTPS /v1/models via CubeEgress → 200".into(), https("/v1/models", 200)));
+                c.push(("HTTPS denied path /admin/keys → 403".into(), https("/admin/keys", 403)));
                 c.push((format!("DNS {L7_OTHER_NAME}"), Check::Dns(L7_OTHER_NAME.into(), WORLD)));
                 c.push((format!("its address {L7_OTHER_IP}:80 refused"), Check::Refused(w(L7_OTHER_IP, 80))));
             }
@@ -555,7 +576,14 @@ pub fn run(opts: &Options) -> Result<Report> {
         }
         for (label, check) in &sb.checks {
             match results.iter().find(|r| r.spec == check.spec()) {
-                Some(r) => rows.push(sb.row(label.clone(), r.pass, r.ms, r.detail.clone())),
+                Some(r) => {
+                    // An HTTPS 200 must be the world server's own answer, relayed by CubeEgress.
+                    let relayed = match check {
+                        Check::Https { path, status: 200, .. } => r.detail.starts_with(&format!("world https {path} ")),
+                        _ => true,
+                    };
+                    rows.push(sb.row(label.clone(), r.pass && relayed, r.ms, r.detail.clone()))
+                }
                 None => rows.push(sb.row(label.clone(), false, 0, "no result from the guest")),
             }
         }
@@ -677,15 +705,17 @@ pub fn run(opts: &Options) -> Result<Report> {
 /// What only the outside sees of sandbox 4: the world server's and the gateway's view.
 fn l7_rows(sb: &Sandbox, gw: &Gateway, world: &World, rows: &mut Vec<Row>) {
     let node = Ipv4Addr::from(NODE_IP);
-    let seen = world.requests_to("/v1/models");
     let bearer = format!("Bearer {L7_SECRET}");
-    let injected = seen.iter().any(|r| r.header("authorization") == Some(bearer.as_str()));
-    rows.push(sb.row(
-        "world saw the injected credential",
-        seen.len() == 1 && injected && seen[0].peer.ip() == node,
-        0,
-        format!("{} request(s) from {}", seen.len(), seen.first().map_or("-".into(), |r| r.peer.to_string())),
-    ));
+    for scheme in ["http", "https"] {
+        let seen: Vec<_> = world.requests_to("/v1/models").into_iter().filter(|r| r.scheme == scheme).collect();
+        let injected = seen.iter().any(|r| r.header("authorization") == Some(bearer.as_str()));
+        rows.push(sb.row(
+            format!("world saw the injected credential ({scheme})"),
+            seen.len() == 1 && injected && seen[0].peer.ip() == node,
+            0,
+            format!("{} request(s) from {}", seen.len(), seen.first().map_or("-".into(), |r| r.peer.to_string())),
+        ));
+    }
     let admin = world.requests_to("/admin");
     rows.push(sb.row("world never saw /admin", admin.is_empty(), 0, count(admin.len(), "request")));
     let text = gw.audit_text();

@@ -170,6 +170,19 @@ pub enum Check {
         /// The status that passes.
         status: u16,
     },
+    /// `https:NAME@IP:PORT/PATH=CODE`: an HTTPS GET to the address (SNI and `Host: NAME`,
+    /// `/bin/cubenet-https-get`: rustls default client settings) trusting only the CA given
+    /// with [`ca_cmdline`] answers status `CODE`; detail is the body's first line.
+    Https {
+        /// Where to connect.
+        addr: SocketAddrV4,
+        /// SNI, the name the certificate must carry, and the Host header.
+        host: String,
+        /// Request path.
+        path: String,
+        /// The status that passes.
+        status: u16,
+    },
 }
 
 impl Check {
@@ -185,6 +198,7 @@ impl Check {
             Check::Refused(a) => format!("refused:{a}"),
             Check::Dns(name, server) => format!("dns:{name}@{server}"),
             Check::HttpHost { addr, host, path: p, status } => format!("vhost:{host}@{addr}{}={status}", path(p)),
+            Check::Https { addr, host, path: p, status } => format!("https:{host}@{addr}{}={status}", path(p)),
         }
     }
 }
@@ -256,6 +270,23 @@ impl GuestConfig {
         w.extend(self.extra_cmdline.iter().cloned());
         w.join(" ")
     }
+}
+
+/// The kernel command-line word `cubenet.ca=<base64 DER>` that makes the guest trust the one
+/// certificate in `pem` (a PEM `CERTIFICATE` block) for [`Check::Https`]; the guest writes it
+/// back as PEM to `/etc/cubenet-ca.pem`. About 500 characters for an ECDSA P-256 CA: mind the
+/// x86 command-line limit (2048 bytes). Errors: `pem` is not exactly one certificate block.
+pub fn ca_cmdline(pem: &str) -> Result<String> {
+    let begin = pem.matches("-----BEGIN CERTIFICATE-----").count();
+    if begin != 1 || pem.matches("-----BEGIN ").count() != 1 {
+        bail!("expected exactly one PEM CERTIFICATE block, found {begin}");
+    }
+    // A PEM body is already base64 of the DER: drop the armour and the line breaks.
+    let b64: String = pem.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("-----")).collect();
+    if b64.is_empty() || !b64.bytes().all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b)) {
+        bail!("PEM certificate body is not base64");
+    }
+    Ok(format!("cubenet.ca={b64}"))
 }
 
 /// One `CUBENET-CHECK <spec> PASS|FAIL <ms> <detail>` line.
@@ -337,6 +368,11 @@ impl Vm {
         // SAFETY: `raw` is a fresh fd nobody else owns.
         let child_tap = unsafe { OwnedFd::from_raw_fd(raw) };
         drop(tap);
+        let cmdline = cfg.cmdline();
+        // x86 COMMAND_LINE_SIZE (2048 with the NUL): the kernel would cut the rest silently.
+        if cmdline.len() >= 2048 {
+            bail!("guest kernel command line is {} bytes, the x86 limit is 2047", cmdline.len());
+        }
         let qemu = qemu_binary();
         let mut cmd = Command::new(&qemu);
         cmd.args(["-accel", &accel(), "-M", "microvm", "-smp", "1", "-m", &cfg.memory_mib.to_string()])
@@ -345,7 +381,7 @@ impl Vm {
             .arg(&image.kernel)
             .arg("-initrd")
             .arg(&image.initramfs)
-            .args(["-append", &cfg.cmdline()])
+            .args(["-append", &cmdline])
             .args(["-netdev", &format!("tap,id=n0,fd={raw}")])
             .args(["-device", &format!("virtio-net-device,netdev=n0,mac={}", mac_string(cfg.mac))])
             .stdin(Stdio::null())
@@ -505,6 +541,13 @@ mod tests {
         assert_eq!(Check::Dns("a.test".into(), *a.ip()).spec(), "dns:a.test@198.51.100.1");
         let h = Check::HttpHost { addr: a, host: "a.test".into(), path: "x".into(), status: 403 };
         assert_eq!(h.spec(), "vhost:a.test@198.51.100.1:80/x=403");
+        let a443 = SocketAddrV4::new(*a.ip(), 443);
+        let s = Check::Https { addr: a443, host: "a.test".into(), path: "/v1".into(), status: 200 };
+        assert_eq!(s.spec(), "https:a.test@198.51.100.1:443/v1=200");
+        let pem = "-----BEGIN CERTIFICATE-----\nMIIB\nAQ==\n-----END CERTIFICATE-----\n";
+        assert_eq!(ca_cmdline(pem).unwrap(), "cubenet.ca=MIIBAQ==");
+        assert!(ca_cmdline(&format!("{pem}{pem}")).is_err());
+        assert!(ca_cmdline("-----BEGIN CERTIFICATE-----\nno spaces allowed\n-----END CERTIFICATE-----").is_err());
         let r = CheckResult::parse("http:198.51.100.1:80/ PASS 40 you are 198.51.100.2:30001").unwrap();
         assert_eq!((r.pass, r.ms, r.detail.as_str()), (true, 40, "you are 198.51.100.2:30001"));
         assert!(!CheckResult::parse("ping:1.2.3.4 FAIL 10 ").unwrap().pass);
