@@ -227,7 +227,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let attach = match raw.tc_attach.as_str() {
             "tcx" => cubevs::AttachMode::Tcx,
             "legacy" => cubevs::AttachMode::LegacyTc,
-            _ => cubevs::AttachMode::TcxDeferred,
+            // `auto` = tcx at creation: the deferred warm-up (`AttachMode::TcxDeferred`, F5)
+            // leaked TAPs under kill -9 during an Ensure/Release storm (F7).
+            _ => cubevs::AttachMode::Tcx,
         };
         Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?))
     })?;
