@@ -871,7 +871,11 @@ fn legacy_tc_attach_puts_one_filter_on_each_tap() {
     drop(fd);
     rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-l".into(), ..Default::default() }))
         .expect("release");
-    wait_for("the pool back to 2 Ready", Duration::from_secs(10), || (state_counts(&a) == (2, 0, 0)).then(String::new));
+    // The refill made a third TAP while the released one was cleaned; the trim retires one
+    // from the pool before it detaches and deletes it: wait until the node holds only the 2.
+    wait_for("the pool back to 2 Ready and 2 TAPs on the node", Duration::from_secs(10), || {
+        (state_counts(&a) == (2, 0, 0) && a.node_taps().len() == 2).then(String::new)
+    });
     check(&a, "after Ensure/Release");
     a.kill(nix::sys::signal::Signal::SIGKILL);
     a.start();
