@@ -92,19 +92,101 @@ enum Push {
     Permanent(String),
 }
 
-#[derive(Debug, Default)]
-struct Entry {
+impl Push {
+    /// The `result` label of the push counters: `ok`, `retry` or `refused`.
+    fn label(&self) -> &'static str {
+        match self {
+            Push::Done => "ok",
+            Push::Transient(_) => "retry",
+            Push::Permanent(_) => "refused",
+        }
+    }
+
+    /// Classifies the gateway's answer to `method path`: 2xx (or 404 to a DELETE: deleting
+    /// what is not there is done) is done, another 4xx permanent (with the gateway's error
+    /// text, scrubbed of the secrets of `spec`), anything else transient.
+    fn of(method: &Method, path: &str, answer: Result<(u16, Bytes), String>, spec: Option<&PolicySpec>) -> Push {
+        match answer {
+            Ok((s, _)) if (200..300).contains(&s) => Push::Done,
+            Ok((404, _)) if method == Method::DELETE => Push::Done,
+            Ok((s, b)) if (400..500).contains(&s) => {
+                let text = scrub(String::from_utf8_lossy(&b).trim(), spec);
+                Push::Permanent(format!("{method} {path}: {s} {text}"))
+            }
+            Ok((s, _)) => Push::Transient(format!("{method} {path}: {s}")),
+            Err(e) => Push::Transient(format!("{method} {path}: {e}")),
+        }
+    }
+}
+
+/// What a push carries: a sandbox's policy or its learned-address feed. Picks the counter
+/// and the words of the logs.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Policy,
+    Learned,
+}
+
+impl Kind {
+    /// `cubenet_egress_push_total` or `cubenet_egress_learned_push_total`.
+    fn counter(self, m: &Metrics) -> &prometheus::IntCounterVec {
+        match self {
+            Kind::Policy => &m.egress_push,
+            Kind::Learned => &m.egress_learned_push,
+        }
+    }
+
+    /// What is pushed, for logs.
+    fn what(self) -> &'static str {
+        match self {
+            Kind::Policy => "policy",
+            Kind::Learned => "learned feed",
+        }
+    }
+}
+
+/// Wanted gateway state of one sandbox address (`T`: a [`PolicySpec`] or a [`Fed`]).
+#[derive(Debug)]
+struct Slot<T> {
     /// Bumped by every change.
     generation: u64,
     /// `Some` = PUT this, `None` = DELETE.
-    desired: Option<PolicySpec>,
+    desired: Option<T>,
     dirty: bool,
-    /// The gateway acknowledged the current `Some` state (a 2xx for this generation).
+    /// The gateway acknowledged the current `Some` state (a 2xx for this generation). Read
+    /// for policies only (`count_mismatch`).
     acked: bool,
     /// A request for this address is on the wire: nobody else sends one (requests for one
     /// address are strictly sequential, so the gateway applies them in generation order).
     in_flight: bool,
 }
+
+impl<T> Default for Slot<T> {
+    fn default() -> Self {
+        Self { generation: 0, desired: None, dirty: false, acked: false, in_flight: false }
+    }
+}
+
+impl<T> Slot<T> {
+    /// Records a change: `desired` is owed to the gateway (a new generation).
+    fn want(&mut self, desired: Option<T>) {
+        self.generation += 1;
+        self.desired = desired;
+        self.dirty = true;
+        self.acked = false;
+    }
+}
+
+/// Claims `ip` of `m` for one request: its generation and wanted state, unless it is clean
+/// or already in flight.
+fn begin_in<T: Clone>(m: &mut HashMap<Ipv4Addr, Slot<T>>, ip: Ipv4Addr) -> Option<(u64, Option<T>)> {
+    let e = m.get_mut(&ip).filter(|e| e.dirty && !e.in_flight)?;
+    e.in_flight = true;
+    Some((e.generation, e.desired.clone()))
+}
+
+/// Policy state of one sandbox address.
+type Entry = Slot<PolicySpec>;
 
 /// Most addresses fed per name: the gateway's `MAX_LEARNED_ADDRS` (the ones expiring last
 /// are kept). A sandbox has at most `cubevs::policy::MAX_FQDN_PER_SANDBOX` (32) names, far
@@ -114,15 +196,8 @@ pub const MAX_FEED_ADDRS: usize = 32;
 /// What one sandbox address is fed: pattern → addresses, and the latest expiry (ns).
 type Fed = (BTreeMap<String, Vec<Ipv4Addr>>, u64);
 
-/// Wanted learned-feed state of one sandbox address.
-#[derive(Debug, Default)]
-struct FeedEntry {
-    generation: u64,
-    /// `Some((names, latest expiry ns))` = PUT, `None` = DELETE.
-    desired: Option<Fed>,
-    dirty: bool,
-    in_flight: bool,
-}
+/// Learned-feed state of one sandbox address (`desired`: names and latest expiry).
+type FeedEntry = Slot<Fed>;
 
 /// `PUT /admin/v1/learned/<ip>` body (the gateway's `LearnedSpec`).
 #[derive(Debug, serde::Serialize)]
@@ -206,9 +281,7 @@ impl EgressSync {
         if let Some(e) = f.get_mut(&ip)
             && e.desired.is_some()
         {
-            e.generation += 1;
-            e.desired = None;
-            e.dirty = true;
+            e.want(None);
             self.wake.notify_one();
         }
     }
@@ -226,16 +299,12 @@ impl EgressSync {
                 None => true,
             };
             if changed {
-                e.generation += 1;
-                e.desired = Some((n.names, n.expires_ns));
-                e.dirty = true;
+                e.want(Some((n.names, n.expires_ns)));
             }
         }
         for (ip, e) in f.iter_mut() {
             if !seen.contains(ip) && e.desired.is_some() {
-                e.generation += 1;
-                e.desired = None;
-                e.dirty = true;
+                e.want(None);
             }
         }
     }
@@ -261,45 +330,6 @@ impl EgressSync {
         }
     }
 
-    fn begin_feed(&self, ip: Ipv4Addr) -> Option<(u64, Option<Fed>)> {
-        let mut f = self.feed_lock();
-        let e = f.get_mut(&ip).filter(|e| e.dirty && !e.in_flight)?;
-        e.in_flight = true;
-        Some((e.generation, e.desired.clone()))
-    }
-
-    fn complete_feed(&self, ip: Ipv4Addr, generation: u64, r: Push) {
-        let result = match &r {
-            Push::Done => "ok",
-            Push::Transient(_) => "retry",
-            Push::Permanent(_) => "refused",
-        };
-        self.metrics.egress_learned_push.with_label_values(&[result]).inc();
-        let mut f = self.feed_lock();
-        let Some(e) = f.get_mut(&ip) else { return };
-        e.in_flight = false;
-        if e.generation != generation {
-            self.wake.notify_one();
-            return;
-        }
-        match r {
-            Push::Done => {
-                e.dirty = false;
-                if e.desired.is_none() {
-                    f.remove(&ip);
-                }
-            }
-            Push::Permanent(why) => {
-                tracing::error!(sandbox_ip = %ip, "cube-egress refused the learned feed (not retried): {why}");
-                e.dirty = false;
-            }
-            Push::Transient(why) => {
-                tracing::warn!(sandbox_ip = %ip, "cube-egress learned feed failed, retrying: {why}");
-                self.wake.notify_one();
-            }
-        }
-    }
-
     async fn push_learned(&self, ip: Ipv4Addr, desired: Option<&Fed>) -> Push {
         let path = format!("/admin/v1/learned/{ip}");
         let (method, body) = match desired {
@@ -319,15 +349,7 @@ impl EgressSync {
             }
             None => (Method::DELETE, Vec::new()),
         };
-        match self.request(method.clone(), &path, body).await {
-            Ok((s, _)) if (200..300).contains(&s) => Push::Done,
-            Ok((404, _)) if method == Method::DELETE => Push::Done,
-            Ok((s, b)) if (400..500).contains(&s) => {
-                Push::Permanent(format!("{method} {path}: {s} {}", String::from_utf8_lossy(&b).trim()))
-            }
-            Ok((s, _)) => Push::Transient(format!("{method} {path}: {s}")),
-            Err(e) => Push::Transient(format!("{method} {path}: {e}")),
-        }
+        Push::of(&method, &path, self.request(method.clone(), &path, body).await, None)
     }
 
     /// One feed request per dirty address not already in flight; true when one failed
@@ -336,10 +358,10 @@ impl EgressSync {
         let mut failed = false;
         let work: Vec<Ipv4Addr> = self.feed_lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
         for ip in work {
-            let Some((generation, desired)) = self.begin_feed(ip) else { continue };
+            let Some((generation, desired)) = begin_in(&mut self.feed_lock(), ip) else { continue };
             let r = self.push_learned(ip, desired.as_ref()).await;
             failed |= matches!(r, Push::Transient(_));
-            self.complete_feed(ip, generation, r);
+            self.complete(Kind::Learned, &mut self.feed_lock(), ip, generation, r);
         }
         failed
     }
@@ -359,11 +381,7 @@ impl EgressSync {
                 // Never pushed and the gateway was cleaned by a full sync: nothing to delete.
                 return;
             }
-            let e = m.entry(ip).or_default();
-            e.generation += 1;
-            e.desired = desired;
-            e.dirty = true;
-            e.acked = false;
+            m.entry(ip).or_default().want(desired);
         }
         if !self.up.load(Ordering::Acquire) {
             // Down (or not contacted yet): the loop sends it on the gateway's return.
@@ -372,19 +390,11 @@ impl EgressSync {
         }
         // Another request for this address in flight: its completion sees the new
         // generation and the loop sends this one.
-        if let Some((generation, desired)) = self.begin(ip) {
+        let claimed = begin_in(&mut self.lock(), ip);
+        if let Some((generation, desired)) = claimed {
             let r = self.rt.block_on(self.push(ip, desired.as_ref()));
-            self.complete(ip, generation, r);
+            self.complete(Kind::Policy, &mut self.lock(), ip, generation, r);
         }
-    }
-
-    /// Claims `ip` for one request: its generation and wanted state, unless it is clean or
-    /// already in flight.
-    fn begin(&self, ip: Ipv4Addr) -> Option<(u64, Option<PolicySpec>)> {
-        let mut m = self.lock();
-        let e = m.get_mut(&ip).filter(|e| e.dirty && !e.in_flight)?;
-        e.in_flight = true;
-        Some((e.generation, e.desired.clone()))
     }
 
     /// Full sync: every sandbox of the agent with rules is marked for a PUT, every address
@@ -396,30 +406,20 @@ impl EgressSync {
         let want: HashMap<Ipv4Addr, PolicySpec> = agent.egress_policies().into_iter().collect();
         let n = want.len();
         for ip in on_gateway.iter().filter(|ip| !want.contains_key(ip)) {
-            let e = m.entry(*ip).or_default();
-            e.generation += 1;
-            e.desired = None;
-            e.dirty = true;
-            e.acked = false;
+            m.entry(*ip).or_default().want(None);
         }
         for (ip, spec) in want {
-            let e = m.entry(ip).or_default();
-            e.generation += 1;
-            e.desired = Some(spec);
-            e.dirty = true;
-            e.acked = false;
+            m.entry(ip).or_default().want(Some(spec));
         }
         n
     }
 
-    fn complete(&self, ip: Ipv4Addr, generation: u64, r: Push) {
-        let result = match &r {
-            Push::Done => "ok",
-            Push::Transient(_) => "retry",
-            Push::Permanent(_) => "refused",
-        };
-        self.metrics.egress_push.with_label_values(&[result]).inc();
-        let mut m = self.lock();
+    /// Ends the request for `ip` of `m` (a [`Kind`] table, locked by the caller) started at
+    /// `generation`: counts it, and marks the address clean unless it changed meanwhile or the
+    /// push failed transiently (then the loop is woken to send it again). A completed DELETE
+    /// forgets the address.
+    fn complete<T>(&self, kind: Kind, m: &mut HashMap<Ipv4Addr, Slot<T>>, ip: Ipv4Addr, generation: u64, r: Push) {
+        kind.counter(&self.metrics).with_label_values(&[r.label()]).inc();
         let Some(e) = m.get_mut(&ip) else { return };
         e.in_flight = false;
         if e.generation != generation {
@@ -436,11 +436,11 @@ impl EgressSync {
                 }
             }
             Push::Permanent(why) => {
-                tracing::error!(sandbox_ip = %ip, "cube-egress refused the policy (not retried): {why}");
+                tracing::error!(sandbox_ip = %ip, "cube-egress refused the {} (not retried): {why}", kind.what());
                 e.dirty = false;
             }
             Push::Transient(why) => {
-                tracing::warn!(sandbox_ip = %ip, "cube-egress push failed, retrying in the background: {why}");
+                tracing::warn!(sandbox_ip = %ip, "cube-egress {} push failed, retrying in the background: {why}", kind.what());
                 self.wake.notify_one();
             }
         }
@@ -478,17 +478,7 @@ impl EgressSync {
             },
             None => (Method::DELETE, Vec::new()),
         };
-        match self.request(method.clone(), &path, body).await {
-            Ok((s, _)) if (200..300).contains(&s) => Push::Done,
-            // Deleting what is not there is done.
-            Ok((404, _)) if method == Method::DELETE => Push::Done,
-            Ok((s, b)) if (400..500).contains(&s) => {
-                let text = scrub(String::from_utf8_lossy(&b).trim(), desired);
-                Push::Permanent(format!("{method} {path}: {s} {text}"))
-            }
-            Ok((s, _)) => Push::Transient(format!("{method} {path}: {s}")),
-            Err(e) => Push::Transient(format!("{method} {path}: {e}")),
-        }
+        Push::of(&method, &path, self.request(method.clone(), &path, body).await, desired)
     }
 
     /// The gateway's `policy_count` when its health endpoint answers 200.
@@ -515,10 +505,10 @@ impl EgressSync {
         let mut failed = false;
         let work: Vec<Ipv4Addr> = self.lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
         for ip in work {
-            let Some((generation, desired)) = self.begin(ip) else { continue };
+            let Some((generation, desired)) = begin_in(&mut self.lock(), ip) else { continue };
             let r = self.push(ip, desired.as_ref()).await;
             failed |= matches!(r, Push::Transient(_));
-            self.complete(ip, generation, r);
+            self.complete(Kind::Policy, &mut self.lock(), ip, generation, r);
         }
         failed
     }
