@@ -28,6 +28,7 @@ use crate::{
     netns::{ChildGuard, TestNetns},
     tls,
     topology::Topology,
+    wait_for,
 };
 
 /// The sandbox's address.
@@ -102,18 +103,6 @@ pub fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-/// Polls `f` every 50 ms for up to `timeout`; panics naming `what` when it never holds.
-pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 async fn world_handler(

@@ -18,7 +18,8 @@
 //!   upgrade (hand-over to a new binary), crash restart, and a kernel guest on a frame relay.
 //! - [`mntns::PrivateTmpfs`]: a size-limited tmpfs in a private mount namespace (real ENOSPC).
 //! - [`l7`]: world DNS + HTTP/HTTPS servers that record requests, and the real `cube-egress`
-//!   behind TPROXY in a namespace (the L7 path end to end).
+//!   behind TPROXY in a namespace (the L7 path end to end); [`egress`]: the real
+//!   `cube-egress` as a bare process with its admin API, as the agent tests drive it.
 //! - [`tls`]: a throwaway CA, leaves and client configs for TLS tests.
 //! - [`rig::Rig`]: the CubeVS datapath under `BPF_PROG_TEST_RUN` with one sandbox registered;
 //!   [`frames`] builds the exact frames it is fed and compared with.
@@ -32,6 +33,7 @@ pub mod agent_upgrade;
 pub mod bpffs;
 pub mod capture;
 pub mod dns;
+pub mod egress;
 pub mod egress_swap;
 pub mod frames;
 pub mod fuzz;
@@ -46,6 +48,28 @@ pub mod smol;
 pub mod tls;
 pub mod topology;
 pub mod vm;
+
+/// Polls `f` every 50 ms for up to `timeout`; panics naming `what` when it never holds.
+pub fn wait_for(what: &str, timeout: std::time::Duration, mut f: impl FnMut() -> bool) {
+    let end = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("timed out after {timeout:?} waiting for {what}");
+}
+
+/// A scratch directory, removed with everything in it on drop (also on panic).
+#[derive(Debug)]
+pub struct TmpDir(pub std::path::PathBuf);
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// Environment variable naming the directory where [`skip`] records skipped tests (one file
 /// per test, named after it, holding the reason). `scripts/test.sh` sets it and lists them.

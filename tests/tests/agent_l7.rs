@@ -18,25 +18,21 @@
 //!   refused to a peer in another namespace over a veth and to a non-loopback source on the
 //!   agent's own host, and the real gateway bootstraps from it.
 
-use std::{
-    io::{Read, Write},
-    path::{Path, PathBuf},
-    process::Stdio,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use cubenet_proto::{v1 as pb, v1_old as old};
 use cubenet_tests::{
-    agent::{AgentUnderTest, http_get, workspace_bin},
+    TmpDir,
+    agent::{AgentUnderTest, http_get},
+    egress::{ADMIN, AdminGateway, admin, admin_json},
     netns::{ChildGuard, TestNetns},
-    require_root, tls,
+    require_root, wait_for,
 };
 use serde_json::{Value, json};
 use tonic::Code;
 
 const SECRET: &str = "sk-live-L7AGENT-SECRET-5f1d2c9a";
 const SECRET2: &str = "sk-live-L7AGENT-ROTATED-77e0b4aa";
-const ADMIN: &str = "127.0.0.1:9091";
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
@@ -165,34 +161,8 @@ fn tap_states(a: &AgentUnderTest) -> Vec<String> {
 
 // ------------------------------------------------------------------ HTTP and the gateway
 
-/// One HTTP/1.0 request; returns (status, body).
-fn http(addr: &str, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
-    let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf)?;
-    let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
-    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    Ok((code, body.to_string()))
-}
-
-/// The admin API of the gateway in `ns`: (status, body), status 0 when unreachable.
-fn admin(ns: &TestNetns, method: &str, path: &str, body: &str) -> (u16, String) {
-    let (m, p, b) = (method.to_string(), path.to_string(), body.to_string());
-    ns.run(move || http(ADMIN, &m, &p, &b)).unwrap_or((0, String::new()))
-}
-
 fn gateway_policy(ns: &TestNetns, ip: &str) -> Option<Value> {
-    match admin(ns, "GET", &format!("/admin/v1/policies/{ip}"), "") {
-        (200, b) => Some(serde_json::from_str(&b).unwrap()),
-        (404, _) => None,
-        (c, b) => panic!("GET policy {ip}: {c} {b}"),
-    }
+    admin_json(ns, &format!("/admin/v1/policies/{ip}"))
 }
 
 fn gateway_ips(ns: &TestNetns) -> Vec<String> {
@@ -204,83 +174,11 @@ fn gateway_ips(ns: &TestNetns) -> Vec<String> {
     ips
 }
 
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout:?} waiting for {what}");
-}
-
-/// A `cube-egress` process in `ns` (admin on its loopback:9091), with a CA
-/// of its own; `bootstrap` is its bootstrap URL ("" = none: only the agent's pushes fill it).
-struct Gateway {
-    child: ChildGuard,
-    log: PathBuf,
-}
-
-impl Gateway {
-    fn start(ns: &TestNetns, dir: &Path, bootstrap: &str) -> Gateway {
-        let ca = dir.join("ca");
-        if !ca.exists() {
-            std::fs::create_dir_all(&ca).unwrap();
-            let c = tls::make_ca("CubeEgress l7agent test CA");
-            std::fs::write(ca.join("cube-root-ca.crt"), &c.pem).unwrap();
-            std::fs::write(ca.join("cube-root-ca.key"), &c.key_pem).unwrap();
-        }
-        let log = dir.join("gateway.log");
-        let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
-        let child = ns
-            .command(workspace_bin("cube-egress").to_str().unwrap())
-            .args(["--sandbox-cidr", "192.168.0.0/18", "--http-port", "18080", "--https-port", "18443"])
-            .arg("--ca-dir")
-            .arg(&ca)
-            .arg("--audit-file")
-            .arg(dir.join("audit.jsonl"))
-            .args(["--bootstrap-url", bootstrap])
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .expect("spawn cube-egress");
-        let mut g = Gateway { child: ChildGuard::from_child(child), log };
-        let end = Instant::now() + Duration::from_secs(15);
-        while admin(ns, "GET", "/admin/v1/health", "").0 != 200 {
-            if let Ok(Some(st)) = g.child.child().try_wait() {
-                panic!("cube-egress exited ({st}):\n{}", std::fs::read_to_string(&g.log).unwrap_or_default());
-            }
-            assert!(
-                Instant::now() < end,
-                "cube-egress not up:\n{}",
-                std::fs::read_to_string(&g.log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        g
-    }
-
-    fn stop(mut self, ns: &TestNetns) {
-        let _ = self.child.child().kill();
-        let _ = self.child.child().wait();
-        wait_for("gateway down", Duration::from_secs(5), || admin(ns, "GET", "/admin/v1/health", "").0 == 0);
-    }
-}
-
 fn tmpdir(tag: &str) -> TmpDir {
     let d = std::env::temp_dir().join(format!("cubenet-l7-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     TmpDir(d)
-}
-
-struct TmpDir(PathBuf);
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// The rule ids of a gateway policy, and that every secret in it is redacted.
@@ -446,7 +344,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
         m.contains("cubenet_egress_pending 1") && m.contains("cubenet_egress_up 0")
     });
     drop(hole);
-    let gw = Gateway::start(&a.topo.node, &tmp.0, "");
+    let gw = AdminGateway::start(&a.topo.node, &tmp.0, "");
     let t = Instant::now();
     wait_for("sb-1's rules on the gateway", Duration::from_secs(10), || gateway_policy(&a.topo.node, &ip1).is_some());
     eprintln!("rules arrived {:?} after the gateway came up", t.elapsed());
@@ -503,7 +401,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     let r3 = ensure(&a, "sb-3", Some(l7_ctx(vec![inject_rule("three", "three.example.com", SECRET)]))).unwrap();
     assert!(t.elapsed() < Duration::from_secs(2), "calls waited for a gateway that is down: {:?}", t.elapsed());
     let ip3 = sandbox_ip(&r3);
-    let gw = Gateway::start(&a.topo.node, &tmp.0, "");
+    let gw = AdminGateway::start(&a.topo.node, &tmp.0, "");
     wait_for("sb-3's rules on the restarted gateway", Duration::from_secs(10), || {
         gateway_ips(&a.topo.node) == [ip3.clone()]
     });
@@ -613,7 +511,7 @@ fn l7_dump_bootstraps_the_gateway_and_is_loopback_only() {
 
     // The real gateway bootstraps from it.
     let url = "http://127.0.0.1:19090/v1/policies/dump";
-    let gw = Gateway::start(&a.ns, &tmp.0, url);
+    let gw = AdminGateway::start(&a.ns, &tmp.0, url);
     wait_for("bootstrap ready", Duration::from_secs(10), || {
         let (c, b) = admin(&a.ns, "GET", "/admin/v1/health", "");
         c == 200 && serde_json::from_str::<Value>(&b).unwrap()["bootstrap_status"] == "ready"

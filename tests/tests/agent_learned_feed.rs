@@ -9,22 +9,20 @@
 //! `static_l7_rule_through_the_agent`: an IPv4-literal L7 rule sent over gRPC is steered by the
 //! agent's datapath (N10), other ports are not.
 
-use std::{
-    io::{Read, Write},
-    path::{Path, PathBuf},
-    process::Stdio,
-    time::{Duration, Instant},
-};
+use std::time::Duration;
 
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
-    agent::{AgentUnderTest, workspace_bin},
+    TmpDir,
+    agent::AgentUnderTest,
     dns::{self, Owner, a},
+    egress::{AdminGateway, admin, admin_json},
     frames::udp,
-    netns::{ChildGuard, TestNetns},
+    netns::TestNetns,
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
-    require_root, tls,
+    require_root,
     topology::{NODE_UPLINK, WORLD_IP},
+    wait_for,
 };
 use cubevs::{
     slots,
@@ -32,7 +30,6 @@ use cubevs::{
 };
 use serde_json::{Value, json};
 
-const ADMIN: &str = "127.0.0.1:9091";
 /// Addresses the answers hand out (TEST-NET-3; denied by the CIDR policy below).
 const ADDR_API: [u8; 4] = [203, 0, 113, 10];
 const ADDR_CDN: [u8; 4] = [203, 0, 113, 20];
@@ -83,74 +80,9 @@ fn release(a: &AgentUnderTest, id: &str) {
     })
 }
 
-/// One HTTP/1.0 request in `ns`; (status, body), status 0 when unreachable.
-fn admin(ns: &TestNetns, method: &str, path: &str) -> (u16, String) {
-    let (m, p) = (method.to_string(), path.to_string());
-    ns.run(move || -> std::io::Result<(u16, String)> {
-        let mut s = std::net::TcpStream::connect(ADMIN)?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(s, "{m} {p} HTTP/1.0\r\nHost: {ADMIN}\r\n\r\n")?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf)?;
-        let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
-        let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        Ok((code, body.to_string()))
-    })
-    .unwrap_or((0, String::new()))
-}
-
 /// The gateway's learned names of `ip` (`None` = 404 nothing learned).
 fn learned(ns: &TestNetns, ip: &str) -> Option<Value> {
-    match admin(ns, "GET", &format!("/admin/v1/learned/{ip}")) {
-        (200, b) => Some(serde_json::from_str::<Value>(&b).unwrap()["names"].clone()),
-        (404, _) => None,
-        (c, b) => panic!("GET learned {ip}: {c} {b}"),
-    }
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout:?} waiting for {what}");
-}
-
-/// `cube-egress` in the agent's namespace (admin on its loopback:9091); killed on drop.
-fn gateway(ns: &TestNetns, dir: &Path) -> ChildGuard {
-    let ca = dir.join("ca");
-    std::fs::create_dir_all(&ca).unwrap();
-    let c = tls::make_ca("CubeEgress learned-feed test CA");
-    std::fs::write(ca.join("cube-root-ca.crt"), &c.pem).unwrap();
-    std::fs::write(ca.join("cube-root-ca.key"), &c.key_pem).unwrap();
-    let log = dir.join("gateway.log");
-    let out = std::fs::File::create(&log).unwrap();
-    let child = ns
-        .command(workspace_bin("cube-egress").to_str().unwrap())
-        .args(["--sandbox-cidr", "192.168.0.0/18", "--http-port", "18080", "--https-port", "18443"])
-        .arg("--ca-dir")
-        .arg(&ca)
-        .arg("--audit-file")
-        .arg(dir.join("audit.jsonl"))
-        .args(["--bootstrap-url", ""])
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .expect("spawn cube-egress");
-    let g = ChildGuard::from_child(child);
-    wait_for("cube-egress admin API", Duration::from_secs(15), || admin(ns, "GET", "/admin/v1/health").0 == 200);
-    g
-}
-
-struct TmpDir(PathBuf);
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    admin_json(ns, &format!("/admin/v1/learned/{ip}")).map(|v| v["names"].clone())
 }
 
 /// A guest query for `name` (id `id`, guest port `gport`) out of `tap`, and the resolver's
@@ -187,7 +119,7 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     }
     let mut ag = AgentUnderTest::prepare("learned-feed", 2, "cube_egress_push_timeout_ms = 5000\n");
     let dir = TmpDir(ag.dir.join("gw"));
-    let _gw = gateway(&ag.topo.node, &dir.0);
+    let _gw = AdminGateway::start(&ag.topo.node, &dir.0, "");
     ag.start();
 
     let ra = ensure(&ag, "sb-a");
@@ -195,8 +127,8 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     let (ip_a, ip_b) = (ra.persist_metadata["sandbox_ip"].clone(), rb.persist_metadata["sandbox_ip"].clone());
     let tap_a = ra.persist_metadata["host_tap_name"].clone();
     wait_for("both policies on the gateway", Duration::from_secs(10), || {
-        admin(&ag.topo.node, "GET", &format!("/admin/v1/policies/{ip_a}")).0 == 200
-            && admin(&ag.topo.node, "GET", &format!("/admin/v1/policies/{ip_b}")).0 == 200
+        admin(&ag.topo.node, "GET", &format!("/admin/v1/policies/{ip_a}"), "").0 == 200
+            && admin(&ag.topo.node, "GET", &format!("/admin/v1/policies/{ip_b}"), "").0 == 200
     });
     assert_eq!(learned(&ag.topo.node, &ip_a), None, "nothing learned yet");
 

@@ -12,22 +12,19 @@
 //!   0.0.0.0 in the node namespace, a peer namespace over a veth and a non-loopback source on
 //!   the node itself get 403 and no secret; the agent's own namespace has no such listener.
 
-use std::{
-    path::{Path, PathBuf},
-    process::Stdio,
-    time::{Duration, Instant},
-};
+use std::time::Duration;
 
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
-    agent::{AgentUnderTest, http_get, workspace_bin},
-    netns::{ChildGuard, TestNetns},
-    require_root, tls,
+    TmpDir,
+    agent::{AgentUnderTest, http_get},
+    egress::{ADMIN, AdminGateway, admin_json},
+    netns::TestNetns,
+    require_root, wait_for,
 };
 use serde_json::Value;
 
 const SECRET: &str = "sk-live-NSBRIDGE-SECRET-0c4e91d7";
-const ADMIN: &str = "127.0.0.1:9091";
 const DUMP: &str = "127.0.0.1:19091";
 
 fn rt() -> tokio::runtime::Runtime {
@@ -87,71 +84,7 @@ fn get_in(ns: &TestNetns, addr: &str, path: &str) -> (u16, String) {
 }
 
 fn gateway_policy(node: &TestNetns, ip: &str) -> Option<Value> {
-    match get_in(node, ADMIN, &format!("/admin/v1/policies/{ip}")) {
-        (200, b) => Some(serde_json::from_str(&b).unwrap()),
-        (404, _) => None,
-        (c, b) => panic!("GET policy {ip}: {c} {b}"),
-    }
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out after {timeout:?} waiting for {what}");
-}
-
-struct TmpDir(PathBuf);
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The real `cube-egress` in `ns` with its default admin address (127.0.0.1:9091) and
-/// `bootstrap` as its bootstrap URL; waits until its bootstrap is no longer pending.
-fn gateway(ns: &TestNetns, dir: &Path, bootstrap: &str) -> ChildGuard {
-    let ca = dir.join("ca");
-    std::fs::create_dir_all(&ca).unwrap();
-    let c = tls::make_ca("CubeEgress nsbridge test CA");
-    std::fs::write(ca.join("cube-root-ca.crt"), &c.pem).unwrap();
-    std::fs::write(ca.join("cube-root-ca.key"), &c.key_pem).unwrap();
-    let out = std::fs::File::create(dir.join("gateway.log")).unwrap();
-    let child = ns
-        .command(workspace_bin("cube-egress").to_str().unwrap())
-        .args(["--sandbox-cidr", "192.168.0.0/18", "--http-port", "18080", "--https-port", "18443"])
-        .arg("--ca-dir")
-        .arg(&ca)
-        .arg("--audit-file")
-        .arg(dir.join("audit.jsonl"))
-        .args(["--bootstrap-url", bootstrap])
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .expect("spawn cube-egress");
-    let mut g = ChildGuard::from_child(child);
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (c, b) = get_in(ns, ADMIN, "/admin/v1/health");
-        if c == 200 && serde_json::from_str::<Value>(&b).unwrap()["bootstrap_status"] != "pending" {
-            break;
-        }
-        if let Ok(Some(st)) = g.child().try_wait() {
-            panic!("cube-egress exited ({st}): {}", std::fs::read_to_string(dir.join("gateway.log")).unwrap());
-        }
-        assert!(
-            Instant::now() < end,
-            "cube-egress not up: {}",
-            std::fs::read_to_string(dir.join("gateway.log")).unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    g
+    admin_json(node, &format!("/admin/v1/policies/{ip}"))
 }
 
 #[test]
@@ -184,11 +117,11 @@ fn gateway_in_the_dataplane_bootstraps_and_gets_pushes() {
     assert!(b.contains(SECRET), "the dump carries the secret for the gateway");
 
     // The real gateway in the node namespace bootstraps from the dump listener.
-    let gw = gateway(node, &dir.0, &format!("http://{DUMP}/v1/policies/dump"));
+    let gw = AdminGateway::start(node, &dir.0, &format!("http://{DUMP}/v1/policies/dump"));
     let (_, h) = get_in(node, ADMIN, "/admin/v1/health");
     let h: Value = serde_json::from_str(&h).unwrap();
     assert_eq!(h["bootstrap_status"], "ready", "bootstrap from the dump listener: {h}");
-    let log = std::fs::read_to_string(dir.0.join("gateway.log")).unwrap();
+    let log = gw.log();
     assert!(log.contains("bootstrap ready"), "{log}");
     let p = gateway_policy(node, &ip1).expect("sb-1's policy on the gateway");
     assert_eq!(p["rules"][0]["id"], "one");

@@ -28,9 +28,11 @@ use std::{
 
 use bytes::Bytes;
 use cubenet_tests::{
+    TmpDir,
     netns::{ChildGuard, TestNetns},
     require_root, tls,
     topology::Topology,
+    wait_for,
 };
 use http_body_util::Full;
 use hyper::{Request, Response, body::Incoming};
@@ -210,17 +212,6 @@ fn curl(ns: &TestNetns, args: &[&str]) -> (u16, String, Output) {
     (code, body.to_string(), o)
 }
 
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// Waits up to 20 s for `child` to exit; panics early if `other` (its partner) exits first.
 fn wait_exit(child: &mut ChildGuard, other: &mut Option<&mut ChildGuard>) -> std::process::ExitStatus {
     let end = Instant::now() + Duration::from_secs(20);
@@ -252,14 +243,6 @@ fn audit_lines(path: &Path) -> Vec<Value> {
 
 fn has_event(lines: &[Value], event: &str, reason: &str) -> bool {
     lines.iter().any(|l| l["event"] == event && l["security"]["reason"].as_str().is_some_and(|r| r.starts_with(reason)))
-}
-
-/// Removes the temporary directory on drop.
-struct TmpDir(PathBuf);
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Runs `cube-egress-net.sh down` in the node namespace on drop (also on panic).

@@ -16,8 +16,8 @@ use std::{
 };
 
 use cubenet_tests::{
-    egress_swap::{ADMIN, NAME, SANDBOX_IP, SwapRig, egress_bin, sigterm, text, wait_exit, wait_for},
-    require_root,
+    egress_swap::{ADMIN, NAME, SANDBOX_IP, SwapRig, egress_bin, sigterm, text, wait_exit},
+    require_root, wait_for,
 };
 
 #[test]
