@@ -62,7 +62,7 @@ fn http_get(addr: SocketAddr) -> std::io::Result<String> {
 
 /// Loads the datapath on the pins under `bpffs` with `sessions_per_sandbox` = `budget` (a new
 /// object configuration switches in a self-tested slot) and attaches (or adopts) everything.
-fn load_attach(topo: &Topology, bpffs: &BpfFs, budget: u32, guests: &[&VethGuest]) -> Datapath {
+fn load_attach(topo: &Topology, bpffs: &BpfFs, budget: u32, guests: &[VethGuest]) -> Datapath {
     let dp = Datapath::load(LoadOptions {
         object: ebpf_object(),
         pin_dir: Some(bpffs.path().join("cubevs")),
@@ -85,37 +85,45 @@ fn load_attach(topo: &Topology, bpffs: &BpfFs, budget: u32, guests: &[&VethGuest
         .expect("node thread")
 }
 
+/// What every test starts from: a node with cube-dev and `n` veth guests (`sb-a` 192.168.0.3,
+/// `sb-b` 192.168.0.4, …), the datapath on a private bpffs with `budget` ([`load_attach`]),
+/// SNAT to the node address, each guest registered with a default-deny policy and its stats
+/// reset, and each guest's gateway resolved (ICMP to the gateway is no session, so no later
+/// datagram waits in, or is dropped from, the guest's ARP queue).
+fn setup(budget: u32, n: u8) -> (Topology, Vec<VethGuest>, BpfFs, Datapath) {
+    let mut topo = Topology::new();
+    topo.add_cube_dev();
+    let guests: Vec<VethGuest> = (0..n).map(|i| topo.add_veth_guest(u32::from(i))).collect();
+    let bpffs = BpfFs::new();
+    let dp = load_attach(&topo, &bpffs, budget, &guests);
+    let maps = dp.maps();
+    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
+    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
+    for (i, g) in (0u8..).zip(&guests) {
+        let (ip, id) = (Ipv4Addr::new(192, 168, 0, 3 + i), format!("sb-{}", char::from(b'a' + i)));
+        maps.sandbox_stats.reset(g.node_ifindex).expect("stats");
+        maps.sandboxes.register(&SandboxEntry { ifindex: g.node_ifindex, ip, version: 1, id }).expect("reg");
+        maps.policy.install_default_deny(g.node_ifindex).expect("policy");
+        let _ = topo.guest_ns(g).exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
+    }
+    (topo, guests, bpffs, dp)
+}
+
 #[test]
 fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
     if !require_root("session_quota_e2e flooding_guest_stops_at_its_budget_and_never_starves_another") {
         return;
     }
-    let mut topo = Topology::new();
-    topo.add_cube_dev();
-    let a = topo.add_veth_guest(0);
-    let b = topo.add_veth_guest(1);
-    let bpffs = BpfFs::new();
-    let dp = load_attach(&topo, &bpffs, BUDGET, &[&a, &b]);
+    let (topo, guests, bpffs, dp) = setup(BUDGET, 2);
+    let (a, b) = (&guests[0], &guests[1]);
     let maps = dp.maps();
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    for (g, ip, id) in [(&a, Ipv4Addr::new(192, 168, 0, 3), "sb-a"), (&b, Ipv4Addr::new(192, 168, 0, 4), "sb-b")] {
-        maps.sandbox_stats.reset(g.node_ifindex).expect("stats");
-        maps.sandboxes.register(&SandboxEntry { ifindex: g.node_ifindex, ip, version: 1, id: id.into() }).expect("reg");
-        maps.policy.install_default_deny(g.node_ifindex).expect("policy");
-    }
     let _http = servers::http(&topo.world, WORLD_IP, 80);
     let _echo = servers::udp_echo(&topo.world, WORLD_IP, 5353);
     let echo = SocketAddr::from((WORLD_IP, 5353));
 
-    // Resolve the gateway first (ICMP to the gateway is no session), so no flood datagram
-    // waits in (or is dropped from) the guest's ARP queue.
-    for g in [&a, &b] {
-        let _ = topo.guest_ns(g).exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
-    }
     // A floods new UDP flows; the first BUDGET become sessions, the rest are dropped.
     let quota0 = maps.counters.get(counter::CUBE_DROP_SESSION_QUOTA).unwrap();
-    let (first_ok, a_new_tcp) = topo.guest_ns(&a).run(move || {
+    let (first_ok, a_new_tcp) = topo.guest_ns(a).run(move || {
         let socks = flood(echo, FLOOD);
         // A flow within the budget still works (sessions of the flood order are not known:
         // find one that is answered).
@@ -133,7 +141,7 @@ fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
     assert_eq!(maps.counters.get(counter::CUBE_DROP_SESSION_QUOTA).unwrap() - quota0, a_drops);
 
     // B, while A is at its budget: new TCP connection and UDP query to the world succeed.
-    let gb = topo.guest_ns(&b);
+    let gb = topo.guest_ns(b);
     let body = gb.run(|| http_get(SocketAddr::from((WORLD_IP, 80)))).expect("B's TCP connect");
     assert!(body.contains("you are 198.51.100.2:"), "{body}");
     let answer = gb
@@ -160,22 +168,12 @@ fn quota_switched_in_under_live_sessions() {
     }
     const OLD: usize = 20;
     const SMALL: u32 = 8;
-    let mut topo = Topology::new();
-    topo.add_cube_dev();
-    let a = topo.add_veth_guest(0);
-    let bpffs = BpfFs::new();
-    let dp = load_attach(&topo, &bpffs, 0, &[&a]);
+    let (topo, guests, bpffs, dp) = setup(0, 1);
+    let a = &guests[0];
     let maps = dp.maps();
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(a.node_ifindex).expect("stats");
-    let sb = SandboxEntry { ifindex: a.node_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
-    maps.sandboxes.register(&sb).expect("reg");
-    maps.policy.install_default_deny(a.node_ifindex).expect("policy");
     let _echo = servers::udp_echo(&topo.world, WORLD_IP, 5353);
     let echo = SocketAddr::from((WORLD_IP, 5353));
-    let ga = topo.guest_ns(&a);
-    let _ = ga.exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
+    let ga = topo.guest_ns(a);
 
     // Without the quota: OLD flows, all answered, none charged.
     let (old_socks, answered) = ga.run(move || {
@@ -190,7 +188,7 @@ fn quota_switched_in_under_live_sessions() {
     // The agent restarts with a budget: the pins are reused, a new slot is switched in.
     drop(dp);
     drop(maps);
-    let dp = load_attach(&topo, &bpffs, SMALL, &[&a]);
+    let dp = load_attach(&topo, &bpffs, SMALL, &guests);
     let maps = dp.maps();
     // The old flows keep working (uncharged); new flows stop at SMALL.
     let (old_ok, new_ok) = ga.run(move || {
@@ -232,20 +230,10 @@ fn count_is_exact_under_concurrent_creates_and_deletes() {
     }
     const PER_THREAD: u16 = 3000;
     const BIG: u32 = 256;
-    let mut topo = Topology::new();
-    topo.add_cube_dev();
-    let a = topo.add_veth_guest(0);
-    let bpffs = BpfFs::new();
-    let dp = load_attach(&topo, &bpffs, BIG, &[&a]);
+    let (topo, guests, bpffs, dp) = setup(BIG, 1);
+    let a = &guests[0];
     let maps = dp.maps();
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(a.node_ifindex).expect("stats");
-    let sb = SandboxEntry { ifindex: a.node_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
-    maps.sandboxes.register(&sb).expect("reg");
-    maps.policy.install_default_deny(a.node_ifindex).expect("policy");
-    let ga = topo.guest_ns(&a);
-    let _ = ga.exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
+    let ga = topo.guest_ns(a);
 
     use std::sync::{
         Arc,
