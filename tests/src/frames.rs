@@ -67,3 +67,36 @@ pub fn icmp(smac: [u8; 6], dmac: [u8; 6], src: [u8; 4], dst: [u8; 4], request: b
         .expect("icmp frame");
     out
 }
+
+/// Rewrites the IPv4 header checksum of the Ethernet frame `f` (20-byte IP header at offset
+/// 14) in place.
+pub fn fix_ip_csum(f: &mut [u8]) {
+    f[24] = 0;
+    f[25] = 0;
+    let mut sum = 0u32;
+    for w in f[14..34].chunks(2) {
+        sum += u32::from(u16::from_be_bytes([w[0], w[1]]));
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    f[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+}
+
+/// Splits the Ethernet/IPv4 frame `f` (20-byte IP header) into a first fragment carrying
+/// `first_len` bytes of the IP payload (a multiple of 8; MF set) and a last fragment with the
+/// rest, both with IP id `id` and their header checksums fixed.
+pub fn fragment(f: &[u8], id: u16, first_len: usize) -> (Vec<u8>, Vec<u8>) {
+    let payload = &f[34..];
+    let mk = |part: &[u8], off: usize, more: bool| {
+        let mut g = f[..34].to_vec();
+        g.extend_from_slice(part);
+        g[16..18].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
+        g[18..20].copy_from_slice(&id.to_be_bytes());
+        let fo = (off / 8) as u16 | if more { 0x2000 } else { 0 };
+        g[20..22].copy_from_slice(&fo.to_be_bytes());
+        fix_ip_csum(&mut g);
+        g
+    };
+    (mk(&payload[..first_len], 0, true), mk(&payload[first_len..], first_len, false))
+}

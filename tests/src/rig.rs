@@ -86,6 +86,14 @@ impl Rig {
         Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, _topo: topo }
     }
 
+    /// Registers another sandbox `e` as the agent does: its counters zeroed, then the entry,
+    /// then a default-deny policy.
+    pub fn add_sandbox(&self, e: &SandboxEntry) {
+        self.maps.sandbox_stats.reset(e.ifindex).expect("sandbox stats");
+        self.maps.sandboxes.register(e).expect("register");
+        self.maps.policy.install_default_deny(e.ifindex).expect("policy");
+    }
+
     /// Runs `program` once on `frame` arriving on `ingress_ifindex` (in the node netns).
     pub fn run(&self, program: &'static str, frame: Vec<u8>, ingress_ifindex: u32) -> TestRunOutput {
         let dp = self.dp.clone();

@@ -8,7 +8,7 @@
 use std::net::Ipv4Addr;
 
 use cubenet_tests::{
-    frames::udp,
+    frames::{fragment, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
     rig::{Rig, SB_IFINDEX},
@@ -24,36 +24,6 @@ const B_IFINDEX: u32 = 101;
 /// The attacker's server (TEST-NET-3; routed via the world).
 const EVIL: [u8; 4] = [203, 0, 113, 50];
 
-fn fix_ip_csum(f: &mut [u8]) {
-    f[24] = 0;
-    f[25] = 0;
-    let mut sum = 0u32;
-    for i in (14..34).step_by(2) {
-        sum += u32::from(u16::from_be_bytes([f[i], f[i + 1]]));
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    f[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-}
-
-/// Splits the UDP frame `f` (20-byte IP header) into a first fragment carrying `first_len`
-/// bytes of the IP payload and the later fragment with the rest, IP id `id`.
-fn fragment(f: &[u8], id: u16, first_len: usize) -> (Vec<u8>, Vec<u8>) {
-    let payload = &f[34..];
-    let mk = |part: &[u8], off: usize, more: bool| {
-        let mut g = f[..34].to_vec();
-        g.extend_from_slice(part);
-        g[16..18].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
-        g[18..20].copy_from_slice(&id.to_be_bytes());
-        let fo = (off / 8) as u16 | if more { 0x2000 } else { 0 };
-        g[20..22].copy_from_slice(&fo.to_be_bytes());
-        fix_ip_csum(&mut g);
-        g
-    };
-    (mk(&payload[..first_len], 0, true), mk(&payload[first_len..], first_len, false))
-}
-
 /// A UDP flow of the sandbox on `ifindex` to `dst`:`dport`; returns its SNAT port.
 fn open(r: &Rig, ifindex: u32, dst: [u8; 4], dport: u16) -> u16 {
     let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, dst, 5000, dport, b"q");
@@ -68,10 +38,12 @@ fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
         return;
     }
     let r = Rig::new();
-    r.maps.sandbox_stats.reset(B_IFINDEX).expect("stats B");
-    let b = SandboxEntry { ifindex: B_IFINDEX, ip: Ipv4Addr::new(192, 168, 0, 4), version: 3, id: "sb-b".into() };
-    r.maps.sandboxes.register(&b).expect("register B");
-    r.maps.policy.install_default_deny(B_IFINDEX).expect("policy B");
+    r.add_sandbox(&SandboxEntry {
+        ifindex: B_IFINDEX,
+        ip: Ipv4Addr::new(192, 168, 0, 4),
+        version: 3,
+        id: "sb-b".into(),
+    });
     let a_port = open(&r, SB_IFINDEX, EVIL, 9000);
     let b_port = open(&r, B_IFINDEX, WORLD_IP, 53);
 

@@ -27,10 +27,12 @@ fn a_never_answers_for_b_nor_reaches_b_through_the_node_address() {
         return;
     }
     let r = Rig::new();
-    r.maps.sandbox_stats.reset(B_IFINDEX).expect("stats B");
-    let b = SandboxEntry { ifindex: B_IFINDEX, ip: Ipv4Addr::new(192, 168, 0, 4), version: 3, id: "sb-b".into() };
-    r.maps.sandboxes.register(&b).expect("register B");
-    r.maps.policy.install_default_deny(B_IFINDEX).expect("policy B");
+    r.add_sandbox(&SandboxEntry {
+        ifindex: B_IFINDEX,
+        ip: Ipv4Addr::new(192, 168, 0, 4),
+        version: 3,
+        id: "sb-b".into(),
+    });
     let from_b = |f: Vec<u8>| r.run(prog::FROM_CUBE, f, B_IFINDEX);
 
     // B's state: a UDP and a TCP session to the world, a world client on B's host port.

@@ -8,7 +8,7 @@ use std::net::Ipv4Addr;
 
 use cubenet_tests::{
     ebpf_object,
-    frames::{Tcp as T, icmp, tcp, udp},
+    frames::{Tcp as T, fix_ip_csum, fragment, icmp, tcp, udp},
     packet::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
     rig::{Rig, SB_IFINDEX, SB_IP, VERSION},
@@ -649,20 +649,6 @@ fn report_per_packet_cost() {
     eprintln!("from_cube established TCP: p50 {} ns", v[1000]);
 }
 
-/// IPv4 header checksum of `f`'s IP header (Ethernet frame, 20-byte header), rewritten in place.
-fn fix_ip_csum(f: &mut [u8]) {
-    f[24] = 0;
-    f[25] = 0;
-    let mut sum = 0u32;
-    for i in (14..34).step_by(2) {
-        sum += u16::from_be_bytes([f[i], f[i + 1]]) as u32;
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    f[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-}
-
 /// One's-complement checksum of `b`.
 fn csum(b: &[u8]) -> [u8; 2] {
     let mut sum = 0u32;
@@ -702,23 +688,6 @@ fn icmp_error(
     icmp[2..4].copy_from_slice(&c);
     f.extend_from_slice(&icmp);
     f
-}
-
-/// Splits the IPv4 datagram in `f` into a first fragment carrying `first_len` bytes of IP
-/// payload (a multiple of 8) and a last fragment with the rest, both with IP id `id`.
-fn fragment(f: &[u8], id: u16, first_len: usize) -> (Vec<u8>, Vec<u8>) {
-    let payload = &f[34..];
-    let mk = |part: &[u8], off: usize, more: bool| {
-        let mut g = f[..34].to_vec();
-        g.extend_from_slice(part);
-        g[16..18].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
-        g[18..20].copy_from_slice(&id.to_be_bytes());
-        let fo = (off / 8) as u16 | if more { 0x2000 } else { 0 };
-        g[20..22].copy_from_slice(&fo.to_be_bytes());
-        fix_ip_csum(&mut g);
-        g
-    };
-    (mk(&payload[..first_len], 0, true), mk(&payload[first_len..], first_len, false))
 }
 
 /// Issue 10 item 7: ICMP errors (fragmentation needed, time exceeded) for tracked UDP, TCP and

@@ -9,7 +9,7 @@
 use std::net::Ipv4Addr;
 
 use cubenet_tests::{
-    frames::{Tcp as T, icmp, tcp, udp},
+    frames::{Tcp as T, fix_ip_csum, icmp, tcp, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
     rig::{Rig, SB_IFINDEX, SB_IP, VERSION},
@@ -107,20 +107,6 @@ fn guest_tcp(t: T) -> Vec<u8> {
 
 fn snat_port(r: &Rig, proto: &str) -> u16 {
     r.maps.sessions.list().unwrap().iter().find(|s| s.proto == proto).expect("session").snat_port
-}
-
-/// IPv4 header checksum of an Ethernet frame's 20-byte IP header, recomputed in place.
-fn fix_ip_csum(f: &mut [u8]) {
-    f[24] = 0;
-    f[25] = 0;
-    let mut sum = 0u32;
-    for w in f[14..34].chunks(2) {
-        sum += u16::from_be_bytes([w[0], w[1]]) as u32;
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    f[24..26].copy_from_slice(&(!(sum as u16)).to_be_bytes());
 }
 
 #[test]
