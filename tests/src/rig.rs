@@ -45,6 +45,14 @@ impl Rig {
         Self::with_limits(MapLimits::default())
     }
 
+    /// Builds the rig with default map sizes and `policy` (instead of default-deny) for its
+    /// sandbox.
+    pub fn with_policy(policy: &cubevs::EgressPolicy) -> Self {
+        let r = Self::new();
+        r.maps.policy.replace(SB_IFINDEX, policy).expect("policy");
+        r
+    }
+
     /// Builds the rig with `limits` (e.g. larger session maps for scale benchmarks).
     pub fn with_limits(limits: MapLimits) -> Self {
         let topo = Topology::new();
@@ -84,6 +92,11 @@ impl Rig {
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
         Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, _topo: topo }
+    }
+
+    /// The datapath's global counter `c` (`cubevs_common::counter`).
+    pub fn counter(&self, c: u32) -> u64 {
+        self.maps.counters.get(c).expect("counter")
     }
 
     /// Registers another sandbox `e` as the agent does: its counters zeroed, then the entry,

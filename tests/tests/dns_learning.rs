@@ -47,16 +47,6 @@ fn closed_policy() -> EgressPolicy {
     }
 }
 
-fn rig(p: &EgressPolicy) -> Rig {
-    let r = Rig::new();
-    r.maps.policy.replace(SB_IFINDEX, p).expect("policy");
-    r
-}
-
-fn count(r: &Rig, c: u32) -> u64 {
-    r.maps.counters.get(c).unwrap()
-}
-
 /// Sends a guest DNS query from `gport`; returns the SNAT port it left on.
 fn send_query(r: &Rig, gport: u16, msg: &[u8]) -> u16 {
     let out = r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, msg));
@@ -90,15 +80,15 @@ fn allowed_name_is_learned_with_ttl_floor_admits_flows_expires_and_goes_on_relea
     if !require_root("allowed_name_is_learned_with_ttl_floor_admits_flows_expires_and_goes_on_release") {
         return;
     }
-    let r = rig(&closed_policy());
+    let r = Rig::with_policy(&closed_policy());
     assert!(!syn_allowed(&r, 41000, ADDR1, 443), "denied before learning");
-    assert_eq!(count(&r, counter::CUBE_DENY), 1);
+    assert_eq!(r.counter(counter::CUBE_DENY), 1);
 
     // The query (mixed case: names match case-insensitively) is tracked with exact fields.
     let t0 = monotonic_ns();
     let snat = send_query(&r, 40000, &dns::query(0x1111, "API.Example.com"));
     let t1 = monotonic_ns();
-    assert_eq!(count(&r, counter::DNS_QUERY_TRACKED), 1);
+    assert_eq!(r.counter(counter::DNS_QUERY_TRACKED), 1);
     let q = r.maps.policy.dns_queries(Some(SB_IFINDEX));
     assert_eq!(q.len(), 1);
     let (k, v) = q[0];
@@ -129,18 +119,18 @@ fn allowed_name_is_learned_with_ttl_floor_admits_flows_expires_and_goes_on_relea
     let floor = TTL_FLOOR_S as u64 * S;
     assert!((t0 + floor..=t1 + floor).contains(&e.expires_ns), "TTL 0 floored to {TTL_FLOOR_S} s");
     assert!(r.maps.policy.dns_queries(None).is_empty(), "one response per query");
-    assert_eq!(count(&r, counter::DNS_RESP_LEARNED), 1);
+    assert_eq!(r.counter(counter::DNS_RESP_LEARNED), 1);
 
     // A new flow to the learned address is allowed on any port; others stay denied.
     assert!(syn_allowed(&r, 41001, ADDR1, 443));
     assert!(syn_allowed(&r, 41002, ADDR1, 8080));
     assert!(!syn_allowed(&r, 41003, ADDR2, 443));
-    assert_eq!(count(&r, counter::DNS_LEARNED_FLOW), 2);
+    assert_eq!(r.counter(counter::DNS_LEARNED_FLOW), 2);
 
     // A second identical response is unsolicited: nothing changes.
     let (verdict, _) = send_response(&r, RESOLVER, 53, snat, &resp);
     assert_eq!(verdict, TC_ACT_REDIRECT);
-    assert_eq!(count(&r, counter::DNS_RESP_UNSOLICITED), 1);
+    assert_eq!(r.counter(counter::DNS_RESP_UNSOLICITED), 1);
     assert_eq!(r.maps.policy.learned(None), l);
 
     // Expiry: the reaper keeps it until its expiry, then deletes it; new flows are denied
@@ -175,7 +165,7 @@ fn cname_chain_several_answers_compression_pointers_and_ports() {
     if !require_root("cname_chain_several_answers_compression_pointers_and_ports") {
         return;
     }
-    let r = rig(&closed_policy());
+    let r = Rig::with_policy(&closed_policy());
     // `*.cdn.example` allows `www.cdn.example` (443 only) but not the apex.
     let snat = send_query(&r, 40000, &dns::query(0x2001, "www.cdn.example"));
     let resp = dns::response(
@@ -195,15 +185,15 @@ fn cname_chain_several_answers_compression_pointers_and_ports() {
     assert_eq!(got, [(Ipv4Addr::from(ADDR1), 443), (Ipv4Addr::from(ADDR2), 443)]);
     assert!((t0 + 3600 * S..=t1 + 3600 * S).contains(&l[0].expires_ns), "TTL kept above the floor");
     assert!((t0 + 7200 * S..=t1 + 7200 * S).contains(&l[1].expires_ns));
-    assert_eq!(count(&r, counter::DNS_RESP_LEARNED), 2);
+    assert_eq!(r.counter(counter::DNS_RESP_LEARNED), 2);
     assert!(syn_allowed(&r, 41000, ADDR2, 443));
     assert!(!syn_allowed(&r, 41001, ADDR2, 80), "only the pattern's port");
 
     // The apex is not covered by `*.`; a sibling suffix is not either.
     send_query(&r, 40001, &dns::query(0x2002, "cdn.example"));
     send_query(&r, 40002, &dns::query(0x2003, "wwwcdn.example"));
-    assert_eq!(count(&r, counter::DNS_QUERY_NOT_ALLOWED), 2);
-    assert_eq!(count(&r, counter::DNS_QUERY_TRACKED), 1);
+    assert_eq!(r.counter(counter::DNS_QUERY_NOT_ALLOWED), 2);
+    assert_eq!(r.counter(counter::DNS_QUERY_TRACKED), 1);
 }
 
 #[test]
@@ -211,7 +201,7 @@ fn truncated_response_learns_its_complete_records() {
     if !require_root("truncated_response_learns_its_complete_records") {
         return;
     }
-    let r = rig(&closed_policy());
+    let r = Rig::with_policy(&closed_policy());
     let snat = send_query(&r, 40000, &dns::query(0x3001, "api.example.com"));
     let mut resp = dns::message(
         0x3001,
@@ -224,8 +214,8 @@ fn truncated_response_learns_its_complete_records() {
     resp.truncate(resp.len() - 2);
     assert_eq!(send_response(&r, RESOLVER, 53, snat, &resp).0, TC_ACT_REDIRECT);
     assert_eq!(learned(&r), [(Ipv4Addr::from(ADDR1), 0)]);
-    assert_eq!(count(&r, counter::DNS_RESP_TRUNCATED), 1);
-    assert_eq!(count(&r, counter::DNS_NOT_WALKED), 1);
+    assert_eq!(r.counter(counter::DNS_RESP_TRUNCATED), 1);
+    assert_eq!(r.counter(counter::DNS_NOT_WALKED), 1);
 }
 
 #[test]
@@ -233,21 +223,21 @@ fn unsolicited_spoofed_and_disallowed_responses_learn_nothing() {
     if !require_root("unsolicited_spoofed_and_disallowed_responses_learn_nothing") {
         return;
     }
-    let r = rig(&closed_policy());
+    let r = Rig::with_policy(&closed_policy());
     let evil = |id| dns::response(id, "evil.test", &[a(Owner::Question, ADDR2, 600)]);
 
     // A name no pattern allows: forwarded, not tracked; its answer is not learned.
     let snat_evil = send_query(&r, 40000, &dns::query(0x4001, "evil.test"));
-    assert_eq!(count(&r, counter::DNS_QUERY_NOT_ALLOWED), 1);
+    assert_eq!(r.counter(counter::DNS_QUERY_NOT_ALLOWED), 1);
     assert!(r.maps.policy.dns_queries(None).is_empty());
     assert_eq!(send_response(&r, RESOLVER, 53, snat_evil, &evil(0x4001)).0, TC_ACT_REDIRECT);
-    assert_eq!(count(&r, counter::DNS_RESP_UNSOLICITED), 1);
+    assert_eq!(r.counter(counter::DNS_RESP_UNSOLICITED), 1);
 
     // AAAA and malformed queries are forwarded untracked.
     let aaaa = dns::message(0x4002, dns::QUERY_FLAGS, "api.example.com", dns::AAAA, &[]);
     send_query(&r, 40001, &aaaa);
     send_query(&r, 40002, &[0x12, 0x34, 0x01]);
-    assert_eq!(count(&r, counter::DNS_QUERY_UNPARSED), 2);
+    assert_eq!(r.counter(counter::DNS_QUERY_UNPARSED), 2);
 
     // A tracked query; then the spoofs.
     let snat = send_query(&r, 40003, &dns::query(0x4003, "api.example.com"));
@@ -255,29 +245,29 @@ fn unsolicited_spoofed_and_disallowed_responses_learn_nothing() {
     // Wrong id.
     let wrong_id = dns::response(0x4004, "api.example.com", &[a(Owner::Question, ADDR2, 600)]);
     assert_eq!(send_response(&r, RESOLVER, 53, snat, &wrong_id).0, TC_ACT_REDIRECT);
-    assert_eq!(count(&r, counter::DNS_RESP_UNSOLICITED), 2);
+    assert_eq!(r.counter(counter::DNS_RESP_UNSOLICITED), 2);
     // Right id, another question: mismatch, the query stays tracked.
     assert_eq!(send_response(&r, RESOLVER, 53, snat, &evil(0x4003)).0, TC_ACT_REDIRECT);
-    assert_eq!(count(&r, counter::DNS_RESP_MISMATCH), 1);
+    assert_eq!(r.counter(counter::DNS_RESP_MISMATCH), 1);
     assert_eq!(r.maps.policy.dns_queries(None).len(), 1);
     // Another server, or another source port: no session matches, passed to the host,
     // never parsed.
-    let pass0 = count(&r, counter::WORLD_PASS);
+    let pass0 = r.counter(counter::WORLD_PASS);
     assert_eq!(send_response(&r, [198, 51, 100, 9], 53, snat, &good).0, TC_ACT_OK);
     assert_eq!(send_response(&r, RESOLVER, 5353, snat, &good).0, TC_ACT_OK);
-    assert_eq!(count(&r, counter::WORLD_PASS), pass0 + 2);
+    assert_eq!(r.counter(counter::WORLD_PASS), pass0 + 2);
     assert!(learned(&r).is_empty(), "nothing learned from spoofs");
 
     // An error answer consumes the query and learns nothing.
     let nx = dns::message(0x4003, dns::RESPONSE_FLAGS | dns::NXDOMAIN, "api.example.com", dns::A, &[]);
     assert_eq!(send_response(&r, RESOLVER, 53, snat, &nx).0, TC_ACT_REDIRECT);
-    assert_eq!(count(&r, counter::DNS_RESP_RCODE), 1);
+    assert_eq!(r.counter(counter::DNS_RESP_RCODE), 1);
     assert!(r.maps.policy.dns_queries(None).is_empty());
     // ... so the genuine answer arriving late is unsolicited.
     send_response(&r, RESOLVER, 53, snat, &good);
-    assert_eq!(count(&r, counter::DNS_RESP_UNSOLICITED), 3);
+    assert_eq!(r.counter(counter::DNS_RESP_UNSOLICITED), 3);
     assert!(learned(&r).is_empty());
-    assert_eq!(count(&r, counter::DNS_RESP_LEARNED), 0);
+    assert_eq!(r.counter(counter::DNS_RESP_LEARNED), 0);
 
     // The genuine exchange still works afterwards.
     let snat = send_query(&r, 40004, &dns::query(0x4005, "api.example.com"));
@@ -297,12 +287,12 @@ fn dns_to_a_denied_resolver_stays_denied() {
         allow_fqdn: vec![fqdn("api.example.com", &[])],
         ..Default::default()
     };
-    let r = rig(&p);
+    let r = Rig::with_policy(&p);
     let out =
         r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, 40000, 53, &dns::query(0x5001, "api.example.com")));
     assert_eq!(out.verdict, TC_ACT_SHOT);
-    assert_eq!(count(&r, counter::CUBE_DENY), 1);
-    assert_eq!(count(&r, counter::DNS_QUERY_TRACKED), 0);
+    assert_eq!(r.counter(counter::CUBE_DENY), 1);
+    assert_eq!(r.counter(counter::DNS_QUERY_TRACKED), 0);
     assert!(r.maps.policy.dns_queries(None).is_empty());
     assert!(r.maps.sessions.list().unwrap().is_empty());
 }
@@ -327,7 +317,7 @@ fn l7_names_are_steered_with_the_mark_and_keep_their_class() {
     .unwrap();
     let mut p = closed_policy();
     p.rules = vec![rule];
-    let r = rig(&p);
+    let r = Rig::with_policy(&p);
     let snat = send_query(&r, 40000, &dns::query(0x6001, "api.example.com"));
     send_response(&r, RESOLVER, 53, snat, &dns::response(0x6001, "api.example.com", &[a(Owner::Question, ADDR1, 600)]));
     let l = r.maps.policy.learned(Some(SB_IFINDEX));
@@ -353,7 +343,7 @@ fn l7_names_are_steered_with_the_mark_and_keep_their_class() {
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
     assert_eq!(out.data, steered(ADDR1, 443, syn));
     assert_eq!(out.mark, l7::MARK_HTTPS);
-    assert_eq!(count(&r, counter::CUBE_L7_NEW), 1);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 1);
     let s = r.maps.sessions.list().unwrap();
     let s = s.iter().find(|s| s.remote_port == 443).unwrap();
     assert_eq!(
@@ -368,7 +358,7 @@ fn l7_names_are_steered_with_the_mark_and_keep_their_class() {
     let reply = tcp(r.world_mac, r.up_mac, ADDR1, SB_IP, T { sport: 443, dport: 41000, win: 1000, ..synack }, b"");
     let out = r.run(prog::FROM_ENVOY, reply, 0);
     assert_eq!(out.verdict, TC_ACT_REDIRECT);
-    assert_eq!(count(&r, counter::ENVOY_L7_REPLY), 1);
+    assert_eq!(r.counter(counter::ENVOY_L7_REPLY), 1);
     let state = |r: &Rig| r.maps.sessions.list().unwrap().iter().find(|s| s.remote_port == 443).unwrap().state;
     assert_eq!(state(&r), "syn_recv");
 
@@ -394,5 +384,5 @@ fn l7_names_are_steered_with_the_mark_and_keep_their_class() {
     let out = r.cube(seg(ADDR2, 443, syn));
     assert_eq!((out.verdict, out.mark), (TC_ACT_REDIRECT, 0));
     assert_eq!(out.data[26..30], NODE_IP);
-    assert_eq!(count(&r, counter::CUBE_L7_NEW), 2);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 2);
 }

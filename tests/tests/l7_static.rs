@@ -41,16 +41,6 @@ fn policy(internet: bool, allow_out: &[&str], rules: Vec<egress_policy::RuleSpec
     }
 }
 
-fn rig(p: &EgressPolicy) -> Rig {
-    let r = Rig::new();
-    r.maps.policy.replace(SB_IFINDEX, p).expect("policy");
-    r
-}
-
-fn count(r: &Rig, c: u32) -> u64 {
-    r.maps.counters.get(c).unwrap()
-}
-
 const SYN: T = T { sport: 0, dport: 0, seq: 1, ack: None, syn: true, fin: false, rst: false, win: 1000 };
 
 fn syn(r: &Rig, sport: u16, dst: [u8; 4], dport: u16) -> TestRunOutput {
@@ -104,24 +94,24 @@ fn static_l7_ip_is_steered_on_80_and_443_only() {
         return;
     }
     // Internet off: nothing but the rule's address on its ports may leave.
-    let r = rig(&policy(false, &[], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]));
+    let r = Rig::with_policy(&policy(false, &[], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]));
     let d = r.maps.policy.dump(SB_IFINDEX).unwrap();
     assert_eq!(d.l7, vec![Cidr::new(Ipv4Addr::from(L7IP), 32)]);
     assert!(d.allow.is_empty(), "not a plain allow entry");
 
     assert_steered(&r, &syn(&r, 41000, L7IP, 443), 41000, 443, l7::MARK_HTTPS, l7::SCHEME_HTTPS);
     assert_steered(&r, &syn(&r, 41001, L7IP, 80), 41001, 80, l7::MARK_HTTP, l7::SCHEME_HTTP);
-    assert_eq!(count(&r, counter::CUBE_L7_NEW), 2);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 2);
 
     // Attacks: another port, another protocol on 443, another address: the CIDR policy
     // (deny all) decides; nothing is steered.
-    let denied = count(&r, counter::CUBE_DENY);
+    let denied = r.counter(counter::CUBE_DENY);
     assert_denied(&r, &syn(&r, 41002, L7IP, 8080), 41002, L7IP);
     assert_denied(&r, &syn(&r, 41003, OTHER, 443), 41003, OTHER);
     let u = r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, L7IP, 41004, 443, b"quic"));
     assert_eq!((u.verdict, u.mark), (TC_ACT_SHOT, 0), "UDP/443 to the L7 address is not an L7 flow");
-    assert_eq!(count(&r, counter::CUBE_DENY), denied + 3);
-    assert_eq!(count(&r, counter::CUBE_L7_NEW), 2);
+    assert_eq!(r.counter(counter::CUBE_DENY), denied + 3);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 2);
 }
 
 #[test]
@@ -131,14 +121,19 @@ fn static_l7_ports_scheme_and_plain_allow() {
     }
     // Internet on, SNI literal with `/32` and scheme https: 443 only; port 80 and other
     // addresses are plain SNAT as the (open) CIDR policy says.
-    let r = rig(&policy(true, &[], vec![rule(serde_json::json!({"sni": "203.0.113.10/32", "scheme": "https"}))]));
+    let r = Rig::with_policy(&policy(
+        true,
+        &[],
+        vec![rule(serde_json::json!({"sni": "203.0.113.10/32", "scheme": "https"}))],
+    ));
     assert_steered(&r, &syn(&r, 42000, L7IP, 443), 42000, 443, l7::MARK_HTTPS, l7::SCHEME_HTTPS);
     assert_snat(&r, &syn(&r, 42001, L7IP, 80), 42001);
     assert_snat(&r, &syn(&r, 42002, OTHER, 443), 42002);
 
     // Internet off, the /24 allowed by CIDR and the rule's address inside it: L7 on 80/443
     // beats the plain allow; the plain allow keeps every other port (L3_ALLOWED).
-    let r = rig(&policy(false, &["203.0.113.0/24"], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]));
+    let r =
+        Rig::with_policy(&policy(false, &["203.0.113.0/24"], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]));
     let d = r.maps.policy.dump(SB_IFINDEX).unwrap();
     assert_eq!((d.allow.len(), d.l7.len()), (1, 1));
     assert_steered(&r, &syn(&r, 42010, L7IP, 443), 42010, 443, l7::MARK_HTTPS, l7::SCHEME_HTTPS);
@@ -153,7 +148,7 @@ fn open_flows_keep_their_class_across_policy_changes() {
     }
     let plain = policy(true, &[], vec![]);
     let with_rule = policy(true, &[], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]);
-    let r = rig(&plain);
+    let r = Rig::with_policy(&plain);
     assert_snat(&r, &syn(&r, 43000, L7IP, 443), 43000);
     r.maps.policy.replace(SB_IFINDEX, &with_rule).unwrap();
     // The SNAT flow opened before the rule stays SNAT; a new one is steered.
@@ -183,7 +178,7 @@ fn a_reopened_port_gets_the_new_class() {
     use cubevs::prog;
     let plain = policy(true, &[], vec![]);
     let with_rule = policy(true, &[], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]);
-    let r = rig(&plain);
+    let r = Rig::with_policy(&plain);
     let guest =
         |t: T| r.cube(tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, L7IP, T { sport: 44000, dport: 443, win: 1000, ..t }, b""));
     let state = |r: &Rig| r.maps.sessions.list().unwrap().iter().find(|s| s.guest_port == 44000).unwrap().state;
@@ -201,7 +196,7 @@ fn a_reopened_port_gets_the_new_class() {
     r.maps.policy.replace(SB_IFINDEX, &with_rule).unwrap();
     let out = guest(T { seq: 5000, syn: true, ..Default::default() });
     assert_steered_seq(&r, &out, 44000, 443, l7::MARK_HTTPS, l7::SCHEME_HTTPS, 5000);
-    assert_eq!(count(&r, counter::CUBE_RECLASSIFIED), 1);
+    assert_eq!(r.counter(counter::CUBE_RECLASSIFIED), 1);
     assert_eq!(r.maps.sessions.entries().unwrap().len(), 1, "the SNAT session is gone");
 
     // Established through CubeEgress, then the rule goes; the port is reused again: SNAT.
@@ -213,7 +208,7 @@ fn a_reopened_port_gets_the_new_class() {
     r.maps.policy.replace(SB_IFINDEX, &plain).unwrap();
     let out = guest(T { seq: 9000, syn: true, ..Default::default() });
     assert_snat(&r, &out, 44000);
-    assert_eq!(count(&r, counter::CUBE_RECLASSIFIED), 2);
+    assert_eq!(r.counter(counter::CUBE_RECLASSIFIED), 2);
 
     // Same class: the session is reused as before (D15: same SNAT port), nothing reclassified.
     let snat2 = u16::from_be_bytes([out.data[34], out.data[35]]);
@@ -223,5 +218,5 @@ fn a_reopened_port_gets_the_new_class() {
     let out = guest(T { seq: 20000, syn: true, ..Default::default() });
     assert_snat(&r, &out, 44000);
     assert_eq!(u16::from_be_bytes([out.data[34], out.data[35]]), snat2);
-    assert_eq!(count(&r, counter::CUBE_RECLASSIFIED), 2);
+    assert_eq!(r.counter(counter::CUBE_RECLASSIFIED), 2);
 }
