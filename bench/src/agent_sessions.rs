@@ -64,16 +64,8 @@ pub(crate) fn make_sessions(
                 node_port: (30_000 + port).to_be(),
                 vm_port: key.sport,
                 state: conntrack::tcp::ESTABLISHED,
-                active_close: 0,
                 packet_class: conntrack::CLASS_SNAT,
-                l7_scheme: 0,
-                close_dir: 0,
-                td_seen: 0,
-                _pad0: [0; 2],
-                td_end: [0; 2],
-                td_maxwin: [0; 2],
-                quota: 0,
-                _reserved: [0; 11],
+                ..Default::default()
             };
             (key, s)
         })

@@ -140,26 +140,7 @@ fn tcp_snat_reverse_nat_and_conntrack() {
 #[test]
 fn timeouts_follow_the_state_table() {
     let t = Timeouts::default();
-    let mk = |state, active_close| cubevs_common::NatSession {
-        access_ns: 0,
-        node_ifindex: 0,
-        node_ip: 0,
-        vm_ifindex: 0,
-        vm_ip: 0,
-        node_port: 0,
-        vm_port: 0,
-        state,
-        active_close,
-        packet_class: 0,
-        l7_scheme: 0,
-        close_dir: 0,
-        td_seen: 0,
-        _pad0: [0; 2],
-        td_end: [0; 2],
-        td_maxwin: [0; 2],
-        quota: 0,
-        _reserved: [0; 11],
-    };
+    let mk = |state, active_close| cubevs_common::NatSession { state, active_close, ..Default::default() };
     const S: u64 = 1_000_000_000;
     for (p, st, ac, want) in [
         (6, tcp_state::SYN_SENT, 0, 60 * S),

@@ -218,17 +218,7 @@ fn uncounted_sessions_are_not_subtracted() {
                 vm_ip: key.src_ip,
                 node_port: (31_000 + i).to_be(),
                 vm_port: key.sport,
-                state: 0,
-                active_close: 0,
-                packet_class: 0,
-                l7_scheme: 0,
-                close_dir: 0,
-                td_seen: 0,
-                _pad0: [0; 2],
-                td_end: [0; 2],
-                td_maxwin: [0; 2],
-                quota: 0,
-                _reserved: [0; 11],
+                ..Default::default()
             };
             (key, s)
         })

@@ -378,9 +378,10 @@ impl SessionKey {
     }
 }
 
-/// Egress session (`egress_sessions` value, upstream `nat_session`, 64 bytes).
+/// Egress session (`egress_sessions` value, upstream `nat_session`, 64 bytes). `Default` is
+/// all zeros (padding included).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NatSession {
     /// Last use, `bpf_ktime_get_ns` (CLOCK_MONOTONIC ns); refreshed lazily (≥ 1 s apart).
     pub access_ns: u64,
