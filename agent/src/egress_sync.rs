@@ -185,6 +185,11 @@ fn begin_in<T: Clone>(m: &mut HashMap<Ipv4Addr, Slot<T>>, ip: Ipv4Addr) -> Optio
     Some((e.generation, e.desired.clone()))
 }
 
+/// `m` locked; a poisoned lock is taken as it is (every update leaves a consistent entry).
+fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Policy state of one sandbox address.
 type Entry = Slot<PolicySpec>;
 
@@ -267,11 +272,30 @@ impl EgressSync {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Ipv4Addr, Entry>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+        guard(&self.entries)
     }
 
     fn feed_lock(&self) -> std::sync::MutexGuard<'_, HashMap<Ipv4Addr, FeedEntry>> {
-        self.feed.lock().unwrap_or_else(|e| e.into_inner())
+        guard(&self.feed)
+    }
+
+    /// One request per dirty address of `table` (a [`Kind`]'s) not already in flight, made by
+    /// `send` from the address and its wanted state; true when one failed transiently.
+    async fn push_table<T: Clone, F: Future<Output = Push>>(
+        &self,
+        kind: Kind,
+        table: &Mutex<HashMap<Ipv4Addr, Slot<T>>>,
+        send: impl Fn(Ipv4Addr, Option<T>) -> F,
+    ) -> bool {
+        let mut failed = false;
+        let work: Vec<Ipv4Addr> = guard(table).iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
+        for ip in work {
+            let Some((generation, desired)) = begin_in(&mut guard(table), ip) else { continue };
+            let r = send(ip, desired).await;
+            failed |= matches!(r, Push::Transient(_));
+            self.complete(kind, &mut guard(table), ip, generation, r);
+        }
+        failed
     }
 
     /// Stops feeding `ip` (Release, rules removed): a DELETE of its learned names is owed
@@ -355,15 +379,7 @@ impl EgressSync {
     /// One feed request per dirty address not already in flight; true when one failed
     /// transiently.
     async fn push_feed_dirty(&self) -> bool {
-        let mut failed = false;
-        let work: Vec<Ipv4Addr> = self.feed_lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
-        for ip in work {
-            let Some((generation, desired)) = begin_in(&mut self.feed_lock(), ip) else { continue };
-            let r = self.push_learned(ip, desired.as_ref()).await;
-            failed |= matches!(r, Push::Transient(_));
-            self.complete(Kind::Learned, &mut self.feed_lock(), ip, generation, r);
-        }
-        failed
+        self.push_table(Kind::Learned, &self.feed, |ip, d| async move { self.push_learned(ip, d.as_ref()).await }).await
     }
 
     /// Addresses whose gateway copy is not (yet) what the agent wants.
@@ -502,15 +518,7 @@ impl EgressSync {
 
     /// One request per dirty address not already in flight; true when one failed transiently.
     async fn push_dirty(&self) -> bool {
-        let mut failed = false;
-        let work: Vec<Ipv4Addr> = self.lock().iter().filter(|(_, e)| e.dirty).map(|(ip, _)| *ip).collect();
-        for ip in work {
-            let Some((generation, desired)) = begin_in(&mut self.lock(), ip) else { continue };
-            let r = self.push(ip, desired.as_ref()).await;
-            failed |= matches!(r, Push::Transient(_));
-            self.complete(Kind::Policy, &mut self.lock(), ip, generation, r);
-        }
-        failed
+        self.push_table(Kind::Policy, &self.entries, |ip, d| async move { self.push(ip, d.as_ref()).await }).await
     }
 
     /// Whether the gateway's `policy_count` proves its contents differ from what the agent
