@@ -131,6 +131,27 @@ http_get() {
     timeout "$((TIMEOUT + 1))" nc -w "$TIMEOUT" "${1%:*}" "${1##*:}" >/tmp/http 2>/tmp/http.err
 }
 
+# Sets hostport and path (default /) from "IP:PORT[/PATH]".
+split_url() {
+  hostport=${1%%/*}
+  path=/
+  [ "$hostport" = "$1" ] || path=/${1#*/}
+}
+
+# Sets vname, want, hostport and path from "NAME@IP:PORT[/PATH]=CODE" (vhost, https).
+split_vcheck() {
+  vname=${1%%@*}
+  rest=${1#*@}
+  want=${rest##*=}
+  split_url "${rest%=*}"
+}
+
+# PASS when status code $1 is the wanted one; the detail is body line $2 (and the code when
+# it is not).
+expect_code() {
+  if [ "$1" = "$want" ]; then RESULT=PASS DETAIL=$2; else DETAIL="status $1: $2"; fi
+}
+
 # One check: sets RESULT (PASS|FAIL) and DETAIL (one line).
 run_check() {
   kind=${1%%:*}
@@ -151,9 +172,7 @@ run_check() {
       fi
       ;;
     http | fetch)
-      hostport=${args%%/*}
-      path=/
-      [ "$hostport" = "$args" ] || path=/${args#*/}
+      split_url "$args"
       if http_get "$hostport" "$path"; then
         status=$(head -n 1 /tmp/http | tr -d '\r')
         case "$status" in
@@ -173,35 +192,19 @@ run_check() {
       rm -f /tmp/http /tmp/http.err
       ;;
     vhost)
-      vname=${args%%@*}
-      rest=${args#*@}
-      want=${rest##*=}
-      rest=${rest%=*}
-      hostport=${rest%%/*}
-      path=/
-      [ "$hostport" = "$rest" ] || path=/${rest#*/}
+      split_vcheck "$args"
       if http_get "$hostport" "$path" "$vname"; then
-        code=$(head -n 1 /tmp/http | tr -d '\r' | cut -d ' ' -f 2)
-        body=$(sed "1,/^$CR\$/d" /tmp/http | head -n 1)
-        if [ "$code" = "$want" ]; then RESULT=PASS DETAIL=$body; else DETAIL="status $code: $body"; fi
+        expect_code "$(head -n 1 /tmp/http | tr -d '\r' | cut -d ' ' -f 2)" "$(sed "1,/^$CR\$/d" /tmp/http | head -n 1)"
       else
         DETAIL="no response: $(cat /tmp/http.err)"
       fi
       rm -f /tmp/http /tmp/http.err
       ;;
     https)
-      vname=${args%%@*}
-      rest=${args#*@}
-      want=${rest##*=}
-      rest=${rest%=*}
-      hostport=${rest%%/*}
-      path=/
-      [ "$hostport" = "$rest" ] || path=/${rest#*/}
+      split_vcheck "$args"
       if timeout "$((TIMEOUT + 1))" cubenet-https-get "${hostport%:*}" "${hostport##*:}" "$vname" "$path" \
         /etc/cubenet-ca.pem >/tmp/http 2>/tmp/http.err; then
-        code=$(head -n 1 /tmp/http | cut -d ' ' -f 2)
-        body=$(sed 1d /tmp/http | head -n 1)
-        if [ "$code" = "$want" ]; then RESULT=PASS DETAIL=$body; else DETAIL="status $code: $body"; fi
+        expect_code "$(head -n 1 /tmp/http | cut -d ' ' -f 2)" "$(sed 1d /tmp/http | head -n 1)"
       else
         DETAIL="no response: $(cat /tmp/http.err)"
       fi
