@@ -13,7 +13,7 @@ use std::{
 
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
-    agent::{AgentUnderTest, HEALTH, tap_fd},
+    agent::{AgentUnderTest, tap_fd},
     agent_upgrade::KernelGuest,
     dns,
     l7::{Gateway, GatewayOptions, HttpsLoad, World, https_load},
@@ -107,19 +107,7 @@ pub fn run() -> Vec<Row> {
     let direct_ctx = pb::CubeVsContext { allow_internet_access: Some(true), ..Default::default() };
     let (_, direct) = ensure(&a, "sb-bench-direct", direct_ctx);
     let dir = std::env::temp_dir().join(format!("cubenet-bench-l7-{}", std::process::id()));
-    let gw = Gateway::start(
-        &a.topo.node,
-        &dir,
-        &world.ca.pem,
-        &GatewayOptions {
-            sandbox_cidr: "192.168.0.0/24".into(),
-            bootstrap_url: format!("http://{HEALTH}/v1/policies/dump"),
-            dns_server: SocketAddr::from((WORLD_IP, 53)),
-            admin_addr: "127.0.0.1:9091".parse().expect("addr"),
-            bin: None,
-        },
-    )
-    .expect("gateway");
+    let gw = Gateway::start(&a.topo.node, &dir, &world.ca.pem, &GatewayOptions::for_agent(None)).expect("gateway");
     // The L7 guest resolves the name (CubeVS learns the address) before connecting.
     let learned = l7
         .ns

@@ -454,18 +454,8 @@ pub fn run(opts: &Options) -> Result<Report> {
         let t = Instant::now();
         let dir = std::env::temp_dir().join(format!("cubenet-demo-{}-egress", std::process::id()));
         cleanup::dir(&dir);
-        let gw = Gateway::start(
-            &a.topo.node,
-            &dir,
-            &world.ca.pem,
-            &GatewayOptions {
-                sandbox_cidr: "192.168.0.0/24".into(),
-                bootstrap_url: format!("http://{HEALTH}/v1/policies/dump"),
-                dns_server: SocketAddr::from((WORLD, 53)),
-                admin_addr: "127.0.0.1:9091".parse()?,
-                bin: Some(profile_bin(&opts.profile, "cube-egress")),
-            },
-        )?;
+        let opts_gw = GatewayOptions::for_agent(Some(profile_bin(&opts.profile, "cube-egress")));
+        let gw = Gateway::start(&a.topo.node, &dir, &world.ca.pem, &opts_gw)?;
         cleanup::pid(gw.pid(), "cube-egress");
         let h = gw.health(&a.topo.node).unwrap_or_default();
         let (code, pol) = gw.admin_get(&a.topo.node, &format!("/policies/{}", sb.mvm_ip));

@@ -207,6 +207,22 @@ pub struct GatewayOptions {
     pub bin: Option<PathBuf>,
 }
 
+impl GatewayOptions {
+    /// The gateway beside an agent rig ([`crate::agent::AgentUnderTest`], sandbox CIDR
+    /// 192.168.0.0/24): bootstrapped from the agent's dump (`http://<HEALTH>/v1/policies/dump`,
+    /// [`crate::agent::HEALTH`]), the world namespace's DNS server (`WORLD_IP:53`) for the
+    /// destination check, its admin API on 127.0.0.1:9091, binary `bin` (`None`: [`egress_bin`]).
+    pub fn for_agent(bin: Option<PathBuf>) -> GatewayOptions {
+        GatewayOptions {
+            sandbox_cidr: "192.168.0.0/24".into(),
+            bootstrap_url: format!("http://{}/v1/policies/dump", crate::agent::HEALTH),
+            dns_server: SocketAddr::from((crate::topology::WORLD_IP, 53)),
+            admin_addr: SocketAddr::from(([127, 0, 0, 1], 9091)),
+            bin,
+        }
+    }
+}
+
 impl Gateway {
     /// Runs `cube-egress-net.sh up` in `ns` and starts the gateway there (binary:
     /// [`egress_bin`]), trusting `world_ca_pem` upstream; waits until `GET /admin/v1/health`

@@ -15,13 +15,13 @@
 //! the gateway's bootstrap from the agent's dump go over that namespace's loopback (L7).
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    net::Ipv4Addr,
     time::{Duration, Instant},
 };
 
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
-    agent::{AgentUnderTest, HEALTH, tap_fd},
+    agent::{AgentUnderTest, tap_fd},
     agent_upgrade::KernelGuest,
     l7::{Gateway, GatewayOptions, World},
     netns::TestNetns,
@@ -179,19 +179,8 @@ fn l7_guest_reaches_the_world_by_name_through_cube_egress() {
     let g = &guest.ns;
 
     let gw_dir = std::env::temp_dir().join(format!("cubenet-l7e2e-{}", std::process::id()));
-    let gw = Gateway::start(
-        &a.topo.node,
-        &gw_dir,
-        &world.ca.pem,
-        &GatewayOptions {
-            sandbox_cidr: "192.168.0.0/24".into(),
-            bootstrap_url: format!("http://{HEALTH}/v1/policies/dump"),
-            dns_server: SocketAddr::from((WORLD_IP, 53)),
-            admin_addr: "127.0.0.1:9091".parse().unwrap(),
-            bin: None,
-        },
-    )
-    .unwrap_or_else(|e| panic!("gateway: {e}"));
+    let gw = Gateway::start(&a.topo.node, &gw_dir, &world.ca.pem, &GatewayOptions::for_agent(None))
+        .unwrap_or_else(|e| panic!("gateway: {e}"));
     let health = gw.health(&a.topo.node).expect("gateway health");
     assert_eq!(health["bootstrap_status"], "ready", "bootstrapped from the agent's dump: {health}");
     assert_eq!(health["policy_count"], 1, "{health}");
