@@ -17,7 +17,7 @@ use std::{
     convert::Infallible,
     future::Future,
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::Path,
     process::Output,
     sync::{
         Arc, Mutex,
@@ -29,6 +29,7 @@ use std::{
 use bytes::Bytes;
 use cubenet_tests::{
     TmpDir,
+    egress_swap::{egress_bin, script, text},
     netns::{ChildGuard, TestNetns},
     require_root, tls,
     topology::Topology,
@@ -174,31 +175,6 @@ fn dump_server(rt: &tokio::runtime::Runtime, ns: &TestNetns, ready: Arc<AtomicBo
         }
     });
     addr
-}
-
-fn egress_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("CUBE_EGRESS_BIN") {
-        return p.into();
-    }
-    // target/<profile>/deps/egress-<hash> → target/<profile>/cube-egress (built by `cargo test
-    // --workspace` because the cube-egress package has integration tests).
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("cube-egress");
-    assert!(p.exists(), "{} missing: run `cargo build -p cube-egress` (or `cargo test --workspace`)", p.display());
-    p
-}
-
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/cube-egress-net.sh")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {}\nstdout: {}\nstderr: {}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// curl in `ns`; returns (HTTP code or 0, body, full output).

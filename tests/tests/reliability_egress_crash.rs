@@ -16,7 +16,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     convert::Infallible,
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -26,6 +26,8 @@ use std::{
 
 use bytes::Bytes;
 use cubenet_tests::{
+    TmpDir,
+    egress_swap::{egress_bin, script},
     fuzz::rng::Rng,
     netns::{ChildGuard, TestNetns},
     require_root,
@@ -42,20 +44,6 @@ const WORLD: &str = "198.51.100.1";
 
 /// World paths seen, with how many times.
 type Seen = Arc<Mutex<BTreeMap<String, u32>>>;
-
-fn egress_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("CUBE_EGRESS_BIN") {
-        return p.into();
-    }
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("cube-egress");
-    assert!(p.exists(), "{} missing: run `cargo build -p cube-egress`", p.display());
-    p
-}
-
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/cube-egress-net.sh")
-}
 
 /// Plain HTTP in `ns` on `addr`: counts each path, answers after 200 ms.
 fn world_server(rt: &tokio::runtime::Runtime, ns: &TestNetns, addr: SocketAddr) -> Seen {
@@ -146,14 +134,6 @@ struct NetDown<'a>(&'a TestNetns);
 impl Drop for NetDown<'_> {
     fn drop(&mut self) {
         let _ = self.0.exec("bash", &[script().to_str().unwrap(), "down"]);
-    }
-}
-
-/// Removes the temporary directory on drop.
-struct TmpDir(PathBuf);
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
