@@ -136,6 +136,10 @@ pub mod map {
     /// [`super::floor::CLOSED`] by the `cubevs` library only) and the floor and ceiling
     /// ([`super::floor::LIMITS`], library only).
     pub const SESSION_FLOOR: &str = "session_floor";
+    /// Maps an older object may lack and still be loaded into a slot beside the pins (it runs
+    /// without them; the `cubevs` library keeps them up to date for the objects that use
+    /// them): `session_floor` (decision Q4), whose absence only means no node-wide check.
+    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR];
     /// Every map of the datapath (all pinned).
     pub const ALL: &[&str] = &[
         MVMIP_TO_IFINDEX,
