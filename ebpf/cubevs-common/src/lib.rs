@@ -191,8 +191,9 @@ pub mod limits {
     /// registered, the reserve is 8,192 × 64 = 524,288, half of [`SESSIONS`], so the floor
     /// holds on a full node and the other half stays shared.
     pub const SESSION_FLOOR: u32 = 64;
-    /// Entries of `session_floor` (three keys used, [`super::floor`]).
-    pub const SESSION_FLOOR_KEYS: u32 = 4;
+    /// Entries of `session_floor`: three keys used ([`super::floor`]), room for five more (a
+    /// later node-wide bound on DNS or fragment tracking) without changing the pinned size.
+    pub const SESSION_FLOOR_KEYS: u32 = 8;
     /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes: the object's
     /// placeholder only; `cubevs` sizes the tries at load from its per-sandbox limit
     /// (`MapLimits::policy_entries`).
