@@ -269,8 +269,6 @@ impl Datapath {
     /// [`Error::Program`] for kernel rejections (the verifier log is in the message).
     pub fn load(mut opts: LoadOptions) -> Result<Self, Error> {
         opts.config.session_budget = opts.limits.session_budget()?;
-        let cpus = crate::quota::floor_margin();
-        let session_floor = opts.limits.session_floor(cpus)?;
         let bytes =
             std::fs::read(&opts.object).map_err(|source| Error::Object { path: opts.object.clone(), source })?;
         let map_dir = opts.pin_dir.as_ref().map(|d| d.join("maps"));
@@ -327,6 +325,14 @@ impl Datapath {
                 }
             }
         }
+        // The floor from the sizes in effect (a pinned size wins over `limits`), so the reserve
+        // fits the maps the programs really use (decision Q4).
+        let size_of = |name: &str, dflt: u32| sizes.iter().find(|(n, _)| *n == name).map_or(dflt, |&(_, m)| m);
+        let capacity = size_of(map::EGRESS_SESSIONS, l.sessions);
+        let cpus = crate::quota::floor_margin();
+        let session_floor =
+            MapLimits { sessions: capacity, sandboxes: size_of(map::IFINDEX_TO_MVMMETA, l.sandboxes), ..l }
+                .session_floor(cpus)?;
         let mut ebpf = slots::load_object(&bytes, &opts.object, &opts.config, opts.pin_dir.as_deref(), &sizes, &[])?;
         // Checked before any link changes: adopted tries too small for the policy limits
         // refuse the load with the old programs still serving.
@@ -371,8 +377,7 @@ impl Datapath {
                 floor: Some(FloorMap {
                     map: take(&mut ebpf, map::SESSION_FLOOR)?,
                     floor: session_floor,
-                    // The pinned size when adopted (it wins over `limits`).
-                    capacity: sizes.iter().find(|(n, _)| *n == map::EGRESS_SESSIONS).map_or(l.sessions, |&(_, m)| m),
+                    capacity,
                     margin: cpus,
                 }),
             }),
