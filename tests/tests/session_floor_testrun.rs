@@ -194,6 +194,40 @@ fn ceiling_follows_registrations() {
     assert_no_drift(&r);
 }
 
+/// A sandbox registered while the attackers hold the shared part: the ceiling drops by its
+/// floor, the attackers above their floors get nothing more, and both the old victim and the
+/// newcomer open their whole floors.
+#[test]
+fn registration_under_attack_lowers_the_ceiling() {
+    if !require_root("session_floor_testrun registration_under_attack_lowers_the_ceiling") {
+        return;
+    }
+    let r = rig();
+    let margin = floor_margin();
+    for (k, &a) in [SB_IFINDEX, ATTACKERS[0], ATTACKERS[1], ATTACKERS[2]].iter().enumerate() {
+        flood(&r, a, 10_000 + 100 * k as u16, 20);
+    }
+    let n = floor(&r).usage.live();
+    assert!(n >= i64::from(floor_ceiling(CAP, 5, FLOOR, margin)), "the flood reached the ceiling");
+    register(&r, 105, 1);
+    let ceiling = floor_ceiling(CAP, 6, FLOOR, margin);
+    assert_eq!(floor(&r).ceiling, ceiling);
+    // Every attacker is at its floor or above: none opens one more.
+    let before = r.maps.counters.get(counter::CUBE_DROP_NODE_SESSIONS).unwrap();
+    for &a in &ATTACKERS {
+        assert_eq!(flood(&r, a, 40_000, 1), 0, "attacker {a} above its floor");
+    }
+    // 101 holds its whole budget (a quota drop); 102 and 103 are refused by the ceiling.
+    assert_eq!(r.maps.counters.get(counter::CUBE_DROP_NODE_SESSIONS).unwrap() - before, 2);
+    assert_eq!(drops(&r, ATTACKERS[0], "session_quota"), 5);
+    // Both floors are still there.
+    assert_eq!(flood(&r, VICTIM, 20_000, FLOOR as u16), FLOOR, "old victim's floor");
+    assert_eq!(flood(&r, 105, 20_000, FLOOR as u16), FLOOR, "newcomer's floor");
+    assert_eq!(r.maps.counters.get(counter::CUBE_DROP_NO_SNAT).unwrap(), 0);
+    assert_eq!(floor(&r).usage.live(), n + 2 * i64::from(FLOOR));
+    assert_no_drift(&r);
+}
+
 /// Sessions made by an object older than the floor (`node_quota` 0) are never subtracted from
 /// the node count: deleting them cannot underflow it nor hand out room the ceiling does not
 /// have. The kernel's own delete (reopen after a deny) gives the node charge back too.
