@@ -222,6 +222,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let limits = cubevs::MapLimits {
             policy_entries_per_sandbox: raw.policy_entries_per_sandbox,
             sessions_per_sandbox: raw.sessions_per_sandbox,
+            session_floor: raw.session_floor_per_sandbox,
             ..Default::default()
         };
         let attach = match raw.tc_attach.as_str() {

@@ -73,7 +73,8 @@ pub(crate) fn make_sessions(
                 td_end: [0; 2],
                 td_maxwin: [0; 2],
                 quota: 0,
-                _reserved: [0; 11],
+                node_quota: 0,
+                _reserved: [0; 10],
             };
             (key, s)
         })

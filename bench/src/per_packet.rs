@@ -123,6 +123,22 @@ pub fn run() -> Vec<Row> {
             target: None,
         });
     }
+    // Same run, same frames: the budget but no node-wide floor (decision Q4), so the difference
+    // to the first row is what the floor's lookups of `session_floor` add (the sandbox is above
+    // its floor of 64 after its first flows, so the full check runs).
+    {
+        let off = Rig::with_limits(MapLimits { session_floor: 0, ..MapLimits::default() });
+        let (v, s) = measure(&off, prog::FROM_CUBE, SB_IFINDEX, new_syn);
+        extra.push(Row {
+            bench: "per-packet".into(),
+            case: "from_cube new TCP SYN, session quota without the node floor (floor 0)".into(),
+            value: v,
+            spread: s,
+            unit: "ns/pkt".into(),
+            baseline: base.clone(),
+            target: None,
+        });
+    }
     add(
         "from_cube established UDP",
         prog::FROM_CUBE,

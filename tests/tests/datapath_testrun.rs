@@ -158,7 +158,8 @@ fn timeouts_follow_the_state_table() {
         td_end: [0; 2],
         td_maxwin: [0; 2],
         quota: 0,
-        _reserved: [0; 11],
+        node_quota: 0,
+        _reserved: [0; 10],
     };
     const S: u64 = 1_000_000_000;
     for (p, st, ac, want) in [

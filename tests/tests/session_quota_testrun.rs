@@ -228,7 +228,8 @@ fn uncounted_sessions_are_not_subtracted() {
                 td_end: [0; 2],
                 td_maxwin: [0; 2],
                 quota: 0,
-                _reserved: [0; 11],
+                node_quota: 0,
+                _reserved: [0; 10],
             };
             (key, s)
         })
