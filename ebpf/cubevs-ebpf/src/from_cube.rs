@@ -38,7 +38,6 @@ use cubevs_common::{
         tcp, timeout, udp,
     },
     counter, ether, l7, proto,
-    quota::COUNTED,
 };
 
 use crate::{
@@ -278,14 +277,13 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     }
     // The sandbox's live-session budget (decision Q1): checked after policy, so a denied flow
     // is a policy drop, never a quota one.
-    if !quota::admit(ifindex, version, cfg.session_budget) {
+    let Some(admitted) = quota::admit(ifindex, version, cfg.session_budget) else {
         return drop(ifindex, counter::CUBE_DROP_SESSION_QUOTA);
-    }
-    let counted = if cfg.session_budget != 0 { COUNTED } else { 0 };
+    };
     let scheme = l7::scheme_of(l4.dport);
     if class == policy::FLOW_L7 && ip.proto == proto::TCP && scheme != 0 && node.cube_dev_ifindex != 0 {
         let first = nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 };
-        if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first, counted).is_none() {
+        if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first, admitted).is_none() {
             return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
         }
         count(counter::CUBE_L7_NEW);
@@ -296,7 +294,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     } else {
         (udp::UNREPLIED, nat::FirstSeg { seen: 0, end: 0, win: 0 })
     };
-    let Some(sess) = nat::create_session(&key, ifindex, state, first, counted) else {
+    let Some(sess) = nat::create_session(&key, ifindex, state, first, admitted) else {
         return drop(ifindex, counter::CUBE_DROP_NO_SNAT);
     };
     count(counter::CUBE_NEW_SESSION);

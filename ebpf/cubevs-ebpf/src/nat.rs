@@ -17,7 +17,7 @@ use cubevs_common::{
 
 use crate::{
     maps::{EGRESS_SESSIONS, INGRESS_SESSIONS, SNAT_IPLIST, count},
-    quota,
+    quota::{self, Admitted},
 };
 
 /// Bob Jenkins' `jhash_1word` as the kernel defines it.
@@ -71,8 +71,8 @@ pub struct FirstSeg {
 
 /// Creates a session for the egress `key` (guest side, `src_ip` = sandbox IP) from
 /// `vm_ifindex`. `state` is the initial conntrack state, `first` the TCP tracking of the
-/// opening segment, `counted` [`COUNTED`] when the sandbox has a session budget: the session
-/// is then charged to (`vm_ifindex`, `key.version`) once inserted. Returns the session
+/// opening segment, `admitted` the flow's admission under its sandbox's session budget: the
+/// session is charged through it once inserted (nothing without a budget). Returns the session
 /// (another CPU's, uncharged by us, when it inserted the same key first), or `None` when no
 /// SNAT IP is configured or no port could be reserved.
 #[inline(always)]
@@ -81,7 +81,7 @@ pub fn create_session(
     vm_ifindex: u32,
     state: u8,
     first: FirstSeg,
-    counted: u8,
+    admitted: Admitted,
 ) -> Option<NatSession> {
     let slot = snat_slot(key.src_ip)?;
     // SAFETY: valid map value pointer.
@@ -120,7 +120,7 @@ pub fn create_session(
             _pad0: [0; 2],
             td_end: [end, 0],
             td_maxwin: [win, 0],
-            quota: counted,
+            quota: admitted.counted(),
             _reserved: [0; 11],
         };
         if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
@@ -131,9 +131,7 @@ pub fn create_session(
             // SAFETY: plain map lookup; the value is copied out.
             return unsafe { EGRESS_SESSIONS.get(key) }.copied();
         }
-        if counted == COUNTED {
-            quota::charge(vm_ifindex, key.version);
-        }
+        admitted.charge();
         return Some(session);
     }
     None
@@ -143,7 +141,7 @@ pub fn create_session(
 /// (source = sandbox IP) and is steered to cube-dev (`cube_dev_ifindex`), so the "SNAT"
 /// address and port are the sandbox's own and the reverse key reserved is the identity
 /// {remote, sandbox ip, remote port, guest port} (what upstream reserves, §3.9); the reaper
-/// deletes both like any session. `scheme` is `cubevs_common::l7::SCHEME_*`; `counted` as for
+/// deletes both like any session. `scheme` is `cubevs_common::l7::SCHEME_*`; `admitted` as for
 /// [`create_session`].
 #[inline(always)]
 pub fn create_l7_session(
@@ -152,7 +150,7 @@ pub fn create_l7_session(
     cube_dev_ifindex: u32,
     scheme: u8,
     first: FirstSeg,
-    counted: u8,
+    admitted: Admitted,
 ) -> Option<NatSession> {
     let rev = key.reverse(key.src_ip, key.sport);
     let rev_value = IngressValue { version: key.version, vm_ip: key.src_ip, vm_port: key.sport, _pad: [0; 3] };
@@ -177,16 +175,14 @@ pub fn create_l7_session(
         _pad0: [0; 2],
         td_end: [first.end, 0],
         td_maxwin: [first.win, 0],
-        quota: counted,
+        quota: admitted.counted(),
         _reserved: [0; 11],
     };
     if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
         let _ = INGRESS_SESSIONS.remove(&rev);
         return None;
     }
-    if counted == COUNTED {
-        quota::charge(vm_ifindex, key.version);
-    }
+    admitted.charge();
     Some(session)
 }
 
