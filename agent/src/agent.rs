@@ -428,6 +428,12 @@ impl Agent {
         if let Some(s) = c.get("reaper_last_scanned") {
             self.metrics.sessions.set(*s as i64);
         }
+        if let Some(s) = c.get("session_floor_live") {
+            self.metrics.sessions_node.set(*s as i64);
+        }
+        if let Some(s) = c.get("session_floor_ceiling") {
+            self.metrics.sessions_node_ceiling.set(*s as i64);
+        }
     }
 
     /// Marks startup complete (servers up).

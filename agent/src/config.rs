@@ -114,6 +114,14 @@ pub struct Config {
     /// sandbox's `session_quota` drops), so one sandbox can never fill the session maps or one
     /// remote endpoint's SNAT ports for the others (decision Q1).
     pub sessions_per_sandbox: u32,
+    /// Live sessions every sandbox may always open, however many the others hold (default 64,
+    /// 0..=min(sessions_per_sandbox, 127); 0 = off): a sandbox holding this many or more opens
+    /// another only while the node's live sessions are below 1,048,576 − registered sandboxes
+    /// × this − possible CPUs, else the flow is dropped and counted (`drop_node_sessions` on
+    /// /metrics, the sandbox's `node_sessions` drops). The upper bound keeps the floors of all
+    /// 8,192 sandboxes the datapath can hold, plus one per CPU, inside the session maps
+    /// (decision Q4).
+    pub session_floor_per_sandbox: u32,
     /// A Reconcile whose new policy denies a destination the old one allowed flushes the
     /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
@@ -181,6 +189,7 @@ impl Default for Config {
             maintenance_interval_secs: 5,
             policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             sessions_per_sandbox: cubevs_common::limits::SESSIONS_PER_SANDBOX,
+            session_floor_per_sandbox: cubevs_common::limits::SESSION_FLOOR,
             flush_sessions_on_policy_tighten: true,
             cube_egress_admin_url: "http://127.0.0.1:9091".into(),
             cube_egress_push_timeout_ms: 2000,
@@ -417,6 +426,19 @@ impl Config {
                 format!("{} outside 1..{max_sessions} (half of the session maps)", self.sessions_per_sandbox),
             ));
         }
+        // Floors of every interface the datapath can register, plus a margin of 1,024 CPUs
+        // (more than any node has possible), must fit in the session maps: 127 at the defaults.
+        let max_floor = ((cubevs_common::limits::SESSIONS - 1024) / cubevs_common::limits::SANDBOXES)
+            .min(self.sessions_per_sandbox);
+        if self.session_floor_per_sandbox > max_floor {
+            return Err(invalid(
+                "session_floor_per_sandbox",
+                format!(
+                    "{} above {max_floor} (min of sessions_per_sandbox and (1048576 - 1024) / 8192 sandboxes)",
+                    self.session_floor_per_sandbox
+                ),
+            ));
+        }
         if !self.cube_egress_admin_url.is_empty() {
             crate::egress_sync::parse_admin_url(&self.cube_egress_admin_url)
                 .map_err(|r| invalid("cube_egress_admin_url", r))?;
@@ -535,6 +557,13 @@ mod tests {
         }
         let c = Config::parse("sessions_per_sandbox = 64").unwrap().validate().unwrap();
         assert_eq!(c.raw.sessions_per_sandbox, 64);
+        for bad in ["session_floor_per_sandbox = 128", "sessions_per_sandbox = 10\nsession_floor_per_sandbox = 11"] {
+            let e = Config::parse(bad).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains("`session_floor_per_sandbox`"), "{bad}: {e}");
+        }
+        for ok in ["session_floor_per_sandbox = 0", "session_floor_per_sandbox = 127"] {
+            Config::parse(ok).unwrap().validate().unwrap();
+        }
         assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
         assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");
     }

@@ -276,6 +276,11 @@ impl Dataplane for CubeVsDataplane {
         c.insert("dns_reaper_learned_removed".into(), d.learned_removed.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("dns_reaper_queries_removed".into(), d.queries_removed.load(std::sync::atomic::Ordering::Relaxed));
         c.insert("dns_reaper_frags_removed".into(), d.frags_removed.load(std::sync::atomic::Ordering::Relaxed));
+        // Node-wide floor (decision Q4): gauges, not counters.
+        if let Some(f) = self.maps.sessions.floor_state().map_err(err)? {
+            c.insert("session_floor_live".into(), f.usage.live().max(0) as u64);
+            c.insert("session_floor_ceiling".into(), u64::from(f.ceiling));
+        }
         Ok(c)
     }
 }

@@ -511,6 +511,10 @@ impl Host for NetnsHost {
 pub struct FakeHost {
     /// Live TAPs by name.
     pub taps: std::sync::Mutex<std::collections::BTreeMap<String, LiveTap>>,
+    /// TAPs another process (a VMM) holds: reopening them fails with `EBUSY`.
+    pub held: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Injected failure of every `delete_tap`.
+    pub fail_delete: std::sync::atomic::AtomicBool,
     next: AtomicUsize,
 }
 
@@ -533,9 +537,15 @@ impl Host for FakeHost {
         if !self.taps.lock().unwrap().contains_key(name) {
             return Err(io::Error::new(io::ErrorKind::NotFound, name.to_string()));
         }
+        if self.held.lock().unwrap().contains(name) {
+            return Err(io::Error::from_raw_os_error(libc::EBUSY));
+        }
         Ok(std::fs::File::open("/dev/null")?.into())
     }
     fn delete_tap(&self, name: &str) -> io::Result<()> {
+        if self.fail_delete.load(Ordering::Relaxed) {
+            return Err(io::Error::other("injected delete failure"));
+        }
         self.taps.lock().unwrap().remove(name);
         Ok(())
     }

@@ -222,14 +222,14 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let limits = cubevs::MapLimits {
             policy_entries_per_sandbox: raw.policy_entries_per_sandbox,
             sessions_per_sandbox: raw.sessions_per_sandbox,
+            session_floor: raw.session_floor_per_sandbox,
             ..Default::default()
         };
         let attach = match raw.tc_attach.as_str() {
             "tcx" => cubevs::AttachMode::Tcx,
             "legacy" => cubevs::AttachMode::LegacyTc,
-            // `auto` = tcx at creation: the deferred warm-up (`AttachMode::TcxDeferred`, F5)
-            // leaked TAPs under kill -9 during an Ensure/Release storm (F7).
-            _ => cubevs::AttachMode::Tcx,
+            // `auto`: a warm-up filter first, moved to its tcx link in the background (F5, T1).
+            _ => cubevs::AttachMode::TcxDeferred,
         };
         Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?))
     })?;

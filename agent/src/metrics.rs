@@ -33,6 +33,12 @@ pub struct Metrics {
     pub fd_handoffs: IntCounterVec,
     /// `cubenet_sessions_in_use`.
     pub sessions: IntGauge,
+    /// `cubenet_sessions_node_charged`: live sessions charged to the node-wide count (decision
+    /// Q4), read from the datapath at scrape time.
+    pub sessions_node: IntGauge,
+    /// `cubenet_sessions_node_ceiling`: node-wide count at which a sandbox at or over its
+    /// floor gets no new flow (`drop_node_sessions`, decision Q4).
+    pub sessions_node_ceiling: IntGauge,
     /// `cubenet_tap_create_failures_total`.
     pub tap_create_failures: IntCounterVec,
     /// `cubenet_tap_create_phase_seconds{phase}`: time per step of one TAP creation
@@ -75,6 +81,13 @@ impl Metrics {
             IntCounterVec::new(Opts::new("cubenet_fd_handoffs_total", "TAP fd requests by errCode"), &["err_code"])
                 .unwrap();
         let sessions = IntGauge::new("cubenet_sessions_in_use", "Datapath sessions in use").unwrap();
+        let sessions_node =
+            IntGauge::new("cubenet_sessions_node_charged", "Live sessions charged to the node-wide count").unwrap();
+        let sessions_node_ceiling = IntGauge::new(
+            "cubenet_sessions_node_ceiling",
+            "Node-wide live sessions at which sandboxes at or over their floor open no new flow",
+        )
+        .unwrap();
         let tap_create_failures =
             IntCounterVec::new(Opts::new("cubenet_tap_create_failures_total", "Failed TAP creations"), &["stage"])
                 .unwrap();
@@ -112,6 +125,8 @@ impl Metrics {
             Box::new(release_seconds.clone()),
             Box::new(fd_handoffs.clone()),
             Box::new(sessions.clone()),
+            Box::new(sessions_node.clone()),
+            Box::new(sessions_node_ceiling.clone()),
             Box::new(tap_create_failures.clone()),
             Box::new(tap_create_phase_seconds.clone()),
         ] {
@@ -126,6 +141,8 @@ impl Metrics {
             release_seconds,
             fd_handoffs,
             sessions,
+            sessions_node,
+            sessions_node_ceiling,
             tap_create_failures,
             tap_create_phase_seconds,
             egress_push,
@@ -199,8 +216,9 @@ impl Collector for DatapathCollector {
             match k.as_str() {
                 "reaper_runs" => runs.inc_by(*v),
                 "reaper_removed" => removed.inc_by(*v),
-                // A gauge (`cubenet_sessions_in_use`), set by `Agent::refresh_datapath_metrics`.
-                "reaper_last_scanned" => {}
+                // Gauges (`cubenet_sessions_in_use`, `cubenet_sessions_node_*`), set by
+                // `Agent::refresh_datapath_metrics`.
+                "reaper_last_scanned" | "session_floor_live" | "session_floor_ceiling" => {}
                 _ => {
                     let (program, reason) = cubevs_common::counter::NAMES
                         .iter()

@@ -13,6 +13,14 @@ use cubevs::{MapLimits, PortMapping, Proto, prog};
 use crate::report::{Row, stats};
 
 const RUNS: usize = 2000;
+
+/// Case names of the new-flow rows.
+const NEW_SYN: &str = "from_cube new TCP SYN (policy + session quota + session)";
+const NEW_SYN_NO_QUOTA: &str = "from_cube new TCP SYN, no session quota (budget 0)";
+const NEW_SYN_PORTMAP: &str =
+    "from_cube new TCP SYN from a port-mapped guest port (dropped after session + port-map lookups)";
+const NEW_SYN_OVER_BUDGET: &str = "from_cube new TCP SYN over the session budget (dropped after policy + quota check)";
+const ESTABLISHED: &str = "from_cube established TCP (egress SNAT)";
 const ROUNDS: usize = 5;
 
 fn measure(
@@ -87,7 +95,7 @@ pub fn run() -> Vec<Row> {
             target: target.map(str::to_string),
         });
     };
-    add("from_cube established TCP (egress SNAT)", prog::FROM_CUBE, SB_IFINDEX, Some("<= 150 ns/pkt"), Box::new(est));
+    add(ESTABLISHED, prog::FROM_CUBE, SB_IFINDEX, Some("<= 150 ns/pkt"), Box::new(est));
     // A new 5-tuple every run: vary the guest port and the remote address (10,000 runs, below
     // the default session budget of 16,384: every run creates a session).
     let new_syn = |i: usize| {
@@ -101,13 +109,7 @@ pub fn run() -> Vec<Row> {
             b"",
         )
     };
-    add(
-        "from_cube new TCP SYN (policy + session quota + session)",
-        prog::FROM_CUBE,
-        SB_IFINDEX,
-        None,
-        Box::new(new_syn),
-    );
+    add(NEW_SYN, prog::FROM_CUBE, SB_IFINDEX, None, Box::new(new_syn));
     // Same run, same frames: a datapath loaded without the per-sandbox session quota (budget
     // 0). The difference to the row above is what the quota check and charge add.
     {
@@ -115,7 +117,66 @@ pub fn run() -> Vec<Row> {
         let (v, s) = measure(&off, prog::FROM_CUBE, SB_IFINDEX, new_syn);
         extra.push(Row {
             bench: "per-packet".into(),
-            case: "from_cube new TCP SYN, no session quota (budget 0)".into(),
+            case: NEW_SYN_NO_QUOTA.into(),
+            value: v,
+            spread: s,
+            unit: "ns/pkt".into(),
+            baseline: base.clone(),
+            target: None,
+        });
+    }
+    // The new-flow breakdown (decision V7): the same kind of SYN (a new 5-tuple every run)
+    // stopped at successive steps of the path. From a port-mapped guest port: dropped right
+    // after the session lookup (a miss) and the port-map lookup (a hit).
+    add(
+        NEW_SYN_PORTMAP,
+        prog::FROM_CUBE,
+        SB_IFINDEX,
+        None,
+        Box::new(|i: usize| {
+            tcp(
+                GUEST_MAC,
+                GATEWAY_MAC,
+                GUEST_IP,
+                [198, 51, 100, 1 + (i / 30000) as u8 % 200],
+                Tcp {
+                    sport: 8080,
+                    dport: 1024 + (i % 30000) as u16,
+                    seq: 1,
+                    syn: true,
+                    win: 1000,
+                    ..Default::default()
+                },
+                b"",
+            )
+        }),
+    );
+    // A datapath whose sandbox holds its whole session budget (1, used by one session): the
+    // SYN runs the port-map lookup (a miss), the policy (generation, both tries, the learned
+    // addresses) and the quota check, then is dropped, before any session is created.
+    {
+        let full = Rig::with_limits(MapLimits { sessions_per_sandbox: 1, ..MapLimits::default() });
+        full.cube(new_syn(usize::MAX / 2));
+        let (v, s) = measure(&full, prog::FROM_CUBE, SB_IFINDEX, new_syn);
+        extra.push(Row {
+            bench: "per-packet".into(),
+            case: NEW_SYN_OVER_BUDGET.into(),
+            value: v,
+            spread: s,
+            unit: "ns/pkt".into(),
+            baseline: base.clone(),
+            target: None,
+        });
+    }
+    // Same run, same frames: the budget but no node-wide floor (decision Q4), so the difference
+    // to the first row is what the floor's lookups of `session_floor` add (the sandbox is above
+    // its floor of 64 after its first flows, so the full check runs).
+    {
+        let off = Rig::with_limits(MapLimits { session_floor: 0, ..MapLimits::default() });
+        let (v, s) = measure(&off, prog::FROM_CUBE, SB_IFINDEX, new_syn);
+        extra.push(Row {
+            bench: "per-packet".into(),
+            case: "from_cube new TCP SYN, session quota without the node floor (floor 0)".into(),
             value: v,
             spread: s,
             unit: "ns/pkt".into(),
@@ -211,4 +272,25 @@ pub fn run() -> Vec<Row> {
         rows.insert(at + i, r);
     }
     rows
+}
+
+/// The new-flow entry of "Targets and misses" from the per-packet rows of `rows`: the new SYN
+/// beside the floor and the established path, and what each step adds (the breakdown rows).
+/// `None` without those rows.
+pub fn new_flow_note(rows: &[Row]) -> Option<String> {
+    let get = |case: &str| rows.iter().find(|r| r.bench == "per-packet" && r.case == case).map(|r| r.value);
+    let floor = get("baseline_pass (empty TC program)")?;
+    let (est, full, no_quota) = (get(ESTABLISHED)?, get(NEW_SYN)?, get(NEW_SYN_NO_QUOTA)?);
+    let (portmap, over) = (get(NEW_SYN_PORTMAP)?, get(NEW_SYN_OVER_BUDGET)?);
+    Some(format!(
+        "- new-flow setup beside the floor (issue 15, no figure set): a new TCP SYN costs {full:.0} ns/pkt ({:.0} ns \
+         above the {floor:.0} ns floor; the established path {est:.0} ns). The same SYN stopped at successive steps \
+         (rows above): after the sandbox, session (miss) and port-map lookups {portmap:.0} ns; after the policy \
+         (generation read twice, both LPM tries, two learned-address lookups) and the quota check {over:.0} ns \
+         (+{:.0}); the rest (+{:.0}) is the port draw, the two session inserts, the quota charge, the SNAT rewrite \
+         and the FIB forward, the last two also in the established row. Without a session budget {no_quota:.0} ns.\n",
+        full - floor,
+        over - portmap,
+        full - over,
+    ))
 }

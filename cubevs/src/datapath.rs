@@ -32,7 +32,7 @@ use crate::{
     node::NodeTable,
     policy::{PolicyLimits, PolicyTable},
     ports::PortMaps,
-    quota::QuotaMaps,
+    quota::{FloorMap, QuotaMaps},
     sandbox::SandboxTable,
     sandbox_stats::SandboxStatsTable,
     sessions::Sessions,
@@ -93,6 +93,13 @@ pub struct MapLimits {
     /// dropped and counted (`drop_session_quota`). The datapath enforces
     /// [`MapLimits::session_budget`], this value capped at half of `sessions`; 0 = no quota.
     pub sessions_per_sandbox: u32,
+    /// Live sessions every registered sandbox version may always open, whatever the other
+    /// sandboxes hold (default 64, `cubevs_common::limits::SESSION_FLOOR`; decision Q4): a
+    /// sandbox holding this many or more opens another only while the node-wide live sessions
+    /// are below `sessions - registered × session_floor - possible CPUs`, else the flow is
+    /// dropped and counted (`drop_node_sessions`). 0 = no node-wide check. The datapath
+    /// enforces [`MapLimits::session_floor`], this value capped so the reserve always fits.
+    pub session_floor: u32,
 }
 
 impl Default for MapLimits {
@@ -103,6 +110,7 @@ impl Default for MapLimits {
             port_mappings: limits::PORT_MAPPINGS,
             policy_entries_per_sandbox: crate::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             sessions_per_sandbox: limits::SESSIONS_PER_SANDBOX,
+            session_floor: limits::SESSION_FLOOR,
         }
     }
 }
@@ -143,6 +151,18 @@ impl MapLimits {
             return Err(Error::invalid("limits.sessions", "must be at least 2"));
         }
         Ok(self.sessions_per_sandbox.min(self.sessions / 2))
+    }
+
+    /// The node-wide floor the datapath enforces (decision Q4): `session_floor` capped at the
+    /// budget ([`MapLimits::session_budget`]; a floor is a share of it) and at
+    /// `(sessions - cpus) / sandboxes`, so the floors of `sandboxes` registered interfaces plus
+    /// one session per possible CPU always fit in the session maps, whatever registers (with
+    /// small maps the floor is thus 0: off, like the budget capped at half the maps). The
+    /// agent refuses a configuration that would be capped (`session_floor_per_sandbox`).
+    pub fn session_floor(&self, cpus: u32) -> Result<u32, Error> {
+        let budget = self.session_budget()?;
+        let fit = self.sessions.saturating_sub(cpus) / self.sandboxes.max(1);
+        Ok(self.session_floor.min(budget).min(fit))
     }
 
     /// `max_entries` of `session_opened` and `session_closed`: two sandbox versions per
@@ -280,6 +300,7 @@ impl Datapath {
             (map::DNS_ALLOW, l.dns_allow_entries()?),
             (map::SESSION_OPENED, l.session_quota_keys()?),
             (map::SESSION_CLOSED, l.session_quota_keys()?),
+            (map::SESSION_FLOOR, limits::SESSION_FLOOR_KEYS),
         ];
         for name in [
             map::REMOTE_PORT_MAPPING,
@@ -304,6 +325,14 @@ impl Datapath {
                 }
             }
         }
+        // The floor from the sizes in effect (a pinned size wins over `limits`), so the reserve
+        // fits the maps the programs really use (decision Q4).
+        let size_of = |name: &str, dflt: u32| sizes.iter().find(|(n, _)| *n == name).map_or(dflt, |&(_, m)| m);
+        let capacity = size_of(map::EGRESS_SESSIONS, l.sessions);
+        let cpus = crate::quota::floor_margin();
+        let session_floor =
+            MapLimits { sessions: capacity, sandboxes: size_of(map::IFINDEX_TO_MVMMETA, l.sandboxes), ..l }
+                .session_floor(cpus)?;
         let mut ebpf = slots::load_object(&bytes, &opts.object, &opts.config, opts.pin_dir.as_deref(), &sizes, &[])?;
         // Checked before any link changes: adopted tries too small for the policy limits
         // refuse the load with the old programs still serving.
@@ -345,8 +374,15 @@ impl Datapath {
                     .map(std::fs::File::open)
                     .transpose()
                     .map_err(|source| Error::Pin { what: "open the maps directory for locking".into(), source })?,
+                floor: Some(FloorMap {
+                    map: take(&mut ebpf, map::SESSION_FLOOR)?,
+                    floor: session_floor,
+                    capacity,
+                    margin: cpus,
+                }),
             }),
         ));
+        sessions.refresh_floor()?;
         let maps = Arc::new(Maps {
             sandboxes: SandboxTable::new(
                 take(&mut ebpf, map::IFINDEX_TO_MVMMETA)?,

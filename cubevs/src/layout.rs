@@ -229,7 +229,8 @@ pub fn write_raw(pin_dir: &Path, value: &[u8; META_SIZE]) -> Result<(), Error> {
 }
 
 /// Compares every map pinned in `dir` with the object's definition: type, key size, value
-/// size, flags, and max_entries against `want_max(name)` when it returns `Some`. Returns
+/// size, flags, and max_entries against `want_max(name)` when it returns `Some`. A pin of a
+/// map in `cubevs_common::map::OPTIONAL` that the object lacks is skipped (an older object). Returns
 /// the pinned max_entries of each existing pin (the loader must create nothing bigger).
 ///
 /// Errors: [`Error::IncompatiblePin`] naming the map and what differs.
@@ -247,6 +248,11 @@ pub fn check_pins(
             continue;
         }
         let Some(m) = obj.maps.get(name) else {
+            // An object older than a map runs without it (a rollback target loaded as the
+            // standby); userspace keeps maintaining the pin for the newer slots.
+            if map::OPTIONAL.contains(&name) {
+                continue;
+            }
             return Err(Error::IncompatiblePin { path, reason: "the object has no map of this name".into() });
         };
         let info = MapInfo::from_pin(&path)

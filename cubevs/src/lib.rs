@@ -47,7 +47,7 @@ pub use frags::{FragEntry, FragTable};
 pub use node::NodeTable;
 pub use policy::{Cidr, EgressPolicy, PolicyDump, PolicyLimits, PolicyTable};
 pub use ports::{PortMapping, PortMaps, Proto};
-pub use quota::QuotaUsage;
+pub use quota::{FloorState, QuotaUsage};
 pub use sandbox::{SandboxEntry, SandboxTable};
 pub use sandbox_stats::{SandboxCounters, SandboxStatsTable};
 pub use sessions::{SessionView, Sessions};

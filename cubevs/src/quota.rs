@@ -18,11 +18,19 @@
 //! `session_closed` is then also serialised across processes by an exclusive `flock(2)` on the
 //! pinned maps' directory (`<pin_dir>/maps`; bpffs directories can be flocked, and the
 //! datapath updater lock is on `<pin_dir>` itself, so the two never wait for each other).
+//!
+//! The node-wide reserved floor (`cubevs_common::floor`, decision Q4) lives beside them in
+//! `session_floor`: the same deletes add the sessions charged to the node
+//! ([`NatSession::node_quota`] = `COUNTED`) to its `CLOSED` key, whatever their version's
+//! state (a released version's sessions still fill the map until deleted), and
+//! [`QuotaMaps::refresh_floor`] rewrites its `LIMITS` key from the registrations counted
+//! in the map itself (so two processes sharing the pins never leave a stale count), on every
+//! register and unregister ([`crate::SandboxTable`]), at load and on every reaper sweep.
 
 use std::{collections::HashMap as StdHashMap, fs::File, os::fd::AsRawFd};
 
 use aya::maps::{HashMap, MapData};
-use cubevs_common::{NatSession, QuotaKey, SessionKey, map, quota::COUNTED};
+use cubevs_common::{MvmMeta, NatSession, QuotaKey, SessionKey, floor, map, quota::COUNTED};
 
 use crate::{Error, error::is_not_found};
 
@@ -50,6 +58,45 @@ pub(crate) struct QuotaMaps {
     /// The pinned maps' directory, flocked around every `session_closed` update (`None` for
     /// unpinned maps: private to this process).
     pub(crate) lock: Option<File>,
+    /// `session_floor` and how its limits are computed (`None`: no floor).
+    pub(crate) floor: Option<FloorMap>,
+}
+
+/// The node-wide floor's map and parameters ([`QuotaMaps::refresh_floor`]).
+pub(crate) struct FloorMap {
+    pub(crate) map: HashMap<MapData, u32, u64>,
+    /// Live sessions every registered sandbox version may always open (0 = no node check).
+    pub(crate) floor: u32,
+    /// `max_entries` of `egress_sessions` (as pinned).
+    pub(crate) capacity: u32,
+    /// Room kept for concurrent check-then-charge on other CPUs: the number of possible CPUs.
+    pub(crate) margin: u32,
+}
+
+/// The margin [`Datapath::load`](crate::Datapath::load) keeps below the ceiling: one session per
+/// possible CPU (`/sys/devices/system/cpu/possible`), since each CPU may pass the check before
+/// another's charge lands.
+pub fn floor_margin() -> u32 {
+    crate::slots::possible_cpus() as u32
+}
+
+/// The node-wide ceiling for `registered` sandboxes: `capacity - registered × floor -
+/// margin`, 0 when the reserve exceeds the capacity (then only floors are admitted).
+pub fn floor_ceiling(capacity: u32, registered: u32, floor: u32, margin: u32) -> u32 {
+    let reserved = u64::from(registered) * u64::from(floor) + u64::from(margin);
+    u64::from(capacity).saturating_sub(reserved) as u32
+}
+
+/// State of the node-wide floor (decision Q4), as read from `session_floor`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FloorState {
+    /// Charged sessions on the node: `OPENED` (datapath) and `CLOSED` (userspace); `live()` is
+    /// the node-wide count the ceiling bounds.
+    pub usage: QuotaUsage,
+    /// Sessions every registered sandbox version may always hold (0: no node check).
+    pub floor: u32,
+    /// Node-wide live count at which a sandbox at or over its floor is refused.
+    pub ceiling: u32,
 }
 
 /// An exclusive `flock` on the maps directory while alive.
@@ -101,6 +148,37 @@ impl QuotaMaps {
         Ok(Some(QuotaUsage { opened, closed: closed.unwrap_or(0) }))
     }
 
+    /// The node-wide floor's counts and limits; `None` without a floor map.
+    pub(crate) fn floor_state(&self) -> Result<Option<FloorState>, Error> {
+        let Some(f) = &self.floor else { return Ok(None) };
+        let get = |k: u32| -> Result<u64, Error> {
+            Ok(ok_absent(f.map.get(&k, 0)).map_err(Error::map(map::SESSION_FLOOR, "lookup"))?.unwrap_or(0))
+        };
+        let (floor, ceiling) = floor::unpack(get(floor::LIMITS)?);
+        Ok(Some(FloorState {
+            usage: QuotaUsage { opened: get(floor::OPENED)?, closed: get(floor::CLOSED)? },
+            floor,
+            ceiling,
+        }))
+    }
+
+    /// Rewrites the floor's `LIMITS` from the registrations counted in `ifindex_to_mvmmeta`
+    /// (`registrations`, read under the maps-directory flock so two processes' writes are
+    /// ordered after their counts); returns the ceiling written.
+    pub(crate) fn refresh_floor(&mut self, registrations: Option<&std::os::fd::OwnedFd>) -> Result<Option<u32>, Error> {
+        use std::os::fd::AsFd;
+        let (Some(f), Some(fd)) = (&mut self.floor, registrations) else { return Ok(None) };
+        let _flock = Flock::take(self.lock.as_ref())?;
+        let mut n = 0u32;
+        crate::batch::for_each(fd.as_fd(), 1024, |_: &u32, _: &MvmMeta| n += 1)
+            .map_err(|source| Error::MapSyscall { map: map::IFINDEX_TO_MVMMETA, op: "batch lookup", source })?;
+        let ceiling = floor_ceiling(f.capacity, n, f.floor, f.margin);
+        f.map
+            .insert(floor::LIMITS, floor::pack(f.floor, ceiling), 0)
+            .map_err(Error::map(map::SESSION_FLOOR, "update"))?;
+        Ok(Some(ceiling))
+    }
+
     /// Every charged sandbox version.
     pub(crate) fn list(&self) -> Result<Vec<(QuotaKey, QuotaUsage)>, Error> {
         let mut out = Vec::new();
@@ -121,15 +199,29 @@ impl QuotaMaps {
         deleted: impl IntoIterator<Item = (&'a SessionKey, &'a NatSession)>,
     ) -> Result<(), Error> {
         let mut by: StdHashMap<QuotaKey, u64> = StdHashMap::new();
+        let mut node = 0u64;
         for (k, s) in deleted {
             if s.quota == COUNTED {
                 *by.entry(QuotaKey { ifindex: s.vm_ifindex, version: k.version }).or_default() += 1;
             }
+            if s.node_quota == COUNTED {
+                node += 1;
+            }
         }
-        if by.is_empty() {
+        if by.is_empty() && node == 0 {
             return Ok(());
         }
         let _flock = Flock::take(self.lock.as_ref())?;
+        if let (Some(f), true) = (&mut self.floor, node > 0) {
+            // The datapath creates `OPENED` before it marks any session as charged to it.
+            let get = |k: u32| ok_absent(f.map.get(&k, 0)).map_err(Error::map(map::SESSION_FLOOR, "lookup"));
+            if get(floor::OPENED)?.is_some() {
+                let old = get(floor::CLOSED)?.unwrap_or(0);
+                f.map
+                    .insert(floor::CLOSED, old.wrapping_add(node), 0)
+                    .map_err(Error::map(map::SESSION_FLOOR, "update"))?;
+            }
+        }
         for (key, n) in by {
             if ok_absent(self.opened.get(&key, 0)).map_err(Error::map(map::SESSION_OPENED, "lookup"))?.is_none() {
                 continue;
@@ -180,7 +272,17 @@ impl QuotaMaps {
 
 #[cfg(test)]
 mod tests {
-    use super::QuotaUsage;
+    use super::{QuotaUsage, floor_ceiling};
+
+    #[test]
+    fn ceiling_arithmetic() {
+        // Defaults: 8,192 sandboxes x 64 + 4 CPUs leave 524,284 of 1,048,576 shared.
+        assert_eq!(floor_ceiling(1 << 20, 8192, 64, 4), 524_284);
+        assert_eq!(floor_ceiling(64, 5, 4, 2), 42);
+        // A reserve above the capacity closes the shared part instead of wrapping.
+        assert_eq!(floor_ceiling(64, 100, 4, 2), 0);
+        assert_eq!(floor_ceiling(u32::MAX, u32::MAX, u32::MAX, 0), 0);
+    }
 
     #[test]
     fn live_is_signed() {

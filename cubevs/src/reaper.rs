@@ -259,6 +259,9 @@ pub fn sweep(sessions: &Sessions, t: &Timeouts, now_ns: u64) -> Result<SweepStat
             q.collect(before, after)?;
         }
     }
+    // The floor's ceiling from the registrations now (decision Q4): also corrects a count
+    // another process sharing the pins left behind.
+    sessions.refresh_floor()?;
     Ok(SweepStats {
         scanned: v.scanned,
         removed,

@@ -71,7 +71,8 @@ impl SandboxTable {
 
     /// Registers (or updates) the sandbox on `e.ifindex`. A different version replacing the
     /// registered one drops the old version's session-budget entries: its sessions are stale
-    /// and the new version starts at 0.
+    /// and the new version starts at 0. A sandbox new to the interface reserves its floor: the
+    /// node-wide ceiling is recomputed (decision Q4).
     ///
     /// Errors: `InvalidArgument` for ifindex 0, an unspecified IP or an id over 64 bytes;
     /// `Conflict` when the IP already belongs to another interface. Nothing changes on error.
@@ -117,11 +118,16 @@ impl SandboxTable {
         {
             self.sessions.forget_quota(e.ifindex, o.version)?;
         }
+        if old.is_none() {
+            // One more registered sandbox: its floor is reserved (decision Q4).
+            self.sessions.refresh_floor()?;
+        }
         Ok(())
     }
 
     /// Removes the sandbox on `ifindex`; the IP entry is removed only if it still points at
-    /// this interface; its version's session-budget entries go too. Unknown ifindex: no-op.
+    /// this interface; its version's session-budget entries go too and its floor is released
+    /// (ceiling recomputed, decision Q4). Unknown ifindex: no-op.
     pub fn unregister(&self, ifindex: u32) -> Result<(), Error> {
         let mut g = self.inner.lock().expect("sandbox maps lock");
         let (meta, by_ip) = &mut *g;
@@ -142,7 +148,8 @@ impl SandboxTable {
                 Err(e) => return Err(Error::map(map::MVMIP_TO_IFINDEX, "delete")(e)),
             }
         }
-        self.sessions.forget_quota(ifindex, m.version)
+        self.sessions.forget_quota(ifindex, m.version)?;
+        self.sessions.refresh_floor().map(|_| ())
     }
 
     /// The sandbox on `ifindex`, if registered.

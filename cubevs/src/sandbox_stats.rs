@@ -134,11 +134,12 @@ mod tests {
         let mut b = SandboxStats { out_packets: 5, out_bytes: 7, ..Default::default() };
         b.drops[drop::POLICY as usize] = 1;
         b.drops[drop::RST_WINDOW as usize] = 4;
-        b.drops[DROP_SLOTS - 1] = 9; // a reserved slot: no name, not reported
+        b.drops[drop::NODE_SESSIONS as usize] = 9; // the last slot (DROP_SLOTS - 1)
         let c = SandboxCounters::sum(&[a, b]);
         assert_eq!((c.out_packets, c.out_bytes, c.in_packets, c.in_bytes), (7, 107, 1, 60));
         assert_eq!((c.drops["policy"], c.drops["rst_window"], c.drops["spoof"]), (4, 4, 0));
         assert_eq!(c.drops.len(), drop::NAMES.len());
-        assert_eq!(c.dropped(), 8);
+        assert_eq!(c.drops["node_sessions"], 9);
+        assert_eq!(c.dropped(), 17);
     }
 }

@@ -8,7 +8,7 @@ use cubevs_common::{IngressValue, NatSession, SessionKey, conntrack, map, proto}
 use crate::{
     Error,
     error::is_not_found,
-    quota::{QuotaMaps, QuotaUsage},
+    quota::{FloorState, QuotaMaps, QuotaUsage},
 };
 
 /// A session as dumps show it: addresses and ports host order, state by name.
@@ -122,6 +122,27 @@ impl Sessions {
         let g = self.inner.lock().expect("sessions lock");
         match &g.quota {
             Some(q) => q.usage(&cubevs_common::QuotaKey { ifindex, version }),
+            None => Ok(None),
+        }
+    }
+
+    /// The node-wide floor's counts and limits (decision Q4); `None` without the floor map.
+    pub fn floor_state(&self) -> Result<Option<FloorState>, Error> {
+        let g = self.inner.lock().expect("sessions lock");
+        match &g.quota {
+            Some(q) => q.floor_state(),
+            None => Ok(None),
+        }
+    }
+
+    /// Rewrites the floor's ceiling from the registrations now in the sandbox map (decision
+    /// Q4); returns it (`None` without a floor map). Called on every register and unregister,
+    /// at load and by the reaper.
+    pub fn refresh_floor(&self) -> Result<Option<u32>, Error> {
+        let mut g = self.inner.lock().expect("sessions lock");
+        let SessionMaps { registrations, quota, .. } = &mut *g;
+        match quota {
+            Some(q) => q.refresh_floor(registrations.as_ref()),
             None => Ok(None),
         }
     }

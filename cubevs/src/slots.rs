@@ -602,7 +602,7 @@ fn copy_entries(
 
 /// Number of possible CPUs (`/sys/devices/system/cpu/possible`, e.g. `0-3`), the per-CPU
 /// value count the kernel uses.
-fn possible_cpus() -> usize {
+pub(crate) fn possible_cpus() -> usize {
     let s = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap_or_default();
     s.trim()
         .split(',')

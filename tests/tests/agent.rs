@@ -92,8 +92,9 @@ fn pool_ensure_fd_arp_release_reuse() {
         let mut a = AgentUnderTest::prepare("basic", 3, "");
         names = vec![a.ns.name().to_string(), a.topo.node.name().to_string()];
         a.start();
-        // Pool: 3 Ready TAPs in the node namespace: exactly one from_cube per TAP, on its
-        // pinned tcx link, and no tc filter (the default `auto` attaches tcx at creation, F7).
+        // Pool: 3 Ready TAPs in the node namespace. Each got from_cube as a warm-up tc filter
+        // and the maintenance loop moves it to a pinned tcx link (F5): in the end exactly one
+        // from_cube per TAP, on tcx, and no filter.
         assert_eq!(state_counts(&a), (3, 0, 0));
         let taps = a.node_taps();
         assert_eq!(taps.len(), 3, "{taps:?}");
@@ -834,7 +835,8 @@ fn readiness_follows_whether_an_ensure_can_succeed() {
 
 /// `tc_attach = "legacy"` (decision F4): every pool TAP gets exactly one `from_cube` filter on a
 /// clsact ingress and no tcx program; an Ensure/Release cycle and a kill -9 restart (recovery
-/// re-attaches every TAP) leave exactly one filter per TAP, never a duplicate.
+/// re-attaches every TAP) leave exactly one filter per TAP, never a duplicate. A restart with
+/// the default `auto` then moves every TAP, Active ones included, to a tcx link (F5).
 #[test]
 fn legacy_tc_attach_puts_one_filter_on_each_tap() {
     if !require_root("legacy_tc_attach_puts_one_filter_on_each_tap") {
@@ -881,4 +883,20 @@ fn legacy_tc_attach_puts_one_filter_on_each_tap() {
     a.start();
     assert_eq!(state_counts(&a), (2, 0, 0));
     check(&a, "after a kill -9 restart");
+
+    // The same node restarted with the default (`auto`, F5): recovery queues every adopted
+    // TAP, the Active one included, and the maintenance loop puts each on its tcx link and
+    // removes its filter.
+    let mut c = rt.block_on(client(&a));
+    rt.block_on(c.ensure_network(ensure_req("sb-m", &[]))).expect("ensure");
+    a.kill(nix::sys::signal::Signal::SIGKILL);
+    let cfg_path = a.dir.join("agent.toml");
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap().replace("tc_attach = \"legacy\"\n", "");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    a.start();
+    assert_eq!(state_counts(&a).1, 1, "sb-m adopted Active");
+    wait_for("every TAP on its tcx link, no filter, after the switch to auto", Duration::from_secs(20), || {
+        let f = filters(&a);
+        (f.len() == 3 && f.iter().all(|(_, n, tcx)| *n == 0 && tcx == &vec!["from_cube".to_string()])).then(String::new)
+    });
 }

@@ -702,6 +702,20 @@ fn icmp_errors_are_reverse_translated() {
     let err = icmp_error(r.world_mac, r.up_mac, router, NODE_IP, (3, 3, [0; 4]), &stray[14..42]);
     let got = r.world(err.clone());
     assert_eq!((got.verdict, got.data), (TC_ACT_OK, err));
+    // An error whose embedded ports lie past the outer IP total length (in link-layer padding,
+    // outside the ICMP checksum) names no flow even though those bytes match a live session:
+    // passed on untouched, never rewritten (found by fuzzing, seed 15; decision R13).
+    let out = r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5001, 53, b"query"));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    let mut err = icmp_error(r.world_mac, r.up_mac, router, NODE_IP, (11, 0, [0; 4]), &out.data[14..42]);
+    err[16..18].copy_from_slice(&48u16.to_be_bytes());
+    fix_ip_csum(&mut err);
+    err[36..38].copy_from_slice(&[0, 0]);
+    let c = csum(&err[34..62]);
+    err[36..38].copy_from_slice(&c);
+    let got = r.world(err.clone());
+    assert_eq!((got.verdict, got.data), (TC_ACT_OK, err));
+    assert_eq!(r.maps.counters.get(counter::WORLD_ICMP_ERROR).unwrap(), 3, "not translated");
 }
 
 /// Issue 10 item 7: a fragmented UDP reply (a large DNS answer) reaches the guest: the first

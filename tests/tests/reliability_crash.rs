@@ -168,13 +168,26 @@ fn check(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, l: &Ledger) -> Vec<St
             v.push(format!("told gone, still listed: {id}"));
         }
     }
-    // Pool, node interfaces, datapath and state files agree.
-    let taps = taps_json(a);
-    let pool: BTreeSet<String> =
-        taps["taps"].as_array().unwrap().iter().map(|t| t["tapName"].as_str().unwrap().to_string()).collect();
-    let node: BTreeSet<String> = a.node_taps().into_iter().collect();
-    if pool != node {
-        v.push(format!("node TAPs {node:?} != pool {pool:?}"));
+    // Pool, node interfaces, datapath and state files agree. The pool lists every TAP the
+    // agent owns on the node, also surplus ones its trim is deleting (retiring, T1); the two
+    // listings are read one after the other while such a deletion may finish in between, so
+    // they must agree once the trim is done (bounded), never leave a TAP nobody lists.
+    let t = Instant::now();
+    loop {
+        let taps = taps_json(a);
+        let pool: BTreeSet<String> =
+            taps["taps"].as_array().unwrap().iter().map(|t| t["tapName"].as_str().unwrap().to_string()).collect();
+        let node: BTreeSet<String> = a.node_taps().into_iter().collect();
+        if pool == node {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let unlisted: Vec<_> = node.difference(&pool).collect();
+            let gone: Vec<_> = pool.difference(&node).collect();
+            v.push(format!("node TAPs not in the pool {unlisted:?}, pool TAPs not on the node {gone:?}"));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
     let sandboxes = a.http_json("/v1/dataplane/sandboxes")["sandboxes"].as_array().unwrap().len();
     let portmaps = a.http_json("/v1/dataplane/portmaps")["portMappings"].as_array().unwrap().len();

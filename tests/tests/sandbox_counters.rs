@@ -179,6 +179,13 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     assert_eq!(metric(&m, r#"cubenet_sandbox_bytes_total{direction="in",sandbox="sb-a"}"#), Some(in_b), "{m}");
     assert_eq!(metric(&m, r#"cubenet_sandbox_drops_total{reason="policy",sandbox="sb-a"}"#), Some(2), "{m}");
     assert_eq!(metric(&m, r#"cubenet_sandbox_drops_total{reason="spoof",sandbox="sb-a"}"#), Some(1), "{m}");
+    // The node-wide floor's gauges (decision Q4): one registered sandbox reserves 64 of the
+    // 1,048,576 session entries (plus one per CPU), and every live session is charged.
+    let ceiling = cubevs::quota::floor_ceiling(1 << 20, 1, 64, cubevs::quota::floor_margin());
+    assert_eq!(metric(&m, "cubenet_sessions_node_ceiling"), Some(u64::from(ceiling)), "{m}");
+    let live = a.http_json("/v1/dataplane/sessions")["sessions"].as_array().unwrap().len() as u64;
+    assert!(live >= 1, "A's UDP flow is a session");
+    assert_eq!(metric(&m, "cubenet_sessions_node_charged"), Some(live), "{m}");
 
     // An agent restart re-registers A (recovery) and keeps its counts.
     a.kill(nix::sys::signal::Signal::SIGKILL);

@@ -846,3 +846,84 @@ fn dns_learning_survives_switch_and_rollback() {
     assert!(maps.policy.learned(Some(n.veth.node_ifindex)).iter().any(|e| e.ip == Ipv4Addr::new(203, 0, 113, 4)));
     assert_eq!(maps.counters.get(counter::DNS_TAIL_CALL_FAILED).unwrap(), 0);
 }
+
+/// The eBPF object of main before the node-wide floor (decision Q4; commit 1d868c8, debug info
+/// stripped): it charges the per-sandbox budget but has no `session_floor` map and writes
+/// `NatSession::node_quota` 0.
+fn q3_object() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/cubevs-q3.bpf.o")
+}
+
+/// `n` new guest UDP flows (guest ports from `base`) through slot `slot`'s pinned `from_cube`
+/// on the veth (`BPF_PROG_TEST_RUN`); returns how many were forwarded.
+fn udp_through_slot(n: &Node, slot: usize, base: u16, count: u16) -> usize {
+    use cubenet_tests::{
+        frames::udp,
+        packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+        topology::WORLD_IP,
+    };
+    use cubevs::testrun::{self, SkBuffCtx, TC_ACT_REDIRECT};
+    let pin = n.pin_dir();
+    let veth_if = n.veth.node_ifindex;
+    n.thread
+        .run(move || {
+            let progs = slots::slot_programs(&pin, slot).unwrap();
+            let ctx = SkBuffCtx { ingress_ifindex: veth_if, ..Default::default() };
+            (0..count)
+                .filter(|i| {
+                    let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, base + i, 53, b"q");
+                    testrun::run(&progs["from_cube"], &f, ctx, 1).unwrap().verdict == TC_ACT_REDIRECT
+                })
+                .count()
+        })
+        .unwrap()
+}
+
+/// Switching to an object older than the node-wide floor and rolling back neither underflows
+/// nor drifts the node count: the older object's sessions are never charged to it (their
+/// `node_quota` is 0), so deleting them subtracts nothing, and after each step the count
+/// equals the node-charged sessions in the map.
+#[test]
+fn node_count_survives_switch_to_older_object_and_rollback() {
+    if !require_root("node_count_survives_switch_to_older_object_and_rollback") {
+        return;
+    }
+    use cubevs_common::quota::COUNTED;
+    let n = setup();
+    let pin = n.pin_dir();
+    let maps = n.dp.as_ref().unwrap().maps();
+    let node = |m: &cubevs::Maps| m.sessions.floor_state().unwrap().expect("floor map");
+    let charged =
+        |m: &cubevs::Maps| m.sessions.entries().unwrap().iter().filter(|(_, s)| s.node_quota == COUNTED).count() as i64;
+    assert_eq!(udp_through_slot(&n, 0, 41_000, 3), 3);
+    assert_eq!(node(&maps).usage.live(), 3);
+
+    // Switch to the older object: its new flows are charged to the sandbox only.
+    assert_eq!(slots::load_standby(&pin, &q3_object()).expect("load the older object").slot, 1);
+    assert_eq!(slots::switch(&pin).expect("switch"), 1);
+    assert_links_on(&pin, 1);
+    assert_eq!(udp_through_slot(&n, 1, 42_000, 4), 4);
+    let all = maps.sessions.entries().unwrap();
+    assert_eq!(all.len(), 7);
+    assert_eq!(all.iter().filter(|(_, s)| s.quota == COUNTED && s.node_quota == 0).count(), 4, "older sessions");
+    assert_eq!(node(&maps).usage.opened, 3, "the older object never adds");
+    assert_eq!(node(&maps).usage.live(), charged(&maps));
+
+    // Roll back to the floor's object, which opens more; then every session expires.
+    assert_eq!(slots::rollback(&pin).expect("rollback"), 0);
+    assert_links_on(&pin, 0);
+    assert_eq!(udp_through_slot(&n, 0, 43_000, 2), 2);
+    assert_eq!(node(&maps).usage.live(), 5);
+    assert_eq!(node(&maps).usage.live(), charged(&maps));
+    let later = cubevs::reaper::monotonic_ns() + 31_000_000_000;
+    let swept = cubevs::reaper::sweep(&maps.sessions, &cubevs::reaper::Timeouts::default(), later).unwrap();
+    assert_eq!(swept.removed, 9);
+    let st = node(&maps);
+    assert_eq!((st.usage.opened, st.usage.closed), (5, 5), "only node-charged sessions subtracted: no underflow");
+    // The sandbox's own budget is back to 0 as well.
+    let sb = maps.sessions.quota_usage(n.veth.node_ifindex, 1).unwrap().unwrap();
+    assert_eq!(sb.live(), 0);
+    // And the ceiling is the one the registrations give (one sandbox).
+    let cpus = cubevs::quota::floor_margin();
+    assert_eq!(st.ceiling, cubevs::quota::floor_ceiling(1 << 20, 1, 64, cpus));
+}

@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 use super::{Agent, AgentError, TapEntry, TapState, Transition, internal, lock};
 use crate::host::{NewTap, tap_name};
 
+/// Released TAPs an Ensure tries to reclaim before creating a TAP on demand.
+pub(super) const RECLAIM_TRIES: usize = 2;
+
 impl Agent {
     /// Creates one pooled TAP: address, TAP, `from_cube`, baseline deny. Returns its name.
     /// The outcome is remembered for [`Agent::readiness`] (can the pool refill?).
@@ -134,29 +137,35 @@ impl Agent {
     }
 
     /// Deletes Ready TAPs above `target` (the pool returns to its configured size after a
-    /// burst of on-demand TAPs).
+    /// burst of on-demand TAPs). Each surplus TAP is retired first (Cleaning, `retiring`: never
+    /// handed out again, still listed) and leaves the pool only once it is gone from the node,
+    /// so the pool lists every TAP the agent owns there; one whose deletion failed stays
+    /// retiring and is retried by the next pass. Returns how many TAPs were deleted.
     pub fn trim(&self, target: usize) -> usize {
         let victims: Vec<(String, Ipv4Addr, u32)> = {
             let mut inner = lock(&self.inner);
             let extra = inner.pool.count(TapState::Ready).saturating_sub(target);
             // Last in name order first, so the warm set stays stable.
             let names: Vec<String> = inner.pool.names(TapState::Ready).rev().take(extra).cloned().collect();
-            let mut out = Vec::new();
             for n in names {
-                if let Ok(Some(t)) = self.transit(&mut inner, &n, Transition::Retire) {
-                    out.push((t.name, t.ip, t.ifindex));
-                }
+                let _ = self.transit(&mut inner, &n, Transition::Retire);
             }
-            out
+            let retiring =
+                inner.pool.names(TapState::Cleaning).filter_map(|n| inner.pool.get(n)).filter(|t| t.retiring());
+            retiring.map(|t| (t.name.clone(), t.ip, t.ifindex)).collect()
         };
-        let n = victims.len();
+        let mut n = 0;
         for (name, ip, ifindex) in victims {
             let _ = self.dp.remove_policy(ifindex);
             let _ = self.dp.detach_sandbox(&name);
             if let Err(e) = self.host.delete_tap(&name) {
-                tracing::warn!("trim {name}: {e}");
+                tracing::warn!("trim {name} (stays retiring, retried next pass): {e}");
+                continue;
             }
-            lock(&self.inner).ipam.release(ip);
+            let mut inner = lock(&self.inner);
+            let _ = self.transit(&mut inner, &name, Transition::Remove);
+            inner.ipam.release(ip);
+            n += 1;
         }
         n
     }
@@ -170,6 +179,48 @@ impl Agent {
         let target = self.cfg.raw.tap_init_num;
         self.trim(target);
         self.warm(target, self.cfg.raw.warm_parallelism);
+    }
+
+    /// Gives the first Ready TAP to sandbox `id` (Ready → Active). `None` when none is Ready.
+    pub(super) fn acquire_ready(&self, id: &str) -> Result<Option<String>, AgentError> {
+        let mut inner = lock(&self.inner);
+        let name = inner.pool.first_ready().map(str::to_string);
+        if let Some(n) = &name {
+            self.transit(&mut inner, n, Transition::Acquire(id)).map_err(internal)?;
+        }
+        Ok(name)
+    }
+
+    /// With no Ready TAP: runs the free check (one reopen of the queue) of up to
+    /// [`RECLAIM_TRIES`] released TAPs (Cleaning, scrubbed, waiting for the maintenance pass)
+    /// and gives the first that went Ready to `id`. A TAP a VMM still holds stays Cleaning,
+    /// exactly as in the maintenance pass. This keeps an Ensure/Release storm from creating a
+    /// new TAP per Ensure while the released ones wait for the pass (T2). `None` when none
+    /// could be reclaimed.
+    pub(super) fn reclaim_released(&self, id: &str) -> Result<Option<String>, AgentError> {
+        let candidates: Vec<String> = {
+            let inner = lock(&self.inner);
+            inner
+                .pool
+                .names(TapState::Cleaning)
+                .filter(|n| {
+                    inner.pool.get(n).is_some_and(|t| {
+                        t.scrubbed() && !t.scrubbing() && !t.retiring() && !t.is_hands_off() && t.owner().is_none()
+                    })
+                })
+                .take(RECLAIM_TRIES)
+                .cloned()
+                .collect()
+        };
+        for n in candidates {
+            if self.cleanup_tap(&n) {
+                // Another Ensure may take it first; any Ready TAP will do.
+                if let Some(got) = self.acquire_ready(id)? {
+                    return Ok(Some(got));
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// Moves up to `max` TAPs from their warm-up filter to their tcx link (F5), each ~one
@@ -194,7 +245,7 @@ impl Agent {
             inner
                 .pool
                 .names(TapState::Cleaning)
-                .filter(|n| inner.pool.get(n).is_some_and(|t| !t.scrubbing()))
+                .filter(|n| inner.pool.get(n).is_some_and(|t| !t.scrubbing() && !t.retiring()))
                 .cloned()
                 .collect()
         };

@@ -33,7 +33,8 @@ pub enum TapState {
     /// Owned by a sandbox.
     Active,
     /// Being scrubbed for reuse, or scrubbed and waiting until no other process (a VMM)
-    /// holds it; failures stay here and the maintenance loop retries.
+    /// holds it; failures stay here and the maintenance loop retries. Also a surplus TAP the
+    /// trim is deleting ([`TapEntry::retiring`]): listed until it is gone from the node.
     Cleaning,
 }
 
@@ -79,6 +80,8 @@ pub struct TapEntry {
     scrubbed: bool,
     /// Found held by an unknown process at recovery: nothing is touched until it is free.
     hands_off: bool,
+    /// Cleaning: a surplus Ready TAP the trim is deleting; never scrubbed or handed out again.
+    retiring: bool,
 }
 
 impl TapEntry {
@@ -103,6 +106,7 @@ impl TapEntry {
             scrubbing: false,
             scrubbed: false,
             hands_off: false,
+            retiring: false,
         }
     }
 
@@ -149,23 +153,35 @@ impl TapEntry {
         self.hands_off
     }
 
+    /// Cleaning: a surplus TAP being deleted by the trim (listed until it is gone).
+    pub fn retiring(&self) -> bool {
+        self.retiring
+    }
+
     fn check(&self) -> Result<(), String> {
         let ok = match self.state {
-            TapState::Ready => self.owner.is_none() && !self.scrubbing && !self.scrubbed && !self.hands_off,
-            TapState::Active => self.owner.is_some() && !self.scrubbing && !self.scrubbed && !self.hands_off,
-            TapState::Cleaning => !(self.scrubbed && self.owner.is_some()),
+            TapState::Ready => {
+                self.owner.is_none() && !self.scrubbing && !self.scrubbed && !self.hands_off && !self.retiring
+            }
+            TapState::Active => {
+                self.owner.is_some() && !self.scrubbing && !self.scrubbed && !self.hands_off && !self.retiring
+            }
+            TapState::Cleaning => {
+                !(self.scrubbed && self.owner.is_some())
+                    && !(self.retiring && (self.owner.is_some() || self.scrubbing || self.scrubbed || self.hands_off))
+            }
         };
         if ok {
             return Ok(());
         }
         Err(format!(
-            "invariant broken: {:?} with owner={:?} scrubbing={} scrubbed={} hands_off={}",
-            self.state, self.owner, self.scrubbing, self.scrubbed, self.hands_off
+            "invariant broken: {:?} with owner={:?} scrubbing={} scrubbed={} hands_off={} retiring={}",
+            self.state, self.owner, self.scrubbing, self.scrubbed, self.hands_off, self.retiring
         ))
     }
 }
 
-/// A change of one TAP's pool state. `Join` and `Retire` add and remove TAPs; the others
+/// A change of one TAP's pool state. `Join` and `Remove` add and remove TAPs; the others
 /// move an existing TAP.
 #[derive(Debug)]
 pub enum Transition<'a> {
@@ -190,8 +206,13 @@ pub enum Transition<'a> {
     Deferred,
     /// Cleaning, scrubbing → Cleaning: the cleanup failed with this error; retry count + 1.
     ScrubFailed(String),
-    /// Ready → removed from the pool (trim). The removed entry is returned.
+    /// Ready → Cleaning, retiring: a surplus TAP the trim is about to delete. It stays listed
+    /// (so the pool shows every TAP the agent owns on the node) and is never handed out,
+    /// scrubbed or made Ready again.
     Retire,
+    /// Cleaning, retiring → removed from the pool once the TAP is gone from the node. The
+    /// removed entry is returned.
+    Remove,
 }
 
 impl Transition<'_> {
@@ -207,6 +228,7 @@ impl Transition<'_> {
             Transition::Deferred => "defer free check",
             Transition::ScrubFailed(_) => "cleanup failed",
             Transition::Retire => "retire",
+            Transition::Remove => "remove",
         }
     }
 }
@@ -270,7 +292,7 @@ impl Pool {
     }
 
     /// Applies `t` to the TAP `name`. Illegal transitions are refused with nothing changed.
-    /// Returns the removed entry for [`Transition::Retire`], else `None`.
+    /// Returns the removed entry for [`Transition::Remove`], else `None`.
     pub fn transition(&mut self, name: &str, t: Transition<'_>) -> Result<Option<TapEntry>, PoolError> {
         let tname = t.name();
         let refuse = |reason: String| PoolError { name: name.to_string(), transition: tname, reason };
@@ -282,8 +304,8 @@ impl Pool {
                 return Err(refuse("already in the pool".into()));
             }
             entry.check().map_err(refuse)?;
-            if entry.scrubbing || entry.scrubbed {
-                return Err(refuse("cannot join while being cleaned".into()));
+            if entry.scrubbing || entry.scrubbed || entry.retiring {
+                return Err(refuse("cannot join while being cleaned or deleted".into()));
             }
             if let Some(o) = &entry.owner
                 && let Some(other) = self.by_owner.get(o)
@@ -327,7 +349,7 @@ impl Pool {
                 e.state = TapState::Cleaning;
             }
             Transition::BeginScrub => {
-                if from != TapState::Cleaning || e.scrubbing {
+                if from != TapState::Cleaning || e.scrubbing || e.retiring {
                     return Err(illegal(e));
                 }
                 e.scrubbing = true;
@@ -366,6 +388,14 @@ impl Pool {
             }
             Transition::Retire => {
                 if from != TapState::Ready || e.scrubbing {
+                    return Err(illegal(e));
+                }
+                e.state = TapState::Cleaning;
+                e.retiring = true;
+                e.last_error = Some("retiring: surplus Ready TAP being deleted (trim)".into());
+            }
+            Transition::Remove => {
+                if from != TapState::Cleaning || !e.retiring {
                     return Err(illegal(e));
                 }
                 self.by_state[from.index()].remove(name);
@@ -437,8 +467,18 @@ mod tests {
         assert_eq!((t.state(), t.owner(), t.retry_count(), t.last_error()), (TapState::Ready, None, 0, None));
         assert!(p.owned_by("sb").is_none());
         assert_eq!(p.count(TapState::Ready), 2);
-        assert!(p.transition("z1", Transition::Retire).unwrap().is_some());
-        assert_eq!(p.count(TapState::Ready), 1);
+        // Retired: listed as Cleaning until deleted, never handed out or cleaned again.
+        assert!(p.transition("z1", Transition::Retire).unwrap().is_none());
+        assert_eq!((p.count(TapState::Ready), p.count(TapState::Cleaning)), (1, 1));
+        let t = p.get("z1").unwrap();
+        assert!(t.retiring() && t.state() == TapState::Cleaning && t.last_error().is_some());
+        assert_eq!(p.first_ready(), Some("z2"));
+        for t in [Transition::Acquire("x"), Transition::BeginScrub, Transition::Cleaned, Transition::Retire] {
+            assert!(p.transition("z1", t).is_err());
+        }
+        assert!(p.transition("z2", Transition::Remove).is_err(), "only a retiring TAP is removed");
+        assert!(p.transition("z1", Transition::Remove).unwrap().is_some());
+        assert_eq!((p.count(TapState::Ready), p.count(TapState::Cleaning)), (1, 0));
         assert!(p.get("z1").is_none());
     }
 

@@ -79,18 +79,14 @@ impl Agent {
             }
         }
 
-        // 1. A TAP: first Ready one, else on demand.
-        let picked = {
-            let mut inner = lock(&self.inner);
-            let name = inner.pool.first_ready().map(str::to_string);
-            if let Some(n) = &name {
-                self.transit(&mut inner, n, Transition::Acquire(&id)).map_err(internal)?;
-            }
-            name
-        };
-        let name = match picked {
+        // 1. A TAP: first Ready one, else a released one whose free check passes now, else
+        //    on demand (T2).
+        let name = match self.acquire_ready(&id)? {
             Some(n) => n,
-            None => self.create_tap(Some(&id))?,
+            None => match self.reclaim_released(&id)? {
+                Some(n) => n,
+                None => self.create_tap(Some(&id))?,
+            },
         };
         let (ip, ifindex) = {
             let inner = lock(&self.inner);

@@ -368,3 +368,60 @@ fn taps_never_outnumber_the_datapath_interfaces() {
     f.agent.finish_cleanups();
     f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap();
 }
+
+#[test]
+fn an_ensure_reclaims_a_released_tap_before_creating_one() {
+    let f = fixture("reclaim");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let a = f.agent.ensure(req("sb-a")).unwrap().record.tap_name;
+    assert!(f.agent.release("sb-a").unwrap());
+    // Released: scrubbed, waiting for the maintenance pass's free check; nothing is Ready.
+    assert_eq!((f.agent.pool_counts()[&TapState::Ready], f.agent.pool_counts()[&TapState::Cleaning]), (0, 1));
+    // The next Ensure runs that free check itself and takes the TAP: no new TAP on the node.
+    let b = f.agent.ensure(req("sb-b")).unwrap().record.tap_name;
+    assert_eq!(b, a);
+    assert_eq!(f.host.taps.lock().unwrap().len(), 1);
+    assert!(f.agent.release("sb-b").unwrap());
+    // A released TAP its VMM still holds is never handed out: the Ensure creates one.
+    f.host.held.lock().unwrap().insert(a.clone());
+    let c = f.agent.ensure(req("sb-c")).unwrap().record.tap_name;
+    assert_ne!(c, a);
+    assert_eq!(f.host.taps.lock().unwrap().len(), 2);
+    let held = f.agent.taps().into_iter().find(|t| t.tap_name == a).unwrap();
+    assert_eq!(held.state, TapState::Cleaning, "{held:?}");
+    assert!(held.last_error.contains("held"), "{held:?}");
+    // Once the VMM let go, the maintenance pass makes it Ready as before.
+    f.host.held.lock().unwrap().clear();
+    assert_eq!(f.agent.finish_cleanups(), 1);
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
+}
+
+#[test]
+fn a_trimmed_tap_stays_listed_until_it_is_deleted() {
+    let f = fixture("trim");
+    f.agent.recover().unwrap();
+    f.agent.warm(3, 1);
+    f.host.fail_delete.store(true, Ordering::Relaxed);
+    assert_eq!(f.agent.trim(1), 0, "no deletion succeeded");
+    // Both surplus TAPs are still on the node, and the pool still lists them: retiring.
+    assert_eq!(f.host.taps.lock().unwrap().len(), 3);
+    let listed = f.agent.taps();
+    assert_eq!(listed.len(), 3);
+    let retiring: Vec<_> = listed.iter().filter(|t| t.last_error.contains("retiring")).collect();
+    assert_eq!(retiring.len(), 2, "{listed:?}");
+    assert!(retiring.iter().all(|t| t.state == TapState::Cleaning));
+    // Never handed out, never cleaned back to Ready.
+    assert_eq!(f.agent.finish_cleanups(), 0);
+    let first = f.agent.ensure(req("sb-1")).unwrap().record.tap_name;
+    assert!(retiring.iter().all(|t| t.tap_name != first));
+    let second = f.agent.ensure(req("sb-2")).unwrap().record.tap_name;
+    assert!(retiring.iter().all(|t| t.tap_name != second), "a new TAP, not a retiring one");
+    // The next pass deletes them; then they leave the pool and their addresses are free.
+    f.host.fail_delete.store(false, Ordering::Relaxed);
+    assert_eq!(f.agent.trim(1), 2);
+    let names: Vec<String> = f.agent.taps().into_iter().map(|t| t.tap_name).collect();
+    let node: Vec<String> = f.host.taps.lock().unwrap().keys().cloned().collect();
+    assert_eq!(names, node);
+    assert_eq!(names.len(), 2);
+}

@@ -92,14 +92,56 @@ pub(crate) struct DnsMaps {
     pub(crate) queries: HashMap<MapData, DnsQueryKey, DnsQueryValue>,
 }
 
+/// Entries read per `BPF_MAP_LOOKUP_BATCH` when scanning `dns_learned` / `dns_query_track`.
+const SCAN_BATCH: usize = 4096;
+
 impl DnsMaps {
-    /// Every learned entry (optionally of one interface), sorted.
+    /// Every (key, value) of `dns_learned` for which `keep` holds: one batched read per
+    /// [`SCAN_BATCH`] entries. aya's iterator costs a syscall or two per entry, under the policy
+    /// lock, on the Release path and every learned-feed poll: listing the keys of a map of
+    /// 200,050 entries took 1.4 s, the whole batched purge 0.38 s (debug build, decision N11).
+    fn scan_learned(
+        &self,
+        mut keep: impl FnMut(&LearnedKey, &LearnedValue) -> bool,
+    ) -> Result<Vec<(LearnedKey, LearnedValue)>, Error> {
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
+        let mut out = Vec::new();
+        crate::batch::for_each(self.learned.map().fd().as_fd(), SCAN_BATCH, |k: &LearnedKey, v: &LearnedValue| {
+            if keep(k, v) {
+                out.push((*k, *v));
+            }
+        })
+        .map_err(|source| Error::MapSyscall { map: map::DNS_LEARNED, op: "batch lookup", source })?;
+        Ok(out)
+    }
+
+    /// [`Self::scan_learned`] for `dns_query_track`.
+    fn scan_queries(
+        &self,
+        mut keep: impl FnMut(&DnsQueryKey, &DnsQueryValue) -> bool,
+    ) -> Result<Vec<(DnsQueryKey, DnsQueryValue)>, Error> {
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
+        let mut out = Vec::new();
+        crate::batch::for_each(self.queries.map().fd().as_fd(), SCAN_BATCH, |k: &DnsQueryKey, v: &DnsQueryValue| {
+            if keep(k, v) {
+                out.push((*k, *v));
+            }
+        })
+        .map_err(|source| Error::MapSyscall { map: map::DNS_QUERY_TRACK, op: "batch lookup", source })?;
+        Ok(out)
+    }
+
+    /// Every learned entry (optionally of one interface), sorted. A failed read is logged and
+    /// reads as empty (the callers list or feed; nothing is deleted from it).
     pub(crate) fn learned(&self, ifindex: Option<u32>) -> Vec<LearnedEntry> {
-        let mut v: Vec<LearnedEntry> = self
-            .learned
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, _)| ifindex.is_none_or(|i| i == k.ifindex))
+        let all = self.scan_learned(|k, _| ifindex.is_none_or(|i| i == k.ifindex)).unwrap_or_else(|e| {
+            log::warn!("reading dns_learned: {e}");
+            Vec::new()
+        });
+        let mut v: Vec<LearnedEntry> = all
+            .into_iter()
             .map(|(k, v)| LearnedEntry {
                 ifindex: k.ifindex,
                 ip: Ipv4Addr::from(k.ip.to_ne_bytes()),
@@ -114,24 +156,30 @@ impl DnsMaps {
         v
     }
 
-    /// Tracked queries (optionally of one interface).
+    /// Tracked queries (optionally of one interface). A failed read is logged and reads as empty.
     pub(crate) fn queries(&self, ifindex: Option<u32>) -> Vec<(DnsQueryKey, DnsQueryValue)> {
-        self.queries.iter().filter_map(Result::ok).filter(|(k, _)| ifindex.is_none_or(|i| i == k.ifindex)).collect()
+        self.scan_queries(|k, _| ifindex.is_none_or(|i| i == k.ifindex)).unwrap_or_else(|e| {
+            log::warn!("reading dns_query_track: {e}");
+            Vec::new()
+        })
     }
 
-    /// Deletes the learned entries and tracked queries of `ifindex` (one scan of each map:
-    /// the kernel writes them, so there is no userspace index). Returns how many learned
-    /// entries went.
+    /// Deletes the learned entries and tracked queries of `ifindex` (one batched scan of each
+    /// map: the kernel writes them, so there is no userspace index; batched deletes). Returns
+    /// how many learned entries went.
     pub(crate) fn purge(&mut self, ifindex: u32) -> Result<usize, Error> {
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
         let keys: Vec<LearnedKey> =
-            self.learned.keys().filter_map(Result::ok).filter(|k| k.ifindex == ifindex).collect();
-        for k in &keys {
-            absent_ok(self.learned.remove(k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
-        }
-        let q: Vec<DnsQueryKey> = self.queries.keys().filter_map(Result::ok).filter(|k| k.ifindex == ifindex).collect();
-        for k in &q {
-            absent_ok(self.queries.remove(k)).map_err(Error::map(map::DNS_QUERY_TRACK, "delete"))?;
-        }
+            self.scan_learned(|k, _| k.ifindex == ifindex)?.into_iter().map(|(k, _)| k).collect();
+        crate::batch::delete(self.learned.map().fd().as_fd(), &keys, SCAN_BATCH)
+            .map_err(|source| Error::MapSyscall { map: map::DNS_LEARNED, op: "batch delete", source })?;
+        let q: Vec<DnsQueryKey> = self.scan_queries(|k, _| k.ifindex == ifindex)?.into_iter().map(|(k, _)| k).collect();
+        crate::batch::delete(self.queries.map().fd().as_fd(), &q, SCAN_BATCH).map_err(|source| Error::MapSyscall {
+            map: map::DNS_QUERY_TRACK,
+            op: "batch delete",
+            source,
+        })?;
         Ok(keys.len())
     }
 
@@ -140,8 +188,7 @@ impl DnsMaps {
     /// renew it between our read and the delete; a renewal seen here is kept).
     pub(crate) fn reap(&mut self, now_ns: u64) -> Result<DnsReap, Error> {
         let mut r = DnsReap::default();
-        let expired: Vec<(LearnedKey, LearnedValue)> =
-            self.learned.iter().filter_map(Result::ok).filter(|(_, v)| v.expires_ns <= now_ns).collect();
+        let expired = self.scan_learned(|_, v| v.expires_ns <= now_ns)?;
         for (k, v) in expired {
             // Re-read right before deleting: skip entries renewed meanwhile.
             match self.learned.get(&k, 0) {
@@ -151,8 +198,7 @@ impl DnsMaps {
             absent_ok(self.learned.remove(&k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
             r.learned += 1;
         }
-        let expired: Vec<(DnsQueryKey, DnsQueryValue)> =
-            self.queries.iter().filter_map(Result::ok).filter(|(_, v)| v.expires_ns <= now_ns).collect();
+        let expired = self.scan_queries(|_, v| v.expires_ns <= now_ns)?;
         for (k, v) in expired {
             // The map never evicts (decision R11): a query re-sent with the same port and id
             // since our read is a new entry of its sandbox; keep it.

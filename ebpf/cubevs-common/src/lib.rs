@@ -131,6 +131,15 @@ pub mod map {
     /// Hash: [`super::QuotaKey`] → `u64` charged sessions userspace deleted (written by the
     /// `cubevs` library only, under its sessions lock; see [`super::quota`]).
     pub const SESSION_CLOSED: &str = "session_closed";
+    /// Hash: `u32` key → `u64` ([`super::floor`], decision Q4): the node-wide count of
+    /// charged live sessions (key [`super::floor::OPENED`] written by the datapath only,
+    /// [`super::floor::CLOSED`] by the `cubevs` library only) and the floor and ceiling
+    /// ([`super::floor::LIMITS`], library only).
+    pub const SESSION_FLOOR: &str = "session_floor";
+    /// Maps an older object may lack and still be loaded into a slot beside the pins (it runs
+    /// without them; the `cubevs` library keeps them up to date for the objects that use
+    /// them): `session_floor` (decision Q4), whose absence only means no node-wide check.
+    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR];
     /// Every map of the datapath (all pinned).
     pub const ALL: &[&str] = &[
         MVMIP_TO_IFINDEX,
@@ -157,6 +166,7 @@ pub mod map {
         INSERT_BUDGET,
         SESSION_OPENED,
         SESSION_CLOSED,
+        SESSION_FLOOR,
     ];
 }
 
@@ -176,6 +186,14 @@ pub mod limits {
     /// Entries of `session_opened` / `session_closed`: two (ifindex, version) keys per sandbox
     /// (the live one and a released one not yet collected).
     pub const SESSION_QUOTA_KEYS: u32 = 2 * SANDBOXES;
+    /// Live sessions every registered sandbox version may always open, whatever the others
+    /// hold ([`super::floor`], decision Q4): 64. With [`SANDBOXES`] (8,192) interfaces all
+    /// registered, the reserve is 8,192 × 64 = 524,288, half of [`SESSIONS`], so the floor
+    /// holds on a full node and the other half stays shared.
+    pub const SESSION_FLOOR: u32 = 64;
+    /// Entries of `session_floor`: three keys used ([`super::floor`]), room for five more (a
+    /// later node-wide bound on DNS or fragment tracking) without changing the pinned size.
+    pub const SESSION_FLOOR_KEYS: u32 = 8;
     /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes: the object's
     /// placeholder only; `cubevs` sizes the tries at load from its per-sandbox limit
     /// (`MapLimits::policy_entries`).
@@ -422,8 +440,14 @@ pub struct NatSession {
     /// without a quota (older objects, budget 0, userspace restores), which are never
     /// subtracted (decision Q2). Was reserved (always zero) before the quota existed.
     pub quota: u8,
+    /// [`quota::COUNTED`] when the session was also charged to the node-wide count
+    /// (`session_floor` key [`floor::OPENED`], decision Q4), so whoever deletes it subtracts it
+    /// there too; 0 for sessions made by objects older than the floor (which never charged the
+    /// node count: never subtracted, so a switch or rollback cannot underflow it). Was reserved
+    /// (always zero) before.
+    pub node_quota: u8,
     /// Reserved; zero.
-    pub _reserved: [u8; 11],
+    pub _reserved: [u8; 10],
 }
 const _: () = assert!(core::mem::size_of::<NatSession>() == 64);
 
@@ -624,6 +648,40 @@ pub mod quota {
     pub const COUNTED: u8 = 1;
 }
 
+/// Node-wide reserved floor (not in upstream; decision Q4). Every registered sandbox version
+/// may always hold `floor` live sessions; a sandbox holding `floor` or more may open another
+/// only while the node-wide count of charged live sessions is below `ceiling` =
+/// `capacity - registered × floor - margin` (capacity: `max_entries` of `egress_sessions`;
+/// margin: one per possible CPU, for concurrent check-then-charge on other CPUs). Sessions
+/// admitted above a floor are thus at most `ceiling`, and the floors of all registered
+/// sandboxes fit in the rest of the map.
+///
+/// Map `session_floor` (hash, `u32` key → `u64`), keys each written by one side only (as in
+/// [`quota`]): [`OPENED`] by the datapath (atomic add on every session it charges, subtract when
+/// it deletes one itself), [`CLOSED`] by the `cubevs` library (charged sessions it deleted,
+/// [`NatSession::node_quota`]), [`LIMITS`] by the library ([`pack`]ed floor and ceiling,
+/// rewritten on every register/unregister). No [`LIMITS`] entry, or floor 0: no node-wide check.
+pub mod floor {
+    /// Key: charged sessions the datapath created, less those it deleted itself.
+    pub const OPENED: u32 = 0;
+    /// Key: charged sessions userspace deleted.
+    pub const CLOSED: u32 = 1;
+    /// Key: `floor` in bits 32..64, `ceiling` in bits 0..32 (host order), see [`pack`].
+    pub const LIMITS: u32 = 2;
+
+    /// The [`LIMITS`] value of `floor` and `ceiling`.
+    #[inline(always)]
+    pub const fn pack(floor: u32, ceiling: u32) -> u64 {
+        ((floor as u64) << 32) | ceiling as u64
+    }
+
+    /// (floor, ceiling) of a [`LIMITS`] value.
+    #[inline(always)]
+    pub const fn unpack(v: u64) -> (u32, u32) {
+        ((v >> 32) as u32, v as u32)
+    }
+}
+
 /// Key of `session_opened` / `session_closed` (8 bytes): a sandbox version on an interface,
 /// so a released sandbox's sessions (old version) never charge the next owner of the TAP.
 #[repr(C)]
@@ -809,6 +867,9 @@ pub mod counter {
     /// from_cube: a guest SYN reused a finished session whose class (SNAT / L7) the policy no
     /// longer gives its destination: the session was deleted and the SYN classified anew.
     pub const CUBE_RECLASSIFIED: u32 = 61;
+    /// from_cube: new flow dropped, its sandbox holds at least its floor and the node-wide
+    /// live sessions are at the ceiling ([`super::floor`], decision Q4).
+    pub const CUBE_DROP_NODE_SESSIONS: u32 = 62;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -866,6 +927,7 @@ pub mod counter {
         (CUBE_L7_STEERED, "from_cube", "l7_steered"),
         (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
         (CUBE_DROP_SESSION_QUOTA, "from_cube", "drop_session_quota"),
+        (CUBE_DROP_NODE_SESSIONS, "from_cube", "drop_node_sessions"),
         (WORLD_DROP_TO_SANDBOX, "from_world", "drop_to_sandbox"),
     ];
 }

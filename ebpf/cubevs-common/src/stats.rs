@@ -12,7 +12,8 @@
 //! guest's interface (reverse NAT, host-port DNAT, host → sandbox). Bytes are `skb->len` at
 //! the verdict (the L2 frame without FCS), packets one per verdict.
 
-/// Number of drop-reason slots in [`SandboxStats::drops`] (some reserved for new reasons).
+/// Number of drop-reason slots in [`SandboxStats::drops`] (all used since decision Q4; a new
+/// reason needs a layout change or has to share a slot).
 pub const DROP_SLOTS: usize = 12;
 
 /// Per-sandbox drop reasons: indexes into [`SandboxStats::drops`]. Each groups one or more
@@ -41,6 +42,9 @@ pub mod drop {
     pub const RST_WINDOW: u32 = 9;
     /// New flow over the sandbox's live-session budget (`drop_session_quota`).
     pub const SESSION_QUOTA: u32 = 10;
+    /// New flow of a sandbox at or over its floor while the node's shared sessions are at
+    /// their ceiling (`drop_node_sessions`, decision Q4).
+    pub const NODE_SESSIONS: u32 = 11;
     /// Names of the used slots, for metrics and the CLI (`reason` label values).
     pub const NAMES: &[(u32, &str)] = &[
         (POLICY, "policy"),
@@ -54,6 +58,7 @@ pub mod drop {
         (NO_SESSION, "no_session"),
         (RST_WINDOW, "rst_window"),
         (SESSION_QUOTA, "session_quota"),
+        (NODE_SESSIONS, "node_sessions"),
     ];
 }
 
@@ -75,6 +80,7 @@ pub const fn drop_slot(counter: u32) -> Option<u32> {
         c::CUBE_NO_SESSION => Some(drop::NO_SESSION),
         c::WORLD_DROP_RST_WINDOW => Some(drop::RST_WINDOW),
         c::CUBE_DROP_SESSION_QUOTA => Some(drop::SESSION_QUOTA),
+        c::CUBE_DROP_NODE_SESSIONS => Some(drop::NODE_SESSIONS),
         _ => None,
     }
 }

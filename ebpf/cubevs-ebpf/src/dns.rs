@@ -342,18 +342,14 @@ fn learn(ifindex: u32, ip: u32, port: u16, v: &LearnedValue) {
 /// port: 0 nothing, 1 allowed, 2 allowed and L7 (steer to CubeEgress).
 #[inline(always)]
 pub fn learned_class(ifindex: u32, version: u32, daddr: u32, dport: u16) -> u8 {
-    // SAFETY: helper without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
     let class = |port: u16| -> u8 {
         let key = LearnedKey { ifindex, ip: daddr, port, _pad: 0 };
-        // SAFETY: plain map lookup; fields copied out.
+        // SAFETY: plain map lookup; fields copied out. The clock is read only on a hit: most
+        // new flows have no learned entry (decision V7).
         match unsafe { DNS_LEARNED.get(&key) } {
-            Some(v) if v.version == version && v.expires_ns > now => {
-                if v.flags & dns::FLAG_L7 as u32 != 0 {
-                    2
-                } else {
-                    1
-                }
+            // SAFETY: helper without arguments.
+            Some(v) if v.version == version && v.expires_ns > unsafe { bpf_ktime_get_ns() } => {
+                if v.flags & dns::FLAG_L7 as u32 != 0 { 2 } else { 1 }
             }
             _ => 0,
         }

@@ -20,6 +20,9 @@
 //!
 //! 9. A new flow of a sandbox holding its whole live-session budget is dropped and counted
 //!    (`drop_session_quota`, decision Q1); its existing flows and other sandboxes are untouched.
+//!    A sandbox holding its floor or more opens another only while the node-wide live
+//!    sessions are under the ceiling that keeps every registered sandbox's floor free
+//!    (`drop_node_sessions`, decision Q4).
 //!
 //! Every verdict after step 1 is also charged to the sandbox (`sandbox_stats`): forwarded
 //! packets as `out`, drops by reason (`cubevs_common::stats`); ARP is not counted.
@@ -276,10 +279,10 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     if class == policy::FLOW_DENY {
         return deny(ctx, cfg, &ip, &l4, ifindex);
     }
-    // The sandbox's live-session budget (decision Q1): checked after policy, so a denied flow
-    // is a policy drop, never a quota one.
-    if !quota::admit(ifindex, version, cfg.session_budget) {
-        return drop(ifindex, counter::CUBE_DROP_SESSION_QUOTA);
+    // The sandbox's live-session budget (decision Q1) and the node-wide floor (Q4): checked
+    // after policy, so a denied flow is a policy drop, never a quota one.
+    if let Some(reason) = quota::admit(ifindex, version, cfg.session_budget) {
+        return drop(ifindex, reason);
     }
     let counted = if cfg.session_budget != 0 { COUNTED } else { 0 };
     let scheme = l7::scheme_of(l4.dport);

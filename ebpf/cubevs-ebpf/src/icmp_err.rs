@@ -40,6 +40,12 @@ pub fn reverse(ctx: &TcContext, ip: &Ipv4, cfg: &DatapathConfig) -> i32 {
     if ip.ihl != 20 {
         return TC_ACT_OK;
     }
+    // The embedded header and its 8 L4 bytes must lie inside the outer IP packet: bytes past
+    // its total length (link-layer padding) are not covered by the ICMP checksum, so
+    // rewriting ports there would corrupt it, and they name no flow (fuzz seed 15, R13).
+    if (ip.tot_len as usize) < INNER_L4_OFF + 8 - 14 {
+        return TC_ACT_OK;
+    }
     let Ok(inner) = ctx.load::<[u8; 28]>(INNER_OFF) else { return TC_ACT_OK };
     if inner[0] != 0x45 {
         return TC_ACT_OK;

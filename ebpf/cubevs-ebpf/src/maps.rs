@@ -54,6 +54,11 @@ pub static SESSION_OPENED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(li
 #[map(name = "session_closed")]
 pub static SESSION_CLOSED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
 
+/// Node-wide charged-session count and the floor's limits (`cubevs_common::floor`; key
+/// `OPENED` kernel-written only, `CLOSED` and `LIMITS` userspace-written only).
+#[map(name = "session_floor")]
+pub static SESSION_FLOOR: HashMap<u32, u64> = HashMap::with_max_entries(limits::SESSION_FLOOR_KEYS, 0);
+
 /// SNAT addresses, 4 slots.
 #[map(name = "snat_iplist")]
 pub static SNAT_IPLIST: Array<SnatIp> = Array::with_max_entries(limits::SNAT_IPS, 0);

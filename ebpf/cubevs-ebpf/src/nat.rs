@@ -121,7 +121,8 @@ pub fn create_session(
             td_end: [end, 0],
             td_maxwin: [win, 0],
             quota: counted,
-            _reserved: [0; 11],
+            node_quota: counted,
+            _reserved: [0; 10],
         };
         if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
             // Another CPU created the session of this 5-tuple between our lookup and insert:
@@ -178,7 +179,8 @@ pub fn create_l7_session(
         td_end: [first.end, 0],
         td_maxwin: [first.win, 0],
         quota: counted,
-        _reserved: [0; 11],
+        node_quota: counted,
+        _reserved: [0; 10],
     };
     if EGRESS_SESSIONS.insert(key, &session, BPF_NOEXIST as u64).is_err() {
         let _ = INGRESS_SESSIONS.remove(&rev);
@@ -196,7 +198,7 @@ pub fn create_l7_session(
 pub fn delete_session(key: &SessionKey, s: &NatSession) {
     let _ = INGRESS_SESSIONS.remove(&key.reverse(s.node_ip, s.node_port));
     if EGRESS_SESSIONS.remove(key).is_ok() && s.quota == COUNTED {
-        quota::refund(s.vm_ifindex, key.version);
+        quota::refund(s.vm_ifindex, key.version, s.node_quota == COUNTED);
     }
 }
 
