@@ -257,18 +257,7 @@ fn older_sessions_never_underflow_the_node_count() {
                 vm_ip: key.src_ip,
                 node_port: (31_000 + i).to_be(),
                 vm_port: key.sport,
-                state: 0,
-                active_close: 0,
-                packet_class: 0,
-                l7_scheme: 0,
-                close_dir: 0,
-                td_seen: 0,
-                _pad0: [0; 2],
-                td_end: [0; 2],
-                td_maxwin: [0; 2],
-                quota: 0,
-                node_quota: 0,
-                _reserved: [0; 10],
+                ..Default::default()
             };
             (key, s)
         })
