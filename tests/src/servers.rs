@@ -1,5 +1,6 @@
 //! Small servers bound inside a test namespace: an HTTP responder that answers with the
-//! client address it saw, and a UDP echo that prefixes the client address.
+//! client address it saw, and a UDP echo that prefixes the client address; and the guest side
+//! of that echo ([`udp_flood`], [`udp_ask`]).
 
 use std::{
     io::{Read, Write},
@@ -117,4 +118,31 @@ pub fn udp_echo(ns: &TestNetns, ip: [u8; 4], port: u16) -> Server {
         Some(reply)
     })
     .unwrap_or_else(|e| panic!("bind udp {}:{port}: {e}", std::net::Ipv4Addr::from(ip)))
+}
+
+/// Sends one datagram (`flow<i>`) from each of `n` fresh sockets (fresh source ports: one new
+/// flow each) to `to`; returns the sockets, kept open so the ports stay the caller's.
+pub fn udp_flood(to: std::net::SocketAddr, n: usize) -> Vec<std::net::UdpSocket> {
+    (0..n)
+        .map(|i| {
+            let u = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+            u.send_to(format!("flow{i}").as_bytes(), to).expect("send");
+            u
+        })
+        .collect()
+}
+
+/// Sends `msg` from `u` to the [`udp_echo`] at `to` and waits up to 2 s for its echo (the
+/// reply ending in `msg`), skipping earlier echoes still queued on the socket.
+pub fn udp_ask(u: &std::net::UdpSocket, to: std::net::SocketAddr, msg: &[u8]) -> std::io::Result<String> {
+    u.set_read_timeout(Some(std::time::Duration::from_secs(2)))?;
+    u.send_to(msg, to)?;
+    let mut buf = [0u8; 512];
+    loop {
+        let n = u.recv(&mut buf)?;
+        let s = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if s.ends_with(&*String::from_utf8_lossy(msg)) {
+            return Ok(s);
+        }
+    }
 }

@@ -5,16 +5,14 @@
 //! 17th is dropped as `drop_node_sessions`, not for a full map. Without the floor (main before
 //! Q4) A and B hold 128 + 128 = every entry and none of V's flows gets through.
 
-use std::{
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
-    time::Duration,
-};
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 
 use cubenet_tests::{
     bpffs::BpfFs,
     ebpf_object,
     guest::VethGuest,
-    require_root, servers,
+    require_root,
+    servers::{self, udp_ask, udp_flood},
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP},
 };
 use cubevs::{
@@ -28,32 +26,6 @@ const CAP: u32 = 256;
 const BUDGET: u32 = 128;
 const FLOOR: u32 = 16;
 const FLOOD: usize = 200;
-
-/// One datagram from each of `n` fresh sockets (one new flow each) to `to`; the sockets are
-/// returned so their ports stay the guest's.
-fn flood(to: SocketAddr, n: usize) -> Vec<UdpSocket> {
-    (0..n)
-        .map(|i| {
-            let u = UdpSocket::bind("0.0.0.0:0").expect("bind");
-            u.send_to(format!("flow{i}").as_bytes(), to).expect("send");
-            u
-        })
-        .collect()
-}
-
-/// Sends `msg` and waits for its echo (skipping earlier echoes queued on the socket).
-fn ask(u: &UdpSocket, to: SocketAddr, msg: &[u8]) -> std::io::Result<String> {
-    u.set_read_timeout(Some(Duration::from_secs(2)))?;
-    u.send_to(msg, to)?;
-    let mut buf = [0u8; 512];
-    loop {
-        let n = u.recv(&mut buf)?;
-        let s = String::from_utf8_lossy(&buf[..n]).into_owned();
-        if s.ends_with(&*String::from_utf8_lossy(msg)) {
-            return Ok(s);
-        }
-    }
-}
 
 fn load_attach(topo: &Topology, bpffs: &BpfFs, guests: &[&VethGuest]) -> Datapath {
     let dp = Datapath::load(LoadOptions {
@@ -119,9 +91,9 @@ fn colluding_guests_leave_the_victim_its_floor() {
     let drops = |g: &VethGuest, r: &str| maps.sandbox_stats.get(g.node_ifindex).unwrap().unwrap().drops[r];
 
     // The collusion: A, then B, flood new flows.
-    let a_socks = topo.guest_ns(&a).run(move || flood(echo, FLOOD));
+    let a_socks = topo.guest_ns(&a).run(move || udp_flood(echo, FLOOD));
     assert_eq!(live(&a), i64::from(BUDGET), "A stops at its budget");
-    let b_socks = topo.guest_ns(&b).run(move || flood(echo, FLOOD));
+    let b_socks = topo.guest_ns(&b).run(move || udp_flood(echo, FLOOD));
     assert_eq!(live(&b), i64::from(ceiling - BUDGET), "B stops at the node-wide ceiling");
     assert!(drops(&b, "node_sessions") >= (FLOOD as u64) - u64::from(ceiling - BUDGET));
     assert_eq!(drops(&a, "node_sessions"), 0);
@@ -131,9 +103,9 @@ fn colluding_guests_leave_the_victim_its_floor() {
     let gv = topo.guest_ns(&v);
     let (answered, extra) = gv.run(move || {
         let socks: Vec<UdpSocket> = (0..FLOOR).map(|_| UdpSocket::bind("0.0.0.0:0").expect("bind")).collect();
-        let n = socks.iter().filter(|u| ask(u, echo, b"victim").is_ok()).count();
+        let n = socks.iter().filter(|u| udp_ask(u, echo, b"victim").is_ok()).count();
         let one_more = UdpSocket::bind("0.0.0.0:0").expect("bind");
-        let extra = ask(&one_more, echo, b"over").is_ok();
+        let extra = udp_ask(&one_more, echo, b"over").is_ok();
         (n, extra)
     });
     assert_eq!(answered, FLOOR as usize, "every flow of the victim's floor is answered");
@@ -151,7 +123,7 @@ fn colluding_guests_leave_the_victim_its_floor() {
     let st = maps.sessions.floor_state().unwrap().unwrap();
     assert_eq!(st.usage.live(), 0, "no drift: {st:?}");
     assert_eq!(maps.sessions.counts().0, 0);
-    let b_again = topo.guest_ns(&b).run(move || flood(echo, BUDGET as usize));
+    let b_again = topo.guest_ns(&b).run(move || udp_flood(echo, BUDGET as usize));
     assert_eq!(live(&b), i64::from(BUDGET), "B opens its whole budget again");
     drop(b_again);
     drop(dp);

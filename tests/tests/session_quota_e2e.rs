@@ -14,7 +14,8 @@ use cubenet_tests::{
     bpffs::BpfFs,
     ebpf_object,
     guest::VethGuest,
-    require_root, servers,
+    require_root,
+    servers::{self, udp_ask, udp_flood},
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP},
 };
 use cubevs::{Datapath, LoadOptions, MapLimits, SandboxEntry, SnatAddr};
@@ -24,32 +25,6 @@ use cubevs_common::counter;
 const BUDGET: u32 = 32;
 /// New flows guest A tries.
 const FLOOD: usize = 200;
-
-/// Sends one datagram from each of `n` fresh sockets (fresh source ports: one new flow each)
-/// to `to`; returns the sockets (kept open so the ports stay the guest's).
-fn flood(to: SocketAddr, n: usize) -> Vec<UdpSocket> {
-    (0..n)
-        .map(|i| {
-            let u = UdpSocket::bind("0.0.0.0:0").expect("bind");
-            u.send_to(format!("flow{i}").as_bytes(), to).expect("send");
-            u
-        })
-        .collect()
-}
-
-fn ask(u: &UdpSocket, to: SocketAddr, msg: &[u8]) -> std::io::Result<String> {
-    u.set_read_timeout(Some(Duration::from_secs(2)))?;
-    u.send_to(msg, to)?;
-    let mut buf = [0u8; 512];
-    loop {
-        let n = u.recv(&mut buf)?;
-        let s = String::from_utf8_lossy(&buf[..n]).into_owned();
-        // Skip the echo of the flood datagram still queued on this socket.
-        if s.ends_with(&*String::from_utf8_lossy(msg)) {
-            return Ok(s);
-        }
-    }
-}
 
 fn http_get(addr: SocketAddr) -> std::io::Result<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
@@ -124,10 +99,10 @@ fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
     // A floods new UDP flows; the first BUDGET become sessions, the rest are dropped.
     let quota0 = maps.counters.get(counter::CUBE_DROP_SESSION_QUOTA).unwrap();
     let (first_ok, a_new_tcp) = topo.guest_ns(a).run(move || {
-        let socks = flood(echo, FLOOD);
+        let socks = udp_flood(echo, FLOOD);
         // A flow within the budget still works (sessions of the flood order are not known:
         // find one that is answered).
-        let ok = socks.iter().any(|u| ask(u, echo, b"again").is_ok());
+        let ok = socks.iter().any(|u| udp_ask(u, echo, b"again").is_ok());
         // A new TCP connection of A is over the budget too.
         let tcp = TcpStream::connect_timeout(&SocketAddr::from((WORLD_IP, 80)), Duration::from_secs(1)).is_ok();
         (ok, tcp)
@@ -147,7 +122,7 @@ fn flooding_guest_stops_at_its_budget_and_never_starves_another() {
     let answer = gb
         .run(move || {
             let u = UdpSocket::bind("0.0.0.0:0")?;
-            ask(&u, echo, b"from-b")
+            udp_ask(&u, echo, b"from-b")
         })
         .expect("B's UDP query");
     assert!(answer.ends_with("|from-b"), "{answer}");
@@ -178,7 +153,7 @@ fn quota_switched_in_under_live_sessions() {
     // Without the quota: OLD flows, all answered, none charged.
     let (old_socks, answered) = ga.run(move || {
         let socks: Vec<UdpSocket> = (0..OLD).map(|_| UdpSocket::bind("0.0.0.0:0").expect("bind")).collect();
-        let n = socks.iter().filter(|u| ask(u, echo, b"old").is_ok()).count();
+        let n = socks.iter().filter(|u| udp_ask(u, echo, b"old").is_ok()).count();
         (socks, n)
     });
     assert_eq!(answered, OLD, "flows before the quota");
@@ -192,9 +167,9 @@ fn quota_switched_in_under_live_sessions() {
     let maps = dp.maps();
     // The old flows keep working (uncharged); new flows stop at SMALL.
     let (old_ok, new_ok) = ga.run(move || {
-        let old_ok = old_socks.iter().filter(|u| ask(u, echo, b"still").is_ok()).count();
-        let new = flood(echo, 2 * SMALL as usize);
-        let new_ok = new.iter().filter(|u| ask(u, echo, b"new").is_ok()).count();
+        let old_ok = old_socks.iter().filter(|u| udp_ask(u, echo, b"still").is_ok()).count();
+        let new = udp_flood(echo, 2 * SMALL as usize);
+        let new_ok = new.iter().filter(|u| udp_ask(u, echo, b"new").is_ok()).count();
         (old_ok, new_ok)
     });
     assert_eq!(old_ok, OLD, "established flows across the switch");
@@ -210,8 +185,8 @@ fn quota_switched_in_under_live_sessions() {
     assert_eq!((u.opened, u.closed, u.live()), (u64::from(SMALL), u64::from(SMALL), 0));
     // Exactly the budget again, not more.
     let again = ga.run(move || {
-        let s = flood(echo, 2 * SMALL as usize);
-        s.iter().filter(|u| ask(u, echo, b"again").is_ok()).count()
+        let s = udp_flood(echo, 2 * SMALL as usize);
+        s.iter().filter(|u| udp_ask(u, echo, b"again").is_ok()).count()
     });
     assert_eq!(again, SMALL as usize);
     drop(dp);
