@@ -24,6 +24,9 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// Audit records dropped because the writer's queue was full.
     pub audit_dropped: IntCounter,
+    /// Requests refused (503) because their record could not be written before forwarding
+    /// (queue full or write error, E20).
+    pub audit_refused: IntCounter,
     /// Request duration until response headers, seconds.
     pub request_seconds: Histogram,
     /// Upstream time to response headers, seconds (request − upstream ≈ added latency).
@@ -46,6 +49,8 @@ impl Metrics {
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
         let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
+        let audit_refused =
+            c("cube_egress_audit_refused_total", "Requests refused: audit record not written before forwarding");
         let upstream_errors =
             IntCounterVec::new(Opts::new("cube_egress_upstream_errors_total", "Upstream failures by kind"), &["kind"])
                 .expect("metric");
@@ -67,6 +72,7 @@ impl Metrics {
             &mint_rate_limited,
             &handshakes_refused,
             &audit_dropped,
+            &audit_refused,
         ] {
             registry.register(Box::new(m.clone())).expect("register");
         }
@@ -85,6 +91,7 @@ impl Metrics {
             handshakes_refused,
             upstream_errors,
             audit_dropped,
+            audit_refused,
             request_seconds,
             upstream_seconds,
         }
