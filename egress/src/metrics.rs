@@ -24,8 +24,8 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// Audit records dropped because the writer's queue was full.
     pub audit_dropped: IntCounter,
-    /// Requests refused (503) because their record could not be written before forwarding
-    /// (queue full or write error, E20).
+    /// Requests whose record could not be written before forwarding or answering (queue full or
+    /// write error, E20): allowed ones are refused with 503, denied ones still get their 403.
     pub audit_refused: IntCounter,
     /// Request duration until response headers, seconds.
     pub request_seconds: Histogram,
@@ -49,8 +49,10 @@ impl Metrics {
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
         let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
-        let audit_refused =
-            c("cube_egress_audit_refused_total", "Requests refused: audit record not written before forwarding");
+        let audit_refused = c(
+            "cube_egress_audit_refused_total",
+            "Requests whose audit record could not be written first (allowed: 503)",
+        );
         let upstream_errors =
             IntCounterVec::new(Opts::new("cube_egress_upstream_errors_total", "Upstream failures by kind"), &["kind"])
                 .expect("metric");
