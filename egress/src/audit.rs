@@ -20,31 +20,72 @@ use serde_json::{Value, json};
 /// Largest batch of whole lines handed to one `write(2)`, bytes.
 pub const MAX_WRITE_BYTES: usize = 64 * 1024;
 
+/// Answer to a durable write: `Ok` once the record's line was handed to the kernel.
+type Ack = tokio::sync::oneshot::Sender<Result<(), AuditError>>;
+
 /// What the writer thread receives.
 #[derive(Debug)]
 enum Msg {
-    Record(Value),
+    /// A record, with the waiter to answer once its line is written ([`AuditLog::write_durable`]).
+    Record(Value, Option<Ack>),
     /// Answer on the channel once everything queued before it is written.
     Flush(mpsc::Sender<()>),
 }
 
+/// Why [`AuditLog::write_durable`] could not write a record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuditError {
+    /// The writer's queue is full (the disk is slower than the requests).
+    #[error("audit queue full")]
+    QueueFull,
+    /// `write(2)` of the batch holding the record failed (the OS error, as text).
+    #[error("audit write failed: {0}")]
+    Write(String),
+    /// The writer thread is gone.
+    #[error("audit writer gone")]
+    WriterGone,
+}
+
+/// Writes the batch (whole lines) in one `write_all`, then answers the waiters of its records.
+fn write_batch(sink: &mut impl Write, batch: &mut Vec<u8>, acks: &mut Vec<Ack>, what: &str) {
+    if batch.is_empty() {
+        return;
+    }
+    let res = sink.write_all(batch).and_then(|()| sink.flush()).map_err(|e| AuditError::Write(e.to_string()));
+    batch.clear();
+    if let Err(e) = &res {
+        tracing::warn!(file = %what, error = %e, "audit write failed");
+    }
+    for a in acks.drain(..) {
+        let _ = a.send(res.clone());
+    }
+}
+
 /// Appends `v` as one line to `batch`, first writing the batch out when the line would not fit.
-fn push_line(sink: &mut impl Write, batch: &mut Vec<u8>, v: &Value) -> std::io::Result<()> {
+fn push_line(sink: &mut impl Write, batch: &mut Vec<u8>, acks: &mut Vec<Ack>, what: &str, v: &Value) {
     let mut line = serde_json::to_vec(v).unwrap_or_default();
     line.push(b'\n');
     if !batch.is_empty() && batch.len() + line.len() > MAX_WRITE_BYTES {
-        sink.write_all(batch)?;
-        batch.clear();
+        write_batch(sink, batch, acks, what);
     }
     batch.extend_from_slice(&line);
-    Ok(())
 }
 
-/// Appends audit records to a file from a dedicated writer thread (records are queued, so the
-/// proxy never blocks on disk). The queue is bounded: when the writer falls behind, new records
-/// are dropped (drop-newest), counted in `cube_egress_audit_dropped_total`, and the writer
-/// records how many it lost in a `security_event` (`audit_records_dropped`) as soon as it
-/// catches up (decision E15).
+/// Appends audit records to a file from a dedicated writer thread. The queue is bounded
+/// (`capacity` records).
+///
+/// Two ways in:
+/// - [`AuditLog::write_durable`] (records a request's answer or forwarding depends on, E20): the
+///   caller waits until the record's line was written (`write(2)` returned: in the page cache,
+///   which survives the death of this process, not a power loss); a full queue or a failed write
+///   is an error, and the caller fails closed.
+/// - [`AuditLog::write`] (completion records, TLS refusals, security events): queued, the caller
+///   does not wait; when the queue is full the record is dropped (drop-newest), counted in
+///   `cube_egress_audit_dropped_total`, and the writer records how many it lost in a
+///   `security_event` (`audit_records_dropped`) as soon as it catches up (decision E15).
+///
+/// Records are written in queue order, so a durable write's answer also means every record
+/// queued before it is written. The writer takes everything queued at once (group commit).
 ///
 /// Records reach the file in `write(2)` calls that each hold whole lines (at most
 /// [`MAX_WRITE_BYTES`] of them, or one longer line alone): with `O_APPEND`, two gateway processes
@@ -80,7 +121,8 @@ impl AuditLog {
         Self::with_writer(file, path.display().to_string(), capacity, dropped)
     }
 
-    /// Starts the writer thread on any sink (`what` names it in warnings).
+    /// Starts the writer thread on any sink (`what` names it in warnings). The sink gets one
+    /// `write_all` per batch; for a file that is one `write(2)` unless the kernel writes short.
     pub fn with_writer(
         sink: impl Write + Send + 'static,
         what: String,
@@ -93,13 +135,16 @@ impl AuditLog {
         std::thread::Builder::new().name("audit-writer".into()).spawn(move || {
             let mut sink = sink;
             let mut batch = Vec::with_capacity(MAX_WRITE_BYTES);
+            let mut acks = Vec::new();
             let mut waiters = Vec::new();
             while let Ok(first) = rx.recv() {
-                let mut res = Ok(());
                 let mut next = Some(first);
                 while let Some(m) = next.take() {
                     match m {
-                        Msg::Record(v) => res = res.and_then(|()| push_line(&mut sink, &mut batch, &v)),
+                        Msg::Record(v, ack) => {
+                            push_line(&mut sink, &mut batch, &mut acks, &what, &v);
+                            acks.extend(ack);
+                        }
                         Msg::Flush(w) => waiters.push(w),
                     }
                     next = rx.try_recv().ok();
@@ -110,13 +155,9 @@ impl AuditLog {
                         "ts": now_rfc3339(), "event": "security_event",
                         "security": {"reason": "audit_records_dropped", "dropped": lost},
                     });
-                    res = res.and_then(|()| push_line(&mut sink, &mut batch, &ev));
+                    push_line(&mut sink, &mut batch, &mut acks, &what, &ev);
                 }
-                res = res.and_then(|()| sink.write_all(&batch)).and_then(|()| sink.flush());
-                batch.clear();
-                if let Err(e) = res {
-                    tracing::warn!(file = %what, error = %e, "audit write failed");
-                }
+                write_batch(&mut sink, &mut batch, &mut acks, &what);
                 for w in waiters.drain(..) {
                     let _ = w.send(());
                 }
@@ -126,14 +167,27 @@ impl AuditLog {
     }
 
     /// Queues one record (adds `ts` when missing); drops it when the queue is full.
-    pub fn write(&self, mut record: Value) {
-        if let Value::Object(m) = &mut record {
-            m.entry("ts").or_insert_with(|| json!(now_rfc3339()));
-        }
-        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(Msg::Record(record)) {
+    pub fn write(&self, record: Value) {
+        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(Msg::Record(with_ts(record), None)) {
             self.dropped.inc();
             // The writer reports this on its next wake-up, which the full queue guarantees.
             self.pending_drops.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Queues one record (adds `ts` when missing) and waits until its line was written
+    /// (`write(2)` returned; with it every record queued earlier). Never waits for queue space:
+    /// a full queue is [`AuditError::QueueFull`] at once, so memory stays bounded by the queue
+    /// and a slow disk makes requests fail closed instead of piling up. Errors:
+    /// [`AuditError::QueueFull`], [`AuditError::Write`] (the batch's `write(2)` failed: the line
+    /// may be missing or partial), [`AuditError::WriterGone`]. Dropping the future does not
+    /// unqueue the record.
+    pub async fn write_durable(&self, record: Value) -> Result<(), AuditError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        match self.tx.try_send(Msg::Record(with_ts(record), Some(tx))) {
+            Ok(()) => rx.await.unwrap_or(Err(AuditError::WriterGone)),
+            Err(mpsc::TrySendError::Full(_)) => Err(AuditError::QueueFull),
+            Err(mpsc::TrySendError::Disconnected(_)) => Err(AuditError::WriterGone),
         }
     }
 
@@ -154,6 +208,14 @@ impl AuditLog {
         }
         self.write(rec);
     }
+}
+
+/// `record` with a `ts` field (now) when it has none.
+fn with_ts(mut record: Value) -> Value {
+    if let Value::Object(m) = &mut record {
+        m.entry("ts").or_insert_with(|| json!(now_rfc3339()));
+    }
+    record
 }
 
 /// Current time as RFC 3339 UTC with microseconds.
@@ -320,6 +382,105 @@ mod tests {
         let ev = lines.iter().find(|l| l["security"]["reason"] == "audit_records_dropped").expect("drop report");
         assert_eq!(ev["security"]["dropped"].as_u64(), Some(10_000 - 8));
         assert_eq!(lines.len(), 1 + 8 + 1, "first record, the 8 queued ones, the drop report");
+    }
+
+    impl Stalled {
+        fn new() -> Stalled {
+            Stalled {
+                gate: Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new())),
+                entered: Arc::default(),
+                out: Arc::default(),
+            }
+        }
+        /// A handle on the same gate and output (the sink itself moves to the writer).
+        fn handle(&self) -> Stalled {
+            Stalled { gate: self.gate.clone(), entered: self.entered.clone(), out: self.out.clone() }
+        }
+        fn open(&self) {
+            *self.gate.0.lock().unwrap() = true;
+            self.gate.1.notify_all();
+        }
+        fn text(&self) -> String {
+            String::from_utf8(self.out.lock().unwrap().clone()).unwrap()
+        }
+    }
+
+    fn wait_entered(entered: &std::sync::atomic::AtomicBool) {
+        for _ in 0..500 {
+            if entered.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("writer never reached the sink");
+    }
+
+    /// Attack (E20): a durable write must not answer while its line is still in user space
+    /// (the writer is stuck in `write`), and must answer once the line is in the sink.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn durable_write_answers_only_after_the_write() {
+        let sink = Stalled::new();
+        let h = sink.handle();
+        let log = AuditLog::with_writer(sink, "t".into(), 8, counter()).unwrap();
+        let l = log.clone();
+        let task = tokio::spawn(async move { l.write_durable(json!({"event": "http_request_start", "n": 1})).await });
+        wait_entered(&h.entered);
+        // The writer holds the record inside the stalled write: the waiter cannot be answered.
+        tokio::task::yield_now().await;
+        assert!(!task.is_finished(), "durable write answered before its line was written");
+        assert!(h.text().is_empty());
+        h.open();
+        assert_eq!(task.await.unwrap(), Ok(()));
+        let text = h.text();
+        let v: Value = serde_json::from_str(text.strip_suffix('\n').expect("one whole line")).unwrap();
+        assert_eq!(v["n"], 1);
+        assert!(v["ts"].is_string());
+    }
+
+    /// Attack (E20): a stalled disk must not grow memory: with the queue full a durable write
+    /// fails at once (the request is refused) instead of waiting or queueing beyond capacity.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn durable_write_fails_closed_when_the_queue_is_full() {
+        let sink = Stalled::new();
+        let h = sink.handle();
+        let dropped = counter();
+        let log = AuditLog::with_writer(sink, "t".into(), 4, dropped.clone()).unwrap();
+        log.write(json!({"event": "http_request", "n": "first"}));
+        wait_entered(&h.entered);
+        for i in 0..4 {
+            log.write(json!({"event": "http_request", "n": i}));
+        }
+        assert_eq!(dropped.get(), 0, "four records fit the queue");
+        assert_eq!(log.write_durable(json!({"event": "http_request_start"})).await, Err(AuditError::QueueFull));
+        h.open();
+        // Once the writer caught up there is room again.
+        let l = log.clone();
+        assert!(tokio::task::spawn_blocking(move || l.flush(Duration::from_secs(10))).await.unwrap());
+        assert_eq!(log.write_durable(json!({"event": "http_request_start", "n": "after"})).await, Ok(()));
+        let text = h.text();
+        assert_eq!(text.lines().count(), 6, "first, four queued, the one after: {text}");
+    }
+
+    /// A sink whose every write fails (a full or broken disk).
+    struct Failing;
+    impl Write for Failing {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Attack (E20): a failed `write(2)` is reported to the waiter (which fails closed), never
+    /// answered as written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn durable_write_reports_a_failed_write() {
+        let log = AuditLog::with_writer(Failing, "t".into(), 8, counter()).unwrap();
+        match log.write_durable(json!({"event": "http_request_start"})).await {
+            Err(AuditError::Write(e)) => assert!(e.contains("space"), "{e}"),
+            other => panic!("expected a write error, got {other:?}"),
+        }
     }
 
     /// Attack: a predecessor killed mid-record leaves a torn last line; the next process's

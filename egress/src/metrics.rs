@@ -24,6 +24,9 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// Audit records dropped because the writer's queue was full.
     pub audit_dropped: IntCounter,
+    /// Requests whose record could not be written before forwarding or answering (queue full or
+    /// write error, E20): allowed ones are refused with 503, denied ones still get their 403.
+    pub audit_refused: IntCounter,
     /// Request duration until response headers, seconds.
     pub request_seconds: Histogram,
     /// Upstream time to response headers, seconds (request − upstream ≈ added latency).
@@ -46,6 +49,10 @@ impl Metrics {
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
         let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
+        let audit_refused = c(
+            "cube_egress_audit_refused_total",
+            "Requests whose audit record could not be written first (allowed: 503)",
+        );
         let upstream_errors =
             IntCounterVec::new(Opts::new("cube_egress_upstream_errors_total", "Upstream failures by kind"), &["kind"])
                 .expect("metric");
@@ -67,6 +74,7 @@ impl Metrics {
             &mint_rate_limited,
             &handshakes_refused,
             &audit_dropped,
+            &audit_refused,
         ] {
             registry.register(Box::new(m.clone())).expect("register");
         }
@@ -85,6 +93,7 @@ impl Metrics {
             handshakes_refused,
             upstream_errors,
             audit_dropped,
+            audit_refused,
             request_seconds,
             upstream_seconds,
         }

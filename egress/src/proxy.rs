@@ -307,27 +307,12 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
             "redacted_request_headers": redacted_headers(req.headers()),
         }),
     };
-    let deny = |mut rec: Record, reason: &str, security: bool, started: Instant| {
-        app.metrics.requests.with_label_values(&["deny"]).inc();
-        rec.set(&["policy", "decision"], json!("deny"));
-        rec.set(&["http", "status"], json!(403));
-        rec.set(&["security", "reason"], json!(reason));
-        rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
-        if security {
-            let mut ev = rec.rec.clone();
-            ev["event"] = json!("security_event");
-            app.audit.write(ev);
-        }
-        app.audit.write(rec.rec);
-        app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
-        Ok(plain(StatusCode::FORBIDDEN, &format!("forbidden by cube-egress: {reason}")))
-    };
     let status = app.store.status();
     if !status.serving() {
-        return deny(rec, &format!("bootstrap_not_ready:{}", status.as_str()), true, started);
+        return Ok(deny(&app, rec, &format!("bootstrap_not_ready:{}", status.as_str()), true, started).await);
     }
     let Some(policy) = app.store.get(ctx.sandbox) else {
-        return deny(rec, "no_policy_for_sandbox", true, started);
+        return Ok(deny(&app, rec, "no_policy_for_sandbox", true, started).await);
     };
     rec.set(&["sandbox", "policy_id"], json!(policy.spec.policy_id));
     let facts = RequestFacts {
@@ -340,10 +325,10 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         port: ctx.dst.port(),
     };
     let idx = match policy.evaluate(&facts) {
-        Verdict::NoMatch => return deny(rec, "no_rule_match", true, started),
+        Verdict::NoMatch => return Ok(deny(&app, rec, "no_rule_match", true, started).await),
         Verdict::Deny(i) => {
             rec.set(&["policy", "matched_rule"], json!(policy.rules[i].id));
-            return deny(rec, "rule_deny", false, started);
+            return Ok(deny(&app, rec, "rule_deny", false, started).await);
         }
         Verdict::Allow(i) => i,
     };
@@ -360,11 +345,33 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         if let Unbound::ResolveFailed(err) = &e {
             rec.set(&["security", "error"], json!(err));
         }
-        return deny(rec, e.reason(), true, started);
+        return Ok(deny(&app, rec, e.reason(), true, started).await);
     }
     rec.set(&["policy", "decision"], json!("allow"));
     app.metrics.requests.with_label_values(&["allow"]).inc();
     Ok(forward(app, ctx, req, &policy, idx, host, rec, started).await)
+}
+
+/// Answers 403 once the request's `http_request` record (after its `security_event` when
+/// `security`) is written: a client never sees an answer whose record a crash could lose (E20).
+/// When the record cannot be written the answer is still 403 (nothing was forwarded).
+async fn deny(app: &App, mut rec: Record, reason: &str, security: bool, started: Instant) -> Response<ProxyBody> {
+    app.metrics.requests.with_label_values(&["deny"]).inc();
+    rec.set(&["policy", "decision"], json!("deny"));
+    rec.set(&["http", "status"], json!(403));
+    rec.set(&["security", "reason"], json!(reason));
+    rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
+    if security {
+        let mut ev = rec.rec.clone();
+        ev["event"] = json!("security_event");
+        app.audit.write(ev);
+    }
+    if let Err(e) = app.audit.write_durable(rec.rec).await {
+        app.metrics.audit_refused.inc();
+        tracing::warn!(error = %e, "deny record not written");
+    }
+    app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
+    plain(StatusCode::FORBIDDEN, &format!("forbidden by cube-egress: {reason}"))
 }
 
 /// Why an injection gate failed, or `None` when credentials may be injected.
@@ -461,12 +468,30 @@ async fn forward(
         Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target"),
     };
     parts.version = http::Version::HTTP_11;
+    let audit_level = rule.audit;
+    // The world sees nothing whose record a crash could lose: `http_request_start` (everything
+    // known before forwarding) is in the kernel before the request leaves; `http_request`
+    // follows when the response ends (E20). No record, no request: fail closed.
+    if audit_level != AuditLevel::None {
+        let mut start = rec.rec.clone();
+        start["event"] = json!("http_request_start");
+        start["policy"]["duration_us"] = json!(started.elapsed().as_micros() as u64);
+        if let Err(e) = app.audit.write_durable(start).await {
+            app.metrics.audit_refused.inc();
+            tracing::warn!(sandbox = %ctx.sandbox, error = %e, "request refused: audit record not written");
+            rec.set(&["http", "status"], json!(503));
+            rec.set(&["security", "reason"], json!("audit_unavailable"));
+            rec.set(&["security", "error"], json!(e.to_string()));
+            rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
+            app.audit.write(rec.rec);
+            return plain(StatusCode::SERVICE_UNAVAILABLE, "cube-egress: audit log unavailable");
+        }
+    }
     let req_bytes = Arc::new(AtomicU64::new(0));
     let body = CountingBody { inner: body, count: req_bytes.clone(), done: None };
     let up_start = Instant::now();
     let res =
         tokio::time::timeout(UPSTREAM_HEADERS_TIMEOUT, ctx.client.request(Request::from_parts(parts, body))).await;
-    let audit_level = rule.audit;
     let fail = |mut rec: Record, status: StatusCode, kind: &str, err: String| {
         app.metrics.upstream_errors.with_label_values(&[kind]).inc();
         rec.set(&["http", "status"], json!(status.as_u16()));

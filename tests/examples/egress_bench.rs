@@ -9,8 +9,11 @@
 //! marks + `cube-egress-net.sh up` + TPROXY, policy allows the SNI), `mitmproxy` (mitmdump in
 //! transparent mode behind an iptables REDIRECT, using the same CA and trusting the same world
 //! CA). Each phase runs `BENCH_CONC` (default 16) keep-alive HTTP/1.1-over-TLS connections for
-//! `BENCH_SECS` (default 10) seconds. Needs root; `MITMDUMP` overrides the mitmdump path.
-//! Figures are printed, never asserted.
+//! `BENCH_SECS` (default 10) seconds. Needs root; `MITMDUMP` overrides the mitmdump path (empty:
+//! no mitmproxy phase). `CUBE_EGRESS_BASELINE_BIN` adds the cube-egress phase again with that
+//! binary (label `CUBE_EGRESS_BASELINE_LABEL`), e.g. the previous release, measured in the same run.
+//! Figures are printed (a table, then one `ROW {json}` line per figure; `BENCH_JSON` also writes
+//! them to a file), never asserted.
 
 use std::{
     convert::Infallible,
@@ -219,7 +222,145 @@ fn main() {
     // Phase 1: direct.
     let direct = load(&sb, &world_ca.pem, conc, secs);
 
-    // Phase 2: cube-egress.
+    // Phase 2: cube-egress; then, when `CUBE_EGRESS_BASELINE_BIN` names another build (e.g. the
+    // previous release), the same phase on it, so both are measured in one run.
+    let egress = egress_phase(node, &sb, &dir, &gw_ca.pem, &egress_bin, conc, secs);
+    let baseline = std::env::var_os("CUBE_EGRESS_BASELINE_BIN").map(|b| {
+        let label = std::env::var("CUBE_EGRESS_BASELINE_LABEL").unwrap_or_else(|_| "baseline".into());
+        (format!("cube-egress ({label})"), egress_phase(node, &sb, &dir, &gw_ca.pem, Path::new(&b), conc, secs))
+    });
+
+    // Phase 3: mitmproxy (transparent mode, REDIRECT), same CA and upstream trust; skipped
+    // when `MITMDUMP` is set to the empty string.
+    let mitm = (!mitmdump.is_empty()).then(|| mitm_phase(node, &sb, &dir, &gw_ca.pem, &mitmdump, conc, secs));
+    let (egress_stats, egress_rss) = egress;
+    let base50 = direct.pct(0.5);
+    let base99 = direct.pct(0.99);
+    println!();
+    println!("| path | req/s | errors | p50 ms | p99 ms | added p50 ms | added p99 ms | RSS MiB (peak) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let mut row = |name: &str, s: &Stats, rss: Option<(f64, f64)>| {
+        println!(
+            "| {name} | {:.0} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+            s.rps(),
+            s.errors,
+            s.pct(0.5),
+            s.pct(0.99),
+            s.pct(0.5) - base50,
+            s.pct(0.99) - base99,
+            rss.map(|(c, p)| format!("{c:.1} ({p:.1})")).unwrap_or_else(|| "-".into())
+        );
+        for (what, value, unit) in [
+            ("req/s", s.rps(), "req/s"),
+            ("p50", s.pct(0.5), "ms"),
+            ("p99", s.pct(0.99), "ms"),
+            ("errors", s.errors as f64, "count"),
+        ] {
+            rows.push(serde_json::json!({
+                "bench": "egress", "case": format!("{name}: {what}"), "value": value, "unit": unit,
+                "baseline": if name.starts_with("direct") { serde_json::Value::Null } else { serde_json::json!(["direct (no proxy)", match what { "req/s" => direct.rps(), "p50" => base50, "p99" => base99, _ => direct.errors as f64 }]) },
+            }));
+        }
+    };
+    row("direct (no proxy)", &direct, None);
+    row("cube-egress", &egress_stats, Some(egress_rss));
+    if let Some((label, (s, rss))) = &baseline {
+        row(label, s, Some(*rss));
+    }
+    if let Some((s, rss)) = &mitm {
+        row("mitmproxy", s, Some(*rss));
+    }
+    println!();
+    if let Some((label, (s, _))) = &baseline {
+        println!(
+            "cube-egress / {label}: {:.2}x requests/s, p50 {:+.2} ms, p99 {:+.2} ms",
+            egress_stats.rps() / s.rps(),
+            egress_stats.pct(0.5) - s.pct(0.5),
+            egress_stats.pct(0.99) - s.pct(0.99)
+        );
+    }
+    if let Some((s, rss)) = &mitm {
+        println!(
+            "cube-egress / mitmproxy: {:.1}x requests/s, {:.2}x RSS (targets: >= 10x, <= 0.20x)",
+            egress_stats.rps() / s.rps(),
+            egress_rss.1 / rss.1
+        );
+    }
+    for r in &rows {
+        println!("ROW {r}");
+    }
+    if let Some(p) = std::env::var_os("BENCH_JSON") {
+        std::fs::write(&p, serde_json::to_string_pretty(&rows).unwrap()).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(rt);
+}
+
+/// Phase with mitmproxy: REDIRECT to mitmdump in transparent mode; returns (stats, RSS).
+fn mitm_phase(
+    node: &TestNetns,
+    sb: &TestNetns,
+    dir: &Path,
+    ca_pem: &str,
+    mitmdump: &str,
+    conc: usize,
+    secs: u64,
+) -> (Stats, (f64, f64)) {
+    sh(
+        node,
+        "iptables",
+        &[
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-i",
+            "cube-dev",
+            "-p",
+            "tcp",
+            "--dport",
+            "443",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            "8081",
+        ],
+    );
+    let mut mitm = node.spawn(
+        mitmdump,
+        &[
+            "--mode",
+            "transparent",
+            "--listen-port",
+            "8081",
+            "-q",
+            "--set",
+            &format!("confdir={}", dir.display()),
+            "--set",
+            &format!("ssl_verify_upstream_trusted_ca={}", dir.join("world-ca.pem").display()),
+            "--set",
+            "connection_strategy=lazy",
+        ],
+    );
+    wait_port(node, "127.0.0.1:8081");
+    let stats = load(sb, ca_pem, conc, secs);
+    let rss = rss_mib(mitm.id());
+    drop(mitm.child().kill());
+    let _ = mitm.child().wait();
+    (stats, rss)
+}
+
+/// Phase with a cube-egress binary behind the datapath marks and TPROXY; returns (stats, RSS).
+fn egress_phase(
+    node: &TestNetns,
+    sb: &TestNetns,
+    dir: &Path,
+    ca_pem: &str,
+    egress_bin: &Path,
+    conc: usize,
+    secs: u64,
+) -> (Stats, (f64, f64)) {
     for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
         sh(
             node,
@@ -266,8 +407,8 @@ fn main() {
         "curl",
         &["-sf", "-X", "PUT", "--data", &pol, &format!("http://127.0.0.1:9091/admin/v1/policies/{SANDBOX_IP}")],
     );
-    let egress = load(&sb, &gw_ca.pem, conc, secs);
-    let egress_rss = rss_mib(gw.id());
+    let stats = load(sb, ca_pem, conc, secs);
+    let rss = rss_mib(gw.id());
     // SAFETY: signalling the child we spawned, by its PID.
     unsafe { libc::kill(gw.id() as i32, libc::SIGTERM) };
     let _ = gw.child().wait();
@@ -295,75 +436,6 @@ fn main() {
         );
     }
 
-    // Phase 3: mitmproxy (transparent mode, REDIRECT), same CA and upstream trust.
-    sh(
-        node,
-        "iptables",
-        &[
-            "-t",
-            "nat",
-            "-A",
-            "PREROUTING",
-            "-i",
-            "cube-dev",
-            "-p",
-            "tcp",
-            "--dport",
-            "443",
-            "-j",
-            "REDIRECT",
-            "--to-ports",
-            "8081",
-        ],
-    );
-    let mut mitm = node.spawn(
-        &mitmdump,
-        &[
-            "--mode",
-            "transparent",
-            "--listen-port",
-            "8081",
-            "-q",
-            "--set",
-            &format!("confdir={}", dir.display()),
-            "--set",
-            &format!("ssl_verify_upstream_trusted_ca={}", dir.join("world-ca.pem").display()),
-            "--set",
-            "connection_strategy=lazy",
-        ],
-    );
-    wait_port(node, "127.0.0.1:8081");
-    let mitm_stats = load(&sb, &gw_ca.pem, conc, secs);
-    let mitm_rss = rss_mib(mitm.id());
-    drop(mitm.child().kill());
-    let _ = mitm.child().wait();
-
-    let base50 = direct.pct(0.5);
-    let base99 = direct.pct(0.99);
-    println!();
-    println!("| path | req/s | errors | p50 ms | p99 ms | added p50 ms | added p99 ms | RSS MiB (peak) |");
-    println!("|---|---|---|---|---|---|---|---|");
-    let row = |name: &str, s: &Stats, rss: Option<(f64, f64)>| {
-        println!(
-            "| {name} | {:.0} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
-            s.rps(),
-            s.errors,
-            s.pct(0.5),
-            s.pct(0.99),
-            s.pct(0.5) - base50,
-            s.pct(0.99) - base99,
-            rss.map(|(c, p)| format!("{c:.1} ({p:.1})")).unwrap_or_else(|| "-".into())
-        )
-    };
-    row("direct (no proxy)", &direct, None);
-    row("cube-egress", &egress, Some(egress_rss));
-    row("mitmproxy", &mitm_stats, Some(mitm_rss));
-    println!();
-    println!(
-        "cube-egress / mitmproxy: {:.1}x requests/s, {:.2}x RSS (targets: >= 10x, <= 0.20x)",
-        egress.rps() / mitm_stats.rps(),
-        egress_rss.1 / mitm_rss.1
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    drop(rt);
+    let _ = std::fs::remove_file(dir.join("access.jsonl"));
+    (stats, rss)
 }

@@ -11,7 +11,8 @@
 //!
 //! `egress_gateway_end_to_end` covers the normal behaviour; `egress_gateway_holes` attacks the
 //! gateway (random SNIs, foreign destinations behind an allowed Host, tokens in URLs, the
-//! handoff socket).
+//! handoff socket); `egress_gateway_fails_closed_without_audit` gives it an audit file it cannot
+//! write (`/dev/full`): nothing may be forwarded (E20).
 
 use std::{
     convert::Infallible,
@@ -896,4 +897,68 @@ fn egress_gateway_holes() {
         assert!(has_event(&lines, event, reason), "no {event} {reason} in audit:\n{text_all}");
     }
     drop(rt);
+}
+
+/// Attack (E20): a gateway that cannot write its audit log forwards nothing. The audit file is
+/// `/dev/full` (every `write(2)` fails with ENOSPC): an allowed request gets 503 and never
+/// reaches the world, a denied one still gets its 403, and the refusals are counted.
+#[test]
+fn egress_gateway_fails_closed_without_audit() {
+    if !require_root("egress_gateway_fails_closed_without_audit") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-noaudit-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let gw_cmd = node
+        .command(egress_bin().to_str().unwrap())
+        .stdin(std::process::Stdio::null())
+        .args([
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--audit-file",
+            "/dev/full",
+            "--bootstrap-url",
+            "",
+        ])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "noaudit", "rules": [
+        {"id": "plain", "match": {"host": WORLD, "scheme": "http", "path": "/v1/*"}, "action": {"allow": true}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200, "{body}");
+
+    let (code, body, o) = curl(&sb, &[&format!("http://{WORLD}/v1/exfil")]);
+    assert_eq!(code, 503, "{}", text(&o));
+    assert!(body.contains("audit log unavailable"), "{body}");
+    let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/other")]);
+    assert_eq!(code, 403, "a request outside the rules is still denied: {}", text(&o));
+    assert!(seen.lock().unwrap().is_empty(), "a request reached the world without its audit record");
+    let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
+    assert!(metrics.contains("cube_egress_audit_refused_total 2"), "{metrics}");
 }

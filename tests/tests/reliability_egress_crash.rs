@@ -4,8 +4,10 @@
 //! world twice and no client got an answer the world did not give exactly once (nothing
 //! answered twice, nothing answered from nowhere); every audit line is a complete JSON record,
 //! also across the restarts (a record cut by the kill must not swallow the next process's
-//! first record); answered requests without an audit record are counted and reported (the
-//! audit writer is asynchronous, E7: a kill between the answer and the write loses the record).
+//! first record); every request that reached the world, and every one a client got an answer
+//! for, has its audit record (`http_request_start`, written before forwarding, or `http_request`):
+//! none may be lost to the kill (E20; before E20 the writer thread still held the records of the
+//! requests in flight at the kill).
 //! CI: 10 crash points, 8 clients; `CUBENET_RELIABILITY_LONG=1`: 100 points, 50 clients.
 //!
 //! Rig as in `egress.rs`: sandbox namespace behind `cube-dev`, mangle marks standing in for
@@ -264,7 +266,7 @@ fn kill9_during_requests() {
     let mut audited = BTreeSet::new();
     for (i, l) in text.lines().enumerate() {
         match serde_json::from_str::<Value>(l) {
-            Ok(r) if r["event"] == "http_request" => {
+            Ok(r) if r["event"] == "http_request" || r["event"] == "http_request_start" => {
                 if let Some(p) = r["http"]["path"].as_str() {
                     audited.insert(p.to_string());
                 }
@@ -276,7 +278,22 @@ fn kill9_during_requests() {
     if !torn.is_empty() {
         v.push(format!("{} audit lines are not complete JSON records: {}", torn.len(), torn.join(" | ")));
     }
-    let unaudited = answered_paths.iter().filter(|p| !audited.contains(*p)).count();
+    let unaudited: Vec<&String> = answered_paths.iter().filter(|p| !audited.contains(*p)).collect();
+    let world_unaudited: Vec<&String> = seen.keys().filter(|p| !audited.contains(*p)).collect();
+    if !unaudited.is_empty() {
+        v.push(format!(
+            "{} answered requests have no audit record, e.g. {:?}",
+            unaudited.len(),
+            &unaudited[..unaudited.len().min(10)]
+        ));
+    }
+    if !world_unaudited.is_empty() {
+        v.push(format!(
+            "{} requests reached the world without an audit record, e.g. {:?}",
+            world_unaudited.len(),
+            &world_unaudited[..world_unaudited.len().min(10)]
+        ));
+    }
     let report = json!({
         "case": "crash-egress-kill9",
         "inputs": points,
@@ -286,7 +303,8 @@ fn kill9_during_requests() {
         "requests_sent": sent,
         "answered": answered.len(),
         "reached_world": seen.len(),
-        "answered_without_audit_record": unaudited,
+        "answered_without_audit_record": unaudited.len(),
+        "reached_world_without_audit_record": world_unaudited.len(),
         "audit_lines": text.lines().count(),
     });
     println!("RELIABILITY {report}");
