@@ -70,17 +70,27 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     assert_eq!(learned(&r, B_IFINDEX), [Ipv4Addr::from(ADDR1)]);
 
     // B asks again; before the answer comes, A sends twice the map's size in queries for the
-    // allowed name (every id of two source ports, one session each).
+    // allowed name (every id of two source ports, one session each). The frames are built
+    // beforehand: B's query is tracked for QUERY_TIMEOUT_NS (10 s), and building 131,072 DNS
+    // frames inside the flood outlasted that on a loaded machine (B's answer then arrives after
+    // its query expired, which says nothing about A's flood).
+    let flood = 2 * limits::DNS_QUERIES as usize;
+    let frames: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
+        (0..flood)
+            .map(|i| {
+                let (gport, id) = (50000 + (i >> 16) as u16, i as u16);
+                udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, "api.example.com"))
+            })
+            .collect(),
+    );
     let snat = query(&r, B_IFINDEX, 40001, 0x0b02);
+    let asked = std::time::Instant::now();
     assert_eq!(r.maps.policy.dns_queries(Some(B_IFINDEX)).len(), 1, "B's query tracked");
     let tracked0 = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap();
     let fwd0 = r.maps.counters.get(counter::CUBE_NEW_SESSION).unwrap()
         + r.maps.counters.get(counter::CUBE_ESTABLISHED).unwrap();
-    let flood = 2 * limits::DNS_QUERIES as usize;
-    r.run_many(prog::FROM_CUBE, SB_IFINDEX, flood, |i| {
-        let (gport, id) = (50000 + (i >> 16) as u16, i as u16);
-        udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, "api.example.com"))
-    });
+    let f = frames.clone();
+    r.run_many(prog::FROM_CUBE, SB_IFINDEX, flood, move |i| f[i].clone());
     let fwd = r.maps.counters.get(counter::CUBE_NEW_SESSION).unwrap()
         + r.maps.counters.get(counter::CUBE_ESTABLISHED).unwrap()
         - fwd0;
@@ -88,6 +98,11 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     assert_eq!(r.maps.policy.dns_queries(Some(B_IFINDEX)).len(), 1, "B's query still tracked");
 
     // B's genuine answer must still be learned.
+    let waited = asked.elapsed();
+    assert!(
+        waited < std::time::Duration::from_nanos(cubevs_common::dns::QUERY_TIMEOUT_NS),
+        "the flood outlasted B's query window ({waited:?}): machine too loaded to judge the property"
+    );
     respond(&r, snat, 0x0b02, ADDR2);
     assert_eq!(r.maps.counters.get(counter::DNS_RESP_UNSOLICITED).unwrap(), 0, "B's answer taken as unsolicited");
     let mut l = learned(&r, B_IFINDEX);
