@@ -93,6 +93,14 @@ pub(crate) struct DnsMaps {
 }
 
 impl DnsMaps {
+    /// Interfaces with any learned entry or tracked query (one scan of each map).
+    pub(crate) fn ifindexes(&self) -> std::collections::HashSet<u32> {
+        let mut v: std::collections::HashSet<u32> =
+            self.learned.keys().filter_map(Result::ok).map(|k| k.ifindex).collect();
+        v.extend(self.queries.keys().filter_map(Result::ok).map(|k| k.ifindex));
+        v
+    }
+
     /// Every learned entry (optionally of one interface), sorted.
     pub(crate) fn learned(&self, ifindex: Option<u32>) -> Vec<LearnedEntry> {
         let mut v: Vec<LearnedEntry> = self
