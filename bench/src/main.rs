@@ -161,7 +161,8 @@ a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd ov
 warm pool = tap_init_num above the concurrency (each round starts once the pool is back to that many Ready TAPs), \
 empty pool = tap_init_num 0 (every Ensure creates its TAP). Release rows stand beside the agent binary named by \
 `CUBENET_BASELINE_AGENT` (here: main's build before decision F5) measured in the same run; so does the sustained \
-rate (50 clients, each taking the next of 1,000 sandbox ids until none is left, on a warm pool of 1,008 TAPs all on \
+rate (each agent twice, in the order this build, baseline, baseline, this build: the later position was faster \
+whichever binary held it; 50 clients, each taking the next of 1,000 sandbox ids until none is left, on a warm pool of 1,008 TAPs all on \
 their tcx link). 500 TAPs Ready: the default (F5: tc filter first) beside `tc_attach = \"tcx\"`, plus the time until \
 the default has moved every TAP to its tcx link (`cubenet_tap_warmup_filters` = 0). Warm-up steps: the agent's \
 `cubenet_tap_create_phase_seconds` after 500 creations, µs per TAP per worker (4 workers: the steps wait on each other \
