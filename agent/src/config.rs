@@ -103,7 +103,8 @@ pub struct Config {
     /// filter, as upstream; no datapath slots). Pins of `tcx`/`auto` are not converted to
     /// `legacy`; `auto` converts filters a `legacy` run left on TAPs it adopts.
     pub tc_attach: String,
-    /// Seconds between maintenance passes (Cleaning retries, refill; default 5).
+    /// Seconds between maintenance passes (Cleaning retries, refill; default 5). The pool's
+    /// surplus is trimmed only in a pass no Ensure/Release woke within this interval (F10).
     pub maintenance_interval_secs: u64,
     /// Entries a sandbox may have in `cubevs_context.allow_out`, and separately in
     /// `deny_out` (default 1024, 1..65536). Over it, Ensure/Reconcile answer INVALID_ARGUMENT.

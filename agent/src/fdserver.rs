@@ -127,7 +127,12 @@ async fn handle(mut stream: UnixStream, agent: Arc<Agent>) -> std::io::Result<()
     };
     let a = agent.clone();
     let (tap, sandbox_id) = (req.name.clone(), req.sandbox_id.clone());
-    let res = tokio::task::spawn_blocking(move || a.tap_fd(&req.name, &req.sandbox_id)).await;
+    // Inline when the fd is open (every TAP the agent created or reopened); the blocking pool
+    // only for a lazy open after a restart.
+    let res = match agent.tap_fd_if_open(&req.name, &req.sandbox_id) {
+        Some(r) => Ok(r),
+        None => tokio::task::spawn_blocking(move || a.tap_fd(&req.name, &req.sandbox_id)).await,
+    };
     let (code, fd) = match res {
         Ok(Ok(Some(fd))) => {
             tracing::info!(sandbox_id = %sandbox_id, tap = %tap, "TAP fd handed out");

@@ -491,13 +491,15 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                     _ => return,
                 };
             }
+            // A pass no call woke (idle for an interval) also trims the pool's surplus (F10).
+            let mut idle = true;
             if !converting {
-                let _ = tokio::time::timeout(interval, m_agent.kick.notified()).await;
+                idle = tokio::time::timeout(interval, m_agent.kick.notified()).await.is_err();
             }
             let a = m_agent.clone();
             match m_gate.enter().await {
                 Entry::Here(_g) => {
-                    let _ = tokio::task::spawn_blocking(move || a.maintain()).await;
+                    let _ = tokio::task::spawn_blocking(move || a.maintain_pass(idle)).await;
                 }
                 _ => return,
             }

@@ -22,7 +22,7 @@ fn rss_mib(pid: u32) -> f64 {
         / 1024.0
 }
 
-fn agent_pid(a: &mut AgentUnderTest) -> u32 {
+pub(crate) fn agent_pid(a: &mut AgentUnderTest) -> u32 {
     // The start script execs the agent, so the child's PID is the agent's.
     a.child.as_ref().map(|c| c.id()).unwrap_or(0)
 }
@@ -45,27 +45,86 @@ fn wait_pool(a: &AgentUnderTest, ready: u64) {
     eprintln!("  pool not back to {ready} Ready within 10 s; measuring anyway");
 }
 
+/// CPU time (user + system, s) the process `pid` and its threads (exited ones included) used
+/// so far: `/proc/<pid>/stat` utime + stime, in clock ticks of 10 ms.
+pub(crate) fn cpu_s(pid: u32) -> f64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    // Fields after the `(comm)`: state is field 3, utime 14, stime 15.
+    let Some((_, rest)) = s.rsplit_once(')') else { return 0.0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// What [`create_latency`] measured.
+#[derive(Default)]
+pub(crate) struct Latency {
+    /// Ensure + fd per sandbox (ms).
+    pub ensure_ms: Vec<f64>,
+    /// Release per sandbox (ms).
+    pub release_ms: Vec<f64>,
+    /// Agent CPU (s) over the Ensure+fd bursts, from the first request to the last answer.
+    pub ensure_cpu_s: f64,
+    /// Agent CPU (s) over the Release bursts.
+    pub release_cpu_s: f64,
+    /// Agent CPU (s) over the whole measured run (set by the caller; 0 when not read).
+    pub run_cpu_s: f64,
+}
+
+impl Latency {
+    /// Appends the calls and CPU of `o`.
+    pub fn add(&mut self, o: Latency) {
+        self.ensure_ms.extend(o.ensure_ms);
+        self.release_ms.extend(o.release_ms);
+        self.ensure_cpu_s += o.ensure_cpu_s;
+        self.release_cpu_s += o.release_cpu_s;
+        self.run_cpu_s += o.run_cpu_s;
+    }
+}
+
 /// Ensure + fd (ms) and Release (ms) for `rounds` rounds of `conc` concurrent sandboxes.
 /// With `warm`, each round starts once the pool is back to `conc` Ready TAPs.
 fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool) -> (Vec<f64>, Vec<f64>) {
+    let l = create_latency_cpu(a, conc, rounds, warm, 0);
+    (l.ensure_ms, l.release_ms)
+}
+
+/// [`create_latency`], also reading the CPU time of the agent `pid` (0: not read) around each
+/// burst of Ensure+fd and of Release.
+pub(crate) fn create_latency_cpu(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool, pid: u32) -> Latency {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let endpoint = a.grpc_endpoint();
     let sock = a.tap_socket();
-    let mut ensure_ms = Vec::new();
-    let mut release_ms = Vec::new();
+    let mut out = Latency::default();
+    let cpu = |pid: u32| if pid == 0 { 0.0 } else { cpu_s(pid) };
     for round in 0..rounds {
         if warm {
             wait_pool(a, conc as u64);
         }
         let (endpoint, sock) = (endpoint.clone(), sock.clone());
-        let (e, r) = rt.block_on(async move {
+        let (e, r, ec, rc) = rt.block_on(async move {
             let mut ensure_ms = Vec::new();
             let mut release_ms = Vec::new();
-            let mut tasks = Vec::new();
+            let mut connects = Vec::new();
             for i in 0..conc {
-                let (endpoint, sock) = (endpoint.clone(), sock.clone());
+                let endpoint = endpoint.clone();
+                connects.push(tokio::spawn(async move {
+                    let c = network_agent::client::connect(&endpoint).await.expect("connect");
+                    (i, c)
+                }));
+            }
+            // Connected first, so the CPU window holds the RPCs only.
+            let mut clients = Vec::new();
+            for t in connects {
+                clients.push(t.await.expect("connect task"));
+            }
+            let c0 = cpu(pid);
+            let mut tasks = Vec::new();
+            for (i, mut c) in clients {
+                let sock = sock.clone();
                 tasks.push(tokio::spawn(async move {
-                    let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
                     let id = format!("bench-{round}-{i}");
                     let t = Instant::now();
                     let resp = c
@@ -90,6 +149,7 @@ fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool) ->
             for t in tasks {
                 done.push(t.await.expect("ensure task"));
             }
+            let c1 = cpu(pid);
             let mut rel = Vec::new();
             for (id, e, mut c) in done {
                 ensure_ms.push(e);
@@ -104,12 +164,15 @@ fn create_latency(a: &AgentUnderTest, conc: usize, rounds: usize, warm: bool) ->
             for r in rel {
                 release_ms.push(r.await.expect("release task"));
             }
-            (ensure_ms, release_ms)
+            let c2 = cpu(pid);
+            (ensure_ms, release_ms, c1 - c0, c2 - c1)
         });
-        ensure_ms.extend(e);
-        release_ms.extend(r);
+        out.ensure_ms.extend(e);
+        out.release_ms.extend(r);
+        out.ensure_cpu_s += ec;
+        out.release_cpu_s += rc;
     }
-    (ensure_ms, release_ms)
+    out
 }
 
 /// Warms a pool of `n + extra` and waits until every TAP is on its tcx link, measures
@@ -243,7 +306,7 @@ fn run_scale_sessions(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, extra: u
     }]
 }
 
-fn pct(v: &mut [f64], q: f64) -> f64 {
+pub(crate) fn pct(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
@@ -527,7 +590,9 @@ fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize) -> f64 {
 
 /// Sustained Ensure rate: 50 clients register `n` sandboxes on a warm pool of `n + 8` TAPs
 /// (every TAP on its tcx link first, so no warm-up work runs meanwhile), beside the agent
-/// `baseline_bin` (e.g. main's build) measured the same way in the same run.
+/// `baseline_bin` (e.g. main's build) measured the same way in the same run; with a baseline,
+/// each agent runs twice (fresh each time) and the row shows the means, spread = this build's
+/// two runs.
 pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
     let measure = |bin: Option<&std::path::Path>, tag: &str| {
         let mut a = AgentUnderTest::prepare(tag, n + 8, "cidr = \"192.168.0.0/21\"\n");
@@ -540,13 +605,28 @@ pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
         }
         ensure_rate(&a, (0..n).map(|i| format!("rate-{i}")).collect(), 50)
     };
-    let rate = measure(None, "bench-rate");
-    let base = baseline_bin.map(|b| measure(Some(b), "bench-rate-base"));
+    // With a baseline, each agent twice in the order this, baseline, baseline, this: the
+    // position in the run weighed more than the binary on this shared machine (whichever ran
+    // second won), and this order gives both the same positions.
+    let (rate, base, spread) = match baseline_bin {
+        None => {
+            let r = measure(None, "bench-rate");
+            (r, None, (r, r))
+        }
+        Some(b) => {
+            let r1 = measure(None, "bench-rate-1");
+            let b1 = measure(Some(b), "bench-rate-base-1");
+            let b2 = measure(Some(b), "bench-rate-base-2");
+            let r2 = measure(None, "bench-rate-2");
+            eprintln!("  sustained rate: this build {r1:.0}, {r2:.0}; baseline {b1:.0}, {b2:.0} Ensure/s");
+            ((r1 + r2) / 2.0, Some((b1 + b2) / 2.0), (r1.min(r2), r1.max(r2)))
+        }
+    };
     vec![Row {
         bench: "agent".into(),
         case: format!("Ensure sustained rate, 50 clients ({n} sandboxes, warm pool)"),
         value: rate,
-        spread: (rate, rate),
+        spread,
         unit: "Ensure/s".into(),
         baseline: base.map(|b| ("main agent".to_string(), b)),
         target: Some(">= 5000 Ensure/s".into()),

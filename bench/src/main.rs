@@ -4,6 +4,7 @@
 //! Run through `cargo xtask bench [NAME] [--json FILE]` (builds the eBPF object first). Root.
 
 mod agent;
+mod agent_cpu;
 mod agent_sessions;
 mod cpu;
 mod dns;
@@ -28,7 +29,8 @@ use clap::Parser;
 struct Cli {
     /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale, upgrade,
     /// agent-pool (the warm-up and restart rows of `agent` only), agent-rate (the sustained
-    /// Ensure row of `agent` only), soak (`--minutes`)
+    /// Ensure row of `agent` only), agent-cpu (agent CPU per Ensure+fd and per Release at
+    /// concurrency 50, beside `CUBENET_BASELINE_AGENT`), soak (`--minutes`)
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,192 sandboxes (every pooled TAP holds a slot of the 8,192-entry sandbox maps), then fills 1,000,000 sessions, and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
@@ -81,6 +83,7 @@ fn main() -> anyhow::Result<()> {
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-pool" => rows.extend(agent::run_pool()),
+            "agent-cpu" => rows.extend(agent_cpu::run(20)),
             "agent-scale" => rows.extend(agent::run_scale(8092, 100)),
             "agent-rate" => {
                 let base = std::env::var_os("CUBENET_BASELINE_AGENT").map(std::path::PathBuf::from);
@@ -142,13 +145,16 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// [`NOTES`] with the entries generated from the rows: `{newflow}`, the new-flow cost
-/// ([`per_packet::new_flow_note`]), and `{crr}`, the connection-rate target
+/// [`NOTES`] followed by a section generated from the rows: the new-flow cost
+/// ([`per_packet::new_flow_note`]) and the connection-rate target
 /// ([`throughput::crr_target_note`]); each empty until a run of its family recorded its rows.
 fn notes(rows: &[report::Row]) -> String {
     let newflow = per_packet::new_flow_note(rows).unwrap_or_default();
     let crr = throughput::crr_target_note(rows).map(|n| n + "\n").unwrap_or_default();
-    NOTES.replace("{newflow}", &newflow).replace("{crr}", &crr)
+    if newflow.is_empty() && crr.is_empty() {
+        return NOTES.to_string();
+    }
+    format!("{NOTES}\n## New flows and connection rate (generated from the rows)\n\n{newflow}{crr}")
 }
 
 const NOTES: &str = "## Method\n\n\
@@ -168,7 +174,8 @@ a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd ov
 warm pool = tap_init_num above the concurrency (each round starts once the pool is back to that many Ready TAPs), \
 empty pool = tap_init_num 0 (every Ensure creates its TAP). Release rows stand beside the agent binary named by \
 `CUBENET_BASELINE_AGENT` (here: main's build before decision F5) measured in the same run; so does the sustained \
-rate (50 clients, each taking the next of 1,000 sandbox ids until none is left, on a warm pool of 1,008 TAPs all on \
+rate (each agent twice, in the order this build, baseline, baseline, this build: the later position was faster \
+whichever binary held it; 50 clients, each taking the next of 1,000 sandbox ids until none is left, on a warm pool of 1,008 TAPs all on \
 their tcx link). 500 TAPs Ready: the default (F5: tc filter first) beside `tc_attach = \"tcx\"`, plus the time until \
 the default has moved every TAP to its tcx link (`cubenet_tap_warmup_filters` = 0). Warm-up steps: the agent's \
 `cubenet_tap_create_phase_seconds` after 500 creations, µs per TAP per worker (4 workers: the steps wait on each other \
@@ -176,6 +183,13 @@ in the kernel, so the sum is ~4× the wall time per TAP). Restart: 500 sandboxes
 SIGKILLed and started again, timed to /readyz with all 500 adopted Active. The machine is shared with other builds \
 (load average 12–15 on 2 cores during earlier runs, 50–80 during the latest `agent` and `agent-scale` runs): \
 repeated runs differ by ±30 % and more.\n\
+- agent-cpu: the agent's own CPU time (`/proc/<pid>/stat` utime + stime, every thread, exited ones included, \
+10 ms ticks) read around each burst of 50 concurrent Ensure+fd and of 50 concurrent Release on a warm pool of 58 \
+TAPs, divided by the calls; it includes what the burst sets off in the agent meanwhile (pool refill, free checks). \
+20 rounds per agent in two alternating halves (this build, `CUBENET_BASELINE_AGENT`, this build, baseline), each \
+half on a fresh agent after one unmeasured round. The whole-run row divides the agent's CPU from the first to \
+the last measured round (trim, free checks and this benchmark's polling of `/v1/network/taps` between the bursts \
+included) by the pairs. Profile: docs/profile-ensure.md. The latency rows of this family come from the same rounds.\n\
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
@@ -194,23 +208,4 @@ ECONNRESET/EPIPE seen by guest or world, max gap = longest interval without a pi
 window of the same load just before the operation, with no operation. `agent upgrade` (a live hand-over to a copy \
 of the release agent binary, until the old agent exited) and `agent restart` (kill -9 + restart until /readyz) run \
 the same load from a kernel guest whose frames a relay thread carries to and from the TAP fd the agent handed out \
-(the guest's namespace plays the microVM, the relay the VMM), so the relay's hop is in both windows.\n\n\
-## Targets and misses (causes)\n\n\
-- established egress <= 150 ns/pkt: missed. About 240 ns is `bpf_fib_lookup` (the next hop must come from the \
-kernel FIB, never a configured gateway MAC), the rest is two hash lookups (sandbox metadata, session), array lookups and two \
-`bpf_l4_csum_replace` calls; the test-run floor itself is the `baseline_pass` row.\n\
-{newflow}- Ensure+fd p99 <= 2 ms at 50 concurrent: missed. One Ensure+fd takes ~0.8 ms end to end alone; 50 arriving at once \
-on 2 shared cores (client, gRPC, state file, maps, fd handoff) queue behind each other: meeting 2 ms would need under \
-~80 µs of CPU per Ensure+fd including the client.\n\
-- 500 TAPs Ready <= 2 s: met with the default `tc_attach = \"auto\"` (decision F5: `from_cube` first as a tc \
-filter, ~0.8 ms per TAP; every TAP moved to its tcx link in the background); `tc_attach = \"tcx\"` in the same run \
-misses it: a tcx attach waits for an RCU grace period under RTNL (~16 ms per TAP, serialised node-wide; F4).\n\
-- sustained Ensure >= 5,000/s (50 clients): missed, at parity with main's agent in the same run (see the row); \
-the 2 cores are shared by the clients, gRPC, the state file, the map writes and the pool refill.\n\
-- Release p99 <= 5 ms at 50 concurrent: missed in the latest run, 8.0 ms beside 5.7 ms for main's agent in the same \
-run at a load average of 50–80 (at concurrency 10 the order was the other way round, 1.8 vs 3.2 ms); 4.6..5.4 ms \
-over earlier, quieter runs since the free check left the Release path (decision F2).\n\
-- restart with 500 Active <= 1 s: met.\n\
-- CubeVS TCP throughput >= 1.2x bridge+iptables: see the ratios; single-stream TCP is \
-near the veth ceiling (plain routing) on both paths, so the headroom over bridge+iptables is small.\n\
-{crr}- agent RSS <= 50 MB: met, also with 8,192 sandboxes and 1,000,000 sessions in one run (`agent-scale`; decision F6).\n";
+(the guest's namespace plays the microVM, the relay the VMM), so the relay's hop is in both windows.\n";

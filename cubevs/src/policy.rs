@@ -33,7 +33,7 @@ pub mod l7_static;
 pub mod model;
 
 use std::{
-    collections::{HashMap as StdHashMap, HashSet},
+    collections::{BTreeMap, HashMap as StdHashMap, HashSet},
     sync::Mutex,
 };
 
@@ -116,12 +116,20 @@ struct Tries {
     allow: LpmTrie<MapData, PolicyLpmData, AllowValue>,
     deny: LpmTrie<MapData, PolicyLpmData, u32>,
     generation: HashMap<MapData, u32, u32>,
-    /// What each (ifindex, generation) holds in the tries. Built by one scan at load (adopted
-    /// pins) and kept by every write, so a replace touches only its own interface's keys
-    /// instead of walking both tries (thousands of syscalls with a full pool).
-    index: StdHashMap<(u32, u32), Written>,
+    /// What each interface holds in the tries, by generation. Built by one scan at load
+    /// (adopted pins) and kept by every write, so a replace touches only its own interface's
+    /// keys instead of walking both tries (thousands of syscalls with a full pool), and finds
+    /// that interface's generations without walking the others' (nothing on the replace path
+    /// scales with the number of sandboxes).
+    index: StdHashMap<u32, BTreeMap<u32, Written>>,
     /// Interfaces with a `policy_gen` entry.
     interfaces: HashSet<u32>,
+    /// Interfaces that may hold kernel-written DNS entries (learned addresses, tracked
+    /// queries): every interface FQDN patterns were ever written for since its last purge,
+    /// and those found with entries at load. The datapath tracks a query (and so learns) only
+    /// for a pattern of the interface, so any other interface has none, and its removal needs
+    /// no walk of the DNS maps (a walk costs their whole bucket array, not their entries).
+    dns_state: HashSet<u32>,
     /// `dns_allow`, `dns_learned`, `dns_query_track`.
     dns: dns::DnsMaps,
 }
@@ -161,10 +169,45 @@ impl Tries {
     }
 
     /// Deletes every entry of `ifindex` whose generation `pick` selects.
+    fn written(&self, ifindex: u32, generation: u32) -> Option<&Written> {
+        self.index.get(&ifindex)?.get(&generation)
+    }
+
+    fn written_mut(&mut self, ifindex: u32, generation: u32) -> &mut Written {
+        self.index.entry(ifindex).or_default().entry(generation).or_default()
+    }
+
+    fn forget(&mut self, ifindex: u32, generation: u32) {
+        if let Some(m) = self.index.get_mut(&ifindex) {
+            m.remove(&generation);
+            if m.is_empty() {
+                self.index.remove(&ifindex);
+            }
+        }
+    }
+
+    /// Whether `ifindex` holds exactly one generation, `generation`, with the plain CIDR
+    /// entries of `c` (no FQDN pattern, no L7 address, whose values a [`Written`] does not
+    /// keep): a replace by `c` would write what is there already.
+    fn holds_exactly(&self, ifindex: u32, generation: u32, c: &CompiledPolicy) -> bool {
+        let Some(gens) = self.index.get(&ifindex) else { return false };
+        let Some(w) = gens.get(&generation) else { return false };
+        if gens.len() != 1 || !c.fqdn.is_empty() || !c.l7.is_empty() || !w.fqdn.is_empty() || !w.l7.is_empty() {
+            return false;
+        }
+        let sorted = |v: &[Cidr]| {
+            let mut v = v.to_vec();
+            v.sort_unstable();
+            v
+        };
+        sorted(&w.allow) == sorted(&c.allow) && sorted(&w.deny) == sorted(&c.deny)
+    }
+
     fn purge(&mut self, ifindex: u32, pick: impl Fn(u32) -> bool) -> Result<(), Error> {
-        let gens: Vec<u32> = self.index.keys().filter(|(i, g)| *i == ifindex && pick(*g)).map(|(_, g)| *g).collect();
+        let gens: Vec<u32> =
+            self.index.get(&ifindex).map(|m| m.keys().copied().filter(|g| pick(*g)).collect()).unwrap_or_default();
         for g in gens {
-            let w = self.index.get(&(ifindex, g)).cloned().unwrap_or_default();
+            let w = self.written(ifindex, g).cloned().unwrap_or_default();
             for c in w.allow.iter().chain(&w.l7) {
                 absent_ok(self.allow.remove(&key(ifindex, g, *c))).map_err(Error::map(map::ALLOW_OUT, "delete"))?;
             }
@@ -174,7 +217,7 @@ impl Tries {
             for (k, _) in &w.fqdn {
                 absent_ok(self.dns.allow.remove(k)).map_err(Error::map(map::DNS_ALLOW, "delete"))?;
             }
-            self.index.remove(&(ifindex, g));
+            self.forget(ifindex, g);
         }
         Ok(())
     }
@@ -183,7 +226,10 @@ impl Tries {
         // Record before writing, so a failed write can still be purged.
         let fqdn: Vec<_> =
             c.fqdn.iter().map(|p| dns::pattern_entry(ifindex, generation, p, dns::is_l7(p, l7))).collect();
-        let w = self.index.entry((ifindex, generation)).or_default();
+        if !fqdn.is_empty() {
+            self.dns_state.insert(ifindex);
+        }
+        let w = self.written_mut(ifindex, generation);
         w.allow.extend_from_slice(&c.allow);
         w.deny.extend_from_slice(&c.deny);
         w.fqdn.extend_from_slice(&fqdn);
@@ -210,10 +256,13 @@ impl Tries {
 
     /// Rebuilds the index from the maps (one scan, at load).
     fn scan(&mut self) {
-        self.index.clear();
+        fn at(index: &mut StdHashMap<u32, BTreeMap<u32, Written>>, ifindex: u32, generation: u32) -> &mut Written {
+            index.entry(ifindex).or_default().entry(generation).or_default()
+        }
+        let mut index = StdHashMap::new();
         for (k, v) in self.allow.iter().filter_map(Result::ok) {
             let d = k.data();
-            let w = self.index.entry((d.ifindex, d.generation)).or_default();
+            let w = at(&mut index, d.ifindex, d.generation);
             let l7 = v.flags & (allow_flag::L7_HTTP | allow_flag::L7_HTTPS) != 0;
             if l7 {
                 w.l7.push(cidr_of(&k));
@@ -224,12 +273,24 @@ impl Tries {
         }
         for k in self.deny.keys().filter_map(Result::ok) {
             let d = k.data();
-            self.index.entry((d.ifindex, d.generation)).or_default().deny.push(cidr_of(&k));
+            at(&mut index, d.ifindex, d.generation).deny.push(cidr_of(&k));
         }
         for (k, v) in self.dns.allow.iter().filter_map(Result::ok) {
-            self.index.entry((k.ifindex, k.generation)).or_default().fqdn.push((k, v));
+            at(&mut index, k.ifindex, k.generation).fqdn.push((k, v));
         }
+        self.index = index;
         self.interfaces = self.generation.keys().filter_map(Result::ok).collect();
+        // Whatever the datapath learned or tracks, whoever's patterns it came from.
+        self.dns_state =
+            self.index.iter().filter(|(_, g)| g.values().any(|w| !w.fqdn.is_empty())).map(|(i, _)| *i).collect();
+        match self.dns.ifindexes() {
+            Ok(found) => self.dns_state.extend(found),
+            Err(e) => {
+                // Unknown: every interface's removal purges its DNS state (the slow, safe side).
+                log::warn!("listing the interfaces with DNS state: {e}; all are purged on removal");
+                self.dns_state.extend(self.interfaces.iter().copied());
+            }
+        }
     }
 }
 
@@ -241,7 +302,15 @@ impl PolicyTable {
         dns: dns::DnsMaps,
         limits: PolicyLimits,
     ) -> Self {
-        let mut t = Tries { allow, deny, generation, index: Default::default(), interfaces: Default::default(), dns };
+        let mut t = Tries {
+            allow,
+            deny,
+            generation,
+            index: Default::default(),
+            interfaces: Default::default(),
+            dns_state: Default::default(),
+            dns,
+        };
         t.scan();
         Self { inner: Mutex::new(t), limits }
     }
@@ -261,6 +330,13 @@ impl PolicyTable {
         let compiled = compile(p, self.limits.entries_per_sandbox)?;
         let mut t = self.inner.lock().expect("policy lock");
         let active = t.active(ifindex)?;
+        // The same plain entries again (an Ensure with the pooled TAP's baseline deny, a
+        // Release of a sandbox that had it): nothing to write, nothing learned to purge.
+        if let Some(g) = active
+            && t.holds_exactly(ifindex, g, &compiled)
+        {
+            return Ok(());
+        }
         if active.is_none() && t.interfaces.len() >= self.limits.interfaces as usize {
             return Err(Error::TooManyEntries {
                 map: map::POLICY_GEN,
@@ -284,14 +360,18 @@ impl PolicyTable {
         // Learned addresses belong to the patterns that allowed them: when the patterns
         // change (or go, as on Release's default deny) they go too. A guest that re-resolves
         // learns again under the new patterns.
-        let old_fqdn = active.and_then(|g| t.index.get(&(ifindex, g))).map(Written::fqdn_set).unwrap_or_default();
-        let new_fqdn = t.index.get(&(ifindex, new)).map(Written::fqdn_set).unwrap_or_default();
+        let old_fqdn = active.and_then(|g| t.written(ifindex, g)).map(Written::fqdn_set).unwrap_or_default();
+        let new_fqdn = t.written(ifindex, new).map(Written::fqdn_set).unwrap_or_default();
         // Only then: the purge scans the kernel-written maps (no userspace index), and a
         // sandbox without patterns has nothing learned (its predecessor's went at Release).
-        if old_fqdn != new_fqdn
-            && let Err(e) = t.dns.purge(ifindex)
-        {
-            log::warn!("ifindex {ifindex}: purge of learned DNS entries: {e}");
+        if old_fqdn != new_fqdn {
+            match t.dns.purge(ifindex) {
+                Ok(_) if new_fqdn.is_empty() => {
+                    t.dns_state.remove(&ifindex);
+                }
+                Ok(_) => {}
+                Err(e) => log::warn!("ifindex {ifindex}: purge of learned DNS entries: {e}"),
+            }
         }
         if let Some(old) = active
             && let Err(e) = t.purge(ifindex, |g| g == old)
@@ -314,7 +394,11 @@ impl PolicyTable {
         absent_ok(t.generation.remove(&ifindex)).map_err(Error::map(map::POLICY_GEN, "delete"))?;
         t.interfaces.remove(&ifindex);
         t.purge(ifindex, |_| true)?;
-        t.dns.purge(ifindex).map(drop)
+        if t.dns_state.contains(&ifindex) {
+            t.dns.purge(ifindex)?;
+            t.dns_state.remove(&ifindex);
+        }
+        Ok(())
     }
 
     /// Addresses learned from DNS answers (of `ifindex`, or all), sorted by interface,
@@ -334,7 +418,12 @@ impl PolicyTable {
     /// Deletes the learned entries and tracked queries of `ifindex` (Release does it through
     /// [`Self::install_default_deny`] / [`Self::remove`]). Returns the learned entries deleted.
     pub fn purge_learned(&self, ifindex: u32) -> Result<usize, Error> {
-        self.inner.lock().expect("policy lock").dns.purge(ifindex)
+        let mut t = self.inner.lock().expect("policy lock");
+        let n = t.dns.purge(ifindex)?;
+        if !t.index.get(&ifindex).is_some_and(|g| g.values().any(|w| !w.fqdn.is_empty())) {
+            t.dns_state.remove(&ifindex);
+        }
+        Ok(n)
     }
 
     /// Deletes learned entries and tracked queries expired at `now_ns` (CLOCK_MONOTONIC,
@@ -347,7 +436,7 @@ impl PolicyTable {
     pub fn dump(&self, ifindex: u32) -> Result<PolicyDump, Error> {
         let t = self.inner.lock().expect("policy lock");
         let Some(generation) = t.active(ifindex)? else { return Ok(PolicyDump::default()) };
-        let w = t.index.get(&(ifindex, generation)).cloned().unwrap_or_default();
+        let w = t.written(ifindex, generation).cloned().unwrap_or_default();
         let (mut allow, mut deny, mut l7) = (w.allow, w.deny, w.l7);
         allow.sort();
         deny.sort();
@@ -359,7 +448,7 @@ impl PolicyTable {
     /// of vanished ifindexes).
     pub fn interfaces(&self) -> Vec<u32> {
         let t = self.inner.lock().expect("policy lock");
-        let mut v: Vec<u32> = t.index.keys().map(|(i, _)| *i).chain(t.interfaces.iter().copied()).collect();
+        let mut v: Vec<u32> = t.index.keys().copied().chain(t.interfaces.iter().copied()).collect();
         v.sort_unstable();
         v.dedup();
         v

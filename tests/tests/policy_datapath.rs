@@ -189,3 +189,40 @@ fn policy_trie_sizing_costs_no_memory_until_used() {
     }
     drop(dp);
 }
+
+/// Issue 15: a replace by the entries the interface already holds (an Ensure of a pooled TAP
+/// with the baseline deny, the Release of such a sandbox) writes nothing: same generation,
+/// same entries. Any difference, even an order-insensitive one of a single CIDR, is written
+/// under a new generation and enforced; a reordered list of the same CIDRs is the same policy.
+#[test]
+fn identical_policy_replace_writes_nothing_and_a_different_one_is_enforced() {
+    if !require_root("identical_policy_replace_writes_nothing_and_a_different_one_is_enforced") {
+        return;
+    }
+    let r = Rig::new();
+    r.maps.policy.install_default_deny(SB_IFINDEX).unwrap();
+    let d0 = r.maps.policy.dump(SB_IFINDEX).unwrap();
+    let counts0 = r.maps.policy.entry_counts();
+    r.maps.policy.replace(SB_IFINDEX, &EgressPolicy::default()).unwrap();
+    let d1 = r.maps.policy.dump(SB_IFINDEX).unwrap();
+    assert_eq!(d1, d0, "the baseline again: same generation, same entries");
+    assert_eq!(r.maps.policy.entry_counts(), counts0);
+
+    // A new source port per probe: an allowed probe opens a session later probes would match.
+    let probe = |sport: u16| r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, DENIED, sport, 53, b"q")).verdict;
+    assert_ne!(probe(41000), TC_ACT_SHOT, "8.8.8.8 allowed under the baseline");
+    let a = deny(&["8.8.8.8", "9.9.9.9"]);
+    r.maps.policy.replace(SB_IFINDEX, &a).unwrap();
+    let d2 = r.maps.policy.dump(SB_IFINDEX).unwrap();
+    assert_ne!(d2.generation, d1.generation, "a different policy is a new generation");
+    assert_eq!(probe(41001), TC_ACT_SHOT, "and is enforced");
+    // The same CIDRs in another order: nothing written.
+    r.maps.policy.replace(SB_IFINDEX, &deny(&["9.9.9.9", "8.8.8.8"])).unwrap();
+    assert_eq!(r.maps.policy.dump(SB_IFINDEX).unwrap(), d2);
+    // One CIDR less: written and enforced.
+    r.maps.policy.replace(SB_IFINDEX, &deny(&["9.9.9.9"])).unwrap();
+    let d3 = r.maps.policy.dump(SB_IFINDEX).unwrap();
+    assert_ne!(d3.generation, d2.generation);
+    assert_ne!(probe(41002), TC_ACT_SHOT, "8.8.8.8 allowed again");
+    assert_eq!(r.maps.policy.entry_counts(), (counts0.0, counts0.1 + 1), "old generation purged");
+}

@@ -99,6 +99,12 @@ impl Agent {
     /// Creates Ready TAPs until `target` are Ready, `parallelism` at a time. Returns how many
     /// were created; stops early after repeated failures.
     pub fn warm(&self, target: usize, parallelism: usize) -> usize {
+        // A full pool (every maintenance pass a call kicks, mostly) spawns no worker threads.
+        if self.pool_counts()[&TapState::Ready] >= target {
+            self.warmed.store(true, Ordering::Relaxed);
+            self.publish_readiness();
+            return 0;
+        }
         let created = AtomicU32::new(0);
         let failures = AtomicU32::new(0);
         let reserved = Mutex::new(0usize);
@@ -175,9 +181,19 @@ impl Agent {
     /// `tap_init_num` Ready TAPs and refill it. It walks no session or link table; datapath
     /// metrics are read when `/metrics` is scraped ([`Agent::refresh_datapath_metrics`]).
     pub fn maintain(&self) {
+        self.maintain_pass(true);
+    }
+
+    /// [`Agent::maintain`], trimming the surplus only when `trim`. The maintenance loop trims
+    /// only in a pass no call woke (the node idle for `maintenance_interval_secs`): under a
+    /// stream of Ensure/Release bursts the TAPs a burst of Releases hands back are the next
+    /// burst's pool, instead of being deleted and created again each time (decision F10).
+    pub fn maintain_pass(&self, trim: bool) {
         self.finish_cleanups();
         let target = self.cfg.raw.tap_init_num;
-        self.trim(target);
+        if trim {
+            self.trim(target);
+        }
         self.warm(target, self.cfg.raw.warm_parallelism);
     }
 

@@ -357,6 +357,9 @@ impl Agent {
     /// not this sandbox's (errCode 1002); `Err` = anything else (errCode -1). An empty name
     /// means "the sandbox's TAP".
     pub fn tap_fd(&self, tap_name: &str, sandbox_id: &str) -> Result<Option<OwnedFd>, String> {
+        if let Some(r) = self.tap_fd_if_open(tap_name, sandbox_id) {
+            return r;
+        }
         let (name, fd) = {
             let inner = lock(&self.inner);
             let Some(rec) = inner.sandboxes.get(sandbox_id) else { return Ok(None) };
@@ -379,5 +382,25 @@ impl Agent {
             }
         };
         fd.try_clone().map(Some).map_err(|e| format!("dup fd of {name}: {e}"))
+    }
+
+    /// [`Agent::tap_fd`] when it needs no blocking work: `None` when the TAP's queue fd must
+    /// first be opened (adopted after a restart), else the answer of [`Agent::tap_fd`]. Takes
+    /// the pool lock (held only for map lookups, never across a syscall) and dups an fd, so the
+    /// fd server calls it on its async task and goes to the blocking pool only for the open.
+    pub fn tap_fd_if_open(&self, tap_name: &str, sandbox_id: &str) -> Option<Result<Option<OwnedFd>, String>> {
+        let (name, fd) = {
+            let inner = lock(&self.inner);
+            let Some(rec) = inner.sandboxes.get(sandbox_id) else { return Some(Ok(None)) };
+            if !tap_name.is_empty() && rec.tap_name != tap_name {
+                return Some(Ok(None));
+            }
+            let Some(t) = inner.pool.get(&rec.tap_name) else { return Some(Ok(None)) };
+            if t.state() != TapState::Active || t.owner() != Some(sandbox_id) {
+                return Some(Ok(None));
+            }
+            (t.name.clone(), t.fd.clone()?)
+        };
+        Some(fd.try_clone().map(Some).map_err(|e| format!("dup fd of {name}: {e}")))
     }
 }

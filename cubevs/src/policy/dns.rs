@@ -96,6 +96,14 @@ pub(crate) struct DnsMaps {
 const SCAN_BATCH: usize = 4096;
 
 impl DnsMaps {
+    /// Interfaces with any learned entry or tracked query (one batched scan of each map).
+    pub(crate) fn ifindexes(&self) -> Result<std::collections::HashSet<u32>, Error> {
+        let mut v: std::collections::HashSet<u32> =
+            self.scan_learned(|_, _| true)?.into_iter().map(|(k, _)| k.ifindex).collect();
+        v.extend(self.scan_queries(|_, _| true)?.into_iter().map(|(k, _)| k.ifindex));
+        Ok(v)
+    }
+
     /// Every (key, value) of `dns_learned` for which `keep` holds: one batched read per
     /// [`SCAN_BATCH`] entries. aya's iterator costs a syscall or two per entry, under the policy
     /// lock, on the Release path and every learned-feed poll: listing the keys of a map of
