@@ -107,6 +107,38 @@ impl Rig {
         self.maps.policy.install_default_deny(e.ifindex).expect("policy");
     }
 
+    /// `n` UDP sessions of the rig sandbox (guest ports 50,000 + i to the world's port 53, SNAT
+    /// ports 31,000 + i), as an object older than the session quota left them: charged to
+    /// neither the sandbox nor the node (`quota` and `node_quota` 0). For
+    /// `SessionMaps::insert_batch`.
+    pub fn uncharged_udp_sessions(&self, n: u16) -> Vec<(cubevs_common::SessionKey, cubevs_common::NatSession)> {
+        use crate::topology::WORLD_IP;
+        (0..n)
+            .map(|i| {
+                let key = cubevs_common::SessionKey {
+                    src_ip: u32::from_ne_bytes(SB_IP),
+                    dst_ip: u32::from_ne_bytes(WORLD_IP),
+                    sport: (50_000 + i).to_be(),
+                    dport: 53u16.to_be(),
+                    version: VERSION,
+                    proto: 17,
+                    _pad: [0; 3],
+                };
+                let s = cubevs_common::NatSession {
+                    access_ns: cubevs::reaper::monotonic_ns(),
+                    node_ifindex: self.uplink_ifindex,
+                    node_ip: u32::from_ne_bytes(NODE_IP),
+                    vm_ifindex: SB_IFINDEX,
+                    vm_ip: key.src_ip,
+                    node_port: (31_000 + i).to_be(),
+                    vm_port: key.sport,
+                    ..Default::default()
+                };
+                (key, s)
+            })
+            .collect()
+    }
+
     /// Runs `program` once on `frame` arriving on `ingress_ifindex` (in the node netns).
     pub fn run(&self, program: &'static str, frame: Vec<u8>, ingress_ifindex: u32) -> TestRunOutput {
         let dp = self.dp.clone();

@@ -113,6 +113,25 @@ impl Topology {
         self.node.run(|| cubenet_sys::ifindex(CUBE_DEV).expect("cube-dev ifindex"))
     }
 
+    /// Attaches `dp` in the node namespace (on its thread, like the agent): the uplink, cube-dev
+    /// ([`Self::add_cube_dev`]) and each interface of `sandboxes` (adopting whatever the pins
+    /// already hold). Returns it.
+    pub fn attach_datapath(&self, dp: cubevs::Datapath, sandboxes: &[&VethGuest]) -> cubevs::Datapath {
+        let ifs: Vec<String> = sandboxes.iter().map(|g| g.node_if.clone()).collect();
+        self.node
+            .thread()
+            .run(move || {
+                let mut dp = dp;
+                dp.attach_uplink(NODE_UPLINK, std::net::Ipv4Addr::from(NODE_IP)).expect("attach uplink");
+                dp.attach_cube_dev(CUBE_DEV, std::net::Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
+                for i in &ifs {
+                    dp.attach_sandbox(i).expect("attach guest");
+                }
+                dp
+            })
+            .expect("node thread")
+    }
+
     /// Adds `cidr` on the world side (an extra address on `wp0`) and routes it from the
     /// node via world, e.g. a "private-range" server address.
     pub fn add_world_address(&self, addr: [u8; 4], prefix: u8) {

@@ -10,8 +10,8 @@ use cubenet_tests::{
     frames::udp,
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    rig::{Rig, SB_IFINDEX, SB_IP, VERSION},
-    topology::{NODE_IP, WORLD_IP},
+    rig::{Rig, SB_IFINDEX},
+    topology::WORLD_IP,
 };
 use cubevs::{
     EgressPolicy, FloorState, MapLimits, QuotaUsage, SandboxEntry, prog,
@@ -19,7 +19,7 @@ use cubevs::{
     reaper::{self, Timeouts},
     testrun::{TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
-use cubevs_common::{NatSession, SessionKey, counter, quota::COUNTED};
+use cubevs_common::{counter, quota::COUNTED};
 
 /// Session map capacity (both directions).
 const CAP: u32 = 64;
@@ -238,30 +238,7 @@ fn older_sessions_never_underflow_the_node_count() {
     }
     let r = rig();
     // Sessions of A as a Q1-Q3 object left them: charged to the sandbox, not to the node.
-    let old: Vec<(SessionKey, NatSession)> = (0..6u16)
-        .map(|i| {
-            let key = SessionKey {
-                src_ip: u32::from_ne_bytes(SB_IP),
-                dst_ip: u32::from_ne_bytes(WORLD_IP),
-                sport: (50_000 + i).to_be(),
-                dport: 53u16.to_be(),
-                version: VERSION,
-                proto: 17,
-                _pad: [0; 3],
-            };
-            let s = NatSession {
-                access_ns: reaper::monotonic_ns(),
-                node_ifindex: r.uplink_ifindex,
-                node_ip: u32::from_ne_bytes(NODE_IP),
-                vm_ifindex: SB_IFINDEX,
-                vm_ip: key.src_ip,
-                node_port: (31_000 + i).to_be(),
-                vm_port: key.sport,
-                ..Default::default()
-            };
-            (key, s)
-        })
-        .collect();
+    let old = r.uncharged_udp_sessions(6);
     assert_eq!(r.maps.sessions.insert_batch(&old).unwrap(), 6);
     assert_eq!(flood(&r, ATTACKERS[0], 10_000, 3), 3);
     assert_eq!(floor(&r).usage, QuotaUsage { opened: 3, closed: 0 });

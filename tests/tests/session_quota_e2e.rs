@@ -16,7 +16,7 @@ use cubenet_tests::{
     guest::VethGuest,
     require_root,
     servers::{self, udp_ask, udp_flood},
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP},
+    topology::{NODE_IP, NODE_UPLINK, Topology, WORLD_IP},
 };
 use cubevs::{Datapath, LoadOptions, MapLimits, SandboxEntry, SnatAddr};
 use cubevs_common::counter;
@@ -45,19 +45,7 @@ fn load_attach(topo: &Topology, bpffs: &BpfFs, budget: u32, guests: &[VethGuest]
         ..LoadOptions::new()
     })
     .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let ifs: Vec<String> = guests.iter().map(|g| g.node_if.clone()).collect();
-    topo.node
-        .thread()
-        .run(move || {
-            let mut dp = dp;
-            dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-            dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-            for i in &ifs {
-                dp.attach_sandbox(i).expect("attach guest");
-            }
-            dp
-        })
-        .expect("node thread")
+    topo.attach_datapath(dp, &guests.iter().collect::<Vec<_>>())
 }
 
 /// What every test starts from: a node with cube-dev and `n` veth guests (`sb-a` 192.168.0.3,

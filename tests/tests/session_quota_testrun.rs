@@ -17,7 +17,7 @@ use cubevs::{
     reaper::{self, Timeouts},
     testrun::{TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
-use cubevs_common::{NatSession, SessionKey, counter, quota::COUNTED};
+use cubevs_common::{counter, quota::COUNTED};
 
 /// Budget of the rig sandboxes in these tests.
 const BUDGET: u32 = 8;
@@ -199,30 +199,7 @@ fn uncounted_sessions_are_not_subtracted() {
     }
     let r = rig();
     // An older object's sessions of A (restored the way a pre-quota datapath left them).
-    let old: Vec<(SessionKey, NatSession)> = (0..4u16)
-        .map(|i| {
-            let key = SessionKey {
-                src_ip: u32::from_ne_bytes(SB_IP),
-                dst_ip: u32::from_ne_bytes(WORLD_IP),
-                sport: (50_000 + i).to_be(),
-                dport: 53u16.to_be(),
-                version: VERSION,
-                proto: 17,
-                _pad: [0; 3],
-            };
-            let s = NatSession {
-                access_ns: reaper::monotonic_ns(),
-                node_ifindex: r.uplink_ifindex,
-                node_ip: u32::from_ne_bytes(NODE_IP),
-                vm_ifindex: SB_IFINDEX,
-                vm_ip: key.src_ip,
-                node_port: (31_000 + i).to_be(),
-                vm_port: key.sport,
-                ..Default::default()
-            };
-            (key, s)
-        })
-        .collect();
+    let old = r.uncharged_udp_sessions(4);
     assert_eq!(r.maps.sessions.insert_batch(&old).unwrap(), 4);
     // The new object charges only what it creates: A still gets its whole budget.
     for i in 0..BUDGET as u16 {
