@@ -168,15 +168,17 @@ impl Tries {
         }
     }
 
-    /// Deletes every entry of `ifindex` whose generation `pick` selects.
+    /// What (`ifindex`, `generation`) holds in the tries, if anything.
     fn written(&self, ifindex: u32, generation: u32) -> Option<&Written> {
         self.index.get(&ifindex)?.get(&generation)
     }
 
+    /// The index entry of (`ifindex`, `generation`), created empty when absent.
     fn written_mut(&mut self, ifindex: u32, generation: u32) -> &mut Written {
         self.index.entry(ifindex).or_default().entry(generation).or_default()
     }
 
+    /// Drops (`ifindex`, `generation`) from the index (and the interface once it has none).
     fn forget(&mut self, ifindex: u32, generation: u32) {
         if let Some(m) = self.index.get_mut(&ifindex) {
             m.remove(&generation);
@@ -203,6 +205,7 @@ impl Tries {
         sorted(&w.allow) == sorted(&c.allow) && sorted(&w.deny) == sorted(&c.deny)
     }
 
+    /// Deletes every entry of `ifindex` whose generation `pick` selects.
     fn purge(&mut self, ifindex: u32, pick: impl Fn(u32) -> bool) -> Result<(), Error> {
         let gens: Vec<u32> =
             self.index.get(&ifindex).map(|m| m.keys().copied().filter(|g| pick(*g)).collect()).unwrap_or_default();

@@ -219,11 +219,8 @@ impl Agent {
             inner
                 .pool
                 .names(TapState::Cleaning)
-                .filter(|n| {
-                    inner.pool.get(n).is_some_and(|t| {
-                        t.scrubbed() && !t.scrubbing() && !t.retiring() && !t.is_hands_off() && t.owner().is_none()
-                    })
-                })
+                // Scrubbed: ownerless, never retiring or hands-off (the pool's invariants).
+                .filter(|n| inner.pool.get(n).is_some_and(|t| t.scrubbed() && !t.scrubbing()))
                 .take(RECLAIM_TRIES)
                 .cloned()
                 .collect()
