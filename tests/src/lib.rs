@@ -37,6 +37,7 @@ pub mod egress;
 pub mod egress_swap;
 pub mod frames;
 pub mod fuzz;
+pub mod grpcio;
 pub mod guest;
 pub mod l7;
 pub mod mntns;

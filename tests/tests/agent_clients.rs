@@ -3,12 +3,13 @@
 //! NOT_FOUND for unknown sandboxes, the fd socket's exact request object, and the Prometheus
 //! exposition of the datapath counters.
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use cubenet_proto::v1 as pb;
 use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
     agent::{AgentUnderTest, request_tap_fd, tap_fd},
+    grpcio::agent_stubs,
     guest::TapGuest,
     packet::GATEWAY_IP,
     require_root,
@@ -28,21 +29,6 @@ fn ensure(a: &AgentUnderTest, rt: &tokio::runtime::Runtime, id: &str) -> pb::Ens
     .into_inner()
 }
 
-/// A venv under target/ with grpcio-tools (PyPI), created once.
-fn python_with_grpcio() -> std::path::PathBuf {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/py-grpc-venv");
-    let py = venv.join("bin/python");
-    if !py.exists() || !venv.join(".grpcio-ok").exists() {
-        let st = std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
-        assert!(st.success(), "python3 -m venv failed");
-        let st =
-            std::process::Command::new(&py).args(["-m", "pip", "install", "--quiet", "grpcio-tools"]).status().unwrap();
-        assert!(st.success(), "pip install grpcio-tools failed");
-        std::fs::write(venv.join(".grpcio-ok"), b"").unwrap();
-    }
-    py
-}
-
 /// grpcio with **no channel options** on `unix:///…`: since grpcio 1.57 its `:authority` is
 /// the %-encoded socket path, which h2 refuses with RST_STREAM(PROTOCOL_ERROR) unless the
 /// agent normalises it. A second channel sends the raw path, as grpc-java does.
@@ -51,21 +37,9 @@ fn python_grpcio_with_default_options_is_served() {
     if !require_root("python_grpcio_with_default_options_is_served") {
         return;
     }
-    let py = python_with_grpcio();
     let mut a = AgentUnderTest::prepare("python", 1, "");
     a.start();
-    let pydir = a.dir.join("py");
-    std::fs::create_dir_all(&pydir).unwrap();
-    let proto_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto");
-    let st = std::process::Command::new(&py)
-        .args(["-m", "grpc_tools.protoc", "-I"])
-        .arg(&proto_dir)
-        .arg(format!("--python_out={}", pydir.display()))
-        .arg(format!("--grpc_python_out={}", pydir.display()))
-        .arg(proto_dir.join("network_agent.proto"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "grpc_tools.protoc failed");
+    let (py, pydir) = agent_stubs(&a.dir);
     let script = r#"
 import sys, grpc
 sys.path.insert(0, sys.argv[1])

@@ -25,7 +25,7 @@ use std::{
         fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
         unix::{fs::MetadataExt, fs::PermissionsExt, net::UnixStream, process::CommandExt},
     },
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -39,6 +39,7 @@ use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
     agent::{AgentUnderTest, tap_fd},
     agent_upgrade::{self, KernelGuest, handover_socket, spawn_agent, start},
+    grpcio::agent_stubs,
     guest::TapGuest,
     netns::{ChildGuard, TestNetns},
     packet::{self, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
@@ -400,38 +401,10 @@ fn requests_during_the_handover_are_all_served() {
     assert!(left.is_empty(), "state left: {left:?}");
 }
 
-/// A venv under target/ with grpcio-tools (PyPI), created once (shared with
-/// `agent_clients.rs`, which made it first).
-fn python_with_grpcio() -> PathBuf {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/py-grpc-venv");
-    let py = venv.join("bin/python");
-    if !py.exists() || !venv.join(".grpcio-ok").exists() {
-        let st = std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
-        assert!(st.success(), "python3 -m venv failed");
-        let st =
-            std::process::Command::new(&py).args(["-m", "pip", "install", "--quiet", "grpcio-tools"]).status().unwrap();
-        assert!(st.success(), "pip install grpcio-tools failed");
-        std::fs::write(venv.join(".grpcio-ok"), b"").unwrap();
-    }
-    py
-}
-
 /// Starts a grpcio client (default channel options, one channel) that cycles Ensure → Get →
 /// Release until `stop` exists, then prints `OK n FAILED m` and each failure.
 fn grpcio_loop(a: &AgentUnderTest, stop: &Path) -> std::process::Child {
-    let py = python_with_grpcio();
-    let pydir = a.dir.join("py");
-    std::fs::create_dir_all(&pydir).unwrap();
-    let proto_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/proto");
-    let st = std::process::Command::new(&py)
-        .args(["-m", "grpc_tools.protoc", "-I"])
-        .arg(&proto_dir)
-        .arg(format!("--python_out={}", pydir.display()))
-        .arg(format!("--grpc_python_out={}", pydir.display()))
-        .arg(proto_dir.join("network_agent.proto"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "grpc_tools.protoc failed");
+    let (py, pydir) = agent_stubs(&a.dir);
     let script = r#"
 import os, sys, grpc
 sys.path.insert(0, sys.argv[1])
