@@ -24,13 +24,16 @@ use std::{
 };
 
 use bytes::Bytes;
-use cubenet_tests::{netns::TestNetns, require_root, tls, topology::Topology};
+use cubenet_tests::{
+    egress_swap::{SANDBOX_IP, STEER_HTTP, STEER_HTTPS, sandbox_behind_cube_dev, steer_marks},
+    netns::TestNetns,
+    require_root, tls,
+    topology::Topology,
+};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::{Request, Response, body::Incoming};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-const SANDBOX_IP: &str = "192.168.0.2";
-const GATEWAY: &str = "192.168.0.1";
 const WORLD: &str = "198.51.100.1";
 const NAME: &str = "api.example.test";
 
@@ -198,13 +201,7 @@ fn main() {
 
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
-    let sb = TestNetns::new("sb");
-    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
-    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
-    node.ip(&["link", "set", "cube-dev", "up"]);
-    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
-    sb.ip(&["link", "set", "eth0", "up"]);
-    sb.ip(&["route", "add", "default", "via", GATEWAY]);
+    let sb = sandbox_behind_cube_dev(&topo, &[]);
     world.ip(&["route", "add", "192.168.0.0/18", "via", "198.51.100.2"]);
     // Only inside our node namespace: lets the direct baseline be routed.
     sh(node, "sysctl", &["-q", "-w", "net.ipv4.ip_forward=1"]);
@@ -361,28 +358,7 @@ fn egress_phase(
     conc: usize,
     secs: u64,
 ) -> (Stats, (f64, f64)) {
-    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
-        sh(
-            node,
-            "iptables",
-            &[
-                "-t",
-                "mangle",
-                "-I",
-                "PREROUTING",
-                "-i",
-                "cube-dev",
-                "-p",
-                "tcp",
-                "--dport",
-                port,
-                "-j",
-                "MARK",
-                "--set-mark",
-                mark,
-            ],
-        );
-    }
+    steer_marks(node, "-I", &[STEER_HTTP, STEER_HTTPS]);
     let script = repo().join("scripts/cube-egress-net.sh");
     sh(node, "bash", &[script.to_str().unwrap(), "up"]);
     let mut gw = node.spawn(
@@ -413,28 +389,7 @@ fn egress_phase(
     unsafe { libc::kill(gw.id() as i32, libc::SIGTERM) };
     let _ = gw.child().wait();
     sh(node, "bash", &[script.to_str().unwrap(), "down"]);
-    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
-        sh(
-            node,
-            "iptables",
-            &[
-                "-t",
-                "mangle",
-                "-D",
-                "PREROUTING",
-                "-i",
-                "cube-dev",
-                "-p",
-                "tcp",
-                "--dport",
-                port,
-                "-j",
-                "MARK",
-                "--set-mark",
-                mark,
-            ],
-        );
-    }
+    steer_marks(node, "-D", &[STEER_HTTP, STEER_HTTPS]);
 
     let _ = std::fs::remove_file(dir.join("access.jsonl"));
     (stats, rss)

@@ -260,6 +260,20 @@ impl SwapRig {
 /// The sandbox namespace behind `cube-dev` and the datapath stand-in (mark on port 443 from
 /// `cube-dev`, as CubeVS marks L7 flows).
 fn sandbox_net(topo: &Topology) -> TestNetns {
+    sandbox_behind_cube_dev(topo, &[STEER_HTTPS])
+}
+
+/// The steering mark CubeVS sets on a sandbox's port-80 flows that go through CubeEgress
+/// (`scripts/cube-egress-net.sh` `CUBE_EGRESS_MARK_HTTP`), as `(destination port, mark)`.
+pub const STEER_HTTP: (&str, &str) = ("80", "0xCE010000");
+/// The same for port 443 (`CUBE_EGRESS_MARK_HTTPS`).
+pub const STEER_HTTPS: (&str, &str) = ("443", "0xCE020000");
+
+/// A sandbox namespace `sb` behind a `cube-dev` veth in the node namespace ([`SANDBOX_IP`]/18 on
+/// its `eth0`, [`GATEWAY`]/18 on `cube-dev`, default route via the gateway), with iptables
+/// standing in for the datapath's steering marks on `marks` ([`steer_marks`]). Panics when a
+/// command fails.
+pub fn sandbox_behind_cube_dev(topo: &Topology, marks: &[(&str, &str)]) -> TestNetns {
     let node = &topo.node;
     let sb = TestNetns::new("sb");
     node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
@@ -268,10 +282,19 @@ fn sandbox_net(topo: &Topology) -> TestNetns {
     sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
     sb.ip(&["link", "set", "eth0", "up"]);
     sb.ip(&["route", "add", "default", "via", GATEWAY]);
-    let mark = ["-t", "mangle", "-I", "PREROUTING", "-i", "cube-dev", "-p", "tcp", "--dport", "443"];
-    let o = node.exec("iptables", &[&mark[..], &["-j", "MARK", "--set-mark", "0xCE020000"]].concat());
-    assert!(o.status.success(), "mark rule: {}", text(&o));
+    steer_marks(node, "-I", marks);
     sb
+}
+
+/// Inserts (`op` `-I`) or deletes (`-D`) one mangle `PREROUTING` rule per `(port, mark)` in
+/// `node` that marks TCP from `cube-dev` to that destination port, as CubeVS marks the flows it
+/// steers to CubeEgress (tests without the datapath). Panics when iptables fails.
+pub fn steer_marks(node: &TestNetns, op: &str, marks: &[(&str, &str)]) {
+    for (port, mark) in marks {
+        let rule = ["-t", "mangle", op, "PREROUTING", "-i", "cube-dev", "-p", "tcp", "--dport", port];
+        let o = node.exec("iptables", &[&rule[..], &["-j", "MARK", "--set-mark", mark]].concat());
+        assert!(o.status.success(), "mark rule {op} {port}: {}", text(&o));
+    }
 }
 
 /// What the load generator saw.

@@ -30,7 +30,7 @@ use std::{
 use bytes::Bytes;
 use cubenet_tests::{
     TmpDir,
-    egress_swap::{egress_bin, script, text},
+    egress_swap::{STEER_HTTP, STEER_HTTPS, egress_bin, sandbox_behind_cube_dev, script, text},
     netns::{ChildGuard, TestNetns},
     require_root, tls,
     topology::Topology,
@@ -260,38 +260,9 @@ fn world_dns(world: &TestNetns, names: &[(&str, &str)]) -> cubenet_tests::server
 /// datapath stand-in (marks on sandbox port-80/443 traffic, as CubeVS sets for L7 flows) and
 /// the world's second address.
 fn sandbox_net(topo: &Topology) -> TestNetns {
-    let (node, world) = (&topo.node, &topo.world);
-    let sb = TestNetns::new("sb");
-    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
-    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
-    node.ip(&["link", "set", "cube-dev", "up"]);
-    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
+    let sb = sandbox_behind_cube_dev(topo, &[STEER_HTTP, STEER_HTTPS]);
     sb.ip(&["addr", "add", &format!("{UNKNOWN_IP}/18"), "dev", "eth0"]);
-    sb.ip(&["link", "set", "eth0", "up"]);
-    sb.ip(&["route", "add", "default", "via", GATEWAY]);
-    world.ip(&["addr", "add", &format!("{WORLD_BAD}/24"), "dev", "wp0"]);
-    for (port, mark) in [("80", "0xCE010000"), ("443", "0xCE020000")] {
-        let o = node.exec(
-            "iptables",
-            &[
-                "-t",
-                "mangle",
-                "-I",
-                "PREROUTING",
-                "-i",
-                "cube-dev",
-                "-p",
-                "tcp",
-                "--dport",
-                port,
-                "-j",
-                "MARK",
-                "--set-mark",
-                mark,
-            ],
-        );
-        assert!(o.status.success(), "{}", text(&o));
-    }
+    topo.world.ip(&["addr", "add", &format!("{WORLD_BAD}/24"), "dev", "wp0"]);
     sb
 }
 

@@ -29,7 +29,7 @@ use std::{
 use bytes::Bytes;
 use cubenet_tests::{
     TmpDir,
-    egress_swap::{egress_bin, script},
+    egress_swap::{SANDBOX_IP, STEER_HTTP, egress_bin, sandbox_behind_cube_dev, script},
     fuzz::rng::Rng,
     netns::{ChildGuard, TestNetns},
     require_root,
@@ -40,8 +40,6 @@ use hyper::{Request, Response, body::Incoming};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 
-const SANDBOX_IP: &str = "192.168.0.2";
-const GATEWAY: &str = "192.168.0.1";
 const WORLD: &str = "198.51.100.1";
 
 /// World paths seen, with how many times.
@@ -100,35 +98,7 @@ fn dump_server(rt: &tokio::runtime::Runtime, ns: &TestNetns, dump: Value) -> Soc
 
 /// Sandbox namespace on `cube-dev` plus the port-80 mark the datapath would set.
 fn sandbox_net(topo: &Topology) -> TestNetns {
-    let node = &topo.node;
-    let sb = TestNetns::new("sb");
-    node.ip(&["link", "add", "cube-dev", "type", "veth", "peer", "name", "eth0", "netns", sb.name()]);
-    node.ip(&["addr", "add", &format!("{GATEWAY}/18"), "dev", "cube-dev"]);
-    node.ip(&["link", "set", "cube-dev", "up"]);
-    sb.ip(&["addr", "add", &format!("{SANDBOX_IP}/18"), "dev", "eth0"]);
-    sb.ip(&["link", "set", "eth0", "up"]);
-    sb.ip(&["route", "add", "default", "via", GATEWAY]);
-    let o = node.exec(
-        "iptables",
-        &[
-            "-t",
-            "mangle",
-            "-I",
-            "PREROUTING",
-            "-i",
-            "cube-dev",
-            "-p",
-            "tcp",
-            "--dport",
-            "80",
-            "-j",
-            "MARK",
-            "--set-mark",
-            "0xCE010000",
-        ],
-    );
-    assert!(o.status.success(), "mark: {}", String::from_utf8_lossy(&o.stderr));
-    sb
+    sandbox_behind_cube_dev(topo, &[STEER_HTTP])
 }
 
 /// Runs `cube-egress-net.sh down` in the node namespace on drop (also on panic).
