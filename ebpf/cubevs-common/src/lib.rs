@@ -517,7 +517,8 @@ pub struct FragKey {
     pub ip_id: u16,
     /// IP protocol number.
     pub proto: u8,
-    /// Padding; zero.
+    /// [`track::FRAG_CHARGED`] in entries charged to the tracking floor (decision Q6); 0 in
+    /// those of older objects.
     pub _pad: u8,
 }
 const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
@@ -679,6 +680,11 @@ pub mod quota {
 /// it deletes one itself), [`CLOSED`] by the `cubevs` library (charged sessions it deleted,
 /// [`NatSession::node_quota`]), [`LIMITS`] by the library ([`pack`]ed floor and ceiling,
 /// rewritten on every register/unregister). No [`LIMITS`] entry, or floor 0: no node-wide check.
+///
+/// The same scheme bounds the tracking maps `dns_query_track_v2` and `frag_sessions_v2`
+/// (decision Q6): node counts in [`DNS_OPENED`]/[`FRAG_OPENED`] (datapath) and
+/// [`DNS_CLOSED`]/[`FRAG_CLOSED`] (library), per-version counts in `track_opened` /
+/// `track_closed` ([`crate::TrackCount`]), floors and ceilings in [`TRACK_LIMITS`].
 pub mod floor {
     /// Key: charged sessions the datapath created, less those it deleted itself.
     pub const OPENED: u32 = 0;
@@ -894,11 +900,13 @@ pub mod counter {
     /// from_envoy: dropped, unknown destination.
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
     /// from_cube: a guest query for an allowed name not tracked: its sandbox used its window's
-    /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]) or `dns_query_track_v2` is full.
+    /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]), holds its floor while the node is
+    /// at the tracking ceiling ([`super::floor`], decision Q6), or `dns_query_track_v2` is full.
     pub const DNS_QUERY_OVER_BUDGET: u32 = 38;
     /// from_world: a first fragment not recorded: its sandbox used its window's budget
-    /// ([`super::limits::FRAG_PER_SANDBOX`]) or `frag_sessions_v2` is full (delivered; its
-    /// later fragments go to the host).
+    /// ([`super::limits::FRAG_PER_SANDBOX`]), holds its floor while the node is at the tracking
+    /// ceiling (decision Q6), another sandbox's entry holds the key, or `frag_sessions_v2` is
+    /// full (delivered; its later fragments go to the host).
     pub const WORLD_FRAG_OVER_BUDGET: u32 = 39;
     /// from_cube: a guest query (UDP/53, IN A) for an allowed name, tracked.
     pub const DNS_QUERY_TRACKED: u32 = 40;
