@@ -5,7 +5,7 @@
 //! floors and ceilings the datapath checks (`TRACK_LIMITS`).
 //!
 //! Every userspace delete of a charged entry (the DNS reaper and purges, the fragment reaper)
-//! that removed it adds one to its owner's and the node's closed count ([`TrackFloor::closed`]).
+//! that removed it adds one to its owner's and the node's closed count (`TrackFloor::closed`).
 //! Only entries the datapath marked as charged (`cubevs_common::track`) are counted, so entries
 //! an older object made never underflow a count. The read-modify-write of the closed counts is
 //! serialised in this process by a mutex and across processes (the old and the new agent of a

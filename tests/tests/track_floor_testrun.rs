@@ -189,6 +189,10 @@ fn dns_scenario(floor: u32) -> bool {
     // A released attacker's queries are purged and subtracted; the reaper subtracts expired ones:
     // the node count returns to 0 exactly.
     r.maps.sandboxes.unregister(200).expect("unregister");
+    // The ceiling follows the registrations: one fewer reserves one floor less.
+    let st = r.maps.track.state(KIND_DNS_QUERY).unwrap();
+    assert_eq!(st.ceiling, floor_ceiling(limits::DNS_QUERIES, registered - 1, floor, floor_margin()));
+    assert_eq!(r.maps.track.usage(200, 1, KIND_DNS_QUERY).unwrap(), None, "its version's counts are removed");
     r.maps.policy.purge_learned(200).expect("purge");
     assert_eq!(r.maps.track.state(KIND_DNS_QUERY).unwrap().node.live(), dns_charged(&r, None), "after a purge");
     r.maps.policy.reap_dns(u64::MAX).expect("reap");
