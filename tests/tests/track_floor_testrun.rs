@@ -352,3 +352,72 @@ fn a_fragment_key_is_never_given_to_another_sandbox() {
     assert_eq!(r.maps.track.state(KIND_FRAG).unwrap().node.live(), 0);
     assert_eq!(r.maps.track.usage(SB_IFINDEX, VERSION, KIND_FRAG).unwrap().unwrap().live(), 0);
 }
+
+/// The datapath consuming queries (answers) and the reaper deleting them (here: every tracked
+/// query, at the end of time) race on the same entries; each side counts only its own
+/// successful deletes, so whatever the interleaving every tracked query is given back exactly
+/// once: tracked = answered + reaped, and the node and sandbox counts end at 0.
+#[test]
+fn racing_answers_and_reaps_keep_the_count_exact() {
+    if !require_root("track_floor_testrun racing_answers_and_reaps_keep_the_count_exact") {
+        return;
+    }
+    // Six sandboxes, 500 queries each: inside every one's window (512 per 10 s).
+    let r = rig(FLOOR, 5, &dns_policy());
+    const N: u16 = 500;
+    let sandboxes = [VICTIM, 200, 201, 202, 203, 204];
+    let snat: Vec<u16> = sandboxes
+        .iter()
+        .map(|&sb| {
+            let p = query(&r, sb, 40000, 0);
+            respond(&r, p, 0, ADDR);
+            p
+        })
+        .collect();
+    let tracked0 = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap();
+    let learned0 = r.maps.counters.get(counter::DNS_RESP_LEARNED).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reaper = {
+        let (maps, stop) = (r.maps.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reaped = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                reaped += maps.policy.reap_dns(u64::MAX).expect("reap").queries as u64;
+            }
+            reaped
+        })
+    };
+    // Besides the racing thread, every 5th round is reaped here between query and answer, so
+    // both deleters certainly take part.
+    let mut reaped_here = 0u64;
+    for id in 1..=N {
+        for &sb in &sandboxes {
+            let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, 40000, 53, &dns::query(id, "api.example.com"));
+            assert_eq!(r.run(prog::FROM_CUBE, f, sb).verdict, TC_ACT_REDIRECT);
+        }
+        if id % 5 == 0 {
+            reaped_here += r.maps.policy.reap_dns(u64::MAX).expect("reap").queries as u64;
+        }
+        for &port in &snat {
+            respond(&r, port, id, ADDR);
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut reaped = reaper.join().expect("reaper thread");
+    reaped += reaped_here + r.maps.policy.reap_dns(u64::MAX).expect("reap").queries as u64;
+    let tracked = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap() - tracked0;
+    // One A record per answer: each learned record is a query the datapath consumed.
+    let answered = r.maps.counters.get(counter::DNS_RESP_LEARNED).unwrap() - learned0;
+    eprintln!("[track_floor] {tracked} tracked: {answered} consumed by their answers, {reaped} reaped first");
+    assert_eq!(tracked, u64::from(N) * 6, "every query tracked (each sandbox inside its window)");
+    assert_eq!(tracked, answered + reaped, "each query deleted once, by one side");
+    assert!(reaped_here > 0 && answered > 0, "both deleters took part");
+    let st = r.maps.track.state(KIND_DNS_QUERY).unwrap();
+    assert_eq!(st.node.live(), 0, "node count exact: {st:?}");
+    assert_eq!(st.node.closed, reaped, "the library counted exactly its own deletes");
+    assert_eq!(st.node.opened, reaped, "the datapath refunded exactly its own");
+    for sb in sandboxes {
+        let u = r.maps.track.usage(sb, 1, KIND_DNS_QUERY).unwrap().expect("charged");
+        assert_eq!(u.live(), 0, "sandbox {sb} count exact: {u:?}");
+    }
+}
