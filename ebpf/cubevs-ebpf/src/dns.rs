@@ -4,7 +4,9 @@
 //!   IN A query whose name matches one of the sandbox's FQDN patterns (active policy
 //!   generation) is tracked in `dns_query_track` under {ifindex, server, guest port, id,
 //!   version} with the pattern's ports, for [`QUERY_TIMEOUT_NS`], within the sandbox's
-//!   insert budget (`crate::budget`; `dns_query_track_v2` never evicts, decision R11).
+//!   insert budget (`crate::budget`; `dns_query_track_v2` never evicts, decision R11) and the
+//!   tracking floor (`crate::track_floor`, decision Q6: a new entry is charged to the sandbox
+//!   version and the node, and the charge is given back when this side consumes it).
 //! - [`on_response`] (from `from_world`, UDP from port 53 that matched a live session, after
 //!   the reverse-NAT lookups): the tracked query with this server, guest port and id must
 //!   exist, be unexpired and have the same question; then every IN A answer becomes

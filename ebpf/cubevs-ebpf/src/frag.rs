@@ -9,7 +9,8 @@
 //! The map never evicts: each sandbox records at most `limits::FRAG_PER_SANDBOX` first
 //! fragments per window (`crate::budget`), and userspace deletes expired entries (decision
 //! R12), so a flood of first fragments toward one sandbox can only stop its own later
-//! fragments from being followed.
+//! fragments from being followed; however many sandboxes flood together, each registered one
+//! keeps a floor of entries (`crate::track_floor`, decision Q6).
 
 use aya_ebpf::{
     bindings::{BPF_EXIST, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
