@@ -134,7 +134,8 @@ pub mod map {
     /// Hash: `u32` key → `u64` ([`super::floor`], decision Q4): the node-wide count of
     /// charged live sessions (key [`super::floor::OPENED`] written by the datapath only,
     /// [`super::floor::CLOSED`] by the `cubevs` library only) and the floor and ceiling
-    /// ([`super::floor::LIMITS`], library only).
+    /// ([`super::floor::LIMITS`], library only); keys 3 to 7 hold the same for the tracking
+    /// floor of `dns_query_track_v2` and `frag_sessions_v2` (decision Q6).
     pub const SESSION_FLOOR: &str = "session_floor";
     /// Maps an older object may lack and still be loaded into a slot beside the pins (it runs
     /// without them; the `cubevs` library keeps them up to date for the objects that use
