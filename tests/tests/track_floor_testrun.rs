@@ -421,3 +421,20 @@ fn racing_answers_and_reaps_keep_the_count_exact() {
         assert_eq!(u.live(), 0, "sandbox {sb} count exact: {u:?}");
     }
 }
+
+/// Bounds: a tracking floor is capped at what the map can reserve for every interface plus
+/// one entry per CPU (7 for 65,536 entries and 8,192 sandboxes) and at the 8-bit field of
+/// `TRACK_LIMITS`; the packed limits read back per map.
+#[test]
+fn tracking_floor_limits() {
+    let l = MapLimits::default();
+    assert_eq!(l.track_floor(l.dns_query_floor, limits::DNS_QUERIES, 4), 4);
+    assert_eq!(l.track_floor(8, limits::DNS_QUERIES, 4), 7, "8 × 8,192 + 4 > 65,536");
+    assert_eq!(l.track_floor(4, 4096, 4), 0, "a small map with 8,192 interfaces reserves nothing");
+    let few = MapLimits { sandboxes: 1, ..Default::default() };
+    assert_eq!(few.track_floor(1000, limits::FRAG_SESSIONS, 4), 255, "the TRACK_LIMITS field");
+    use cubevs_common::floor::{track_half, track_unpack};
+    let v = (u64::from(track_half(4, 65_000)) << 32) | u64::from(track_half(7, 1 << 30));
+    assert_eq!(track_unpack(v, KIND_DNS_QUERY), (4, 65_000));
+    assert_eq!(track_unpack(v, KIND_FRAG), (7, 0xFF_FFFF), "ceiling clamped to 24 bits");
+}
