@@ -434,6 +434,13 @@ impl Agent {
         if let Some(s) = c.get("session_floor_ceiling") {
             self.metrics.sessions_node_ceiling.set(*s as i64);
         }
+        for (k, v) in &c {
+            if let Some(m) = k.strip_prefix("track_floor_live:") {
+                self.metrics.tracking_node.with_label_values(&[m]).set(*v as i64);
+            } else if let Some(m) = k.strip_prefix("track_floor_ceiling:") {
+                self.metrics.tracking_node_ceiling.with_label_values(&[m]).set(*v as i64);
+            }
+        }
     }
 
     /// Marks startup complete (servers up).

@@ -123,6 +123,17 @@ pub struct Config {
     /// 8,192 sandboxes the datapath can hold, plus one per CPU, inside the session maps
     /// (decision Q4).
     pub session_floor_per_sandbox: u32,
+    /// Tracked DNS queries (`dns_query_track_v2`, 65,536 entries) every sandbox may always
+    /// hold, however many the others track (default 4, 0..=7; 0 = off): above it a query is
+    /// tracked only while the node's tracked queries are below 65,536 − registered sandboxes ×
+    /// this − possible CPUs, else it is forwarded untracked (its answer not learned;
+    /// `dns_query_over_budget`). 7 × 8,192 sandboxes + 1,024 CPUs fit the map (decision Q6).
+    pub dns_query_floor_per_sandbox: u32,
+    /// Recorded first fragments (`frag_sessions_v2`, 65,536 entries) every sandbox may always
+    /// hold (default 4, 0..=7; 0 = off), as `dns_query_floor_per_sandbox` (over it the first
+    /// fragment is delivered unrecorded, its later fragments go to the host;
+    /// `frag_over_budget`).
+    pub frag_floor_per_sandbox: u32,
     /// A Reconcile whose new policy denies a destination the old one allowed flushes the
     /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
@@ -191,6 +202,8 @@ impl Default for Config {
             policy_entries_per_sandbox: cubevs::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             sessions_per_sandbox: cubevs_common::limits::SESSIONS_PER_SANDBOX,
             session_floor_per_sandbox: cubevs_common::limits::SESSION_FLOOR,
+            dns_query_floor_per_sandbox: cubevs_common::limits::DNS_QUERY_FLOOR,
+            frag_floor_per_sandbox: cubevs_common::limits::FRAG_FLOOR,
             flush_sessions_on_policy_tighten: true,
             cube_egress_admin_url: "http://127.0.0.1:9091".into(),
             cube_egress_push_timeout_ms: 2000,
@@ -440,6 +453,16 @@ impl Config {
                 ),
             ));
         }
+        // The same for the tracking maps (65,536 entries each): 7 at most.
+        for (key, floor, capacity) in [
+            ("dns_query_floor_per_sandbox", self.dns_query_floor_per_sandbox, cubevs_common::limits::DNS_QUERIES),
+            ("frag_floor_per_sandbox", self.frag_floor_per_sandbox, cubevs_common::limits::FRAG_SESSIONS),
+        ] {
+            let max = (capacity - 1024) / cubevs_common::limits::SANDBOXES;
+            if floor > max {
+                return Err(invalid(key, format!("{floor} above {max} (({capacity} - 1024) / 8192 sandboxes)")));
+            }
+        }
         if !self.cube_egress_admin_url.is_empty() {
             crate::egress_sync::parse_admin_url(&self.cube_egress_admin_url)
                 .map_err(|r| invalid("cube_egress_admin_url", r))?;
@@ -564,6 +587,13 @@ mod tests {
         }
         for ok in ["session_floor_per_sandbox = 0", "session_floor_per_sandbox = 127"] {
             Config::parse(ok).unwrap().validate().unwrap();
+        }
+        for key in ["dns_query_floor_per_sandbox", "frag_floor_per_sandbox"] {
+            let e = Config::parse(&format!("{key} = 8")).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")), "{key}: {e}");
+            for ok in [0, 7] {
+                Config::parse(&format!("{key} = {ok}")).unwrap().validate().unwrap();
+            }
         }
         assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
         assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");

@@ -281,6 +281,15 @@ impl Dataplane for CubeVsDataplane {
             c.insert("session_floor_live".into(), f.usage.live().max(0) as u64);
             c.insert("session_floor_ceiling".into(), u64::from(f.ceiling));
         }
+        // Tracking floor (decision Q6): gauges per map.
+        for (name, kind) in [
+            ("dns_query_track", cubevs::track_floor::KIND_DNS_QUERY),
+            ("frag_sessions", cubevs::track_floor::KIND_FRAG),
+        ] {
+            let t = self.maps.track.state(kind).map_err(err)?;
+            c.insert(format!("track_floor_live:{name}"), t.node.live().max(0) as u64);
+            c.insert(format!("track_floor_ceiling:{name}"), u64::from(t.ceiling));
+        }
         Ok(c)
     }
 }

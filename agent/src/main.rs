@@ -223,6 +223,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             policy_entries_per_sandbox: raw.policy_entries_per_sandbox,
             sessions_per_sandbox: raw.sessions_per_sandbox,
             session_floor: raw.session_floor_per_sandbox,
+            dns_query_floor: raw.dns_query_floor_per_sandbox,
+            frag_floor: raw.frag_floor_per_sandbox,
             ..Default::default()
         };
         let attach = match raw.tc_attach.as_str() {

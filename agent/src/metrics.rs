@@ -39,6 +39,12 @@ pub struct Metrics {
     /// `cubenet_sessions_node_ceiling`: node-wide count at which a sandbox at or over its
     /// floor gets no new flow (`drop_node_sessions`, decision Q4).
     pub sessions_node_ceiling: IntGauge,
+    /// `cubenet_tracking_node_charged{map}`: entries of `dns_query_track` / `frag_sessions`
+    /// charged to the node-wide count of the tracking floor (decision Q6).
+    pub tracking_node: IntGaugeVec,
+    /// `cubenet_tracking_node_ceiling{map}`: node-wide count at which a sandbox at or over its
+    /// tracking floor gets no new entry in that map (decision Q6).
+    pub tracking_node_ceiling: IntGaugeVec,
     /// `cubenet_tap_create_failures_total`.
     pub tap_create_failures: IntCounterVec,
     /// `cubenet_tap_create_phase_seconds{phase}`: time per step of one TAP creation
@@ -88,6 +94,19 @@ impl Metrics {
             "Node-wide live sessions at which sandboxes at or over their floor open no new flow",
         )
         .unwrap();
+        let tracking_node = IntGaugeVec::new(
+            Opts::new("cubenet_tracking_node_charged", "Tracked entries charged to the node-wide count, per map"),
+            &["map"],
+        )
+        .unwrap();
+        let tracking_node_ceiling = IntGaugeVec::new(
+            Opts::new(
+                "cubenet_tracking_node_ceiling",
+                "Node-wide tracked entries at which sandboxes at or over their floor make no new entry, per map",
+            ),
+            &["map"],
+        )
+        .unwrap();
         let tap_create_failures =
             IntCounterVec::new(Opts::new("cubenet_tap_create_failures_total", "Failed TAP creations"), &["stage"])
                 .unwrap();
@@ -127,6 +146,8 @@ impl Metrics {
             Box::new(sessions.clone()),
             Box::new(sessions_node.clone()),
             Box::new(sessions_node_ceiling.clone()),
+            Box::new(tracking_node.clone()),
+            Box::new(tracking_node_ceiling.clone()),
             Box::new(tap_create_failures.clone()),
             Box::new(tap_create_phase_seconds.clone()),
         ] {
@@ -143,6 +164,8 @@ impl Metrics {
             sessions,
             sessions_node,
             sessions_node_ceiling,
+            tracking_node,
+            tracking_node_ceiling,
             tap_create_failures,
             tap_create_phase_seconds,
             egress_push,
@@ -219,6 +242,7 @@ impl Collector for DatapathCollector {
                 // Gauges (`cubenet_sessions_in_use`, `cubenet_sessions_node_*`), set by
                 // `Agent::refresh_datapath_metrics`.
                 "reaper_last_scanned" | "session_floor_live" | "session_floor_ceiling" => {}
+                k if k.starts_with("track_floor_") => {}
                 _ => {
                     let (program, reason) = cubevs_common::counter::NAMES
                         .iter()

@@ -38,6 +38,7 @@ use crate::{
     sessions::Sessions,
     slots,
     snat::SnatTable,
+    track_floor::{TrackFloor, TrackLimits},
 };
 
 /// Where to find the eBPF object when no path is configured, first hit wins:
@@ -100,6 +101,16 @@ pub struct MapLimits {
     /// dropped and counted (`drop_node_sessions`). 0 = no node-wide check. The datapath
     /// enforces [`MapLimits::session_floor`], this value capped so the reserve always fits.
     pub session_floor: u32,
+    /// `dns_query_track_v2` entries every registered sandbox version may always hold (default
+    /// 4, `cubevs_common::limits::DNS_QUERY_FLOOR`; decision Q6): above it a query is tracked
+    /// only while the node-wide tracked queries are below `capacity - registered × floor -
+    /// possible CPUs` (else forwarded untracked, `dns_query_over_budget`). 0 = no node-wide
+    /// check. Enforced capped like [`MapLimits::session_floor`], see [`MapLimits::track_floor`].
+    pub dns_query_floor: u32,
+    /// `frag_sessions_v2` entries every registered sandbox version may always hold (default
+    /// 4, `cubevs_common::limits::FRAG_FLOOR`; decision Q6), as [`MapLimits::dns_query_floor`]
+    /// (over it: the first fragment is delivered unrecorded, `frag_over_budget`).
+    pub frag_floor: u32,
 }
 
 impl Default for MapLimits {
@@ -111,6 +122,8 @@ impl Default for MapLimits {
             policy_entries_per_sandbox: crate::policy::DEFAULT_ENTRIES_PER_SANDBOX,
             sessions_per_sandbox: limits::SESSIONS_PER_SANDBOX,
             session_floor: limits::SESSION_FLOOR,
+            dns_query_floor: limits::DNS_QUERY_FLOOR,
+            frag_floor: limits::FRAG_FLOOR,
         }
     }
 }
@@ -163,6 +176,14 @@ impl MapLimits {
         let budget = self.session_budget()?;
         let fit = self.sessions.saturating_sub(cpus) / self.sandboxes.max(1);
         Ok(self.session_floor.min(budget).min(fit))
+    }
+
+    /// A tracking floor the datapath enforces (decision Q6): `floor` (`dns_query_floor` or
+    /// `frag_floor`) capped at `(capacity - cpus) / sandboxes` (the reserve of every interface
+    /// plus one entry per CPU fits in the map) and at 255 (the `TRACK_LIMITS` field).
+    pub fn track_floor(&self, floor: u32, capacity: u32, cpus: u32) -> u32 {
+        let fit = capacity.saturating_sub(cpus) / self.sandboxes.max(1);
+        floor.min(fit).min(0xFF)
     }
 
     /// `max_entries` of `session_opened` and `session_closed`: two sandbox versions per
@@ -255,6 +276,19 @@ pub(crate) fn prog_err(what: impl Into<String>) -> impl FnOnce(aya::programs::Pr
     move |source| Error::Program { what, source: Box::new(source) }
 }
 
+/// A second handle of the hash map `name` (a dup of its fd), for a table that shares it.
+fn second_handle<K: aya::Pod, V: aya::Pod>(
+    ebpf: &Ebpf,
+    name: &'static str,
+) -> Result<aya::maps::HashMap<aya::maps::MapData, K, V>, Error> {
+    use std::os::fd::AsFd;
+    let Some(aya::maps::Map::HashMap(d)) = ebpf.map(name) else { return Err(Error::Missing(name)) };
+    let fd =
+        d.fd().as_fd().try_clone_to_owned().map_err(|source| Error::MapSyscall { map: name, op: "dup fd", source })?;
+    let data = aya::maps::MapData::from_fd(fd).map_err(Error::map(name, "open"))?;
+    aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|_| Error::Missing(name))
+}
+
 fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Error> {
     let m = ebpf.take_map(name).ok_or(Error::Missing(name))?;
     T::try_from(m).map_err(|_| Error::Missing(name))
@@ -301,6 +335,8 @@ impl Datapath {
             (map::SESSION_OPENED, l.session_quota_keys()?),
             (map::SESSION_CLOSED, l.session_quota_keys()?),
             (map::SESSION_FLOOR, limits::SESSION_FLOOR_KEYS),
+            (map::TRACK_OPENED, l.session_quota_keys()?),
+            (map::TRACK_CLOSED, l.session_quota_keys()?),
         ];
         for name in [
             map::REMOTE_PORT_MAPPING,
@@ -333,10 +369,30 @@ impl Datapath {
         let session_floor =
             MapLimits { sessions: capacity, sandboxes: size_of(map::IFINDEX_TO_MVMMETA, l.sandboxes), ..l }
                 .session_floor(cpus)?;
+        let sandboxes = size_of(map::IFINDEX_TO_MVMMETA, l.sandboxes);
+        let track_limits = |floor: u32, name: &str, dflt: u32| {
+            let capacity = size_of(name, dflt);
+            TrackLimits { floor: MapLimits { sandboxes, ..l }.track_floor(floor, capacity, cpus), capacity }
+        };
+        let dns_track = track_limits(l.dns_query_floor, map::DNS_QUERY_TRACK, limits::DNS_QUERIES);
+        let frag_track = track_limits(l.frag_floor, map::FRAG_SESSIONS, limits::FRAG_SESSIONS);
         let mut ebpf = slots::load_object(&bytes, &opts.object, &opts.config, opts.pin_dir.as_deref(), &sizes, &[])?;
+        let track = Arc::new(TrackFloor::new(
+            take(&mut ebpf, map::TRACK_OPENED)?,
+            take(&mut ebpf, map::TRACK_CLOSED)?,
+            second_handle(&ebpf, map::SESSION_FLOOR)?,
+            map_dir
+                .as_deref()
+                .map(std::fs::File::open)
+                .transpose()
+                .map_err(|source| Error::Pin { what: "open the maps directory for locking".into(), source })?,
+            dns_track,
+            frag_track,
+            cpus,
+        ));
         // Checked before any link changes: adopted tries too small for the policy limits
         // refuse the load with the old programs still serving.
-        let policy = policy_table(&mut ebpf, l.policy(), map_dir.as_deref())?;
+        let policy = policy_table(&mut ebpf, l.policy(), map_dir.as_deref(), track.clone())?;
         let mut slot = None;
         if let (Some(dir), false) = (&opts.pin_dir, legacy) {
             slot = Some(Self::activate(&mut ebpf, &bytes, &opts, dir, meta)?);
@@ -380,6 +436,7 @@ impl Datapath {
                     capacity,
                     margin: cpus,
                 }),
+                track: Some(track.clone()),
             }),
         ));
         sessions.refresh_floor()?;
@@ -399,7 +456,8 @@ impl Datapath {
             node: NodeTable::new(take(&mut ebpf, map::NODE_CONFIG)?),
             counters: Counters::new(take(&mut ebpf, map::COUNTERS)?),
             sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
-            frags: crate::FragTable::new(take(&mut ebpf, map::FRAG_SESSIONS)?),
+            frags: crate::FragTable::new(take(&mut ebpf, map::FRAG_SESSIONS)?, Some(track.clone())),
+            track,
         });
         Ok(Self {
             ebpf,
@@ -792,7 +850,12 @@ fn fill_dns_progs(ebpf: &mut Ebpf) -> Result<(), Error> {
 
 /// The policy table over the loaded maps, after checking that the (possibly adopted) tries
 /// can hold two generations of every interface `policy_gen` can hold at `limits`.
-fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -> Result<PolicyTable, Error> {
+fn policy_table(
+    ebpf: &mut Ebpf,
+    limits: PolicyLimits,
+    map_dir: Option<&Path>,
+    track: Arc<TrackFloor>,
+) -> Result<PolicyTable, Error> {
     let allow: aya::maps::LpmTrie<_, _, _> = take(ebpf, map::ALLOW_OUT)?;
     let deny: aya::maps::LpmTrie<_, _, _> = take(ebpf, map::DENY_OUT)?;
     let generation: aya::maps::HashMap<_, _, _> = take(ebpf, map::POLICY_GEN)?;
@@ -822,6 +885,7 @@ fn policy_table(ebpf: &mut Ebpf, limits: PolicyLimits, map_dir: Option<&Path>) -
         allow: take(ebpf, map::DNS_ALLOW)?,
         learned: take(ebpf, map::DNS_LEARNED)?,
         queries: take(ebpf, map::DNS_QUERY_TRACK)?,
+        track: Some(track),
     };
     Ok(PolicyTable::new(allow, deny, generation, dns, limits))
 }

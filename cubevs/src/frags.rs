@@ -8,7 +8,7 @@ use std::{net::Ipv4Addr, sync::Mutex};
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{FragKey, FragTarget, map};
 
-use crate::{Error, policy::absent_ok};
+use crate::Error;
 
 /// One recorded fragmented datagram.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,16 +27,24 @@ pub struct FragEntry {
     pub version: u32,
     /// Expiry, CLOCK_MONOTONIC ns.
     pub expires_ns: u64,
+    /// Charged to its sandbox version and the node (made by an object with the tracking
+    /// floor, decision Q6).
+    pub charged: bool,
 }
 
 /// `frag_sessions_v2`.
 pub struct FragTable {
     inner: Mutex<HashMap<MapData, FragKey, FragTarget>>,
+    /// Where the charged entries the reaper deletes are counted (decision Q6).
+    track: Option<std::sync::Arc<crate::track_floor::TrackFloor>>,
 }
 
 impl FragTable {
-    pub(crate) fn new(m: HashMap<MapData, FragKey, FragTarget>) -> Self {
-        Self { inner: Mutex::new(m) }
+    pub(crate) fn new(
+        m: HashMap<MapData, FragKey, FragTarget>,
+        track: Option<std::sync::Arc<crate::track_floor::TrackFloor>>,
+    ) -> Self {
+        Self { inner: Mutex::new(m), track }
     }
 
     /// Every recorded datagram (optionally of one interface).
@@ -53,25 +61,40 @@ impl FragTable {
                 ifindex: t.ifindex,
                 version: t.version,
                 expires_ns: t.expires_ns,
+                charged: k._pad == cubevs_common::track::FRAG_CHARGED,
             })
             .collect()
     }
 
     /// Deletes the entries expired at `now_ns` (CLOCK_MONOTONIC); returns how many. An entry
     /// is re-read right before its delete and kept when the datapath rewrote it meanwhile (a
-    /// new datagram with the same key). Errors: `Map` for a failed delete.
+    /// new datagram with the same key). Each charged entry this delete removed is given back to
+    /// its owner and the node (decision Q6; the datapath never deletes entries and never gives
+    /// a key to another owner, so the owner read here is the one charged). Errors: `Map` for a
+    /// failed delete.
     pub fn reap(&self, now_ns: u64) -> Result<usize, Error> {
         let mut m = self.inner.lock().expect("frag lock");
         let expired: Vec<(FragKey, FragTarget)> =
             m.iter().filter_map(Result::ok).filter(|(_, t)| t.expires_ns <= now_ns).collect();
         let mut n = 0;
+        let mut owners = Vec::new();
         for (k, t) in expired {
             match m.get(&k, 0) {
                 Ok(cur) if cur == t => {}
                 _ => continue,
             }
-            absent_ok(m.remove(&k)).map_err(Error::map(map::FRAG_SESSIONS, "delete"))?;
+            match m.remove(&k) {
+                Ok(()) if k._pad == cubevs_common::track::FRAG_CHARGED => {
+                    owners.push(cubevs_common::QuotaKey { ifindex: t.ifindex, version: t.version })
+                }
+                Ok(()) => {}
+                Err(e) if crate::error::is_not_found(&e) => continue,
+                Err(e) => return Err(Error::map(map::FRAG_SESSIONS, "delete")(e)),
+            }
             n += 1;
+        }
+        if let Some(t) = &self.track {
+            t.closed(crate::track_floor::KIND_FRAG, &owners)?;
         }
         Ok(n)
     }

@@ -35,6 +35,7 @@ pub mod sessions;
 pub mod slots;
 mod snat;
 pub mod testrun;
+pub mod track_floor;
 mod xdp;
 
 pub use counters::{CounterValue, Counters};
@@ -80,6 +81,9 @@ pub struct Maps {
     pub sandbox_stats: SandboxStatsTable,
     /// `frag_sessions_v2` (fragmented world replies in flight).
     pub frags: FragTable,
+    /// `track_opened`, `track_closed` and the tracking keys of `session_floor`: the floor of
+    /// `dns_query_track_v2` and `frag_sessions_v2` (decision Q6).
+    pub track: std::sync::Arc<track_floor::TrackFloor>,
 }
 
 impl std::fmt::Debug for Maps {

@@ -60,6 +60,9 @@ pub(crate) struct QuotaMaps {
     pub(crate) lock: Option<File>,
     /// `session_floor` and how its limits are computed (`None`: no floor).
     pub(crate) floor: Option<FloorMap>,
+    /// The tracking floor (decision Q6): its limits follow the same registration count, its
+    /// per-version entries are removed with the session budget's.
+    pub(crate) track: Option<std::sync::Arc<crate::track_floor::TrackFloor>>,
 }
 
 /// The node-wide floor's map and parameters ([`QuotaMaps::refresh_floor`]).
@@ -168,7 +171,7 @@ impl QuotaMaps {
     pub(crate) fn refresh_floor(&mut self, registrations: Option<&std::os::fd::OwnedFd>) -> Result<Option<u32>, Error> {
         use std::os::fd::AsFd;
         let (Some(f), Some(fd)) = (&mut self.floor, registrations) else { return Ok(None) };
-        let _flock = Flock::take(self.lock.as_ref())?;
+        let flock = Flock::take(self.lock.as_ref())?;
         let mut n = 0u32;
         crate::batch::for_each(fd.as_fd(), 1024, |_: &u32, _: &MvmMeta| n += 1)
             .map_err(|source| Error::MapSyscall { map: map::IFINDEX_TO_MVMMETA, op: "batch lookup", source })?;
@@ -176,6 +179,11 @@ impl QuotaMaps {
         f.map
             .insert(floor::LIMITS, floor::pack(f.floor, ceiling), 0)
             .map_err(Error::map(map::SESSION_FLOOR, "update"))?;
+        // The tracking floor takes its own flock (another open file of the same directory).
+        drop(flock);
+        if let Some(t) = &self.track {
+            t.refresh(n)?;
+        }
         Ok(Some(ceiling))
     }
 
@@ -235,9 +243,14 @@ impl QuotaMaps {
 
     /// Removes both entries of `key` (absent is fine).
     pub(crate) fn forget(&mut self, key: &QuotaKey) -> Result<(), Error> {
-        let _flock = Flock::take(self.lock.as_ref())?;
-        ok_absent(self.closed.remove(key)).map_err(Error::map(map::SESSION_CLOSED, "delete"))?;
-        ok_absent(self.opened.remove(key)).map_err(Error::map(map::SESSION_OPENED, "delete"))?;
+        {
+            let _flock = Flock::take(self.lock.as_ref())?;
+            ok_absent(self.closed.remove(key)).map_err(Error::map(map::SESSION_CLOSED, "delete"))?;
+            ok_absent(self.opened.remove(key)).map_err(Error::map(map::SESSION_OPENED, "delete"))?;
+        }
+        if let Some(t) = &self.track {
+            t.forget(key.ifindex, key.version)?;
+        }
         Ok(())
     }
 
@@ -265,6 +278,9 @@ impl QuotaMaps {
         for k in keys.iter().filter(|k| dead(k)) {
             self.forget(k)?;
             n += 1;
+        }
+        if let Some(t) = &self.track {
+            t.collect(before, after)?;
         }
         Ok(n)
     }

@@ -186,6 +186,14 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     let live = a.http_json("/v1/dataplane/sessions")["sessions"].as_array().unwrap().len() as u64;
     assert!(live >= 1, "A's UDP flow is a session");
     assert_eq!(metric(&m, "cubenet_sessions_node_charged"), Some(live), "{m}");
+    // The tracking floor's gauges (decision Q6): 4 of each 65,536-entry map reserved for A.
+    let ceiling = cubevs::quota::floor_ceiling(1 << 16, 1, 4, cubevs::quota::floor_margin());
+    for map in ["dns_query_track", "frag_sessions"] {
+        let series = format!(r#"cubenet_tracking_node_ceiling{{map="{map}"}}"#);
+        assert_eq!(metric(&m, &series), Some(u64::from(ceiling)), "{m}");
+        let series = format!(r#"cubenet_tracking_node_charged{{map="{map}"}}"#);
+        assert_eq!(metric(&m, &series), Some(0), "{m}");
+    }
 
     // An agent restart re-registers A (recovery) and keeps its counts.
     a.kill(nix::sys::signal::Signal::SIGKILL);

@@ -927,3 +927,88 @@ fn node_count_survives_switch_to_older_object_and_rollback() {
     let cpus = cubevs::quota::floor_margin();
     assert_eq!(st.ceiling, cubevs::quota::floor_ceiling(1 << 20, 1, 64, cpus));
 }
+
+/// `count` guest DNS queries for an allowed name (guest ports from `base`, ids from `base`)
+/// through slot `slot`'s pinned `from_cube` on the veth (`BPF_PROG_TEST_RUN`; the DNS tail
+/// call goes to the active slot's `dns_query`, N9); returns how many were forwarded.
+fn queries_through_slot(n: &Node, slot: usize, base: u16, count: u16) -> usize {
+    use cubenet_tests::{
+        dns,
+        frames::udp,
+        packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+        topology::WORLD_IP,
+    };
+    use cubevs::testrun::{self, SkBuffCtx, TC_ACT_REDIRECT};
+    let pin = n.pin_dir();
+    let veth_if = n.veth.node_ifindex;
+    n.thread
+        .run(move || {
+            let progs = slots::slot_programs(&pin, slot).unwrap();
+            let ctx = SkBuffCtx { ingress_ifindex: veth_if, ..Default::default() };
+            (0..count)
+                .filter(|i| {
+                    let q = dns::query(base + i, "api.example.com");
+                    let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, base + i, 53, &q);
+                    testrun::run(&progs["from_cube"], &f, ctx, 1).unwrap().verdict == TC_ACT_REDIRECT
+                })
+                .count()
+        })
+        .unwrap()
+}
+
+/// Switching to an object older than the tracking floor (decision Q6) and rolling back
+/// neither underflows nor drifts the DNS tracking counts: the older object's tracked queries
+/// are unmarked (`_pad` 0) and never subtracted, and after each step the node count equals
+/// the charged queries in the map.
+#[test]
+fn tracking_counts_survive_switch_to_older_object_and_rollback() {
+    if !require_root("tracking_counts_survive_switch_to_older_object_and_rollback") {
+        return;
+    }
+    use cubevs::track_floor::KIND_DNS_QUERY;
+    use cubevs_common::track::DNS_CHARGED;
+    let n = setup();
+    let pin = n.pin_dir();
+    let maps = n.dp.as_ref().unwrap().maps();
+    let sb = n.veth.node_ifindex;
+    let policy = cubevs::EgressPolicy {
+        allow_internet_access: false,
+        allow_out: vec![format!("{}/32", Ipv4Addr::from(cubenet_tests::topology::WORLD_IP))],
+        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
+        ..Default::default()
+    };
+    maps.policy.replace(sb, &policy).expect("dns policy");
+    let node = |m: &cubevs::Maps| m.track.state(KIND_DNS_QUERY).unwrap();
+    let queries = |m: &cubevs::Maps| m.policy.dns_queries(Some(sb));
+    let charged = |m: &cubevs::Maps| queries(m).iter().filter(|(_, v)| v._pad == DNS_CHARGED).count() as i64;
+    assert_eq!(queries_through_slot(&n, 0, 41_000, 3), 3);
+    assert_eq!(queries(&maps).len(), 3);
+    assert_eq!(node(&maps).node.live(), 3);
+    assert_eq!(charged(&maps), 3);
+
+    // Switch to the older object (no track maps: loaded as the standby all the same); its
+    // queries are tracked unmarked and charged to nothing.
+    assert_eq!(slots::load_standby(&pin, &q3_object()).expect("load the older object").slot, 1);
+    assert_eq!(slots::switch(&pin).expect("switch"), 1);
+    assert_links_on(&pin, 1);
+    assert_eq!(queries_through_slot(&n, 1, 42_000, 4), 4);
+    assert_eq!(queries(&maps).len(), 7, "the older object tracks too");
+    assert_eq!(charged(&maps), 3, "its queries are unmarked");
+    assert_eq!(node(&maps).node.opened, 3, "the older object never adds");
+
+    // Roll back to the floor's object, which tracks more; then every query expires.
+    assert_eq!(slots::rollback(&pin).expect("rollback"), 0);
+    assert_links_on(&pin, 0);
+    assert_eq!(queries_through_slot(&n, 0, 43_000, 2), 2);
+    assert_eq!(node(&maps).node.live(), 5);
+    assert_eq!(node(&maps).node.live(), charged(&maps));
+    let r = maps.policy.reap_dns(u64::MAX).expect("reap");
+    assert_eq!(r.queries, 9);
+    let st = node(&maps);
+    assert_eq!((st.node.opened, st.node.closed), (5, 5), "only charged queries subtracted: no underflow");
+    let u = maps.track.usage(sb, 1, KIND_DNS_QUERY).unwrap().expect("charged");
+    assert_eq!(u.live(), 0);
+    // The ceiling is the one the registrations give (one sandbox).
+    let cpus = cubevs::quota::floor_margin();
+    assert_eq!((st.floor, st.ceiling), (4, cubevs::quota::floor_ceiling(1 << 16, 1, 4, cpus)));
+}

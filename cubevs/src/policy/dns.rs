@@ -90,6 +90,15 @@ pub(crate) struct DnsMaps {
     pub(crate) allow: HashMap<MapData, DnsAllowKey, DnsAllowValue>,
     pub(crate) learned: HashMap<MapData, LearnedKey, LearnedValue>,
     pub(crate) queries: HashMap<MapData, DnsQueryKey, DnsQueryValue>,
+    /// Where the charged queries this side deletes are counted (decision Q6).
+    pub(crate) track: Option<std::sync::Arc<crate::track_floor::TrackFloor>>,
+}
+
+/// The owner of a tracked query whose charge a userspace delete gives back (`None`: made
+/// uncharged, by an object older than the tracking floor).
+fn charged(k: &DnsQueryKey, v: &DnsQueryValue) -> Option<cubevs_common::QuotaKey> {
+    (v._pad == cubevs_common::track::DNS_CHARGED)
+        .then_some(cubevs_common::QuotaKey { ifindex: k.ifindex, version: k.version })
 }
 
 /// Entries read per `BPF_MAP_LOOKUP_BATCH` when scanning `dns_learned` / `dns_query_track`.
@@ -164,12 +173,16 @@ impl DnsMaps {
             self.scan_learned(|k, _| k.ifindex == ifindex)?.into_iter().map(|(k, _)| k).collect();
         crate::batch::delete(self.learned.map().fd().as_fd(), &keys, SCAN_BATCH)
             .map_err(|source| Error::MapSyscall { map: map::DNS_LEARNED, op: "batch delete", source })?;
-        let q: Vec<DnsQueryKey> = self.scan_queries(|k, _| k.ifindex == ifindex)?.into_iter().map(|(k, _)| k).collect();
-        crate::batch::delete(self.queries.map().fd().as_fd(), &q, SCAN_BATCH).map_err(|source| Error::MapSyscall {
-            map: map::DNS_QUERY_TRACK,
-            op: "batch delete",
-            source,
-        })?;
+        let (q, v): (Vec<DnsQueryKey>, Vec<DnsQueryValue>) =
+            self.scan_queries(|k, _| k.ifindex == ifindex)?.into_iter().unzip();
+        let mut owners = Vec::new();
+        crate::batch::delete_with(self.queries.map().fd().as_fd(), &q, SCAN_BATCH, |i| {
+            owners.extend(charged(&q[i], &v[i]));
+        })
+        .map_err(|source| Error::MapSyscall { map: map::DNS_QUERY_TRACK, op: "batch delete", source })?;
+        if let Some(t) = &self.track {
+            t.closed(crate::track_floor::KIND_DNS_QUERY, &owners)?;
+        }
         Ok(keys.len())
     }
 
@@ -189,6 +202,7 @@ impl DnsMaps {
             r.learned += 1;
         }
         let expired = self.scan_queries(|_, v| v.expires_ns <= now_ns)?;
+        let mut owners = Vec::new();
         for (k, v) in expired {
             // The map never evicts (decision R11): a query re-sent with the same port and id
             // since our read is a new entry of its sandbox; keep it.
@@ -196,8 +210,16 @@ impl DnsMaps {
                 Ok(cur) if cur == v => {}
                 _ => continue,
             }
-            absent_ok(self.queries.remove(&k)).map_err(Error::map(map::DNS_QUERY_TRACK, "delete"))?;
+            // Counted only when this delete removed it (the datapath may have consumed it).
+            match self.queries.remove(&k) {
+                Ok(()) => owners.extend(charged(&k, &v)),
+                Err(e) if crate::error::is_not_found(&e) => continue,
+                Err(e) => return Err(Error::map(map::DNS_QUERY_TRACK, "delete")(e)),
+            }
             r.queries += 1;
+        }
+        if let Some(t) = &self.track {
+            t.closed(crate::track_floor::KIND_DNS_QUERY, &owners)?;
         }
         Ok(r)
     }

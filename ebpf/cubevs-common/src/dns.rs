@@ -142,7 +142,8 @@ pub struct DnsQueryValue {
     pub name_hash: u64,
     /// The matched pattern's ports ([`DnsAllowValue`]).
     pub allow: DnsAllowValue,
-    /// Padding; zero.
+    /// [`crate::track::DNS_CHARGED`] in queries charged to the tracking floor (decision Q6);
+    /// 0 in those of older objects (never subtracted).
     pub _pad: u32,
 }
 const _: () = assert!(core::mem::size_of::<DnsQueryValue>() == 40);

@@ -134,12 +134,22 @@ pub mod map {
     /// Hash: `u32` key → `u64` ([`super::floor`], decision Q4): the node-wide count of
     /// charged live sessions (key [`super::floor::OPENED`] written by the datapath only,
     /// [`super::floor::CLOSED`] by the `cubevs` library only) and the floor and ceiling
-    /// ([`super::floor::LIMITS`], library only).
+    /// ([`super::floor::LIMITS`], library only); keys 3 to 7 hold the same for the tracking
+    /// floor of `dns_query_track_v2` and `frag_sessions_v2` (decision Q6).
     pub const SESSION_FLOOR: &str = "session_floor";
     /// Maps an older object may lack and still be loaded into a slot beside the pins (it runs
     /// without them; the `cubevs` library keeps them up to date for the objects that use
     /// them): `session_floor` (decision Q4), whose absence only means no node-wide check.
-    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR];
+    ///
+    /// `track_opened` / `track_closed` (decision Q6): without them an object tracks with no
+    /// floor.
+    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR, TRACK_OPENED, TRACK_CLOSED];
+    /// Hash: [`super::QuotaKey`] → [`super::TrackCount`], tracking entries the datapath
+    /// charged to a sandbox version (datapath-written only, decision Q6).
+    pub const TRACK_OPENED: &str = "track_opened";
+    /// Hash: [`super::QuotaKey`] → [`super::TrackCount`], charged tracking entries userspace
+    /// deleted (written by the `cubevs` library only).
+    pub const TRACK_CLOSED: &str = "track_closed";
     /// Every map of the datapath (all pinned).
     pub const ALL: &[&str] = &[
         MVMIP_TO_IFINDEX,
@@ -167,6 +177,8 @@ pub mod map {
         SESSION_OPENED,
         SESSION_CLOSED,
         SESSION_FLOOR,
+        TRACK_OPENED,
+        TRACK_CLOSED,
     ];
 }
 
@@ -191,9 +203,16 @@ pub mod limits {
     /// registered, the reserve is 8,192 × 64 = 524,288, half of [`SESSIONS`], so the floor
     /// holds on a full node and the other half stays shared.
     pub const SESSION_FLOOR: u32 = 64;
-    /// Entries of `session_floor`: three keys used ([`super::floor`]), room for five more (a
-    /// later node-wide bound on DNS or fragment tracking) without changing the pinned size.
+    /// Entries of `session_floor`: all eight keys used ([`super::floor`]: three for sessions,
+    /// five for DNS and fragment tracking).
     pub const SESSION_FLOOR_KEYS: u32 = 8;
+    /// `dns_query_track_v2` entries every registered sandbox version may always hold, whatever
+    /// the others hold (decision Q6): 4. With [`SANDBOXES`] (8,192) registered the reserve is
+    /// 32,768, half of [`DNS_QUERIES`].
+    pub const DNS_QUERY_FLOOR: u32 = 4;
+    /// `frag_sessions_v2` entries every registered sandbox version may always hold (decision
+    /// Q6): 4, the same half of [`FRAG_SESSIONS`] at 8,192 sandboxes.
+    pub const FRAG_FLOOR: u32 = 4;
     /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes: the object's
     /// placeholder only; `cubevs` sizes the tries at load from its per-sandbox limit
     /// (`MapLimits::policy_entries`).
@@ -499,7 +518,8 @@ pub struct FragKey {
     pub ip_id: u16,
     /// IP protocol number.
     pub proto: u8,
-    /// Padding; zero.
+    /// [`track::FRAG_CHARGED`] in entries charged to the tracking floor (decision Q6); 0 in
+    /// those of older objects.
     pub _pad: u8,
 }
 const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
@@ -661,6 +681,11 @@ pub mod quota {
 /// it deletes one itself), [`CLOSED`] by the `cubevs` library (charged sessions it deleted,
 /// [`NatSession::node_quota`]), [`LIMITS`] by the library ([`pack`]ed floor and ceiling,
 /// rewritten on every register/unregister). No [`LIMITS`] entry, or floor 0: no node-wide check.
+///
+/// The same scheme bounds the tracking maps `dns_query_track_v2` and `frag_sessions_v2`
+/// (decision Q6): node counts in [`DNS_OPENED`]/[`FRAG_OPENED`] (datapath) and
+/// [`DNS_CLOSED`]/[`FRAG_CLOSED`] (library), per-version counts in `track_opened` /
+/// `track_closed` ([`crate::TrackCount`]), floors and ceilings in [`TRACK_LIMITS`].
 pub mod floor {
     /// Key: charged sessions the datapath created, less those it deleted itself.
     pub const OPENED: u32 = 0;
@@ -668,6 +693,43 @@ pub mod floor {
     pub const CLOSED: u32 = 1;
     /// Key: `floor` in bits 32..64, `ceiling` in bits 0..32 (host order), see [`pack`].
     pub const LIMITS: u32 = 2;
+    /// Key: charged `dns_query_track_v2` entries the datapath made, less those it deleted
+    /// itself (datapath-written only; decision Q6).
+    pub const DNS_OPENED: u32 = 3;
+    /// Key: charged `dns_query_track_v2` entries userspace deleted (library-written only).
+    pub const DNS_CLOSED: u32 = 4;
+    /// Key: charged `frag_sessions_v2` entries the datapath made (datapath-written only; the
+    /// datapath never deletes them).
+    pub const FRAG_OPENED: u32 = 5;
+    /// Key: charged `frag_sessions_v2` entries userspace deleted (library-written only).
+    pub const FRAG_CLOSED: u32 = 6;
+    /// Key: the tracking floors and ceilings (library-written only): the
+    /// [`track_half`] of `dns_query_track_v2` in bits 32..64, of `frag_sessions_v2` in bits
+    /// 0..32. Absent (older userspace): no floor, no node-wide check.
+    pub const TRACK_LIMITS: u32 = 7;
+
+    /// One half of [`TRACK_LIMITS`]: `floor` (at most 255) in bits 24..32, `ceiling` (at most
+    /// 2^24 - 1, above the 65,536 entries of either map) in bits 0..24.
+    #[inline(always)]
+    pub const fn track_half(floor: u32, ceiling: u32) -> u32 {
+        let f = if floor > 0xFF { 0xFF } else { floor };
+        let c = if ceiling > 0xFF_FFFF { 0xFF_FFFF } else { ceiling };
+        (f << 24) | c
+    }
+
+    /// (floor, ceiling) of the [`TRACK_LIMITS`] value `v` for `kind`
+    /// ([`crate::budget::KIND_DNS_QUERY`] or [`crate::budget::KIND_FRAG`]).
+    #[inline(always)]
+    pub const fn track_unpack(v: u64, kind: u32) -> (u32, u32) {
+        let h = if kind == crate::budget::KIND_DNS_QUERY { (v >> 32) as u32 } else { v as u32 };
+        (h >> 24, h & 0xFF_FFFF)
+    }
+
+    /// The `session_floor` keys (opened, closed) of the node count of `kind`.
+    #[inline(always)]
+    pub const fn track_keys(kind: u32) -> (u32, u32) {
+        if kind == crate::budget::KIND_DNS_QUERY { (DNS_OPENED, DNS_CLOSED) } else { (FRAG_OPENED, FRAG_CLOSED) }
+    }
 
     /// The [`LIMITS`] value of `floor` and `ceiling`.
     #[inline(always)]
@@ -693,6 +755,31 @@ pub struct QuotaKey {
     pub version: u32,
 }
 const _: () = assert!(core::mem::size_of::<QuotaKey>() == 8);
+
+/// Value of `track_opened` / `track_closed` (16 bytes, decision Q6): entries of
+/// `dns_query_track_v2` and of `frag_sessions_v2` charged to one sandbox version (key
+/// [`QuotaKey`]). `track_opened` is written by the datapath only (atomic adds), `track_closed`
+/// by the `cubevs` library only; the live count is `opened - closed`, per field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrackCount {
+    /// Tracked DNS queries ([`budget::KIND_DNS_QUERY`]).
+    pub dns_queries: u64,
+    /// Recorded first fragments ([`budget::KIND_FRAG`]).
+    pub frags: u64,
+}
+const _: () = assert!(core::mem::size_of::<TrackCount>() == 16);
+
+/// Marks of a charged tracking entry (decision Q6): an entry made by an object older than the
+/// tracking floor carries neither, so userspace never subtracts it.
+pub mod track {
+    /// `DnsQueryValue::_pad` of a query charged to its sandbox version and to the node.
+    pub const DNS_CHARGED: u32 = 1;
+    /// `FragKey::_pad` of a first fragment charged to its sandbox version and to the node
+    /// (in the key: `FragTarget` has no spare byte; later fragments look this key up, so the
+    /// entries of older objects, `_pad` 0, are not followed by newer ones, and back).
+    pub const FRAG_CHARGED: u8 = 1;
+}
 
 /// [`AllowValue::flags`] (decision N10): a `/32` entry for an IPv4 literal that an L7 rule names
 /// (`match.host` / `match.sni`). New TCP flows to it on a steered port go to CubeEgress; its
@@ -721,6 +808,7 @@ pub mod allow_flag {
 
 pod!(
     QuotaKey,
+    TrackCount,
     DatapathConfig,
     NodeConfig,
     MvmMeta,
@@ -813,11 +901,13 @@ pub mod counter {
     /// from_envoy: dropped, unknown destination.
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
     /// from_cube: a guest query for an allowed name not tracked: its sandbox used its window's
-    /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]) or `dns_query_track_v2` is full.
+    /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]), holds its floor while the node is
+    /// at the tracking ceiling ([`super::floor`], decision Q6), or `dns_query_track_v2` is full.
     pub const DNS_QUERY_OVER_BUDGET: u32 = 38;
     /// from_world: a first fragment not recorded: its sandbox used its window's budget
-    /// ([`super::limits::FRAG_PER_SANDBOX`]) or `frag_sessions_v2` is full (delivered; its
-    /// later fragments go to the host).
+    /// ([`super::limits::FRAG_PER_SANDBOX`]), holds its floor while the node is at the tracking
+    /// ceiling (decision Q6), another sandbox's entry holds the key, or `frag_sessions_v2` is
+    /// full (delivered; its later fragments go to the host).
     pub const WORLD_FRAG_OVER_BUDGET: u32 = 39;
     /// from_cube: a guest query (UDP/53, IN A) for an allowed name, tracked.
     pub const DNS_QUERY_TRACKED: u32 = 40;

@@ -4,7 +4,9 @@
 //!   IN A query whose name matches one of the sandbox's FQDN patterns (active policy
 //!   generation) is tracked in `dns_query_track` under {ifindex, server, guest port, id,
 //!   version} with the pattern's ports, for [`QUERY_TIMEOUT_NS`], within the sandbox's
-//!   insert budget (`crate::budget`; `dns_query_track_v2` never evicts, decision R11).
+//!   insert budget (`crate::budget`; `dns_query_track_v2` never evicts, decision R11) and the
+//!   tracking floor (`crate::track_floor`, decision Q6: a new entry is charged to the sandbox
+//!   version and the node, and the charge is given back when this side consumes it).
 //! - [`on_response`] (from `from_world`, UDP from port 53 that matched a live session, after
 //!   the reverse-NAT lookups): the tracked query with this server, guest port and id must
 //!   exist, be unexpired and have the same question; then every IN A answer becomes
@@ -16,7 +18,7 @@
 //! parser's loops run under `bpf_loop`, so the verifier checks each body once.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{BPF_ANY, BPF_EXIST, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     cty::c_void,
     helpers::{
         bpf_ktime_get_ns,
@@ -27,13 +29,13 @@ use aya_ebpf::{
 };
 use cubevs_common::{
     SessionKey,
-    budget::DNS_WINDOW_NS,
+    budget::{DNS_WINDOW_NS, KIND_DNS_QUERY},
     counter,
     dns::{
         self, CB_MAGIC, DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Loop,
         MSG_WINDOW, QUERY_TIMEOUT_NS, Reject, Scratch, flags, slot,
     },
-    limits,
+    limits, track,
 };
 
 use crate::{
@@ -43,7 +45,7 @@ use crate::{
         INGRESS_SESSIONS, count,
     },
     packet::{self, Ipv4},
-    policy,
+    policy, track_floor,
 };
 
 /// From a main program: tail-calls the DNS program in `target` unless this packet already
@@ -224,20 +226,46 @@ pub fn on_query(ctx: &TcContext, ip: &Ipv4, ifindex: u32, version: u32, guest_po
         return;
     };
     let key = DnsQueryKey { ifindex, server_ip: ip.dst, guest_port, id: q.id, version };
-    let v = DnsQueryValue {
+    let mut v = DnsQueryValue {
         // SAFETY: helper without arguments.
         expires_ns: unsafe { bpf_ktime_get_ns() } + QUERY_TIMEOUT_NS,
         name_hash: q.name_hash,
         allow,
-        _pad: 0,
+        _pad: track::DNS_CHARGED,
     };
     // A sandbox's inserts are budgeted and the map never evicts (decision R11): another
     // sandbox's flood cannot remove this entry, and this sandbox's flood only stops its own.
-    if !budget::take(ifindex, cubevs_common::budget::KIND_DNS_QUERY, limits::DNS_QUERIES_PER_SANDBOX, DNS_WINDOW_NS)
-        || DNS_QUERY_TRACK.insert(&key, &v, BPF_ANY as u64).is_err()
+    // Above its floor a sandbox tracks only while the node holds fewer than the ceiling (Q6).
+    if !budget::take(ifindex, KIND_DNS_QUERY, limits::DNS_QUERIES_PER_SANDBOX, DNS_WINDOW_NS)
+        || !track_floor::admit(ifindex, version, KIND_DNS_QUERY)
     {
         count(counter::DNS_QUERY_OVER_BUDGET);
         return;
+    }
+    // A new entry is charged; a retransmission (same key) rewrites its entry, keeping its
+    // charge mark (an entry of an older object stays uncharged).
+    let made = match DNS_QUERY_TRACK.insert(&key, &v, BPF_NOEXIST as u64) {
+        Ok(()) => true,
+        Err(_) => {
+            // SAFETY: plain map lookup; one field copied out.
+            match unsafe { DNS_QUERY_TRACK.get(&key) }.map(|old| old._pad) {
+                Some(mark) => {
+                    v._pad = mark;
+                    if DNS_QUERY_TRACK.insert(&key, &v, BPF_EXIST as u64).is_err() {
+                        count(counter::DNS_QUERY_OVER_BUDGET);
+                        return;
+                    }
+                    false
+                }
+                None => {
+                    count(counter::DNS_QUERY_OVER_BUDGET);
+                    return;
+                }
+            }
+        }
+    };
+    if made {
+        track_floor::charge(ifindex, version, KIND_DNS_QUERY);
     }
     count(counter::DNS_QUERY_TRACKED);
 }
@@ -266,7 +294,7 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     if tracked.expires_ns <= now {
-        let _ = DNS_QUERY_TRACK.remove(&key);
+        forget(&key, &tracked);
         count(counter::DNS_RESP_UNSOLICITED);
         return;
     }
@@ -283,7 +311,7 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
         return;
     }
     // One response per query.
-    let _ = DNS_QUERY_TRACK.remove(&key);
+    forget(&key, &tracked);
     if h.flags & flags::RCODE != 0 {
         count(counter::DNS_RESP_RCODE);
         return;
@@ -315,6 +343,15 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     });
     if w.not_walked != 0 {
         count(counter::DNS_NOT_WALKED);
+    }
+}
+
+/// Deletes the tracked query `key` (value `v` as read) and, when this delete removed it and
+/// it was charged, gives its charge back (decision Q6).
+#[inline(always)]
+fn forget(key: &DnsQueryKey, v: &DnsQueryValue) {
+    if DNS_QUERY_TRACK.remove(key).is_ok() && v._pad == track::DNS_CHARGED {
+        track_floor::refund(key.ifindex, key.version, KIND_DNS_QUERY);
     }
 }
 

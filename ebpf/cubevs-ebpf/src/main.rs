@@ -40,6 +40,7 @@ mod policy;
 mod quota;
 mod rst;
 mod track;
+mod track_floor;
 mod world;
 mod xdp_world;
 

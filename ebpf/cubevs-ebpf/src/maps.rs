@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use cubevs_common::{
     AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig,
-    PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp,
+    PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp, TrackCount,
     dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
 };
@@ -58,6 +58,15 @@ pub static SESSION_CLOSED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(li
 /// `OPENED` kernel-written only, `CLOSED` and `LIMITS` userspace-written only).
 #[map(name = "session_floor")]
 pub static SESSION_FLOOR: HashMap<u32, u64> = HashMap::with_max_entries(limits::SESSION_FLOOR_KEYS, 0);
+
+/// Tracking entries the datapath charged per sandbox version (kernel-written only,
+/// `crate::track_floor`, decision Q6).
+#[map(name = "track_opened")]
+pub static TRACK_OPENED: HashMap<QuotaKey, TrackCount> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
+
+/// Charged tracking entries userspace deleted per sandbox version (userspace-written only).
+#[map(name = "track_closed")]
+pub static TRACK_CLOSED: HashMap<QuotaKey, TrackCount> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
 
 /// SNAT addresses, 4 slots.
 #[map(name = "snat_iplist")]
