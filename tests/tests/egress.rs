@@ -12,7 +12,8 @@
 //! `egress_gateway_end_to_end` covers the normal behaviour; `egress_gateway_holes` attacks the
 //! gateway (random SNIs, foreign destinations behind an allowed Host, tokens in URLs, the
 //! handoff socket); `egress_gateway_fails_closed_without_audit` gives it an audit file it cannot
-//! write (`/dev/full`): nothing may be forwarded (E20).
+//! write (`/dev/full`): nothing may be forwarded (E20); `egress_gateway_request_confusion` sends
+//! hand-written requests naming two hosts or smuggling a second request (R14).
 
 use std::{
     convert::Infallible,
@@ -961,4 +962,146 @@ fn egress_gateway_fails_closed_without_audit() {
     assert!(seen.lock().unwrap().is_empty(), "a request reached the world without its audit record");
     let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
     assert!(metrics.contains("cube_egress_audit_refused_total 2"), "{metrics}");
+}
+
+/// Sends `raw` from the sandbox namespace to `to` over plain TCP, half-closes, and returns
+/// everything the gateway answered until it closed (or 10 s passed).
+fn raw_http(ns: &TestNetns, to: &str, raw: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let to: SocketAddr = to.parse().unwrap();
+    let raw = raw.to_vec();
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&raw).expect("send");
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    })
+}
+
+/// Attack (R14): requests a sandbox writes by hand to confuse the gateway about which site a
+/// request (and the credential injected into it) is for. The policy allows `api.example.test`
+/// with a credential over plain HTTP and denies its `/admin*` paths.
+/// 1. Two `Host` lines, the allowed name first and a foreign one second: RFC 9112 §3.2 makes
+///    such a request invalid (400); forwarded, a server or CDN that keeps the last `Host`
+///    would route the injected credential to the foreign site.
+/// 2. Content-Length and Transfer-Encoding together (CL.TE smuggling): a denied `/admin`
+///    request hidden in the body of an allowed one must never reach the world.
+/// 3. An absolute-form target naming a foreign host beside the allowed `Host`.
+#[test]
+fn egress_gateway_request_confusion() {
+    if !require_root("egress_gateway_request_confusion") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-confusion-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let _dns = world_dns(world, &[("api.example.test", WORLD), ("evil.example.test", WORLD)]);
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let audit = dir.join("log/access.jsonl");
+    let gw_cmd = node
+        .command(egress_bin().to_str().unwrap())
+        .env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"))
+        .stdin(std::process::Stdio::null())
+        .args([
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            "",
+        ])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "confusion", "rules": [
+        {"id": "no-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
+        {"id": "web", "match": {"host": "api.example.test"},
+         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200, "{body}");
+    let to = format!("{WORLD}:80");
+
+    // The allowed request itself is served with its credential (the rig works).
+    let ok = raw_http(&sb, &to, b"GET /ok HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    {
+        let s = seen.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/ok").expect("world saw /ok");
+        assert_eq!(r.header("x-api-key"), vec![SECRET]);
+        assert_eq!(r.header("host"), vec!["api.example.test"]);
+    }
+
+    // 1. Two Host lines.
+    let dup = raw_http(
+        &sb,
+        &to,
+        b"GET /dup HTTP/1.1\r\nHost: api.example.test\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
+    );
+    assert!(dup.starts_with("HTTP/1.1 400"), "two Host lines answered: {dup}");
+
+    // 2. CL.TE: with Content-Length the body is the hidden `/admin` request; with chunked it
+    //    is empty and `/admin` is a second request, which the policy must see.
+    let hidden = b"GET /admin/secret HTTP/1.1\r\nHost: api.example.test\r\n\r\n";
+    let mut smuggle = format!(
+        "POST /smuggle HTTP/1.1\r\nHost: api.example.test\r\nContent-Length: {}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        5 + hidden.len()
+    )
+    .into_bytes();
+    smuggle.extend_from_slice(hidden);
+    let answer = raw_http(&sb, &to, &smuggle);
+
+    // 3. Absolute-form target naming another host.
+    let abs = raw_http(
+        &sb,
+        &to,
+        b"GET http://evil.example.test/abs HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n",
+    );
+
+    let s = seen.lock().unwrap().clone();
+    let listing: Vec<String> = s.iter().map(|r| format!("{} {:?}", r.path, r.header("host"))).collect();
+    for r in &s {
+        assert_eq!(r.header("host"), vec!["api.example.test"], "world saw another Host: {listing:?}");
+        assert!(!r.path.starts_with("/admin"), "a denied path reached the world: {listing:?}\n{answer}");
+    }
+    assert!(!s.iter().any(|r| r.path == "/dup" || r.path == "/abs"), "an ambiguous request was forwarded: {listing:?}");
+    // The smuggling request: one answer, then the gateway closes (RFC 9112 §6.1), and the world
+    // got it re-framed (chunked only), so no server downstream can split it either.
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "the hidden request was answered: {answer}");
+    let r = s.iter().find(|r| r.path == "/smuggle").expect("world saw /smuggle");
+    assert!(r.header("content-length").is_empty(), "{r:?}");
+    assert!(abs.starts_with("HTTP/1.1 400"), "{abs}");
+    let lines = audit_lines(&audit);
+    let refused: Vec<&Value> =
+        lines.iter().filter(|l| l["event"] == "http_request" && l["security"]["reason"] == "ambiguous_host").collect();
+    assert_eq!(refused.len(), 2, "one record per refused request: {lines:?}");
+    assert!(refused.iter().all(|l| l["http"]["status"] == 400), "{refused:?}");
+    assert!(has_event(&lines, "security_event", "ambiguous_host"));
+    drop(rt);
 }
