@@ -870,6 +870,10 @@ pub mod counter {
     /// from_cube: new flow dropped, its sandbox holds at least its floor and the node-wide
     /// live sessions are at the ceiling ([`super::floor`], decision Q4).
     pub const CUBE_DROP_NODE_SESSIONS: u32 = 62;
+    /// from_world: an A record in an always-denied range (private, loopback, link-local:
+    /// [`super::dns::always_denied`]) not learned: a DNS answer never opens what the baseline
+    /// denies (decision R15).
+    pub const DNS_RESP_NOT_PUBLIC: u32 = 63;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -919,6 +923,7 @@ pub mod counter {
         (DNS_RESP_RCODE, "from_world", "dns_rcode"),
         (DNS_LEARN_FULL, "from_world", "dns_learn_full"),
         (DNS_NOT_WALKED, "from_world", "dns_not_walked"),
+        (DNS_RESP_NOT_PUBLIC, "from_world", "dns_not_public"),
         (DNS_LEARNED_FLOW, "from_cube", "dns_learned_flow"),
         (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
         (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),
