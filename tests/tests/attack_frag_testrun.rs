@@ -4,6 +4,13 @@
 //! to A's own session, between the first and the later fragment of a reply to sandbox B.
 //! Property: B's fragmented reply is still delivered whole (decision R12: the map never
 //! evicts, each sandbox's inserts are budgeted, so the flood stops only A's own tracking).
+//!
+//! Second attack: later fragments carry no ports, so they are matched by `{server, node
+//! address, IP id, proto}`, and the IP id is the server's choice (one counter per destination
+//! on Linux: every sandbox behind the node address shares it). Sandbox B makes a resolver both
+//! sandboxes use send it a fragmented answer with the IP id of A's answer in flight (it winds
+//! the counter with small queries). Property: A's later fragments never reach B (decision R16:
+//! the colliding entry becomes ambiguous and what follows it is dropped).
 
 use std::net::Ipv4Addr;
 
@@ -16,7 +23,7 @@ use cubenet_tests::{
 };
 use cubevs::{
     SandboxEntry, prog,
-    testrun::{TC_ACT_OK, TC_ACT_REDIRECT},
+    testrun::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
 use cubevs_common::{counter, limits};
 
@@ -111,4 +118,54 @@ fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
     assert!(r.maps.frags.list(None).is_empty());
     let (_, d2) = fragment(&udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, b_port, &answer), 0x4343, 24);
     assert_eq!(r.world(d2).verdict, TC_ACT_OK, "a reaped entry is not followed");
+}
+
+#[test]
+fn a_colliding_ip_id_never_delivers_another_sandboxs_fragment() {
+    if !require_root("attack_frag_testrun a_colliding_ip_id_never_delivers_another_sandboxs_fragment") {
+        return;
+    }
+    let r = Rig::new();
+    r.add_sandbox(&SandboxEntry {
+        ifindex: B_IFINDEX,
+        ip: Ipv4Addr::new(192, 168, 0, 4),
+        version: 3,
+        id: "sb-b".into(),
+    });
+    let a_port = open(&r, SB_IFINDEX, WORLD_IP, 53);
+    let b_port = open(&r, B_IFINDEX, WORLD_IP, 53);
+    let b_in = || r.maps.sandbox_stats.get(B_IFINDEX).unwrap().map_or(0, |c| c.in_packets);
+    let (wm, um) = (r.world_mac, r.up_mac);
+    let secret: Vec<u8> = b"A's answer, second half: SECRET-A-0123456789abcdefgh".to_vec();
+
+    // Control: without a collision A's answer arrives whole, in A.
+    let (a1, a2) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x1000, 24);
+    assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT);
+    let out = r.world(a2);
+    assert_eq!(out.verdict, TC_ACT_REDIRECT, "A's later fragment (control)");
+    assert_eq!(r.maps.frags.list(Some(SB_IFINDEX)).len(), 1);
+
+    // A's answer 0x2000: first fragment in; then B's answer with the same IP id; then A's
+    // later fragment.
+    let (a1, a2) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x2000, 24);
+    let (b1, b2) =
+        fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, b_port, b"B's own answer, 40 bytes long......."), 0x2000, 24);
+    assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT, "A's first fragment");
+    assert_eq!(r.world(b1).verdict, TC_ACT_REDIRECT, "B's first fragment (its own session)");
+    let before = b_in();
+    let out = r.world(a2);
+    assert_ne!(out.verdict, TC_ACT_REDIRECT, "A's later fragment was delivered (to B: {} → {})", before, b_in());
+    assert_eq!(b_in(), before, "B was charged a packet of A's");
+    assert_eq!(out.verdict, TC_ACT_SHOT);
+    // B's own later fragment is ambiguous too: dropped, not delivered into A.
+    assert_eq!(r.world(b2).verdict, TC_ACT_SHOT);
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_AMBIGUOUS).unwrap(), 3, "collision + two later fragments");
+    assert!(r.maps.frags.list(Some(B_IFINDEX)).is_empty(), "the entry names neither sandbox");
+
+    // The same sandbox repeating an id (a retransmitted datagram) is no collision.
+    let (a1, a2) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x3000, 24);
+    assert_eq!(r.world(a1.clone()).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.world(a2).verdict, TC_ACT_REDIRECT, "A's later fragment after its own repeat");
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_AMBIGUOUS).unwrap(), 3);
 }

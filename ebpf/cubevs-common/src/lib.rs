@@ -808,6 +808,11 @@ pub mod counter {
     pub const WORLD_ICMP_ERROR: u32 = 28;
     /// from_world: later fragment of a datagram whose first fragment matched a session.
     pub const WORLD_FRAGMENT: u32 = 29;
+    /// from_world: a first fragment whose `{src, dst, IP id, proto}` an unexpired entry of
+    /// another sandbox already holds: the entry is made ambiguous (ifindex 0) and the later
+    /// fragments of both datagrams are dropped and counted here, never delivered to the wrong
+    /// sandbox (decision R16).
+    pub const WORLD_FRAG_AMBIGUOUS: u32 = 32;
     /// from_envoy: host → sandbox DNAT.
     pub const ENVOY_TO_SANDBOX: u32 = 30;
     /// from_envoy: dropped, unknown destination.
@@ -907,6 +912,7 @@ pub mod counter {
         (WORLD_DROP_PORTMAP_UNREGISTERED, "from_world", "drop_portmap_unregistered"),
         (WORLD_ICMP_ERROR, "from_world", "icmp_error"),
         (WORLD_FRAGMENT, "from_world", "fragment"),
+        (WORLD_FRAG_AMBIGUOUS, "from_world", "frag_ambiguous"),
         (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
         (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
         (DNS_QUERY_OVER_BUDGET, "from_cube", "dns_query_over_budget"),

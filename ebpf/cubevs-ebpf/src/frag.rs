@@ -4,7 +4,9 @@
 //! (no L4 header) follow that entry: destination rewritten to 169.254.68.6 (IP checksum only)
 //! and redirected to the same interface, where the guest reassembles. A later fragment that
 //! arrives before its first fragment, or after the entry expired, is passed to the host stack
-//! (lost for the guest).
+//! (lost for the guest). Two sandboxes' datagrams with the same key (the IP id is the server's
+//! choice) make the entry ambiguous: their later fragments are dropped, never delivered to the
+//! other sandbox (decision R16).
 //!
 //! The map never evicts: each sandbox records at most `limits::FRAG_PER_SANDBOX` first
 //! fragments per window (`crate::budget`), and userspace deletes expired entries (decision
@@ -28,19 +30,38 @@ use crate::{
     packet::{IP_DST_OFF, Ipv4, set_ip, set_macs},
 };
 
+/// `FragTarget::ifindex` of an entry two sandboxes' first fragments claimed (no interface has
+/// index 0).
+const AMBIGUOUS: u32 = 0;
+
 #[inline(always)]
 fn key(ip: &Ipv4) -> FragKey {
     FragKey { src_ip: ip.src, dst_ip: ip.dst, ip_id: ip.id, proto: ip.proto, _pad: 0 }
 }
 
 /// Records where the first fragment `ip` of a datagram went, within the sandbox's budget
-/// (over it, or with the map full: not recorded, counted).
+/// (over it, or with the map full: not recorded, counted). When an unexpired entry of another
+/// sandbox (or version) holds the same key, the later fragments of the two datagrams cannot be
+/// told apart: the entry becomes ambiguous ([`AMBIGUOUS`]) until the later expiry, and
+/// [`later`] drops what follows it (decision R16).
 #[inline(always)]
 pub fn first(ip: &Ipv4, ifindex: u32, version: u32) {
+    let k = key(ip);
     // SAFETY: helper without arguments.
-    let expires_ns = unsafe { bpf_ktime_get_ns() } + FRAG_TIMEOUT_NS;
+    let now = unsafe { bpf_ktime_get_ns() };
+    let expires_ns = now + FRAG_TIMEOUT_NS;
+    // SAFETY: plain map lookup; the value is copied out.
+    if let Some(old) = unsafe { FRAG_SESSIONS.get(&k) }.copied()
+        && old.expires_ns > now
+        && (old.ifindex != ifindex || old.version != version)
+    {
+        let t = FragTarget { ifindex: AMBIGUOUS, version: 0, expires_ns };
+        let _ = FRAG_SESSIONS.insert(&k, &t, BPF_ANY as u64);
+        count(counter::WORLD_FRAG_AMBIGUOUS);
+        return;
+    }
     if !budget::take(ifindex, KIND_FRAG, limits::FRAG_PER_SANDBOX, FRAG_WINDOW_NS)
-        || FRAG_SESSIONS.insert(&key(ip), &FragTarget { ifindex, version, expires_ns }, BPF_ANY as u64).is_err()
+        || FRAG_SESSIONS.insert(&k, &FragTarget { ifindex, version, expires_ns }, BPF_ANY as u64).is_err()
     {
         count(counter::WORLD_FRAG_OVER_BUDGET);
     }
@@ -55,6 +76,10 @@ pub fn later(ctx: &TcContext, ip: &Ipv4, cfg: &DatapathConfig) -> i32 {
     // SAFETY: helper without arguments.
     if t.expires_ns <= unsafe { bpf_ktime_get_ns() } {
         return TC_ACT_OK;
+    }
+    if t.ifindex == AMBIGUOUS {
+        count(counter::WORLD_FRAG_AMBIGUOUS);
+        return TC_ACT_SHOT;
     }
     // SAFETY: plain map lookup; one field copied out.
     if unsafe { IFINDEX_TO_MVMMETA.get(&t.ifindex) }.map(|m| m.version) != Some(t.version) {
