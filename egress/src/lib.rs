@@ -26,6 +26,7 @@ pub mod proxy;
 pub mod store;
 
 use std::{
+    net::Ipv4Addr,
     sync::{
         Arc, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -67,6 +68,8 @@ pub struct App {
     pub admin_frozen: RwLock<bool>,
     /// `true` once the process drains; every open connection holds a receiver (E19).
     pub drain: watch::Sender<bool>,
+    /// The sandbox CIDR (network, mask; host order): never dialled upstream (R17).
+    sandbox_net: (Ipv4Addr, u32),
     ids: AtomicU64,
 }
 
@@ -90,11 +93,19 @@ impl App {
             dest: dest::Destinations::new(cfg.dns_servers()?, Duration::from_millis(cfg.dns_timeout_ms)),
             admin_frozen: RwLock::new(false),
             drain: watch::channel(false).0,
+            sandbox_net: config::network_of(&cfg.sandbox_cidr)?,
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
                     as u64,
             ),
         })
+    }
+
+    /// True when `ip` is in the sandbox CIDR: a sandbox (or cube-dev) address, which the
+    /// gateway never dials, whatever a rule or a learned name says (decision R17).
+    pub fn is_sandbox_addr(&self, ip: Ipv4Addr) -> bool {
+        let (net, mask) = self.sandbox_net;
+        u32::from(ip) & mask == u32::from(net)
     }
 
     /// A process-unique id (connection ids in audit `request_id`s).

@@ -204,6 +204,9 @@ async fn serve_tls(
             "security": {"reason": reason},
         }));
     };
+    if app.is_sandbox_addr(*dst.ip()) {
+        return refuse("destination_is_sandbox".into());
+    }
     let status = app.store.status();
     if !status.serving() {
         return refuse(format!("bootstrap_not_ready:{}", status.as_str()));
@@ -312,6 +315,10 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         // Decided on one name, forwarded with another one beside it: refused before the policy
         // (RFC 9112 §3.2: 400), so neither the decision nor a credential follows it (R14).
         return Ok(refuse(&app, rec, StatusCode::BAD_REQUEST, "ambiguous_host", true, started).await);
+    }
+    if app.is_sandbox_addr(*ctx.dst.ip()) {
+        // One sandbox never reaches another, not even through the gateway's upstream leg (R17).
+        return Ok(deny(&app, rec, "destination_is_sandbox", true, started).await);
     }
     let status = app.store.status();
     if !status.serving() {

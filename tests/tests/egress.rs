@@ -13,7 +13,8 @@
 //! gateway (random SNIs, foreign destinations behind an allowed Host, tokens in URLs, the
 //! handoff socket); `egress_gateway_fails_closed_without_audit` gives it an audit file it cannot
 //! write (`/dev/full`): nothing may be forwarded (E20); `egress_gateway_request_confusion` sends
-//! hand-written requests naming two hosts or smuggling a second request (R14).
+//! hand-written requests naming two hosts or smuggling a second request (R14);
+//! `egress_gateway_never_dials_a_sandbox` points an allowed rule at another sandbox (R17).
 
 use std::{
     convert::Infallible,
@@ -1103,5 +1104,104 @@ fn egress_gateway_request_confusion() {
     assert_eq!(refused.len(), 2, "one record per refused request: {lines:?}");
     assert!(refused.iter().all(|l| l["http"]["status"] == 400), "{refused:?}");
     assert!(has_event(&lines, "security_event", "ambiguous_host"));
+    drop(rt);
+}
+
+/// Attack (R17): a rule (or a learned name) that names another sandbox's address. The victim
+/// is a namespace behind its own link in the node at 192.168.0.4 (the sandbox CIDR), serving
+/// plain HTTP; the sandbox's policy allows that address literally, over HTTP and HTTPS. The
+/// gateway's upstream leg is an ordinary node socket, so without a check it would dial the
+/// victim from the node (as the datapath's `from_envoy` delivers anything the host sends to a
+/// sandbox address). Property: the victim receives nothing; both refusals are audited.
+#[test]
+fn egress_gateway_never_dials_a_sandbox() {
+    if !require_root("egress_gateway_never_dials_a_sandbox") {
+        return;
+    }
+    const VICTIM: &str = "192.168.0.4";
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-sandbox-dst-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    // The victim: its own namespace and link; the node routes its address there, the sandbox
+    // routes it through the gateway (so the marks send it to CubeEgress).
+    let victim = TestNetns::new("vic");
+    node.ip(&["link", "add", "vic0", "type", "veth", "peer", "name", "eth0", "netns", victim.name()]);
+    node.ip(&["link", "set", "vic0", "up"]);
+    node.ip(&["route", "add", &format!("{VICTIM}/32"), "dev", "vic0"]);
+    victim.ip(&["addr", "add", &format!("{VICTIM}/18"), "dev", "eth0"]);
+    victim.ip(&["link", "set", "eth0", "up"]);
+    victim.ip(&["route", "add", "default", "dev", "eth0"]);
+    sb.ip(&["route", "add", &format!("{VICTIM}/32"), "via", GATEWAY]);
+    let seen = world_server(&rt, &victim, format!("{VICTIM}:80").parse().unwrap(), None);
+    let _world = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    // Control: the node itself reaches the victim (the path the gateway would take).
+    let o = node.exec(
+        "curl",
+        &["-sS", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{VICTIM}/control")],
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "200", "{}", text(&o));
+    assert_eq!(seen.lock().unwrap().len(), 1);
+
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let audit = dir.join("log/access.jsonl");
+    let gw_cmd = node
+        .command(egress_bin().to_str().unwrap())
+        .stdin(std::process::Stdio::null())
+        .args([
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            "",
+        ])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "sandbox-dst", "rules": [
+        {"id": "victim", "match": {"host": VICTIM}, "action": {"allow": true}},
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200, "{body}");
+
+    // Control: the same kind of rule to a world address is served.
+    let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/ok")]);
+    assert_eq!(code, 200, "{}", text(&o));
+    let (code, body, o) = curl(&sb, &[&format!("http://{VICTIM}/steal")]);
+    assert_eq!(code, 403, "{}", text(&o));
+    assert!(body.contains("destination_is_sandbox"), "{body}");
+    let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, &format!("https://{VICTIM}/steal-tls")]);
+    assert_eq!(code, 0, "TLS to a sandbox address completed: {}", text(&o));
+    let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(paths, ["/control"], "the gateway dialled the victim");
+    let lines = audit_lines(&audit);
+    assert!(has_event(&lines, "security_event", "destination_is_sandbox"), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_is_sandbox"),
+        "{lines:?}"
+    );
     drop(rt);
 }
