@@ -67,6 +67,10 @@ pub struct Config {
     /// Most audit records queued for the writer; newer records are dropped (and counted) when
     /// it is full (default 16384).
     pub audit_queue_capacity: usize,
+    /// Concurrent proxy connections one sandbox may hold; the next is closed at accept
+    /// (decision R18). 0 (default) = max(64, soft descriptor limit / 16), after the soft limit
+    /// was raised to the hard one.
+    pub max_conns_per_sandbox: usize,
 }
 
 impl Default for Config {
@@ -94,6 +98,7 @@ impl Default for Config {
             dns_servers: Vec::new(),
             dns_timeout_ms: 2000,
             audit_queue_capacity: 16_384,
+            max_conns_per_sandbox: 0,
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod audit;
 pub mod bootstrap;
 pub mod certs;
 pub mod config;
+pub mod conns;
 pub mod dest;
 pub mod dns;
 pub mod handoff;
@@ -70,6 +71,8 @@ pub struct App {
     pub drain: watch::Sender<bool>,
     /// The sandbox CIDR (network, mask; host order): never dialled upstream (R17).
     sandbox_net: (Ipv4Addr, u32),
+    /// Live proxy connections per sandbox, bounded (R18).
+    pub conns: Arc<conns::ConnBudget>,
     ids: AtomicU64,
 }
 
@@ -94,6 +97,13 @@ impl App {
             admin_frozen: RwLock::new(false),
             drain: watch::channel(false).0,
             sandbox_net: config::network_of(&cfg.sandbox_cidr)?,
+            conns: conns::ConnBudget::new(match cfg.max_conns_per_sandbox {
+                0 => conns::ConnBudget::auto(conns::raise_nofile()),
+                n => {
+                    conns::raise_nofile();
+                    n
+                }
+            }),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
                     as u64,
@@ -161,7 +171,23 @@ async fn accept_loop(app: Arc<App>, l: TcpListener, scheme: Option<Scheme>, mut 
         // Held by the connection task until it ends: the drain waits for every one of them.
         let drain = app.drain.subscribe();
         match scheme {
-            Some(sc) => tokio::spawn(proxy::serve_conn(app.clone(), s, sc, drain)),
+            Some(sc) => {
+                // One sandbox may not hold every descriptor of the process (R18).
+                let peer = match s.peer_addr() {
+                    Ok(std::net::SocketAddr::V4(p)) => *p.ip(),
+                    _ => continue,
+                };
+                let Some(slot) = app.conns.admit(peer) else {
+                    app.metrics.connections_refused.inc();
+                    tracing::debug!(sandbox = %peer, "connection refused: the sandbox holds its whole budget");
+                    continue;
+                };
+                let app = app.clone();
+                tokio::spawn(async move {
+                    proxy::serve_conn(app, s, sc, drain).await;
+                    drop(slot);
+                })
+            }
             None => tokio::spawn(serve_admin(app.clone(), s, drain)),
         };
     }

@@ -14,7 +14,8 @@
 //! handoff socket); `egress_gateway_fails_closed_without_audit` gives it an audit file it cannot
 //! write (`/dev/full`): nothing may be forwarded (E20); `egress_gateway_request_confusion` sends
 //! hand-written requests naming two hosts or smuggling a second request (R14);
-//! `egress_gateway_never_dials_a_sandbox` points an allowed rule at another sandbox (R17).
+//! `egress_gateway_never_dials_a_sandbox` points an allowed rule at another sandbox (R17);
+//! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18).
 
 use std::{
     convert::Infallible,
@@ -1204,4 +1205,81 @@ fn egress_gateway_never_dials_a_sandbox() {
         "{lines:?}"
     );
     drop(rt);
+}
+
+/// Attack (R18): one sandbox (192.168.0.2, no policy needed) opens 300 connections to the
+/// gateway and holds them idle, in a gateway whose descriptor limit is 256 (`prlimit`; the
+/// limit is per process, the budget is derived from it). Property: another sandbox's request is
+/// still served; the flood beyond the budget is closed at accept and counted.
+#[test]
+fn egress_gateway_connection_flood_starves_no_other_sandbox() {
+    if !require_root("egress_gateway_connection_flood_starves_no_other_sandbox") {
+        return;
+    }
+    const FLOOD: usize = 300;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-connflood-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let egress = egress_bin();
+    let gw_cmd = node
+        .command("prlimit")
+        .stdin(std::process::Stdio::null())
+        .args(["--nofile=256:256", egress.to_str().unwrap()])
+        .args(["--sandbox-cidr", "192.168.0.0/18", "--ca-dir", dir.join("ca").to_str().unwrap()])
+        .args(["--audit-file", dir.join("log/access.jsonl").to_str().unwrap(), "--bootstrap-url", ""])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "victim", "rules": [
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{UNKNOWN_IP}")]);
+    assert_eq!(code, 200, "{body}");
+
+    // The flood: FLOOD idle connections from the attacker's address (the namespace's first,
+    // 192.168.0.2), held open.
+    let to: SocketAddr = format!("{WORLD}:80").parse().unwrap();
+    let held: Vec<std::net::TcpStream> = sb.run(move || {
+        (0..FLOOD)
+            .map(|_| std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect"))
+            .collect()
+    });
+    assert_eq!(held.len(), FLOOD);
+
+    // The victim's request, queued behind the whole flood, is served.
+    let (code, _, o) = curl(&sb, &["--interface", UNKNOWN_IP, &format!("http://{WORLD}/victim")]);
+    assert_eq!(code, 200, "the victim was starved: {}", text(&o));
+    assert!(seen.lock().unwrap().iter().any(|r| r.path == "/victim"));
+    // How: the attacker kept its budget (256 / 16 → the minimum, 64); the rest was closed.
+    let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
+    let refused = format!("cube_egress_connections_refused_total {}", FLOOD - egress::MIN_AUTO);
+    assert!(metrics.contains(&refused), "{refused} missing:\n{metrics}");
+    drop(held);
+    drop(rt);
+}
+
+mod egress {
+    /// `cube_egress::conns::MIN_AUTO` (the test crate does not link the gateway).
+    pub const MIN_AUTO: usize = 64;
 }
