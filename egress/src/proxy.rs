@@ -39,7 +39,9 @@ use crate::{
     audit::{redact_query, redacted_headers},
     certs::{CertName, MintError},
     dest::Unbound,
-    policy::{AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host},
+    policy::{
+        AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host, normalize_request_path,
+    },
 };
 
 /// Response body type of the proxy.
@@ -320,6 +322,10 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         // One sandbox never reaches another, not even through the gateway's upstream leg (R17).
         return Ok(deny(&app, rec, "destination_is_sandbox", true, started).await);
     }
+    // Rules see the path the server behind will resolve, not the raw one (R19).
+    let Some(path) = normalize_request_path(&path) else {
+        return Ok(refuse(&app, rec, StatusCode::BAD_REQUEST, "bad_path", true, started).await);
+    };
     let status = app.store.status();
     if !status.serving() {
         return Ok(deny(&app, rec, &format!("bootstrap_not_ready:{}", status.as_str()), true, started).await);
