@@ -343,6 +343,16 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         dst: *ctx.dst.ip(),
         port: ctx.dst.port(),
     };
+    // HTTPS with a Host other than the SNI: the connection goes to the SNI's server whatever
+    // the Host says, so a deny rule naming the SNI's host applies too (R20).
+    if ctx.scheme == Scheme::Https
+        && let Some(sni) = ctx.sni.as_deref()
+        && host.as_deref().map(normalize_request_host) != Some(normalize_request_host(sni))
+        && let Verdict::Deny(i) = policy.evaluate(&RequestFacts { host: Some(sni), ..facts })
+    {
+        rec.set(&["policy", "matched_rule"], json!(policy.rules[i].id));
+        return Ok(deny(&app, rec, "rule_deny_sni", true, started).await);
+    }
     let idx = match policy.evaluate(&facts) {
         Verdict::NoMatch => return Ok(deny(&app, rec, "no_rule_match", true, started).await),
         Verdict::Deny(i) => {

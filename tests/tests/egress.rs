@@ -993,6 +993,7 @@ fn raw_http(ns: &TestNetns, to: &str, raw: &[u8]) -> String {
 ///    request hidden in the body of an allowed one must never reach the world.
 /// 3. An absolute-form target naming a foreign host beside the allowed `Host`.
 /// 4. Paths that resolve to the denied `/admin…` on the server but are not written so (R19).
+/// 5. HTTPS whose SNI names a denied host and whose Host an allowed one (R20).
 #[test]
 fn egress_gateway_request_confusion() {
     if !require_root("egress_gateway_request_confusion") {
@@ -1009,6 +1010,16 @@ fn egress_gateway_request_confusion() {
     std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
     std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let world_ca = tls::make_ca("world test CA");
+    std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
+    let names = ["secret.example.test", "other.example.test"];
+    let seen_tls = world_server(
+        &rt,
+        world,
+        format!("{WORLD}:443").parse().unwrap(),
+        Some(tls::server_config_names(&world_ca, &names)),
+    );
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
     let _dns = world_dns(world, &[("api.example.test", WORLD), ("evil.example.test", WORLD)]);
     let _down = NetDown(node);
     let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
@@ -1027,6 +1038,8 @@ fn egress_gateway_request_confusion() {
             audit.to_str().unwrap(),
             "--bootstrap-url",
             "",
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
         ])
         .spawn()
         .unwrap();
@@ -1044,7 +1057,9 @@ fn egress_gateway_request_confusion() {
     let pol = json!({"policy_id": "confusion", "rules": [
         {"id": "no-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
         {"id": "web", "match": {"host": "api.example.test"},
-         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}}
+         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}},
+        {"id": "no-secret", "match": {"host": "secret.example.test"}, "action": {"allow": false}},
+        {"id": "tls-any", "match": {"host": "*.example.test", "scheme": "https"}, "action": {"allow": true}}
     ]});
     let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
     assert_eq!(code, 200, "{body}");
@@ -1102,6 +1117,29 @@ fn egress_gateway_request_confusion() {
     assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
     let ok = raw_http(&sb, &to, b"GET /pub/./x HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+
+    // 5. HTTPS to the denied host's server (SNI) with an allowed Host: the connection reaches
+    //    the SNI's server whatever the Host says, so the deny rule applies (R20).
+    let other = format!("other.example.test:443:{WORLD}");
+    let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, "--resolve", &other, "https://other.example.test/ok-tls"]);
+    assert_eq!(code, 200, "control: {}", text(&o));
+    let secret = format!("secret.example.test:443:{WORLD}");
+    let (code, body, o) = curl(
+        &sb,
+        &[
+            "--cacert",
+            &ca_arg,
+            "--resolve",
+            &secret,
+            "-H",
+            "Host: other.example.test",
+            "https://secret.example.test/fronted",
+        ],
+    );
+    assert_eq!(code, 403, "fronted past the deny rule: {}", text(&o));
+    assert!(body.contains("rule_deny_sni"), "{body}");
+    let tls_paths: Vec<String> = seen_tls.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(tls_paths, ["/ok-tls"], "the denied host's server saw a request");
 
     let s = seen.lock().unwrap().clone();
     let listing: Vec<String> = s.iter().map(|r| format!("{} {:?}", r.path, r.header("host"))).collect();
