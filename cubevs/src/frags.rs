@@ -23,8 +23,11 @@ pub struct FragEntry {
     pub proto: u8,
     /// Sandbox interface the later fragments go to.
     pub ifindex: u32,
-    /// Sandbox version of the session the first fragment matched.
+    /// Sandbox version of the session the first fragment matched (without the ambiguity bit).
     pub version: u32,
+    /// Another sandbox's first fragment named this entry's key while it was live: its later
+    /// fragments are dropped until it expires ([`cubevs_common::FRAG_AMBIGUOUS`], decision R16).
+    pub ambiguous: bool,
     /// Expiry, CLOCK_MONOTONIC ns.
     pub expires_ns: u64,
     /// Charged to its sandbox version and the node (made by an object with the tracking
@@ -59,7 +62,8 @@ impl FragTable {
                 ip_id: u16::from_be(k.ip_id),
                 proto: k.proto,
                 ifindex: t.ifindex,
-                version: t.version,
+                version: t.version & !cubevs_common::FRAG_AMBIGUOUS,
+                ambiguous: t.version & cubevs_common::FRAG_AMBIGUOUS != 0,
                 expires_ns: t.expires_ns,
                 charged: k._pad == cubevs_common::track::FRAG_CHARGED,
             })
@@ -70,7 +74,8 @@ impl FragTable {
     /// is re-read right before its delete and kept when the datapath rewrote it meanwhile (a
     /// new datagram with the same key). Each charged entry this delete removed is given back to
     /// its owner and the node (decision Q6; the datapath never deletes entries and never gives
-    /// a key to another owner, so the owner read here is the one charged). Errors: `Map` for a
+    /// a key to another owner, so the owner read here is the one charged; an ambiguous entry's
+    /// owner is its version without [`cubevs_common::FRAG_AMBIGUOUS`], R16). Errors: `Map` for a
     /// failed delete.
     pub fn reap(&self, now_ns: u64) -> Result<usize, Error> {
         let mut m = self.inner.lock().expect("frag lock");
@@ -84,9 +89,10 @@ impl FragTable {
                 _ => continue,
             }
             match m.remove(&k) {
-                Ok(()) if k._pad == cubevs_common::track::FRAG_CHARGED => {
-                    owners.push(cubevs_common::QuotaKey { ifindex: t.ifindex, version: t.version })
-                }
+                Ok(()) if k._pad == cubevs_common::track::FRAG_CHARGED => owners.push(cubevs_common::QuotaKey {
+                    ifindex: t.ifindex,
+                    version: t.version & !cubevs_common::FRAG_AMBIGUOUS,
+                }),
                 Ok(()) => {}
                 Err(e) if crate::error::is_not_found(&e) => continue,
                 Err(e) => return Err(Error::map(map::FRAG_SESSIONS, "delete")(e)),

@@ -346,6 +346,60 @@ fn strict_ipv4(s: &str) -> Option<Ipv4Addr> {
     Some(Ipv4Addr::from(o))
 }
 
+/// The path rules are matched against, as upstream's `ngx.var.uri` (nginx `$uri`): every
+/// `%XX` decoded, `.` and `..` segments resolved, repeated slashes merged; a trailing slash
+/// kept. `None` when the path cannot be normalised (a bad `%` escape, decoded bytes that are
+/// not UTF-8, a `..` above the root, or not starting with `/`): such a request is refused,
+/// as nginx answers it 400. Matching the raw path instead let `/v1/../admin` pass an allow
+/// rule for `/v1/*` and `/%61dmin` pass a deny rule for `/admin*`, while the server behind
+/// resolves both to `/admin` (decision R19).
+pub fn normalize_request_path(raw: &str) -> Option<String> {
+    let b = raw.as_bytes();
+    if b.first() != Some(&b'/') {
+        return None;
+    }
+    let mut dec = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = |c: u8| (c as char).to_digit(16);
+            let (h, l) = (hex(*b.get(i + 1)?)?, hex(*b.get(i + 2)?)?);
+            dec.push((h * 16 + l) as u8);
+            i += 3;
+        } else {
+            dec.push(b[i]);
+            i += 1;
+        }
+    }
+    let dec = String::from_utf8(dec).ok()?;
+    let mut out: Vec<&str> = Vec::new();
+    let segs: Vec<&str> = dec.split('/').collect();
+    let last = segs.len() - 1;
+    let mut trailing = false;
+    for (n, seg) in segs.iter().enumerate() {
+        match *seg {
+            "" | "." => trailing = n == last && n > 0,
+            ".." => {
+                out.pop()?;
+                trailing = n == last;
+            }
+            s => {
+                out.push(s);
+                trailing = false;
+            }
+        }
+    }
+    let mut p = String::with_capacity(dec.len());
+    for s in &out {
+        p.push('/');
+        p.push_str(s);
+    }
+    if p.is_empty() || trailing {
+        p.push('/');
+    }
+    Some(p)
+}
+
 /// Normalises a request-side host (Host header, `:authority` or SNI): lower-case, port and
 /// trailing dot removed, IPv6 brackets kept.
 pub fn normalize_request_host(h: &str) -> String {
@@ -700,6 +754,28 @@ fn connection_name(sni: Option<&str>, dst: Ipv4Addr) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_are_normalised_like_nginx_uri() {
+        let n = |p: &str| normalize_request_path(p);
+        for (raw, want) in [
+            ("/", "/"),
+            ("/v1/x", "/v1/x"),
+            ("/v1/../admin", "/admin"),
+            ("/%61dmin/x", "/admin/x"),
+            ("//admin", "/admin"),
+            ("/./admin/./x/", "/admin/x/"),
+            ("/a/b/..", "/a/"),
+            ("/a/..", "/"),
+            ("/v1%2F..%2Fadmin", "/admin"),
+            ("/caf%C3%A9", "/café"),
+        ] {
+            assert_eq!(n(raw).as_deref(), Some(want), "{raw}");
+        }
+        for bad in ["", "admin", "/..", "/a/../..", "/%", "/%4", "/%zz", "/%ff"] {
+            assert_eq!(n(bad), None, "{bad}");
+        }
+    }
 
     fn pol(json: &str) -> Policy {
         Policy::from_json(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))

@@ -67,6 +67,10 @@ pub struct Config {
     /// Most audit records queued for the writer; newer records are dropped (and counted) when
     /// it is full (default 16384).
     pub audit_queue_capacity: usize,
+    /// Concurrent proxy connections one sandbox may hold; the next is closed at accept
+    /// (decision R18). 0 (default) = max(64, soft descriptor limit / 16), after the soft limit
+    /// was raised to the hard one.
+    pub max_conns_per_sandbox: usize,
 }
 
 impl Default for Config {
@@ -94,6 +98,7 @@ impl Default for Config {
             dns_servers: Vec::new(),
             dns_timeout_ms: 2000,
             audit_queue_capacity: 16_384,
+            max_conns_per_sandbox: 0,
         }
     }
 }
@@ -248,6 +253,12 @@ impl Config {
 
 /// Network address + 1 of an IPv4 CIDR such as `192.168.0.0/18` (→ 192.168.0.1).
 pub fn gateway_of(cidr: &str) -> anyhow::Result<Ipv4Addr> {
+    let (net, _) = network_of(cidr)?;
+    Ok(Ipv4Addr::from(u32::from(net) + 1))
+}
+
+/// The network address and mask (host order) of the sandbox CIDR `a.b.c.d/len` (len ≤ 30).
+pub fn network_of(cidr: &str) -> anyhow::Result<(Ipv4Addr, u32)> {
     let (addr, len) = cidr.split_once('/').with_context(|| format!("sandbox_cidr {cidr:?}: expected a.b.c.d/len"))?;
     let addr: Ipv4Addr = addr.parse().with_context(|| format!("sandbox_cidr {cidr:?}: bad address"))?;
     let len: u32 = len.parse().with_context(|| format!("sandbox_cidr {cidr:?}: bad prefix length"))?;
@@ -255,7 +266,7 @@ pub fn gateway_of(cidr: &str) -> anyhow::Result<Ipv4Addr> {
         bail!("sandbox_cidr {cidr:?}: prefix must be /30 or shorter");
     }
     let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-    Ok(Ipv4Addr::from((u32::from(addr) & mask) + 1))
+    Ok((Ipv4Addr::from(u32::from(addr) & mask), mask))
 }
 
 #[cfg(test)]
@@ -268,6 +279,7 @@ mod tests {
         assert_eq!(gateway_of("10.1.77.9/16").unwrap(), Ipv4Addr::new(10, 1, 0, 1));
         assert!(gateway_of("10.0.0.0").is_err());
         assert!(gateway_of("10.0.0.0/31").is_err());
+        assert_eq!(network_of("192.168.7.9/18").unwrap(), (Ipv4Addr::new(192, 168, 0, 0), 0xffff_c000));
     }
 
     #[test]

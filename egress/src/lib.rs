@@ -15,6 +15,7 @@ pub mod audit;
 pub mod bootstrap;
 pub mod certs;
 pub mod config;
+pub mod conns;
 pub mod dest;
 pub mod dns;
 pub mod handoff;
@@ -26,6 +27,7 @@ pub mod proxy;
 pub mod store;
 
 use std::{
+    net::Ipv4Addr,
     sync::{
         Arc, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -67,6 +69,10 @@ pub struct App {
     pub admin_frozen: RwLock<bool>,
     /// `true` once the process drains; every open connection holds a receiver (E19).
     pub drain: watch::Sender<bool>,
+    /// The sandbox CIDR (network, mask; host order): never dialled upstream (R17).
+    sandbox_net: (Ipv4Addr, u32),
+    /// Live proxy connections per sandbox, bounded (R18).
+    pub conns: Arc<conns::ConnBudget>,
     ids: AtomicU64,
 }
 
@@ -90,11 +96,26 @@ impl App {
             dest: dest::Destinations::new(cfg.dns_servers()?, Duration::from_millis(cfg.dns_timeout_ms)),
             admin_frozen: RwLock::new(false),
             drain: watch::channel(false).0,
+            sandbox_net: config::network_of(&cfg.sandbox_cidr)?,
+            conns: conns::ConnBudget::new(match cfg.max_conns_per_sandbox {
+                0 => conns::ConnBudget::auto(conns::raise_nofile()),
+                n => {
+                    conns::raise_nofile();
+                    n
+                }
+            }),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
                     as u64,
             ),
         })
+    }
+
+    /// True when `ip` is in the sandbox CIDR: a sandbox (or cube-dev) address, which the
+    /// gateway never dials, whatever a rule or a learned name says (decision R17).
+    pub fn is_sandbox_addr(&self, ip: Ipv4Addr) -> bool {
+        let (net, mask) = self.sandbox_net;
+        u32::from(ip) & mask == u32::from(net)
     }
 
     /// A process-unique id (connection ids in audit `request_id`s).
@@ -150,7 +171,23 @@ async fn accept_loop(app: Arc<App>, l: TcpListener, scheme: Option<Scheme>, mut 
         // Held by the connection task until it ends: the drain waits for every one of them.
         let drain = app.drain.subscribe();
         match scheme {
-            Some(sc) => tokio::spawn(proxy::serve_conn(app.clone(), s, sc, drain)),
+            Some(sc) => {
+                // One sandbox may not hold every descriptor of the process (R18).
+                let peer = match s.peer_addr() {
+                    Ok(std::net::SocketAddr::V4(p)) => *p.ip(),
+                    _ => continue,
+                };
+                let Some(slot) = app.conns.admit(peer) else {
+                    app.metrics.connections_refused.inc();
+                    tracing::debug!(sandbox = %peer, "connection refused: the sandbox holds its whole budget");
+                    continue;
+                };
+                let app = app.clone();
+                tokio::spawn(async move {
+                    proxy::serve_conn(app, s, sc, drain).await;
+                    drop(slot);
+                })
+            }
             None => tokio::spawn(serve_admin(app.clone(), s, drain)),
         };
     }

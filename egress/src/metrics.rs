@@ -20,6 +20,8 @@ pub struct Metrics {
     pub mint_rate_limited: IntCounter,
     /// TLS connections refused before minting (SNI denied or no policy).
     pub handshakes_refused: IntCounter,
+    /// Connections closed at accept: their sandbox held its whole connection budget (R18).
+    pub connections_refused: IntCounter,
     /// Upstream failures by `kind` (`connect`, `tls`, `timeout`, `other`).
     pub upstream_errors: IntCounterVec,
     /// Audit records dropped because the writer's queue was full.
@@ -48,6 +50,8 @@ impl Metrics {
         let cert_cache_hits = c("cube_egress_cert_cache_hits_total", "Leaf certificate cache hits");
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
+        let connections_refused =
+            c("cube_egress_connections_refused_total", "Connections closed at accept: the sandbox's budget was full");
         let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
         let audit_refused = c(
             "cube_egress_audit_refused_total",
@@ -73,6 +77,7 @@ impl Metrics {
             &cert_cache_hits,
             &mint_rate_limited,
             &handshakes_refused,
+            &connections_refused,
             &audit_dropped,
             &audit_refused,
         ] {
@@ -91,6 +96,7 @@ impl Metrics {
             cert_cache_hits,
             mint_rate_limited,
             handshakes_refused,
+            connections_refused,
             upstream_errors,
             audit_dropped,
             audit_refused,

@@ -39,7 +39,9 @@ use crate::{
     audit::{redact_query, redacted_headers},
     certs::{CertName, MintError},
     dest::Unbound,
-    policy::{AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host},
+    policy::{
+        AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host, normalize_request_path,
+    },
 };
 
 /// Response body type of the proxy.
@@ -204,6 +206,9 @@ async fn serve_tls(
             "security": {"reason": reason},
         }));
     };
+    if app.is_sandbox_addr(*dst.ip()) {
+        return refuse("destination_is_sandbox".into());
+    }
     let status = app.store.status();
     if !status.serving() {
         return refuse(format!("bootstrap_not_ready:{}", status.as_str()));
@@ -278,6 +283,7 @@ impl Record {
 async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
     let started = Instant::now();
     let n = ctx.reqs.fetch_add(1, Ordering::Relaxed);
+    let ambiguous = ambiguous_host(&req);
     let host = req
         .headers()
         .get(header::HOST)
@@ -307,6 +313,19 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
             "redacted_request_headers": redacted_headers(req.headers()),
         }),
     };
+    if ambiguous {
+        // Decided on one name, forwarded with another one beside it: refused before the policy
+        // (RFC 9112 §3.2: 400), so neither the decision nor a credential follows it (R14).
+        return Ok(refuse(&app, rec, StatusCode::BAD_REQUEST, "ambiguous_host", true, started).await);
+    }
+    if app.is_sandbox_addr(*ctx.dst.ip()) {
+        // One sandbox never reaches another, not even through the gateway's upstream leg (R17).
+        return Ok(deny(&app, rec, "destination_is_sandbox", true, started).await);
+    }
+    // Rules see the path the server behind will resolve, not the raw one (R19).
+    let Some(path) = normalize_request_path(&path) else {
+        return Ok(refuse(&app, rec, StatusCode::BAD_REQUEST, "bad_path", true, started).await);
+    };
     let status = app.store.status();
     if !status.serving() {
         return Ok(deny(&app, rec, &format!("bootstrap_not_ready:{}", status.as_str()), true, started).await);
@@ -324,6 +343,16 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         dst: *ctx.dst.ip(),
         port: ctx.dst.port(),
     };
+    // HTTPS with a Host other than the SNI: the connection goes to the SNI's server whatever
+    // the Host says, so a deny rule naming the SNI's host applies too (R20).
+    if ctx.scheme == Scheme::Https
+        && let Some(sni) = ctx.sni.as_deref()
+        && host.as_deref().map(normalize_request_host) != Some(normalize_request_host(sni))
+        && let Verdict::Deny(i) = policy.evaluate(&RequestFacts { host: Some(sni), ..facts })
+    {
+        rec.set(&["policy", "matched_rule"], json!(policy.rules[i].id));
+        return Ok(deny(&app, rec, "rule_deny_sni", true, started).await);
+    }
     let idx = match policy.evaluate(&facts) {
         Verdict::NoMatch => return Ok(deny(&app, rec, "no_rule_match", true, started).await),
         Verdict::Deny(i) => {
@@ -355,10 +384,43 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
 /// Answers 403 once the request's `http_request` record (after its `security_event` when
 /// `security`) is written: a client never sees an answer whose record a crash could lose (E20).
 /// When the record cannot be written the answer is still 403 (nothing was forwarded).
-async fn deny(app: &App, mut rec: Record, reason: &str, security: bool, started: Instant) -> Response<ProxyBody> {
+async fn deny(app: &App, rec: Record, reason: &str, security: bool, started: Instant) -> Response<ProxyBody> {
+    refuse(app, rec, StatusCode::FORBIDDEN, reason, security, started).await
+}
+
+/// True when the request names more than one host: several `Host` field lines, or a target
+/// authority (HTTP/1 absolute form, HTTP/2 `:authority`) other than the `Host` line (port,
+/// case and a trailing dot ignored). RFC 9112 §3.2 makes several `Host` lines a 400; the
+/// policy would decide on the first while a server or CDN that keeps the last one routes the
+/// request, injected credential included, to another site (decision R14).
+fn ambiguous_host<B>(req: &Request<B>) -> bool {
+    let mut names = req.headers().get_all(header::HOST).iter().map(|v| match v.to_str() {
+        Ok(v) => normalize_request_host(v),
+        // Not text: never equal to a name, so it makes a second host.
+        Err(_) => String::from("\u{0}"),
+    });
+    let first = names.next();
+    if names.next().is_some() {
+        return true;
+    }
+    match (first, req.uri().authority()) {
+        (Some(h), Some(a)) => normalize_request_host(a.as_str()) != h,
+        _ => false,
+    }
+}
+
+/// [`deny`] with another status (400 for a request no policy can decide on).
+async fn refuse(
+    app: &App,
+    mut rec: Record,
+    status: StatusCode,
+    reason: &str,
+    security: bool,
+    started: Instant,
+) -> Response<ProxyBody> {
     app.metrics.requests.with_label_values(&["deny"]).inc();
     rec.set(&["policy", "decision"], json!("deny"));
-    rec.set(&["http", "status"], json!(403));
+    rec.set(&["http", "status"], json!(status.as_u16()));
     rec.set(&["security", "reason"], json!(reason));
     rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
     if security {
@@ -371,7 +433,8 @@ async fn deny(app: &App, mut rec: Record, reason: &str, security: bool, started:
         tracing::warn!(error = %e, "deny record not written");
     }
     app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
-    plain(StatusCode::FORBIDDEN, &format!("forbidden by cube-egress: {reason}"))
+    let what = if status == StatusCode::FORBIDDEN { "forbidden" } else { "refused" };
+    plain(status, &format!("{what} by cube-egress: {reason}"))
 }
 
 /// Why an injection gate failed, or `None` when credentials may be injected.
@@ -610,6 +673,25 @@ mod tests {
         assert_eq!(inject_gate(Scheme::Http, None, Some("api.test"), false), Some("inject_plain_http_not_allowed"));
         assert_eq!(inject_gate(Scheme::Http, None, Some("api.test"), true), None);
         assert_eq!(inject_gate(Scheme::Http, None, None, true), Some("inject_missing_host"));
+    }
+
+    #[test]
+    fn ambiguous_hosts() {
+        let req = |target: &str, hosts: &[&[u8]]| {
+            let mut b = Request::builder().uri(target);
+            for h in hosts {
+                b = b.header(header::HOST, HeaderValue::from_bytes(h).unwrap());
+            }
+            b.body(()).unwrap()
+        };
+        assert!(!ambiguous_host(&req("/", &[b"api.test"])));
+        assert!(!ambiguous_host(&req("/", &[])));
+        assert!(!ambiguous_host(&req("http://api.test/x", &[])));
+        assert!(!ambiguous_host(&req("http://API.test:80/x", &[b"api.test."])));
+        assert!(ambiguous_host(&req("/", &[b"api.test", b"evil.test"])));
+        assert!(ambiguous_host(&req("/", &[b"api.test", b"api.test"])));
+        assert!(ambiguous_host(&req("http://evil.test/x", &[b"api.test"])));
+        assert!(ambiguous_host(&req("http://api.test/x", &[b"api.test\xff"])));
     }
 
     #[test]

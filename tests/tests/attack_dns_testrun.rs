@@ -4,6 +4,11 @@
 //! name between B's query and B's response. Property: a sandbox's flood never changes what
 //! another sandbox learns (decision R11: the map never evicts, each sandbox's inserts are
 //! budgeted, so A's flood stops only A's own tracking).
+//!
+//! Second attack: a sandbox whose allowed name it controls (its own domain, or any name whose
+//! records it can set) answers with always-denied addresses (cloud metadata 169.254.169.254,
+//! the node's private network, loopback, the sandbox CIDR). Property: a DNS answer never
+//! opens what the baseline always denies (decision R15); public answers are still learned.
 
 use std::net::Ipv4Addr;
 
@@ -15,7 +20,12 @@ use cubenet_tests::{
     rig::{Rig, SB_IFINDEX},
     topology::{NODE_IP, WORLD_IP},
 };
-use cubevs::{EgressPolicy, SandboxEntry, policy::FqdnAllow, prog, testrun::TC_ACT_REDIRECT};
+use cubevs::{
+    EgressPolicy, SandboxEntry,
+    policy::FqdnAllow,
+    prog,
+    testrun::{TC_ACT_REDIRECT, TC_ACT_SHOT},
+};
 use cubevs_common::{counter, limits};
 
 const RESOLVER: [u8; 4] = WORLD_IP;
@@ -124,4 +134,36 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     assert!(over > 0, "A's budget refused part of the flood");
     let a_tracked = r.maps.policy.dns_queries(Some(SB_IFINDEX)).len();
     assert!(a_tracked as u64 <= tracked, "A holds only what it was let track: {a_tracked}");
+}
+
+#[test]
+fn a_dns_answer_never_opens_an_always_denied_address() {
+    if !require_root("attack_dns_testrun a_dns_answer_never_opens_an_always_denied_address") {
+        return;
+    }
+    let r = Rig::new();
+    r.maps.policy.replace(SB_IFINDEX, &policy()).expect("policy");
+    // Every always-denied range (`cubevs::policy::BASELINE_DENY`), then a public control.
+    let denied: [[u8; 4]; 6] =
+        [[169, 254, 169, 254], [10, 0, 0, 5], [127, 0, 0, 1], [172, 16, 0, 1], [192, 168, 0, 4], [172, 31, 255, 254]];
+    let answers: Vec<_> = denied.iter().copied().chain([ADDR1]).map(|ip| a(Owner::Question, ip, 600)).collect();
+    let snat = query(&r, SB_IFINDEX, 40000, 0x0a01);
+    let msg = dns::response(0x0a01, "api.example.com", &answers);
+    let out = r.world(udp(r.world_mac, r.up_mac, RESOLVER, NODE_IP, 53, snat, &msg));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT, "the answer itself is delivered to the guest");
+    assert_eq!(learned(&r, SB_IFINDEX), [Ipv4Addr::from(ADDR1)], "only the public answer is learned");
+    assert_eq!(r.maps.counters.get(counter::DNS_RESP_NOT_PUBLIC).unwrap(), denied.len() as u64);
+
+    // The guest then dials them: every always-denied one is refused, the public one leaves.
+    for (i, ip) in denied.iter().enumerate() {
+        let deny0 = r.maps.counters.get(counter::CUBE_DENY).unwrap();
+        let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, *ip, 41000 + i as u16, 80, b"GET / HTTP/1.0\r\n\r\n");
+        let v = r.run(prog::FROM_CUBE, f, SB_IFINDEX).verdict;
+        assert_eq!(v, TC_ACT_SHOT, "{} reached through a DNS answer", Ipv4Addr::from(*ip));
+        assert_eq!(r.maps.counters.get(counter::CUBE_DENY).unwrap(), deny0 + 1, "{}", Ipv4Addr::from(*ip));
+    }
+    let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, ADDR1, 42000, 80, b"x");
+    assert_eq!(r.run(prog::FROM_CUBE, f, SB_IFINDEX).verdict, TC_ACT_REDIRECT, "the learned public address");
+    let to_denied = r.maps.sessions.list().unwrap().into_iter().filter(|s| denied.contains(&s.remote_ip.octets()));
+    assert_eq!(to_denied.count(), 0, "no session to an always-denied address");
 }

@@ -4,6 +4,13 @@
 //! to A's own session, between the first and the later fragment of a reply to sandbox B.
 //! Property: B's fragmented reply is still delivered whole (decision R12: the map never
 //! evicts, each sandbox's inserts are budgeted, so the flood stops only A's own tracking).
+//!
+//! Second attack: later fragments carry no ports, so they are matched by `{server, node
+//! address, IP id, proto}`, and the IP id is the server's choice (one counter per destination
+//! on Linux: every sandbox behind the node address shares it). Sandbox B makes a resolver both
+//! sandboxes use send it a fragmented answer with the IP id of A's answer in flight (it winds
+//! the counter with small queries). Property: A's later fragments never reach B (decision R16:
+//! the colliding entry becomes ambiguous and what follows it is dropped).
 
 use std::net::Ipv4Addr;
 
@@ -11,14 +18,14 @@ use cubenet_tests::{
     frames::{fragment, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    rig::{Rig, SB_IFINDEX},
+    rig::{Rig, SB_IFINDEX, VERSION},
     topology::{NODE_IP, WORLD_IP},
 };
 use cubevs::{
     SandboxEntry, prog,
-    testrun::{TC_ACT_OK, TC_ACT_REDIRECT},
+    testrun::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
-use cubevs_common::{counter, limits};
+use cubevs_common::{budget::KIND_FRAG, counter, limits};
 
 const B_IFINDEX: u32 = 101;
 /// The attacker's server (TEST-NET-3; routed via the world).
@@ -111,4 +118,73 @@ fn a_fragment_flood_never_loses_another_sandboxs_fragmented_reply() {
     assert!(r.maps.frags.list(None).is_empty());
     let (_, d2) = fragment(&udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 53, b_port, &answer), 0x4343, 24);
     assert_eq!(r.world(d2).verdict, TC_ACT_OK, "a reaped entry is not followed");
+}
+
+#[test]
+fn a_colliding_ip_id_never_delivers_another_sandboxs_fragment() {
+    if !require_root("attack_frag_testrun a_colliding_ip_id_never_delivers_another_sandboxs_fragment") {
+        return;
+    }
+    let r = Rig::new();
+    r.add_sandbox(&SandboxEntry {
+        ifindex: B_IFINDEX,
+        ip: Ipv4Addr::new(192, 168, 0, 4),
+        version: 3,
+        id: "sb-b".into(),
+    });
+    let a_port = open(&r, SB_IFINDEX, WORLD_IP, 53);
+    let b_port = open(&r, B_IFINDEX, WORLD_IP, 53);
+    let b_in = || r.maps.sandbox_stats.get(B_IFINDEX).unwrap().map_or(0, |c| c.in_packets);
+    let (wm, um) = (r.world_mac, r.up_mac);
+    let secret: Vec<u8> = b"A's answer, second half: SECRET-A-0123456789abcdefgh".to_vec();
+
+    // Control: without a collision A's answer arrives whole, in A.
+    let (a1, a2) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x1000, 24);
+    assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT);
+    let out = r.world(a2);
+    assert_eq!(out.verdict, TC_ACT_REDIRECT, "A's later fragment (control)");
+    assert_eq!(r.maps.frags.list(Some(SB_IFINDEX)).len(), 1);
+
+    // A's answer 0x2000: first fragment in; then B's answer with the same IP id; then A's
+    // later fragment.
+    let (a1, a2) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x2000, 24);
+    let (b1, b2) =
+        fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, b_port, b"B's own answer, 40 bytes long......."), 0x2000, 24);
+    assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT, "A's first fragment");
+    assert_eq!(r.world(b1).verdict, TC_ACT_REDIRECT, "B's first fragment (its own session)");
+    let before = b_in();
+    let out = r.world(a2);
+    assert_ne!(out.verdict, TC_ACT_REDIRECT, "A's later fragment was delivered (to B: {} → {})", before, b_in());
+    assert_eq!(b_in(), before, "B was charged a packet of A's");
+    assert_eq!(out.verdict, TC_ACT_SHOT);
+    // B's own later fragment is ambiguous too: dropped, not delivered into A.
+    assert_eq!(r.world(b2).verdict, TC_ACT_SHOT);
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_AMBIGUOUS).unwrap(), 3, "collision + two later fragments");
+    assert!(r.maps.frags.list(Some(B_IFINDEX)).is_empty(), "B never owns A's entry");
+    // The entry keeps its owner (A, whose charge the reaper gives back) and is marked.
+    let marked: Vec<_> = r.maps.frags.list(Some(SB_IFINDEX)).into_iter().filter(|e| e.ip_id == 0x2000).collect();
+    assert_eq!(marked.len(), 1, "{marked:?}");
+    assert!(marked[0].ambiguous && marked[0].charged && marked[0].version == VERSION, "{marked:?}");
+    // A repeating its first fragment (its server retransmits) renews the entry but keeps the
+    // mark: B's later fragment is still not delivered into A.
+    let (a1r, _) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x2000, 24);
+    assert_eq!(r.world(a1r).verdict, TC_ACT_REDIRECT, "A's repeated first fragment");
+    let (_, b2r) =
+        fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, b_port, b"B's own answer, 40 bytes long......."), 0x2000, 24);
+    assert_eq!(r.world(b2r).verdict, TC_ACT_SHOT, "the mark survives the owner's repeat");
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_AMBIGUOUS).unwrap(), 4);
+    // Reaped, the marked entry's charge goes back to A, exactly (Q6): nothing leaks from the
+    // node count however many collisions two sandboxes make.
+    let a_live = || r.maps.track.usage(SB_IFINDEX, VERSION, KIND_FRAG).unwrap().map_or(0, |u| u.live());
+    assert_eq!(a_live(), 2, "A's two entries (0x1000, 0x2000) are charged to A");
+    r.maps.frags.reap(u64::MAX).expect("reap");
+    assert_eq!(a_live(), 0, "the marked entry's charge was given back to its owner");
+    assert_eq!(r.maps.track.state(KIND_FRAG).unwrap().node.live(), 0, "node count back to 0");
+
+    // The same sandbox repeating an id (a retransmitted datagram) is no collision.
+    let (a1, a2) = fragment(&udp(wm, um, WORLD_IP, NODE_IP, 53, a_port, &secret), 0x3000, 24);
+    assert_eq!(r.world(a1.clone()).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.world(a2).verdict, TC_ACT_REDIRECT, "A's later fragment after its own repeat");
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_AMBIGUOUS).unwrap(), 4);
 }

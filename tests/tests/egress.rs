@@ -12,7 +12,10 @@
 //! `egress_gateway_end_to_end` covers the normal behaviour; `egress_gateway_holes` attacks the
 //! gateway (random SNIs, foreign destinations behind an allowed Host, tokens in URLs, the
 //! handoff socket); `egress_gateway_fails_closed_without_audit` gives it an audit file it cannot
-//! write (`/dev/full`): nothing may be forwarded (E20).
+//! write (`/dev/full`): nothing may be forwarded (E20); `egress_gateway_request_confusion` sends
+//! hand-written requests naming two hosts or smuggling a second request (R14);
+//! `egress_gateway_never_dials_a_sandbox` points an allowed rule at another sandbox (R17);
+//! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18).
 
 use std::{
     convert::Infallible,
@@ -932,4 +935,378 @@ fn egress_gateway_fails_closed_without_audit() {
     assert!(seen.lock().unwrap().is_empty(), "a request reached the world without its audit record");
     let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
     assert!(metrics.contains("cube_egress_audit_refused_total 2"), "{metrics}");
+}
+
+/// Sends `raw` from the sandbox namespace to `to` over plain TCP, half-closes, and returns
+/// everything the gateway answered until it closed (or 10 s passed).
+fn raw_http(ns: &TestNetns, to: &str, raw: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let to: SocketAddr = to.parse().unwrap();
+    let raw = raw.to_vec();
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&raw).expect("send");
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    })
+}
+
+/// Attack (R14): requests a sandbox writes by hand to confuse the gateway about which site a
+/// request (and the credential injected into it) is for. The policy allows `api.example.test`
+/// with a credential over plain HTTP and denies its `/admin*` paths.
+/// 1. Two `Host` lines, the allowed name first and a foreign one second: RFC 9112 §3.2 makes
+///    such a request invalid (400); forwarded, a server or CDN that keeps the last `Host`
+///    would route the injected credential to the foreign site.
+/// 2. Content-Length and Transfer-Encoding together (CL.TE smuggling): a denied `/admin`
+///    request hidden in the body of an allowed one must never reach the world.
+/// 3. An absolute-form target naming a foreign host beside the allowed `Host`.
+/// 4. Paths that resolve to the denied `/admin…` on the server but are not written so (R19).
+/// 5. HTTPS whose SNI names a denied host and whose Host an allowed one (R20).
+#[test]
+fn egress_gateway_request_confusion() {
+    if !require_root("egress_gateway_request_confusion") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-confusion-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let world_ca = tls::make_ca("world test CA");
+    std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
+    let names = ["secret.example.test", "other.example.test"];
+    let seen_tls = world_server(
+        &rt,
+        world,
+        format!("{WORLD}:443").parse().unwrap(),
+        Some(tls::server_config_names(&world_ca, &names)),
+    );
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
+    let _dns = world_dns(world, &[("api.example.test", WORLD), ("evil.example.test", WORLD)]);
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let audit = dir.join("log/access.jsonl");
+    let gw_cmd = node
+        .command(egress_bin().to_str().unwrap())
+        .env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"))
+        .stdin(std::process::Stdio::null())
+        .args([
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            "",
+            "--upstream-extra-ca",
+            dir.join("world-ca.pem").to_str().unwrap(),
+        ])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "confusion", "rules": [
+        {"id": "no-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
+        {"id": "web", "match": {"host": "api.example.test"},
+         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}},
+        {"id": "no-secret", "match": {"host": "secret.example.test"}, "action": {"allow": false}},
+        {"id": "tls-any", "match": {"host": "*.example.test", "scheme": "https"}, "action": {"allow": true}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200, "{body}");
+    let to = format!("{WORLD}:80");
+
+    // The allowed request itself is served with its credential (the rig works).
+    let ok = raw_http(&sb, &to, b"GET /ok HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    {
+        let s = seen.lock().unwrap();
+        let r = s.iter().find(|r| r.path == "/ok").expect("world saw /ok");
+        assert_eq!(r.header("x-api-key"), vec![SECRET]);
+        assert_eq!(r.header("host"), vec!["api.example.test"]);
+    }
+
+    // 1. Two Host lines.
+    let dup = raw_http(
+        &sb,
+        &to,
+        b"GET /dup HTTP/1.1\r\nHost: api.example.test\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
+    );
+    assert!(dup.starts_with("HTTP/1.1 400"), "two Host lines answered: {dup}");
+
+    // 2. CL.TE: with Content-Length the body is the hidden `/admin` request; with chunked it
+    //    is empty and `/admin` is a second request, which the policy must see.
+    let hidden = b"GET /admin/secret HTTP/1.1\r\nHost: api.example.test\r\n\r\n";
+    let mut smuggle = format!(
+        "POST /smuggle HTTP/1.1\r\nHost: api.example.test\r\nContent-Length: {}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        5 + hidden.len()
+    )
+    .into_bytes();
+    smuggle.extend_from_slice(hidden);
+    let answer = raw_http(&sb, &to, &smuggle);
+
+    // 3. Absolute-form target naming another host.
+    let abs = raw_http(
+        &sb,
+        &to,
+        b"GET http://evil.example.test/abs HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n",
+    );
+
+    // 4. Paths the server resolves to the denied `/admin…` but that do not start with it as
+    //    written: dot segments, a percent-encoded letter, a doubled slash, an encoded slash.
+    let mut bypass = Vec::new();
+    for p in ["/public/../admin/a", "/%61dmin/b", "//admin/c", "/./admin/d", "/x%2F..%2Fadmin/e"] {
+        let req = format!("GET {p} HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+        let a = raw_http(&sb, &to, req.as_bytes());
+        if !a.starts_with("HTTP/1.1 403") {
+            bypass.push(format!("{p}: {}", a.lines().next().unwrap_or("")));
+        }
+    }
+    assert!(bypass.is_empty(), "denied path reached through: {bypass:?}");
+    // A path no server can resolve is refused, a clean one served.
+    let bad = raw_http(&sb, &to, b"GET /../etc HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+    assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
+    let ok = raw_http(&sb, &to, b"GET /pub/./x HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+
+    // 5. HTTPS to the denied host's server (SNI) with an allowed Host: the connection reaches
+    //    the SNI's server whatever the Host says, so the deny rule applies (R20).
+    let other = format!("other.example.test:443:{WORLD}");
+    let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, "--resolve", &other, "https://other.example.test/ok-tls"]);
+    assert_eq!(code, 200, "control: {}", text(&o));
+    let secret = format!("secret.example.test:443:{WORLD}");
+    let (code, body, o) = curl(
+        &sb,
+        &[
+            "--cacert",
+            &ca_arg,
+            "--resolve",
+            &secret,
+            "-H",
+            "Host: other.example.test",
+            "https://secret.example.test/fronted",
+        ],
+    );
+    assert_eq!(code, 403, "fronted past the deny rule: {}", text(&o));
+    assert!(body.contains("rule_deny_sni"), "{body}");
+    let tls_paths: Vec<String> = seen_tls.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(tls_paths, ["/ok-tls"], "the denied host's server saw a request");
+
+    let s = seen.lock().unwrap().clone();
+    let listing: Vec<String> = s.iter().map(|r| format!("{} {:?}", r.path, r.header("host"))).collect();
+    for r in &s {
+        assert_eq!(r.header("host"), vec!["api.example.test"], "world saw another Host: {listing:?}");
+        assert!(!r.path.contains("admin"), "a denied path reached the world: {listing:?}\n{answer}");
+    }
+    assert!(!s.iter().any(|r| r.path == "/dup" || r.path == "/abs"), "an ambiguous request was forwarded: {listing:?}");
+    // The smuggling request: one answer, then the gateway closes (RFC 9112 §6.1), and the world
+    // got it re-framed (chunked only), so no server downstream can split it either.
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "the hidden request was answered: {answer}");
+    let r = s.iter().find(|r| r.path == "/smuggle").expect("world saw /smuggle");
+    assert!(r.header("content-length").is_empty(), "{r:?}");
+    assert!(abs.starts_with("HTTP/1.1 400"), "{abs}");
+    let lines = audit_lines(&audit);
+    let refused: Vec<&Value> =
+        lines.iter().filter(|l| l["event"] == "http_request" && l["security"]["reason"] == "ambiguous_host").collect();
+    assert_eq!(refused.len(), 2, "one record per refused request: {lines:?}");
+    assert!(refused.iter().all(|l| l["http"]["status"] == 400), "{refused:?}");
+    assert!(has_event(&lines, "security_event", "ambiguous_host"));
+    drop(rt);
+}
+
+/// Attack (R17): a rule (or a learned name) that names another sandbox's address. The victim
+/// is a namespace behind its own link in the node at 192.168.0.4 (the sandbox CIDR), serving
+/// plain HTTP; the sandbox's policy allows that address literally, over HTTP and HTTPS. The
+/// gateway's upstream leg is an ordinary node socket, so without a check it would dial the
+/// victim from the node (as the datapath's `from_envoy` delivers anything the host sends to a
+/// sandbox address). Property: the victim receives nothing; both refusals are audited.
+#[test]
+fn egress_gateway_never_dials_a_sandbox() {
+    if !require_root("egress_gateway_never_dials_a_sandbox") {
+        return;
+    }
+    const VICTIM: &str = "192.168.0.4";
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-sandbox-dst-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    // The victim: its own namespace and link; the node routes its address there, the sandbox
+    // routes it through the gateway (so the marks send it to CubeEgress).
+    let victim = TestNetns::new("vic");
+    node.ip(&["link", "add", "vic0", "type", "veth", "peer", "name", "eth0", "netns", victim.name()]);
+    node.ip(&["link", "set", "vic0", "up"]);
+    node.ip(&["route", "add", &format!("{VICTIM}/32"), "dev", "vic0"]);
+    victim.ip(&["addr", "add", &format!("{VICTIM}/18"), "dev", "eth0"]);
+    victim.ip(&["link", "set", "eth0", "up"]);
+    victim.ip(&["route", "add", "default", "dev", "eth0"]);
+    sb.ip(&["route", "add", &format!("{VICTIM}/32"), "via", GATEWAY]);
+    let seen = world_server(&rt, &victim, format!("{VICTIM}:80").parse().unwrap(), None);
+    let _world = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    // Control: the node itself reaches the victim (the path the gateway would take).
+    let o = node.exec(
+        "curl",
+        &["-sS", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{VICTIM}/control")],
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "200", "{}", text(&o));
+    assert_eq!(seen.lock().unwrap().len(), 1);
+
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let audit = dir.join("log/access.jsonl");
+    let gw_cmd = node
+        .command(egress_bin().to_str().unwrap())
+        .stdin(std::process::Stdio::null())
+        .args([
+            "--sandbox-cidr",
+            "192.168.0.0/18",
+            "--ca-dir",
+            dir.join("ca").to_str().unwrap(),
+            "--audit-file",
+            audit.to_str().unwrap(),
+            "--bootstrap-url",
+            "",
+        ])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "sandbox-dst", "rules": [
+        {"id": "victim", "match": {"host": VICTIM}, "action": {"allow": true}},
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
+    assert_eq!(code, 200, "{body}");
+
+    // Control: the same kind of rule to a world address is served.
+    let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/ok")]);
+    assert_eq!(code, 200, "{}", text(&o));
+    let (code, body, o) = curl(&sb, &[&format!("http://{VICTIM}/steal")]);
+    assert_eq!(code, 403, "{}", text(&o));
+    assert!(body.contains("destination_is_sandbox"), "{body}");
+    let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, &format!("https://{VICTIM}/steal-tls")]);
+    assert_eq!(code, 0, "TLS to a sandbox address completed: {}", text(&o));
+    let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(paths, ["/control"], "the gateway dialled the victim");
+    let lines = audit_lines(&audit);
+    assert!(has_event(&lines, "security_event", "destination_is_sandbox"), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_is_sandbox"),
+        "{lines:?}"
+    );
+    drop(rt);
+}
+
+/// Attack (R18): one sandbox (192.168.0.2, no policy needed) opens 300 connections to the
+/// gateway and holds them idle, in a gateway whose descriptor limit is 256 (`prlimit`; the
+/// limit is per process, the budget is derived from it). Property: another sandbox's request is
+/// still served; the flood beyond the budget is closed at accept and counted.
+#[test]
+fn egress_gateway_connection_flood_starves_no_other_sandbox() {
+    if !require_root("egress_gateway_connection_flood_starves_no_other_sandbox") {
+        return;
+    }
+    const FLOOD: usize = 300;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-connflood-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let _down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let egress = egress_bin();
+    let gw_cmd = node
+        .command("prlimit")
+        .stdin(std::process::Stdio::null())
+        .args(["--nofile=256:256", egress.to_str().unwrap()])
+        .args(["--sandbox-cidr", "192.168.0.0/18", "--ca-dir", dir.join("ca").to_str().unwrap()])
+        .args(["--audit-file", dir.join("log/access.jsonl").to_str().unwrap(), "--bootstrap-url", ""])
+        .spawn()
+        .unwrap();
+    let _gw = ChildGuard::from_child(gw_cmd);
+    let admin = |args: &[&str]| -> (u16, String) {
+        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+        a.extend_from_slice(args);
+        let o = node.exec("curl", &a);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    };
+    let base = "http://127.0.0.1:9091/admin/v1";
+    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let pol = json!({"policy_id": "victim", "rules": [
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{UNKNOWN_IP}")]);
+    assert_eq!(code, 200, "{body}");
+
+    // The flood: FLOOD idle connections from the attacker's address (the namespace's first,
+    // 192.168.0.2), held open.
+    let to: SocketAddr = format!("{WORLD}:80").parse().unwrap();
+    let held: Vec<std::net::TcpStream> = sb.run(move || {
+        (0..FLOOD)
+            .map(|_| std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect"))
+            .collect()
+    });
+    assert_eq!(held.len(), FLOOD);
+
+    // The victim's request, queued behind the whole flood, is served.
+    let (code, _, o) = curl(&sb, &["--interface", UNKNOWN_IP, &format!("http://{WORLD}/victim")]);
+    assert_eq!(code, 200, "the victim was starved: {}", text(&o));
+    assert!(seen.lock().unwrap().iter().any(|r| r.path == "/victim"));
+    // How: the attacker kept its budget (256 / 16 → the minimum, 64); the rest was closed.
+    let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
+    let refused = format!("cube_egress_connections_refused_total {}", FLOOD - egress::MIN_AUTO);
+    assert!(metrics.contains(&refused), "{refused} missing:\n{metrics}");
+    drop(held);
+    drop(rt);
+}
+
+mod egress {
+    /// `cube_egress::conns::MIN_AUTO` (the test crate does not link the gateway).
+    pub const MIN_AUTO: usize = 64;
 }

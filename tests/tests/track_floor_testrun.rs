@@ -21,7 +21,7 @@ use cubevs::{
     policy::FqdnAllow,
     prog,
     quota::{floor_ceiling, floor_margin},
-    testrun::{TC_ACT_OK, TC_ACT_REDIRECT},
+    testrun::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
     track_floor::{KIND_DNS_QUERY, KIND_FRAG},
 };
 use cubevs_common::{counter, limits, track};
@@ -321,7 +321,8 @@ fn without_the_floor_colluders_fill_the_fragment_map() {
 }
 
 /// Another sandbox's first fragment with a key an entry already holds does not take it over
-/// (the owner, whose charge the reaper gives back, never changes); the owner renews it.
+/// (the owner, whose charge the reaper gives back, never changes) but marks it ambiguous
+/// (R16); the owner renews it without a second charge.
 #[test]
 fn a_fragment_key_is_never_given_to_another_sandbox() {
     if !require_root("track_floor_testrun a_fragment_key_is_never_given_to_another_sandbox") {
@@ -339,14 +340,15 @@ fn a_fragment_key_is_never_given_to_another_sandbox() {
     let e = r.maps.frags.list(None);
     assert_eq!(e.len(), 1);
     assert_eq!((e[0].ifindex, e[0].version), (SB_IFINDEX, VERSION), "the entry stays A's");
-    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_OVER_BUDGET).unwrap(), 1, "B's is not recorded");
-    // B's later fragment follows the entry, to A's interface: a collision of two live
-    // datagrams loses one of them, as before (then B's overwrite lost A's).
-    assert_eq!(r.world(b2).verdict, TC_ACT_REDIRECT);
+    assert!(e[0].ambiguous, "B's first fragment marks it ambiguous (R16): {e:?}");
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_OVER_BUDGET).unwrap(), 0, "B took no budget");
+    assert_eq!(r.maps.counters.get(counter::WORLD_FRAG_AMBIGUOUS).unwrap(), 1);
+    // B's later fragment is dropped, never delivered into A (R16).
+    assert_eq!(r.world(b2).verdict, TC_ACT_SHOT);
     // A renews its own entry without a second charge.
     assert_eq!(r.world(a1).verdict, TC_ACT_REDIRECT);
     assert_eq!(r.maps.track.usage(SB_IFINDEX, VERSION, KIND_FRAG).unwrap().unwrap().live(), 1);
-    assert_eq!(r.maps.track.usage(200, 1, KIND_FRAG).unwrap().unwrap().live(), 0);
+    assert_eq!(r.maps.track.usage(200, 1, KIND_FRAG).unwrap().map_or(0, |u| u.live()), 0, "nothing charged to B");
     assert_eq!(r.maps.track.state(KIND_FRAG).unwrap().node.live(), 1);
     r.maps.frags.reap(u64::MAX).unwrap();
     assert_eq!(r.maps.track.state(KIND_FRAG).unwrap().node.live(), 0);

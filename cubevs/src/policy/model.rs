@@ -251,6 +251,17 @@ mod tests {
     }
 
     #[test]
+    fn baseline_is_the_datapaths_always_denied_list() {
+        // The DNS learner refuses answers in `cubevs_common::dns::ALWAYS_DENIED` (R15): it must
+        // be exactly the baseline the tries carry.
+        let dp: Vec<Cidr> = cubevs_common::dns::ALWAYS_DENIED
+            .iter()
+            .map(|&(net, len)| Cidr::new(Ipv4Addr::from(net), len as u8))
+            .collect();
+        assert_eq!(dp, BASELINE_DENY.to_vec());
+    }
+
+    #[test]
     fn compile_names_fields_and_limits() {
         let e = compile(&pol(true, &["1.1.1.1", "1.2.3.4/+8"], &[]), 16).unwrap_err();
         assert!(matches!(&e, Error::InvalidArgument { field, .. } if field == "allow_out[1]"), "{e}");

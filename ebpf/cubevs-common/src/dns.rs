@@ -524,6 +524,30 @@ pub fn walk_answers<L: Loop>(
     w
 }
 
+/// The ranges every sandbox is always denied, as (network, prefix length): private,
+/// loopback and link-local (the same list as `cubevs::policy::BASELINE_DENY`, which a unit
+/// test there compares with this one).
+pub const ALWAYS_DENIED: [([u8; 4], u32); 5] =
+    [([10, 0, 0, 0], 8), ([127, 0, 0, 0], 8), ([169, 254, 0, 0], 16), ([172, 16, 0, 0], 12), ([192, 168, 0, 0], 16)];
+
+/// True when `ip` (NBO, as [`walk_answers`] hands it over) lies in [`ALWAYS_DENIED`]: such an
+/// answer is not learned, so a name whose records a sandbox controls never opens the cloud
+/// metadata address, the node's network or loopback (decision R15).
+#[inline(always)]
+pub fn always_denied(ip: u32) -> bool {
+    let host = u32::from_be(ip);
+    let mut i = 0;
+    while i < ALWAYS_DENIED.len() {
+        let (net, len) = ALWAYS_DENIED[i];
+        let mask = u32::MAX << (32 - len);
+        if host & mask == u32::from_be_bytes(net) {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
 /// Lifetime in ns of an entry learned from a record with `ttl` seconds.
 #[inline(always)]
 pub fn learned_lifetime_ns(ttl: u32) -> u64 {
@@ -533,6 +557,31 @@ pub fn learned_lifetime_ns(ttl: u32) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn always_denied_ranges() {
+        let nbo = |a: [u8; 4]| u32::from_ne_bytes(a);
+        for ip in [
+            [10, 1, 2, 3],
+            [127, 0, 0, 1],
+            [169, 254, 169, 254],
+            [172, 16, 0, 1],
+            [172, 31, 255, 255],
+            [192, 168, 0, 4],
+        ] {
+            assert!(super::always_denied(nbo(ip)), "{ip:?}");
+        }
+        for ip in [
+            [9, 255, 255, 255],
+            [11, 0, 0, 0],
+            [172, 32, 0, 0],
+            [172, 15, 255, 255],
+            [192, 169, 0, 0],
+            [203, 0, 113, 10],
+        ] {
+            assert!(!super::always_denied(nbo(ip)), "{ip:?}");
+        }
+    }
+
     extern crate std;
     use std::vec::Vec;
 

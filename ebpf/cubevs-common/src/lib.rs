@@ -535,12 +535,19 @@ pub const FRAG_TIMEOUT_NS: u64 = 2_000_000_000;
 pub struct FragTarget {
     /// Sandbox interface ifindex.
     pub ifindex: u32,
-    /// Sandbox version of the session the first fragment matched.
+    /// Sandbox version of the session the first fragment matched; with
+    /// [`FRAG_AMBIGUOUS`] set, two sandboxes' first fragments claimed the key (decision R16).
     pub version: u32,
     /// Expiry, CLOCK_MONOTONIC ns (`bpf_ktime_get_ns`): first fragment + [`FRAG_TIMEOUT_NS`].
     pub expires_ns: u64,
 }
 const _: () = assert!(core::mem::size_of::<FragTarget>() == 16);
+
+/// Bit of [`FragTarget::version`] (decision R16): another sandbox's first fragment named the
+/// entry's key while it was live, so its later fragments cannot be told apart and are dropped
+/// until the entry expires. The entry keeps its owner (`ifindex`, `version` without this bit),
+/// which its charge is given back to (Q6); sandbox versions stay below 2^31.
+pub const FRAG_AMBIGUOUS: u32 = 1 << 31;
 
 /// Per-sandbox insert budgets of the shared, non-evicting maps `dns_query_track_v2` and
 /// `frag_sessions_v2` (decisions R11, R12; not in upstream).
@@ -896,6 +903,11 @@ pub mod counter {
     pub const WORLD_ICMP_ERROR: u32 = 28;
     /// from_world: later fragment of a datagram whose first fragment matched a session.
     pub const WORLD_FRAGMENT: u32 = 29;
+    /// from_world: a first fragment whose `{src, dst, IP id, proto}` an unexpired entry of
+    /// another sandbox already holds: the entry is made ambiguous ([`super::FRAG_AMBIGUOUS`]) and the later
+    /// fragments of both datagrams are dropped and counted here, never delivered to the wrong
+    /// sandbox (decision R16).
+    pub const WORLD_FRAG_AMBIGUOUS: u32 = 32;
     /// from_envoy: host → sandbox DNAT.
     pub const ENVOY_TO_SANDBOX: u32 = 30;
     /// from_envoy: dropped, unknown destination.
@@ -960,6 +972,10 @@ pub mod counter {
     /// from_cube: new flow dropped, its sandbox holds at least its floor and the node-wide
     /// live sessions are at the ceiling ([`super::floor`], decision Q4).
     pub const CUBE_DROP_NODE_SESSIONS: u32 = 62;
+    /// from_world: an A record in an always-denied range (private, loopback, link-local:
+    /// [`super::dns::always_denied`]) not learned: a DNS answer never opens what the baseline
+    /// denies (decision R15).
+    pub const DNS_RESP_NOT_PUBLIC: u32 = 63;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -993,6 +1009,7 @@ pub mod counter {
         (WORLD_DROP_PORTMAP_UNREGISTERED, "from_world", "drop_portmap_unregistered"),
         (WORLD_ICMP_ERROR, "from_world", "icmp_error"),
         (WORLD_FRAGMENT, "from_world", "fragment"),
+        (WORLD_FRAG_AMBIGUOUS, "from_world", "frag_ambiguous"),
         (ENVOY_TO_SANDBOX, "from_envoy", "to_sandbox"),
         (ENVOY_DROP_UNKNOWN, "from_envoy", "drop_unknown"),
         (DNS_QUERY_OVER_BUDGET, "from_cube", "dns_query_over_budget"),
@@ -1009,6 +1026,7 @@ pub mod counter {
         (DNS_RESP_RCODE, "from_world", "dns_rcode"),
         (DNS_LEARN_FULL, "from_world", "dns_learn_full"),
         (DNS_NOT_WALKED, "from_world", "dns_not_walked"),
+        (DNS_RESP_NOT_PUBLIC, "from_world", "dns_not_public"),
         (DNS_LEARNED_FLOW, "from_cube", "dns_learned_flow"),
         (DNS_TAIL_CALL_FAILED, "dns", "tail_call_failed"),
         (DNS_TAIL_BACK_FAILED, "dns", "tail_back_failed"),

@@ -11,7 +11,8 @@
 //!   the reverse-NAT lookups): the tracked query with this server, guest port and id must
 //!   exist, be unexpired and have the same question; then every IN A answer becomes
 //!   `dns_learned` entries {ifindex, ip, port} (port 0 = any) expiring after
-//!   clamp(TTL, floor, cap). The track entry is consumed.
+//!   clamp(TTL, floor, cap), except addresses in the always-denied ranges (counted
+//!   `dns_not_public`, decision R15). The track entry is consumed.
 //!
 //! Neither hook ever changes the packet's verdict: DNS itself is decided by the CIDR policy
 //! before the query hook runs and the response follows its session. No tail calls: the
@@ -321,6 +322,11 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     }
     let allow = tracked.allow;
     let w = dns::walk_answers::<BpfLoop>(s, len, pos, h.ancount, |addr, ttl| {
+        // A name the sandbox controls must not open what the baseline denies (R15).
+        if dns::always_denied(addr) {
+            count(counter::DNS_RESP_NOT_PUBLIC);
+            return;
+        }
         let value = LearnedValue {
             expires_ns: now + dns::learned_lifetime_ns(ttl),
             version,
