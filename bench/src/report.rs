@@ -280,6 +280,15 @@ bridge+iptables is small",
     ),
     ("agent upgrade: max gap", "the 1 ms ping interval is the floor; the relay thread's hop is in both windows"),
     ("agent restart: max gap", "the 1 ms ping interval is the floor; the relay thread's hop is in both windows"),
+    (
+        "gateway swap: max gap",
+        "the same load with no swap has gaps of this size on this shared 2-core machine (its baseline): compare the \
+two, and the swap window row",
+    ),
+    (
+        "gateway swap, baseline build: max gap",
+        "the same load with no swap has gaps of this size on this shared 2-core machine (its baseline)",
+    ),
 ];
 
 /// The "Targets and misses" section: one line per row with a target, met or missed from its
