@@ -282,12 +282,14 @@ bridge+iptables is small",
     ("agent restart: max gap", "the 1 ms ping interval is the floor; the relay thread's hop is in both windows"),
     (
         "gateway swap: max gap",
-        "the same load with no swap has gaps of this size on this shared 2-core machine (its baseline): compare the \
-two, and the swap window row",
+        "on this shared 2-core machine the load stalls for tens of ms now and then with or without a swap (the \
+no-swap loads' max gaps vary that much between rounds); the run's log places each round's longest gap, and the \
+swap window row is the swap's own figure",
     ),
     (
         "gateway swap, baseline build: max gap",
-        "the same load with no swap has gaps of this size on this shared 2-core machine (its baseline)",
+        "on this shared 2-core machine the load stalls for tens of ms now and then with or without a swap; the swap \
+window row is the swap's own figure",
     ),
 ];
 
