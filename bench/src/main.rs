@@ -95,8 +95,8 @@ fn main() -> anyhow::Result<()> {
                 let n = std::env::var("CUBENET_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
                 rows.extend(agent_sessions::run(100, n))
             }
-            "upgrade" => rows.extend(upgrade::run()),
-            "gateway-swap" => rows.extend(gateway_swap::run()),
+            "upgrade" => rows.extend(upgrade::run(cli.rounds)),
+            "gateway-swap" => rows.extend(gateway_swap::run(cli.rounds)),
             "xdp" => rows.extend(xdp::run(cli.rounds)),
             "dns" => rows.extend(dns::run()),
             "l7" => rows.extend(l7::run()),
@@ -208,4 +208,12 @@ ECONNRESET/EPIPE seen by guest or world, max gap = longest interval without a pi
 window of the same load just before the operation, with no operation. `agent upgrade` (a live hand-over to a copy \
 of the release agent binary, until the old agent exited) and `agent restart` (kill -9 + restart until /readyz) run \
 the same load from a kernel guest whose frames a relay thread carries to and from the TAP fd the agent handed out \
-(the guest's namespace plays the microVM, the relay the VMM), so the relay's hop is in both windows.\n";
+(the guest's namespace plays the microVM, the relay the VMM), so the relay's hop is in both windows. \
+`gateway swap`: CubeEgress slot A hands its listeners and state to slot B (E18, E21) while 16 keep-alive and 4 \
+connection-per-request HTTPS clients run from a sandbox namespace through the TPROXY path for 6 s, the swap at 2 s; \
+resets / failed connects as seen by the clients, max gap = longest interval without a completed request while the \
+load runs (answers after its end, when the clients have stopped sending, do not count), `swap window` = the same from \
+B's spawn to A's exit. Baseline: the same load for 6 s on the same gateway with no swap, just before it (the swap \
+window row: the same offsets of that load); 3 such pairs (`--rounds`), median of each. `gateway swap, baseline build`: \
+the same pairs between gateways of `CUBENET_BASELINE_EGRESS` (here: main's build before E21), each round just before \
+the same round of this build in the same run.\n";

@@ -280,6 +280,17 @@ bridge+iptables is small",
     ),
     ("agent upgrade: max gap", "the 1 ms ping interval is the floor; the relay thread's hop is in both windows"),
     ("agent restart: max gap", "the 1 ms ping interval is the floor; the relay thread's hop is in both windows"),
+    (
+        "gateway swap: max gap",
+        "on this shared 2-core machine the load stalls for tens of ms now and then with or without a swap (the \
+no-swap loads' max gaps vary that much between rounds); the run's log places each round's longest gap, and the \
+swap window row is the swap's own figure",
+    ),
+    (
+        "gateway swap, baseline build: max gap",
+        "on this shared 2-core machine the load stalls for tens of ms now and then with or without a swap; the swap \
+window row is the swap's own figure",
+    ),
 ];
 
 /// The "Targets and misses" section: one line per row with a target, met or missed from its

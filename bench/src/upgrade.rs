@@ -340,11 +340,12 @@ pub fn datapath_operations() -> Vec<Row> {
     rows
 }
 
-/// Every upgrade operation this build can perform, three rows each.
-pub fn run() -> Vec<Row> {
+/// Every upgrade operation this build can perform, three rows each (`rounds`: the gateway
+/// swap's rounds).
+pub fn run(rounds: usize) -> Vec<Row> {
     // One function per operation family.
     let mut rows = datapath_operations();
     rows.extend(crate::upgrade_agent::agent_operations());
-    rows.extend(crate::gateway_swap::run());
+    rows.extend(crate::gateway_swap::run(rounds));
     rows
 }

@@ -73,6 +73,8 @@ pub struct App {
     sandbox_net: (Ipv4Addr, u32),
     /// Live proxy connections per sandbox, bounded (R18).
     pub conns: Arc<conns::ConnBudget>,
+    /// When the drain started (set once, just before `drain` turns `true`).
+    pub drain_at: std::sync::OnceLock<std::time::Instant>,
     ids: AtomicU64,
 }
 
@@ -104,6 +106,7 @@ impl App {
                     n
                 }
             }),
+            drain_at: std::sync::OnceLock::new(),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
                     as u64,
@@ -122,21 +125,48 @@ impl App {
     pub fn next_id(&self) -> u64 {
         self.ids.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// Whether the connection `conn_id` should close after its current response: the drain
+    /// started at least [`drain_offset`]`(conn_id)` ago (E21).
+    pub fn close_due(&self, conn_id: u64) -> bool {
+        *self.drain.borrow() && self.drain_at.get().is_some_and(|t| t.elapsed() >= drain_offset(conn_id))
+    }
+
+    /// Starts the drain (idempotent): records its start, then tells every connection.
+    pub fn start_drain(&self) {
+        let _ = self.drain_at.set(std::time::Instant::now());
+        self.drain.send_replace(true);
+    }
 }
 
 /// How long a connection may stay open after the drain started (or after it was accepted,
 /// when later) before it is asked to shut down gracefully: HTTP/1 keep-alive connections that
 /// send a request in that time get it answered with `Connection: close` (the client reconnects
 /// — to the successor after a swap); those still idle then are closed; HTTP/2 gets GOAWAY
-/// (E19). Bounded by `drain_timeout_secs`.
+/// (E19). Bounded by `drain_timeout_secs`. Each connection adds its [`drain_offset`].
 pub const DRAIN_IDLE_GRACE: Duration = Duration::from_secs(2);
 
-/// Resolves [`DRAIN_IDLE_GRACE`] after the drain started (never, while it has not).
-pub(crate) async fn drain_started(drain: &mut watch::Receiver<bool>) {
+/// Width of the window over which a drain spreads its connections' reconnects (E21): a
+/// connection's responses carry `Connection: close` only from `drain start +
+/// drain_offset(conn_id)` on, and its idle close / GOAWAY comes [`DRAIN_IDLE_GRACE`] later,
+/// so N keep-alive clients reconnect to the successor at about N per this window instead of
+/// all at once.
+pub const DRAIN_SPREAD: Duration = Duration::from_secs(1);
+
+/// Where in [`DRAIN_SPREAD`] the connection `conn_id` is asked to reconnect: a fraction in
+/// `[0, 1)` of it from Fibonacci hashing of the id, so successive ids (the gateway's ids are
+/// sequential) land far apart and N connections cover the window about evenly.
+pub fn drain_offset(conn_id: u64) -> Duration {
+    let frac = (conn_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11) as f64 / (1u64 << 53) as f64;
+    DRAIN_SPREAD.mul_f64(frac)
+}
+
+/// Resolves [`DRAIN_IDLE_GRACE`] + `offset` after the drain started (never, while it has not).
+pub(crate) async fn drain_started(drain: &mut watch::Receiver<bool>, offset: Duration) {
     if drain.wait_for(|d| *d).await.is_err() {
         std::future::pending::<()>().await;
     }
-    tokio::time::sleep(DRAIN_IDLE_GRACE).await;
+    tokio::time::sleep(DRAIN_IDLE_GRACE + offset).await;
 }
 
 async fn serve_admin(app: Arc<App>, s: tokio::net::TcpStream, mut drain: watch::Receiver<bool>) {
@@ -148,7 +178,7 @@ async fn serve_admin(app: Arc<App>, s: tokio::net::TcpStream, mut drain: watch::
     tokio::pin!(conn);
     let _ = tokio::select! {
         r = conn.as_mut() => r,
-        () = drain_started(&mut drain) => {
+        () = drain_started(&mut drain, Duration::ZERO) => {
             conn.as_mut().graceful_shutdown();
             conn.as_mut().await
         }
@@ -321,7 +351,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             let _ = std::fs::remove_file(&p);
         }
     }
-    app.drain.send_replace(true);
+    app.start_drain();
     match tokio::time::timeout(Duration::from_secs(cfg.drain_timeout_secs), app.drain.closed()).await {
         Ok(()) => tracing::info!("drained"),
         Err(_) => tracing::warn!("drain deadline reached; closing remaining connections"),
@@ -353,5 +383,27 @@ async fn offer(app: &Arc<App>, l: &Arc<Listeners>, s: std::os::unix::net::UnixSt
 impl App {
     fn certs_ca_days(&self) -> i64 {
         self.certs.ca_expires_in_secs() / 86400
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sequential connection ids (how the gateway numbers them) land all over the spread
+    /// window, never beyond it: 16 successive ids from any start leave no hole wider than a
+    /// quarter of the window (a uniform 1/16 would be 62.5 ms; Fibonacci hashing keeps every
+    /// hole within a small factor of that).
+    #[test]
+    fn drain_offsets_cover_the_window() {
+        for base in [0u64, 1, 1_733_000_000_000_000, u64::MAX - 20] {
+            let mut v: Vec<Duration> = (0..16).map(|i| drain_offset(base.wrapping_add(i))).collect();
+            assert!(v.iter().all(|d| *d < DRAIN_SPREAD), "{v:?}");
+            v.sort();
+            let holes = v.windows(2).map(|w| w[1] - w[0]).chain([v[0] + DRAIN_SPREAD - v[15]]);
+            let widest = holes.max().unwrap();
+            assert!(widest <= DRAIN_SPREAD / 4, "base {base}: widest hole {widest:?} in {v:?}");
+        }
+        assert_eq!(drain_offset(0), Duration::ZERO);
     }
 }

@@ -145,14 +145,16 @@ async fn serve_http<I>(app: Arc<App>, ctx: Arc<Conn>, io: I, mut drain: watch::R
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
+    let conn_id = ctx.conn_id;
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let (app, ctx) = (app.clone(), ctx.clone());
         async move {
             let http1 = req.version() < http::Version::HTTP_2;
             let mut resp = handle(app.clone(), ctx, req).await?;
             // Draining: answer this request, then close, so a keep-alive client reconnects
-            // (to the successor after a swap) instead of racing our close on an idle socket.
-            if http1 && *app.drain.borrow() {
+            // (to the successor after a swap) instead of racing our close on an idle socket;
+            // each connection from its own point of the spread (E21).
+            if http1 && app.close_due(conn_id) {
                 resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             Ok::<_, Infallible>(resp)
@@ -169,7 +171,7 @@ where
     tokio::pin!(conn);
     let res = tokio::select! {
         r = conn.as_mut() => r,
-        () = crate::drain_started(&mut drain) => {
+        () = crate::drain_started(&mut drain, crate::drain_offset(conn_id)) => {
             conn.as_mut().graceful_shutdown();
             conn.as_mut().await
         }

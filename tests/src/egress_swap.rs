@@ -212,6 +212,35 @@ impl SwapRig {
         ChildGuard::from_child(cmd.spawn().expect("spawn cube-egress"))
     }
 
+    /// Starts one gateway slot from the binary `bin` in the node namespace, its log (JSON
+    /// lines, `CUBE_EGRESS_LOG_FORMAT=json`) written to `<dir>/<name>.log` for
+    /// [`SwapRig::gateway_events`].
+    pub fn spawn_gateway_logged(&self, bin: &Path, name: &str, extra: &[&str]) -> ChildGuard {
+        let args = self.gateway_args(extra);
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).expect("gateway log file");
+        let mut cmd = self.topo.node.command(bin.to_str().expect("utf-8 path"));
+        cmd.args(&args)
+            .env("CUBE_EGRESS_LOG", "info")
+            .env("CUBE_EGRESS_LOG_FORMAT", "json")
+            .stdin(std::process::Stdio::null())
+            .stderr(log);
+        ChildGuard::from_child(cmd.spawn().expect("spawn cube-egress"))
+    }
+
+    /// The log messages of the gateway started as `name` by [`SwapRig::spawn_gateway_logged`]:
+    /// (wall-clock time, message), in order. Lines that are not JSON log events are skipped.
+    pub fn gateway_events(&self, name: &str) -> Vec<(std::time::SystemTime, String)> {
+        let text = std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let v: Value = serde_json::from_str(l).ok()?;
+                let t = parse_utc(v["timestamp"].as_str()?)?;
+                let msg = v["message"].as_str().unwrap_or_default().to_string();
+                Some((t, msg))
+            })
+            .collect()
+    }
+
     /// `curl` against the admin API in the node namespace: (HTTP code or 0, body).
     pub fn admin(&self, args: &[&str]) -> (u16, String) {
         let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
@@ -255,6 +284,28 @@ impl SwapRig {
             rt.block_on(load(tls::client_config(&ca), keepalive, fresh, dur))
         })
     }
+}
+
+/// Parses the UTC timestamps of `tracing-subscriber`'s JSON log, `YYYY-MM-DDTHH:MM:SS[.f]Z`
+/// (`None` for anything else).
+fn parse_utc(s: &str) -> Option<std::time::SystemTime> {
+    let s = s.strip_suffix('Z')?;
+    let (date, clock) = s.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|x| x.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = clock.split_once('.').unwrap_or((clock, ""));
+    let mut c = hms.splitn(3, ':').map(|x| x.parse::<u64>().ok());
+    let (hh, mm, ss) = (c.next()??, c.next()??, c.next()??);
+    let nanos = if frac.is_empty() { 0 } else { format!("{frac:0<9}").get(..9)?.parse::<u32>().ok()? };
+    // Days from 1970-01-01 (Howard Hinnant's days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (m + if m > 2 { -3 } else { 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = u64::try_from(era * 146_097 + doe - 719_468).ok()?;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    Some(std::time::UNIX_EPOCH + Duration::new(secs, nanos))
 }
 
 /// The sandbox namespace behind `cube-dev` and the datapath stand-in (mark on port 443 from
@@ -308,7 +359,9 @@ pub struct LoadReport {
     pub failed_requests: u64,
     /// Failures whose cause was a TCP reset.
     pub resets: u64,
-    /// Longest interval without any completed request, from the first to the last completion.
+    /// Longest interval without any completed request while the load ran: from the first
+    /// completion to the load's end (the requests still answered after the end, when the
+    /// clients have stopped sending, do not count).
     pub max_gap: Duration,
     /// When that interval began, from the start of the load.
     pub max_gap_at: Duration,
@@ -318,12 +371,70 @@ pub struct LoadReport {
     pub errors: Vec<String>,
     /// Requests answered with `Connection: close` (reconnects asked by a draining gateway).
     pub closes: u64,
+    /// When the load started (monotonic and wall clock), the origin of the offsets below.
+    pub started: Option<(Instant, std::time::SystemTime)>,
+    /// Every completion (a request answered 200), from the start, sorted.
+    pub done: Vec<Duration>,
+    /// Completions answered with `Connection: close`, from the start.
+    pub close_at: Vec<Duration>,
+    /// Successful connects (TCP connect, TLS handshake, HTTP/1 handshake): (began, ready),
+    /// from the start.
+    pub connects: Vec<(Duration, Duration)>,
+}
+
+impl LoadReport {
+    /// The longest interval within `[from, to]` (offsets from the start) without a completion,
+    /// and when it began: between successive completions in the window, and from `from` to
+    /// the first / from the last to `to` when completions lie beyond those edges (the window
+    /// is inside the run). Zero when nothing completed in or around it.
+    pub fn max_gap_in(&self, from: Duration, to: Duration) -> (Duration, Duration) {
+        let lo = self.done.partition_point(|d| *d < from);
+        let hi = self.done.partition_point(|d| *d <= to);
+        let mut pts: Vec<Duration> = Vec::with_capacity(hi - lo + 2);
+        if lo > 0 {
+            pts.push(from);
+        }
+        pts.extend_from_slice(&self.done[lo..hi]);
+        if hi < self.done.len() {
+            pts.push(to);
+        }
+        pts.windows(2).map(|w| (w[1] - w[0], w[0])).max().unwrap_or_default()
+    }
+
+    /// The `q` quantile (0..=1) of the intervals between successive completions.
+    pub fn gap_quantile(&self, q: f64) -> Duration {
+        let mut g: Vec<Duration> = self.done.windows(2).map(|w| w[1] - w[0]).collect();
+        if g.is_empty() {
+            return Duration::ZERO;
+        }
+        g.sort();
+        g[((g.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize]
+    }
+
+    /// The offset from this load's start of a wall-clock time (a gateway log event), in ms
+    /// (negative before the start).
+    pub fn offset_ms(&self, t: std::time::SystemTime) -> f64 {
+        let Some((_, wall)) = self.started else { return f64::NAN };
+        match t.duration_since(wall) {
+            Ok(d) => d.as_secs_f64() * 1e3,
+            Err(e) => -e.duration().as_secs_f64() * 1e3,
+        }
+    }
+
+    /// The offset from this load's start of a monotonic instant (e.g. when a successor was
+    /// spawned), in ms.
+    pub fn instant_ms(&self, t: Instant) -> f64 {
+        let Some((start, _)) = self.started else { return f64::NAN };
+        if t >= start { (t - start).as_secs_f64() * 1e3 } else { -(start - t).as_secs_f64() * 1e3 }
+    }
 }
 
 #[derive(Default)]
 struct Tally {
     r: LoadReport,
     done: Vec<Instant>,
+    close_at: Vec<Instant>,
+    connects: Vec<(Instant, Instant)>,
 }
 
 impl Tally {
@@ -387,7 +498,7 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
     let tls = tokio_rustls::TlsConnector::from(tls);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let deadline = tokio::time::Instant::now() + dur;
-    let started = Instant::now();
+    let (started, started_wall) = (Instant::now(), std::time::SystemTime::now());
     let mut tasks = Vec::new();
     for w in 0..keepalive + fresh {
         let (tls, tally) = (tls.clone(), tally.clone());
@@ -405,9 +516,12 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
                 }
                 let mut s = match sender.take() {
                     Some(s) => s,
-                    None => match connect(&tls).await {
-                        Ok(s) => s,
-                        Err(e) => {
+                    None => match (Instant::now(), connect(&tls).await) {
+                        (began, Ok(s)) => {
+                            tally.lock().expect("tally").connects.push((began, Instant::now()));
+                            s
+                        }
+                        (_, Err(e)) => {
                             tally.lock().expect("tally").fail(true, format!("worker {w} connect"), &*e);
                             tokio::time::sleep(Duration::from_millis(20)).await;
                             continue;
@@ -423,7 +537,11 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
                         t.r.ok += 1;
                         t.r.closes += u64::from(close);
                         t.r.ok_paths.push(path);
-                        t.done.push(Instant::now());
+                        let now = Instant::now();
+                        t.done.push(now);
+                        if close {
+                            t.close_at.push(now);
+                        }
                         if keep && !close {
                             sender = Some(s);
                         }
@@ -438,10 +556,15 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
     }
     let mut t = std::mem::take(&mut *tally.lock().expect("tally"));
     t.done.sort();
-    if let Some(w) = t.done.windows(2).max_by_key(|w| w[1] - w[0]) {
-        t.r.max_gap = w[1] - w[0];
-        t.r.max_gap_at = w[0] - started;
+    t.r.started = Some((started, started_wall));
+    t.r.done = t.done.iter().map(|d| *d - started).collect();
+    if let Some(first) = t.r.done.first() {
+        (t.r.max_gap, t.r.max_gap_at) = t.r.max_gap_in(*first, dur);
     }
+    t.r.close_at = t.close_at.iter().map(|d| *d - started).collect();
+    t.r.close_at.sort();
+    t.r.connects = t.connects.iter().map(|(a, b)| (*a - started, *b - started)).collect();
+    t.r.connects.sort();
     t.r
 }
 
@@ -466,5 +589,35 @@ pub fn wait_exit(child: &mut ChildGuard, timeout: Duration) -> Option<std::proce
 impl Default for SwapRig {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The log timestamps become the same instants as the wall clock's (checked against
+    /// values computed independently), leap day and fractions included.
+    #[test]
+    fn parse_utc_timestamps() {
+        let at = |s: &str| parse_utc(s).map(|t| t.duration_since(std::time::UNIX_EPOCH).unwrap());
+        assert_eq!(at("2026-12-01T16:30:00.5Z"), Some(Duration::from_millis(1_796_142_600_500)));
+        assert_eq!(at("1970-01-01T00:00:00Z"), Some(Duration::ZERO));
+        assert_eq!(at("2024-02-29T23:59:59.000001234Z"), Some(Duration::new(1_709_251_199, 1_234)));
+        assert_eq!(at("2026-12-01T16:30:00"), None, "no zone");
+        assert_eq!(at("yesterday"), None);
+    }
+
+    /// Gaps are measured inside the window: edges count only where completions lie beyond
+    /// them, so a window cuts a gap that crosses it.
+    #[test]
+    fn max_gap_in_window() {
+        let ms = Duration::from_millis;
+        let r = LoadReport { done: [1, 2, 10, 11, 30].map(ms).to_vec(), ..Default::default() };
+        assert_eq!(r.max_gap_in(ms(0), ms(40)), (ms(19), ms(11)));
+        assert_eq!(r.max_gap_in(ms(1), ms(20)), (ms(9), ms(11)), "cut at the window's end");
+        assert_eq!(r.max_gap_in(ms(5), ms(10)), (ms(5), ms(5)), "cut at the window's start");
+        assert_eq!(r.max_gap_in(ms(12), ms(29)), (ms(17), ms(12)), "no completion inside");
+        assert_eq!(LoadReport::default().max_gap_in(ms(0), ms(5)), (Duration::ZERO, Duration::ZERO));
     }
 }
