@@ -169,9 +169,11 @@ a query and its response and times the response alone (its figure includes the t
 back into `from_world`); baselines are the same-size plain UDP paths in the same run.\n\
 - throughput: iperf3 (4 s, 1 s omitted) and a connect-request-close loop (4 client threads, 3 s) from a veth guest to \
 a world namespace, through (a) CubeVS, (b) a Linux bridge + iptables MASQUERADE + nf_conntrack, (c) plain routing. Each \
-path in its own topology, all three up for the whole run; 3 rounds, each measuring the three paths in turn, in alternating \
-order (V9). In the connection loop the server closes first and the client closes after reading the server's FIN, so \
-TIME_WAIT stays on the world side (V9); `cargo xtask bench crr` runs the loop alone.\n\
+path in its own topology, all up for the whole run; 3 rounds, each measuring the paths in turn, in alternating order \
+(V9). In the connection loop the server closes first and the client closes after reading the server's FIN, so \
+TIME_WAIT stays on the world side (V9); a fourth topology, `CubeVS, client closes first (before V9)`, runs the loop as \
+it was before (the client closes once it has the reply) beside CubeVS in the same rounds. `cargo xtask bench crr` runs \
+the loops alone.\n\
 - scale: sessions created by the datapath itself (BPF_PROG_TEST_RUN SYNs), then swept by the userspace reaper.\n\
 - agent: the release network-agent started by scripts/start-network-agent.sh in its own namespace, dataplane in \
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \

@@ -34,6 +34,10 @@ pub(crate) enum Path {
     BridgeIptables,
     /// Plain routing, no NAT.
     Routed,
+    /// CubeVS again, on its own topology, with the connection loop as it was before decision
+    /// V9 (the client closes as soon as it has the reply, racing the server's FIN): the
+    /// "before" rows beside [`Path::Cubevs`] in the same run. No iperf.
+    CubevsClientFirst,
 }
 
 impl Path {
@@ -42,6 +46,7 @@ impl Path {
             Path::Cubevs => "CubeVS",
             Path::BridgeIptables => "bridge+iptables",
             Path::Routed => "plain routing",
+            Path::CubevsClientFirst => "CubeVS, client closes first (before V9)",
         }
     }
 }
@@ -73,7 +78,7 @@ fn sh(ns: &TestNetns, args: &[&str]) {
 pub(crate) fn setup(path: Path) -> Setup {
     let mut topo = Topology::new();
     match path {
-        Path::Cubevs => {
+        Path::Cubevs | Path::CubevsClientFirst => {
             topo.add_cube_dev();
             let g = topo.add_veth_guest(0);
             let bpffs = BpfFs::new();
@@ -197,8 +202,9 @@ fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
     }
     let count = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
+    let client_first = path == Path::CubevsClientFirst;
     let perf = std::env::var_os("CUBENET_BENCH_PERF_DIR").map(|d| {
-        let name = path.label().replace(['+', ' '], "-");
+        let name = path.label().replace(['+', ' ', ',', '(', ')'], "-");
         let out = std::path::Path::new(&d).join(format!("crr-{name}.data"));
         std::process::Command::new("perf")
             .args(["record", "-q", "-e", "cpu-clock", "-a", "-g", "-o"])
@@ -222,6 +228,9 @@ fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
                     t.write_all(b"hi")?;
                     let mut b = [0u8; 2];
                     t.read_exact(&mut b)?;
+                    if client_first {
+                        return Ok(());
+                    }
                     // Close after the server's FIN (read returns 0): the server always closes
                     // first, so TIME_WAIT stays on the world side and the guest's ephemeral
                     // ports never run out (decision V9).
@@ -320,8 +329,8 @@ const CRR_BUSY: &str = "CPUs busy during connect-request-close (machine-wide)";
 /// (`cargo xtask bench crr`) runs only the connect-request-close loops and their CPU rows.
 pub fn run(rounds: usize, iperf_too: bool) -> Vec<Row> {
     let mut rows = Vec::new();
-    let paths = [Path::Cubevs, Path::BridgeIptables, Path::Routed];
-    // All three topologies stay up for the whole run and the rounds interleave the paths,
+    let paths = [Path::Cubevs, Path::BridgeIptables, Path::Routed, Path::CubevsClientFirst];
+    // All four topologies stay up for the whole run and the rounds interleave the paths,
     // alternating their order (decision V9): the other load on this shared machine changes
     // over minutes, and a path measured in one block after another would carry that drift
     // into its ratio to the others.
@@ -329,10 +338,10 @@ pub fn run(rounds: usize, iperf_too: bool) -> Vec<Row> {
     // Per path: TCP 1 stream, TCP 4 streams, rate, CPU, user CPU, busy.
     let mut per: Vec<[Vec<f64>; 6]> = paths.iter().map(|_| Default::default()).collect();
     for round in 0..rounds {
-        let order: Vec<usize> = if round % 2 == 0 { vec![0, 1, 2] } else { vec![2, 1, 0] };
+        let order: Vec<usize> = if round % 2 == 0 { vec![0, 1, 2, 3] } else { vec![3, 2, 1, 0] };
         for i in order {
             let (p, s, v) = (paths[i], &setups[i], &mut per[i]);
-            if iperf_too {
+            if iperf_too && p != Path::CubevsClientFirst {
                 v[0].push(iperf(s, 1, 4));
                 v[1].push(iperf(s, 4, 4));
             }
@@ -358,7 +367,7 @@ pub fn run(rounds: usize, iperf_too: bool) -> Vec<Row> {
     let mut results: Vec<(Path, &str, Vec<f64>)> = Vec::new();
     for (&p, v) in paths.iter().zip(per) {
         let [one, four, rate, cpu_conn, user_conn, busy] = v;
-        if iperf_too {
+        if iperf_too && p != Path::CubevsClientFirst {
             results.push((p, "TCP 1 stream", one));
             results.push((p, "TCP 4 streams", four));
         }
@@ -383,6 +392,9 @@ pub fn run(rounds: usize, iperf_too: bool) -> Vec<Row> {
         // CPU figures stand beside plain routing: the guest and world TCP stacks alone.
         let (baseline, target) = match (p, unit) {
             (_, "%") => (None, None),
+            (Path::CubevsClientFirst, _) => {
+                (Some((Path::Cubevs.label().to_string(), median_of(Path::Cubevs, case))), None)
+            }
             (Path::Cubevs | Path::BridgeIptables, "us/conn") => {
                 (Some((Path::Routed.label().to_string(), median_of(Path::Routed, case))), None)
             }
