@@ -27,7 +27,7 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "CubeNet benchmarks")]
 struct Cli {
-    /// Benchmarks to run: per-packet, throughput, scale, agent, agent-sessions, agent-scale, upgrade,
+    /// Benchmarks to run: per-packet, throughput (crr: its connect-request-close rows alone), scale, agent, agent-sessions, agent-scale, upgrade,
     /// agent-pool (the warm-up and restart rows of `agent` only), agent-rate (the sustained
     /// Ensure row of `agent` only), agent-cpu (agent CPU per Ensure+fd and per Release at
     /// concurrency 50, beside `CUBENET_BASELINE_AGENT`), soak (`--minutes`)
@@ -79,7 +79,9 @@ fn main() -> anyhow::Result<()> {
         eprintln!("== {n}");
         match n.as_str() {
             "per-packet" => rows.extend(per_packet::run()),
-            "throughput" => rows.extend(throughput::run(cli.rounds)),
+            "throughput" => rows.extend(throughput::run(cli.rounds, true)),
+            // The connect-request-close rows of `throughput` alone (same case names).
+            "crr" => rows.extend(throughput::run(cli.rounds, false)),
             "scale" => rows.extend(scale::run()),
             "agent" => rows.extend(agent::run()),
             "agent-pool" => rows.extend(agent::run_pool()),
@@ -167,7 +169,11 @@ a query and its response and times the response alone (its figure includes the t
 back into `from_world`); baselines are the same-size plain UDP paths in the same run.\n\
 - throughput: iperf3 (4 s, 1 s omitted) and a connect-request-close loop (4 client threads, 3 s) from a veth guest to \
 a world namespace, through (a) CubeVS, (b) a Linux bridge + iptables MASQUERADE + nf_conntrack, (c) plain routing. Each \
-path in a fresh topology, 3 rounds.\n\
+path in its own topology, all up for the whole run; 3 rounds, each measuring the paths in turn, in alternating order \
+(V9). In the connection loop the server closes first and the client closes after reading the server's FIN, so \
+TIME_WAIT stays on the world side (V9); a fourth topology, `CubeVS, client closes first (before V9)`, runs the loop as \
+it was before (the client closes once it has the reply) beside CubeVS in the same rounds. `cargo xtask bench crr` runs \
+the loops alone.\n\
 - scale: sessions created by the datapath itself (BPF_PROG_TEST_RUN SYNs), then swept by the userspace reaper.\n\
 - agent: the release network-agent started by scripts/start-network-agent.sh in its own namespace, dataplane in \
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \

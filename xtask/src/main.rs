@@ -31,7 +31,7 @@ enum Cmd {
     /// Run clippy on the eBPF crate for bpfel-unknown-none with `-D warnings`.
     ClippyEbpf,
     /// Run benchmarks (root): print a table, write JSON, refresh docs/benchmarks.md.
-    /// Names: per-packet, throughput, scale, agent, agent-sessions, agent-scale, gateway-swap,
+    /// Names: per-packet, throughput (crr: its connect-request-close rows alone), scale, agent, agent-sessions, agent-scale, gateway-swap,
     /// upgrade, soak (`--minutes`), xdp, dns, l7 (cubenet-bench) and egress (cube-egress vs mitmproxy;
     /// BENCH_SECS, BENCH_CONC); default: the first five. Never fails on time.
     Bench {
