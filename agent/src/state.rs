@@ -143,7 +143,7 @@ impl StateStore {
         let written = (|| {
             let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
             fault::check("write")?;
-            f.write_all(&serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?)?;
+            f.write_all(&serde_json::to_vec(rec).map_err(std::io::Error::other)?)?;
             fault::check("fsync")?;
             if self.durable {
                 f.sync_all()?;

@@ -17,8 +17,21 @@
 //! byte for byte; server→client bytes are untouched. A stream that does not start with the
 //! HTTP/2 preface is passed through unchanged.
 //!
+//! Fast path (decision F12): the first header block of a connection decides. When its
+//! `:authority` is valid (or absent) — tonic, grpc-go and Kubernetes clients — the block's
+//! frames go through byte for byte and so does everything after them: the server's HPACK
+//! decoder then sees exactly what the client's encoder wrote, and nothing on the connection is
+//! decoded here again. The check walks the block's field representations only up to the
+//! `:authority` field and Huffman-decodes that one value (`loona-hpack` builds a decoder table
+//! per Huffman string, ~10 % of the agent's CPU per Ensure+fd when every block was decoded).
+//! When the first block needs a rewrite, or refers to entries the walk cannot see (dynamic
+//! table references), every block of the connection is decoded and re-encoded as above.
+//!
 //! Limits: a header block over [`MAX_BLOCK`] bytes (encoded, or decoded as name + value + 32
-//! per field, RFC 7541 §4.1) or malformed HTTP/2/HPACK closes the connection with an I/O error.
+//! per field, RFC 7541 §4.1) or malformed HTTP/2/HPACK closes the connection with an I/O error
+//! while blocks are decoded. On a connection that passed through, a later invalid `:authority`
+//! gets h2's own answer (`RST_STREAM(PROTOCOL_ERROR)`), as every request would without this
+//! wrapper: standard clients send one authority per connection.
 
 use std::{
     io,
@@ -54,6 +67,8 @@ struct Pending {
     end_stream: bool,
     priority: Option<[u8; 5]>,
     block: Vec<u8>,
+    /// The block's frames as received (headers included), for the pass-through.
+    raw: Vec<u8>,
 }
 
 enum Stage {
@@ -71,6 +86,8 @@ pub struct Rewriter {
     input: Vec<u8>,
     pending: Option<Pending>,
     decoder: loona_hpack::Decoder<'static>,
+    /// No header block finished yet: the next one decides between pass-through and rewrite.
+    first: bool,
     /// How many `:authority` values were replaced (for tests and logs).
     pub rewritten: u64,
 }
@@ -104,7 +121,13 @@ impl Rewriter {
     pub fn new() -> Self {
         let mut decoder = loona_hpack::Decoder::new();
         decoder.set_max_allowed_table_size(CLIENT_TABLE);
-        Self { stage: Stage::Preface(0), input: Vec::new(), pending: None, decoder, rewritten: 0 }
+        Self { stage: Stage::Preface(0), input: Vec::new(), pending: None, decoder, first: true, rewritten: 0 }
+    }
+
+    /// Whether the connection passes through unchanged from here on (its first header block
+    /// had a valid `:authority`, or the stream is not HTTP/2 prior knowledge).
+    pub fn passing_through(&self) -> bool {
+        matches!(self.stage, Stage::Transparent)
     }
 
     /// Consumes `data` and appends the bytes to hand to the server to `out`. Bytes of an
@@ -173,15 +196,17 @@ impl Rewriter {
                     if buf.len() < 9 + len {
                         return Ok(());
                     }
-                    let payload = buf[9..9 + len].to_vec();
+                    let frame = buf[..9 + len].to_vec();
                     *at += 9 + len;
-                    self.header_frame(ty, flags, stream, &payload, out)?;
+                    self.header_frame(ty, flags, stream, &frame, out)?;
                 }
             }
         }
     }
 
-    fn header_frame(&mut self, ty: u8, flags: u8, stream: u32, payload: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+    /// One HEADERS or CONTINUATION `frame` (9-byte header included).
+    fn header_frame(&mut self, ty: u8, flags: u8, stream: u32, frame: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+        let payload = &frame[9..];
         if ty == HEADERS {
             if self.pending.is_some() {
                 return Err(bad("HTTP/2: HEADERS inside a header block"));
@@ -205,8 +230,13 @@ impl Rewriter {
                 return Err(bad("HTTP/2: HEADERS padding exceeds the payload"));
             }
             let frag = &p[..p.len() - pad];
-            self.pending =
-                Some(Pending { stream, end_stream: flags & END_STREAM != 0, priority, block: frag.to_vec() });
+            self.pending = Some(Pending {
+                stream,
+                end_stream: flags & END_STREAM != 0,
+                priority,
+                block: frag.to_vec(),
+                raw: frame.to_vec(),
+            });
         } else {
             let p = self.pending.as_mut().ok_or_else(|| bad("HTTP/2: CONTINUATION without HEADERS"))?;
             if p.stream != stream {
@@ -216,6 +246,7 @@ impl Rewriter {
                 return Err(bad(format!("HTTP/2: header block over {MAX_BLOCK} bytes")));
             }
             p.block.extend_from_slice(payload);
+            p.raw.extend_from_slice(frame);
         }
         if flags & END_HEADERS != 0 {
             let p = self.pending.take().expect("pending header block");
@@ -225,6 +256,13 @@ impl Rewriter {
     }
 
     fn finish(&mut self, p: Pending, out: &mut Vec<u8>) -> io::Result<()> {
+        if std::mem::take(&mut self.first) && first_block_authority(&p.block) == Some(true) {
+            // The server decodes this block itself, from the same HPACK state as the client's
+            // encoder: from here on nothing needs to be looked at (F12).
+            out.extend_from_slice(&p.raw);
+            self.stage = Stage::Transparent;
+            return Ok(());
+        }
         let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         let mut size = 0usize;
         self.decoder
@@ -276,6 +314,90 @@ impl Rewriter {
     }
 }
 
+/// An HPACK integer with an `n`-bit prefix at the start of `b` (RFC 7541 §5.1): (value,
+/// bytes used); `None` when truncated or over `usize`.
+fn hpack_integer(b: &[u8], n: u8) -> Option<(usize, usize)> {
+    let max = (1usize << n) - 1;
+    let mut v = (*b.first()? as usize) & max;
+    if v < max {
+        return Some((v, 1));
+    }
+    let mut shift = 0u32;
+    for (i, &x) in b[1..].iter().enumerate() {
+        v = v.checked_add(((x & 0x7f) as usize).checked_shl(shift).filter(|_| shift < 57)?)?;
+        if x & 0x80 == 0 {
+            return Some((v, i + 2));
+        }
+        shift += 7;
+    }
+    None
+}
+
+/// An HPACK string literal at the start of `b` (RFC 7541 §5.2), Huffman-decoded when so coded:
+/// (octets, bytes used).
+fn hpack_literal(b: &[u8]) -> Option<(std::borrow::Cow<'_, [u8]>, usize)> {
+    let (len, n) = hpack_integer(b, 7)?;
+    let raw = b.get(n..n.checked_add(len)?)?;
+    let s = if b[0] & 0x80 != 0 {
+        std::borrow::Cow::Owned(loona_hpack::huffman::HuffmanDecoder::new().decode(raw).ok()?)
+    } else {
+        std::borrow::Cow::Borrowed(raw)
+    };
+    Some((s, n + len))
+}
+
+/// The verdict on the first header block of a connection without decoding it whole: walks
+/// the field representations (RFC 7541 §6) up to the first `:authority` and checks only its
+/// value. `Some(true)`: valid, or no `:authority`; `Some(false)`: invalid; `None`: the walk
+/// cannot tell (a dynamic table reference, malformed): decode the block.
+fn first_block_authority(block: &[u8]) -> Option<bool> {
+    /// Static table index of `:authority` (RFC 7541 Appendix A); 61 entries in all.
+    const AUTHORITY: usize = 1;
+    const STATIC: usize = 61;
+    let valid = |v: &[u8]| ::http::uri::Authority::try_from(v).is_ok();
+    let mut b = block;
+    while let Some(&first) = b.first() {
+        if first & 0x80 != 0 {
+            // Indexed field: a static entry's value, `:authority` only with an empty value.
+            let (idx, n) = hpack_integer(b, 7)?;
+            match idx {
+                AUTHORITY => return Some(valid(b"")),
+                2..=STATIC => b = &b[n..],
+                _ => return None,
+            }
+            continue;
+        }
+        let prefix = match first {
+            // Dynamic table size update.
+            0x20..=0x3f => {
+                b = &b[hpack_integer(b, 5)?.1..];
+                continue;
+            }
+            // Literal with incremental indexing; else without / never indexed.
+            0x40..=0x7f => 6,
+            _ => 4,
+        };
+        let (idx, n) = hpack_integer(b, prefix)?;
+        b = &b[n..];
+        let authority = match idx {
+            0 => {
+                let (name, n) = hpack_literal(b)?;
+                b = &b[n..];
+                &*name == b":authority"
+            }
+            AUTHORITY => true,
+            2..=STATIC => false,
+            _ => return None,
+        };
+        if authority {
+            return Some(valid(&hpack_literal(b)?.0));
+        }
+        let (len, n) = hpack_integer(b, 7)?;
+        b = b.get(n.checked_add(len)?..)?;
+    }
+    Some(true)
+}
+
 /// A server-side connection whose client→server bytes go through a [`Rewriter`].
 pub struct NormalizeAuthority<S> {
     inner: S,
@@ -304,6 +426,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for NormalizeAuthority<S> {
                     me.out_at = 0;
                 }
                 return Poll::Ready(Ok(()));
+            }
+            if me.rw.passing_through() {
+                // Nothing held back and nothing left to look at: straight into the caller's buffer.
+                return Pin::new(&mut me.inner).poll_read(cx, buf);
             }
             let mut raw = [0u8; 8192];
             let mut rb = ReadBuf::new(&mut raw);
@@ -476,26 +602,41 @@ mod tests {
         assert!(Rewriter::new().feed(&input, &mut Vec::new()).is_err());
     }
 
+    /// The header block of a gRPC Health/Check call with `:authority` = `auth`, encoded by
+    /// `enc` (HPACK indexing on, as grpc-java and gRPC core encode).
+    fn check_block(enc: &mut loona_hpack::Encoder, auth: &[u8]) -> Vec<u8> {
+        let hs: [(&[u8], &[u8]); 6] = [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", b"/grpc.health.v1.Health/Check"),
+            (b":authority", auth),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ];
+        enc.encode(hs)
+    }
+
     /// Two gRPC Health/Check calls on one connection, written frame by frame as grpc-java
     /// writes them on a Unix socket (`:authority` = the socket path, HPACK indexing on).
     /// Returns per call `Ok(grpc-status)` or `Err(RST_STREAM error code)`.
     async fn raw_calls(sock: &std::path::Path) -> Vec<Result<String, u32>> {
+        let mut enc = loona_hpack::Encoder::new();
+        let auth = sock.to_str().unwrap().as_bytes();
+        let blocks = [check_block(&mut enc, auth), check_block(&mut enc, auth)];
+        exchange(sock, &blocks).await
+    }
+
+    /// One call per header block on one connection (streams 1, 3, ...; each followed by an
+    /// empty HealthCheckRequest). Per call: `Ok(grpc-status)`, `Err(RST_STREAM error code)`,
+    /// `Err(:status)` of a response without `grpc-status`, or `Err(u32::MAX)` when the server
+    /// went away (GOAWAY, EOF) before answering it.
+    async fn exchange(sock: &std::path::Path, blocks: &[Vec<u8>]) -> Vec<Result<String, u32>> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut c = tokio::net::UnixStream::connect(sock).await.unwrap();
-        let mut enc = loona_hpack::Encoder::new();
         let mut w = PREFACE.to_vec();
         frame_header(0, 0x4, 0, 0, &mut w); // SETTINGS
-        for stream in [1u32, 3] {
-            let auth = sock.to_str().unwrap().as_bytes();
-            let hs: [(&[u8], &[u8]); 6] = [
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":path", b"/grpc.health.v1.Health/Check"),
-                (b":authority", auth),
-                (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"),
-            ];
-            let block = enc.encode(hs);
+        let streams: Vec<u32> = (0..blocks.len() as u32).map(|i| 2 * i + 1).collect();
+        for (&stream, block) in streams.iter().zip(blocks) {
             frame_header(block.len(), HEADERS, END_HEADERS, stream, &mut w);
             w.extend(block);
             frame_header(5, 0x0, END_STREAM, stream, &mut w); // DATA: empty HealthCheckRequest
@@ -505,13 +646,15 @@ mod tests {
         let mut dec = loona_hpack::Decoder::new();
         let mut res: std::collections::BTreeMap<u32, Result<String, u32>> = Default::default();
         let mut buf = Vec::new();
-        while res.len() < 2 {
+        'read: while res.len() < blocks.len() {
             let mut chunk = [0u8; 4096];
             let n = tokio::time::timeout(std::time::Duration::from_secs(5), c.read(&mut chunk))
                 .await
                 .expect("server answered within 5 s")
-                .unwrap();
-            assert!(n > 0, "server closed the connection: {res:?}");
+                .unwrap_or(0);
+            if n == 0 {
+                break;
+            }
             buf.extend_from_slice(&chunk[..n]);
             while buf.len() >= 9 {
                 let len = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
@@ -525,23 +668,28 @@ mod tests {
                     0x4 if flags & 1 == 0 => {
                         let mut ack = Vec::new();
                         frame_header(0, 0x4, 1, 0, &mut ack);
-                        c.write_all(&ack).await.unwrap();
+                        // The server may already have closed (after a GOAWAY still unread).
+                        let _ = c.write_all(&ack).await;
                     }
                     0x3 => {
                         res.insert(stream, Err(u32::from_be_bytes(payload[..4].try_into().unwrap())));
                     }
+                    0x7 => break 'read, // GOAWAY
                     HEADERS => {
-                        for (n, v) in dec.decode(&payload).unwrap() {
-                            if n == b"grpc-status" {
-                                res.insert(stream, Ok(String::from_utf8(v).unwrap()));
-                            }
+                        let h = dec.decode(&payload).unwrap();
+                        if let Some((_, v)) = h.iter().find(|(n, _)| n == b"grpc-status") {
+                            res.insert(stream, Ok(String::from_utf8(v.clone()).unwrap()));
+                        } else if flags & END_STREAM != 0 {
+                            let st = h.iter().find(|(n, _)| n == b":status").map(|(_, v)| v.clone());
+                            let st = st.and_then(|v| String::from_utf8(v).ok()?.parse().ok());
+                            res.insert(stream, Err(st.unwrap_or(0)));
                         }
                     }
                     _ => {}
                 }
             }
         }
-        res.into_values().collect()
+        streams.iter().map(|s| res.remove(s).unwrap_or(Err(u32::MAX))).collect()
     }
 
     async fn serve(sock: &std::path::Path, normalise: bool) {
@@ -570,6 +718,119 @@ mod tests {
         assert_eq!(raw_calls(&bare).await, vec![Err(1), Err(1)]);
         assert_eq!(raw_calls(&fixed).await, vec![Ok("0".to_string()), Ok("0".to_string())]);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Attack on the pass-through (F12): a connection whose first request has a valid
+    /// `:authority` is no longer looked at, so its next block carries a socket-path authority
+    /// and, on another such connection, an HPACK bomb (one 4 KiB entry referenced 100 times:
+    /// ~400 KB decoded). The server's own checks answer them: the path gets h2's PROTOCOL_ERROR
+    /// as without the wrapper, the bomb is refused (never served), and the server keeps
+    /// serving.
+    #[tokio::test]
+    async fn a_passed_through_connection_meets_the_servers_own_limits() {
+        let dir = std::env::temp_dir().join(format!("cubenet-uds-passthrough-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("fixed.sock");
+        serve(&sock, true).await;
+        let mut enc = loona_hpack::Encoder::new();
+        let first = check_block(&mut enc, b"localhost");
+        let bad = check_block(&mut enc, sock.to_str().unwrap().as_bytes());
+        // Indexes a 4 KiB entry (evicting the rest of the table), then references it.
+        let mut bomb = vec![0x40];
+        hpack_string(b"x-b", &mut bomb);
+        hpack_string(&[b'y'; 4000], &mut bomb);
+        bomb.extend(std::iter::repeat_n(0x80 | 62, 100));
+        let r = exchange(&sock, &[first.clone(), bad]).await;
+        assert_eq!(r, vec![Ok("0".to_string()), Err(1)], "h2 refuses the path authority itself");
+        // The bomb is a connection error for h2: the connection goes, its first call with it.
+        let r = exchange(&sock, &[first, bomb]).await;
+        assert!(r[1].is_err(), "the bomb was served: {r:?}");
+        // A fresh connection (first authority invalid: rewritten) still works.
+        assert_eq!(raw_calls(&sock).await, vec![Ok("0".to_string()), Ok("0".to_string())]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// RFC 7541 C.4.1 and C.4.2: two requests as an encoder with Huffman coding and indexing
+    /// writes them (`:authority www.example.com`, then a dynamic table reference).
+    const RFC_C41: &[u8] =
+        &[0x82, 0x86, 0x84, 0x41, 0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff];
+    const RFC_C42: &[u8] = &[0x82, 0x86, 0x84, 0xbe, 0x58, 0x86, 0xa8, 0xeb, 0x10, 0x64, 0x9c, 0xbf];
+
+    #[test]
+    fn first_block_verdict_reads_only_up_to_the_authority() {
+        assert_eq!(first_block_authority(RFC_C41), Some(true));
+        // RFC 7541 C.3.1: the same without Huffman coding.
+        let mut raw = vec![0x82, 0x86, 0x84, 0x41, 0x0f];
+        raw.extend_from_slice(b"www.example.com");
+        assert_eq!(first_block_authority(&raw), Some(true));
+        // No :authority at all: nothing to rewrite.
+        assert_eq!(first_block_authority(&[0x82, 0x86, 0x84]), Some(true));
+        // The static entry (empty value), a socket path by name index, by a literal name after
+        // another literal field, never-indexed.
+        assert_eq!(first_block_authority(&[0x82, 0x81]), Some(false));
+        let lit = |first: u8, name: Option<&[u8]>, v: &[u8]| {
+            let mut b = vec![first];
+            if let Some(n) = name {
+                hpack_string(n, &mut b);
+            }
+            hpack_string(v, &mut b);
+            b
+        };
+        assert_eq!(first_block_authority(&lit(0x41, None, b"%2Ftmp%2Fcube%2Fgrpc.sock")), Some(false));
+        let mut b = lit(0x00, Some(b"x-a"), b"/not/the/authority");
+        b.extend(lit(0x00, Some(b":authority"), b"/tmp/grpc.sock"));
+        assert_eq!(first_block_authority(&b), Some(false));
+        assert_eq!(first_block_authority(&lit(0x11, None, b"localhost")), Some(true));
+        // A dynamic table reference before the authority, truncated blocks: decode instead.
+        assert_eq!(first_block_authority(RFC_C42), None);
+        assert_eq!(first_block_authority(&RFC_C41[..10]), None);
+        assert_eq!(first_block_authority(&[0x82, 0x7f]), None);
+    }
+
+    #[test]
+    fn a_valid_first_authority_passes_the_connection_through_byte_for_byte() {
+        let mut input = PREFACE.to_vec();
+        frame_header(0, 0x4, 0, 0, &mut input); // SETTINGS
+        // First block split over HEADERS + CONTINUATION, padded.
+        let (h, c) = RFC_C41.split_at(7);
+        let mut p = vec![1u8];
+        p.extend_from_slice(h);
+        p.push(0);
+        input.extend(headers_frame(1, &p, PADDED));
+        frame_header(c.len(), CONTINUATION, END_HEADERS, 1, &mut input);
+        input.extend_from_slice(c);
+        input.extend(headers_frame(3, RFC_C42, END_HEADERS | END_STREAM));
+        // Later blocks are the server's to judge, even an invalid authority.
+        input.extend(headers_frame(5, &[0x82, 0x81], END_HEADERS));
+        for chunk in [1, 5, input.len()] {
+            let mut rw = Rewriter::new();
+            let mut out = Vec::new();
+            for piece in input.chunks(chunk) {
+                rw.feed(piece, &mut out).unwrap();
+            }
+            assert_eq!(out, input, "fed in pieces of {chunk}");
+            assert!(rw.passing_through());
+            assert_eq!(rw.rewritten, 0);
+        }
+        // The same second block after a first one that needed a rewrite is re-encoded.
+        let mut rw = Rewriter::new();
+        let mut out = Vec::new();
+        let mut input = PREFACE.to_vec();
+        let mut first = vec![0x82, 0x86, 0x84, 0x41];
+        hpack_string(b"/tmp/grpc.sock", &mut first);
+        input.extend(headers_frame(1, &first, END_HEADERS));
+        input.extend(headers_frame(3, RFC_C42, END_HEADERS));
+        rw.feed(&input, &mut out).unwrap();
+        assert!(!rw.passing_through());
+        assert_eq!(rw.rewritten, 2);
+        let f = frames(&out);
+        let mut dec = loona_hpack::Decoder::new();
+        let h1 = dec.decode(&f[0].3).unwrap();
+        assert!(h1.contains(&(b":authority".to_vec(), b"localhost".to_vec())));
+        // C.4.2 refers to the `:authority` the first block indexed: resolved here, sent literal.
+        let h2 = dec.decode(&f[1].3).unwrap();
+        assert!(h2.contains(&(b":authority".to_vec(), b"localhost".to_vec())), "{h2:?}");
+        assert!(h2.contains(&(b"cache-control".to_vec(), b"no-cache".to_vec())));
     }
 
     #[test]

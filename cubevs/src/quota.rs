@@ -25,7 +25,9 @@
 //! state (a released version's sessions still fill the map until deleted), and
 //! [`QuotaMaps::refresh_floor`] rewrites its `LIMITS` key from the registrations counted
 //! in the map itself (so two processes sharing the pins never leave a stale count), on every
-//! register and unregister ([`crate::SandboxTable`]), at load and on every reaper sweep.
+//! registration of a sandbox new to its interface ([`crate::SandboxTable`]), at load and on
+//! every reaper sweep. An unregister does not recount: the released floor stays reserved
+//! until the next of these (a lower ceiling is the safe side; decision F14).
 
 use std::{collections::HashMap as StdHashMap, fs::File, os::fd::AsRawFd};
 

@@ -126,8 +126,11 @@ impl SandboxTable {
     }
 
     /// Removes the sandbox on `ifindex`; the IP entry is removed only if it still points at
-    /// this interface; its version's session-budget entries go too and its floor is released
-    /// (ceiling recomputed, decision Q4). Unknown ifindex: no-op.
+    /// this interface; its version's session-budget entries go too. Its floor stays reserved
+    /// until the next recount (the next registration of a new sandbox, or the reaper's sweep,
+    /// every `reaper_interval_secs`): a ceiling lower than needed only narrows the shared room
+    /// for that long, and the Release path skips a scan of every registration (decision F14).
+    /// Unknown ifindex: no-op.
     pub fn unregister(&self, ifindex: u32) -> Result<(), Error> {
         let mut g = self.inner.lock().expect("sandbox maps lock");
         let (meta, by_ip) = &mut *g;
@@ -148,8 +151,7 @@ impl SandboxTable {
                 Err(e) => return Err(Error::map(map::MVMIP_TO_IFINDEX, "delete")(e)),
             }
         }
-        self.sessions.forget_quota(ifindex, m.version)?;
-        self.sessions.refresh_floor().map(|_| ())
+        self.sessions.forget_quota(ifindex, m.version)
     }
 
     /// The sandbox on `ifindex`, if registered.

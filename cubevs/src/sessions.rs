@@ -136,8 +136,9 @@ impl Sessions {
     }
 
     /// Rewrites the floor's ceiling from the registrations now in the sandbox map (decision
-    /// Q4); returns it (`None` without a floor map). Called on every register and unregister,
-    /// at load and by the reaper.
+    /// Q4); returns it (`None` without a floor map). Called on every registration of a sandbox
+    /// new to its interface, at load and by the reaper (an unregister leaves the count to the
+    /// next of these: decision F14).
     pub fn refresh_floor(&self) -> Result<Option<u32>, Error> {
         let mut g = self.inner.lock().expect("sessions lock");
         let SessionMaps { registrations, quota, .. } = &mut *g;

@@ -161,7 +161,8 @@ fn colluders_cannot_take_the_victims_floor() {
     assert_no_drift(&r);
 }
 
-/// The ceiling follows registrations: a new sandbox reserves its floor, a release frees it;
+/// The ceiling follows registrations: a new sandbox reserves its floor, a release frees it at
+/// the next recount (F14);
 /// a node over a lowered ceiling refuses sandboxes above their floor until it falls.
 #[test]
 fn ceiling_follows_registrations() {
@@ -178,9 +179,20 @@ fn ceiling_follows_registrations() {
     assert_eq!(floor(&r).ceiling, floor_ceiling(CAP, 6, FLOOR, margin));
     r.maps.sandboxes.unregister(105).unwrap();
     r.maps.sandboxes.unregister(VICTIM).unwrap();
+    // A release keeps its floor reserved (the safe side) until the next recount (F14): the
+    // reaper's sweep, or the next registration of a new sandbox.
+    assert_eq!(floor(&r).ceiling, floor_ceiling(CAP, 6, FLOOR, margin));
+    reaper::sweep(&r.maps.sessions, &Timeouts::default(), reaper::monotonic_ns()).unwrap();
     assert_eq!(floor(&r).ceiling, floor_ceiling(CAP, 4, FLOOR, margin));
     // Unknown interface: nothing changes.
     r.maps.sandboxes.unregister(999).unwrap();
+    assert_eq!(floor(&r).ceiling, floor_ceiling(CAP, 4, FLOOR, margin));
+    register(&r, 105, 3);
+    r.maps.sandboxes.unregister(105).unwrap();
+    register(&r, 106, 1);
+    assert_eq!(floor(&r).ceiling, floor_ceiling(CAP, 5, FLOOR, margin), "a registration recounts");
+    r.maps.sandboxes.unregister(106).unwrap();
+    reaper::sweep(&r.maps.sessions, &Timeouts::default(), reaper::monotonic_ns()).unwrap();
     assert_eq!(floor(&r).ceiling, floor_ceiling(CAP, 4, FLOOR, margin));
     // A released sandbox's sessions still count in the node until deleted, and their delete
     // subtracts them (the version's own budget entries are gone already).

@@ -189,7 +189,11 @@ fn dns_scenario(floor: u32) -> bool {
     // A released attacker's queries are purged and subtracted; the reaper subtracts expired ones:
     // the node count returns to 0 exactly.
     r.maps.sandboxes.unregister(200).expect("unregister");
-    // The ceiling follows the registrations: one fewer reserves one floor less.
+    // The released floor stays reserved (the safe side) until the next recount (F14: the next
+    // registration of a new sandbox, or the reaper's sweep); then one fewer reserves one less.
+    let st = r.maps.track.state(KIND_DNS_QUERY).unwrap();
+    assert_eq!(st.ceiling, floor_ceiling(limits::DNS_QUERIES, registered, floor, floor_margin()));
+    r.maps.sessions.refresh_floor().expect("recount");
     let st = r.maps.track.state(KIND_DNS_QUERY).unwrap();
     assert_eq!(st.ceiling, floor_ceiling(limits::DNS_QUERIES, registered - 1, floor, floor_margin()));
     assert_eq!(r.maps.track.usage(200, 1, KIND_DNS_QUERY).unwrap(), None, "its version's counts are removed");
