@@ -132,6 +132,15 @@ pub(crate) fn is_not_found(e: &aya::maps::MapError) -> bool {
     }
 }
 
+/// `Ok(None)` for a lookup that found no key ([`is_not_found`]), the other results as they are.
+pub(crate) fn ok_absent<T>(r: Result<T, aya::maps::MapError>) -> Result<Option<T>, aya::maps::MapError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// True when a map error is "key exists" (`EEXIST` from a `BPF_NOEXIST` insert).
 pub(crate) fn is_exists(e: &aya::maps::MapError) -> bool {
     matches!(e, aya::maps::MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::EEXIST))

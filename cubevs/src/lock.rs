@@ -62,3 +62,38 @@ impl UpdateLock {
         &self.path
     }
 }
+
+/// An exclusive `flock(2)` on the pinned maps' directory (`<pin_dir>/maps`, not the updater
+/// lock's `<pin_dir>`) while alive: serialises the read-modify-write of a userspace-only count
+/// map (`session_closed`, `track_closed`) across processes sharing the pins (decisions Q2, Q5,
+/// Q6). `None` (unpinned maps, private to this process) locks nothing. Blocks; retries EINTR.
+pub(crate) struct Flock<'a>(Option<&'a File>);
+
+impl<'a> Flock<'a> {
+    /// Takes the lock on `f`; `map` names the count map in the error. Errors: `MapSyscall`
+    /// when `flock` fails.
+    pub(crate) fn take(f: Option<&'a File>, map: &'static str) -> Result<Self, Error> {
+        if let Some(f) = f {
+            loop {
+                // SAFETY: flock on an open fd we own.
+                if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                    break;
+                }
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(Error::MapSyscall { map, op: "flock maps dir", source: e });
+                }
+            }
+        }
+        Ok(Self(f))
+    }
+}
+
+impl Drop for Flock<'_> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0 {
+            // SAFETY: unlock of an fd we own.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        }
+    }
+}

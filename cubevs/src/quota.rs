@@ -29,12 +29,12 @@
 //! every reaper sweep. An unregister does not recount: the released floor stays reserved
 //! until the next of these (a lower ceiling is the safe side; decision F14).
 
-use std::{collections::HashMap as StdHashMap, fs::File, os::fd::AsRawFd};
+use std::{collections::HashMap as StdHashMap, fs::File};
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{MvmMeta, NatSession, QuotaKey, SessionKey, floor, map, quota::COUNTED};
 
-use crate::{Error, error::is_not_found};
+use crate::{Error, error::ok_absent, lock::Flock};
 
 /// Budget use of one sandbox version.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -104,44 +104,6 @@ pub struct FloorState {
     pub ceiling: u32,
 }
 
-/// An exclusive `flock` on the maps directory while alive.
-struct Flock<'a>(Option<&'a File>);
-
-impl<'a> Flock<'a> {
-    fn take(f: Option<&'a File>) -> Result<Self, Error> {
-        if let Some(f) = f {
-            loop {
-                // SAFETY: flock on an open fd we own.
-                if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                    break;
-                }
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::EINTR) {
-                    return Err(Error::MapSyscall { map: map::SESSION_CLOSED, op: "flock maps dir", source: e });
-                }
-            }
-        }
-        Ok(Self(f))
-    }
-}
-
-impl Drop for Flock<'_> {
-    fn drop(&mut self) {
-        if let Some(f) = self.0 {
-            // SAFETY: unlock of an fd we own.
-            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
-        }
-    }
-}
-
-fn ok_absent<T>(r: Result<T, aya::maps::MapError>) -> Result<Option<T>, aya::maps::MapError> {
-    match r {
-        Ok(v) => Ok(Some(v)),
-        Err(e) if is_not_found(&e) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
 impl QuotaMaps {
     /// Usage of `key`, `None` when the datapath has not charged it (no `session_opened` entry).
     pub(crate) fn usage(&self, key: &QuotaKey) -> Result<Option<QuotaUsage>, Error> {
@@ -173,7 +135,7 @@ impl QuotaMaps {
     pub(crate) fn refresh_floor(&mut self, registrations: Option<&std::os::fd::OwnedFd>) -> Result<Option<u32>, Error> {
         use std::os::fd::AsFd;
         let (Some(f), Some(fd)) = (&mut self.floor, registrations) else { return Ok(None) };
-        let flock = Flock::take(self.lock.as_ref())?;
+        let flock = Flock::take(self.lock.as_ref(), map::SESSION_CLOSED)?;
         let mut n = 0u32;
         crate::batch::for_each(fd.as_fd(), 1024, |_: &u32, _: &MvmMeta| n += 1)
             .map_err(|source| Error::MapSyscall { map: map::IFINDEX_TO_MVMMETA, op: "batch lookup", source })?;
@@ -221,7 +183,7 @@ impl QuotaMaps {
         if by.is_empty() && node == 0 {
             return Ok(());
         }
-        let _flock = Flock::take(self.lock.as_ref())?;
+        let _flock = Flock::take(self.lock.as_ref(), map::SESSION_CLOSED)?;
         if let (Some(f), true) = (&mut self.floor, node > 0) {
             // The datapath creates `OPENED` before it marks any session as charged to it.
             let get = |k: u32| ok_absent(f.map.get(&k, 0)).map_err(Error::map(map::SESSION_FLOOR, "lookup"));
@@ -246,7 +208,7 @@ impl QuotaMaps {
     /// Removes both entries of `key` (absent is fine).
     pub(crate) fn forget(&mut self, key: &QuotaKey) -> Result<(), Error> {
         {
-            let _flock = Flock::take(self.lock.as_ref())?;
+            let _flock = Flock::take(self.lock.as_ref(), map::SESSION_CLOSED)?;
             ok_absent(self.closed.remove(key)).map_err(Error::map(map::SESSION_CLOSED, "delete"))?;
             ok_absent(self.opened.remove(key)).map_err(Error::map(map::SESSION_OPENED, "delete"))?;
         }

@@ -12,13 +12,13 @@
 //! live upgrade) by an exclusive `flock` on the pinned maps' directory, taken before the
 //! mutex everywhere.
 
-use std::{collections::HashMap as StdHashMap, fs::File, os::fd::AsRawFd, sync::Mutex};
+use std::{collections::HashMap as StdHashMap, fs::File, sync::Mutex};
 
 use aya::maps::{HashMap, MapData};
 pub use cubevs_common::budget::{KIND_DNS_QUERY, KIND_FRAG};
 use cubevs_common::{QuotaKey, TrackCount, floor, map};
 
-use crate::{Error, error::is_not_found, quota::floor_ceiling};
+use crate::{Error, error::ok_absent, lock::Flock, quota::floor_ceiling};
 
 /// The tracking floor's parameters for one map.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,44 +56,6 @@ pub struct TrackFloor {
     margin: u32,
 }
 
-fn ok_absent<T>(r: Result<T, aya::maps::MapError>) -> Result<Option<T>, aya::maps::MapError> {
-    match r {
-        Ok(v) => Ok(Some(v)),
-        Err(e) if is_not_found(&e) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-/// An exclusive `flock` on the maps directory while alive.
-struct Flock<'a>(Option<&'a File>);
-
-impl<'a> Flock<'a> {
-    fn take(f: Option<&'a File>) -> Result<Self, Error> {
-        if let Some(f) = f {
-            loop {
-                // SAFETY: flock on an open fd we own.
-                if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                    break;
-                }
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::EINTR) {
-                    return Err(Error::MapSyscall { map: map::TRACK_CLOSED, op: "flock maps dir", source: e });
-                }
-            }
-        }
-        Ok(Self(f))
-    }
-}
-
-impl Drop for Flock<'_> {
-    fn drop(&mut self) {
-        if let Some(f) = self.0 {
-            // SAFETY: unlock of an fd we own.
-            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
-        }
-    }
-}
-
 fn field(c: &mut TrackCount, kind: u32) -> &mut u64 {
     if kind == KIND_DNS_QUERY { &mut c.dns_queries } else { &mut c.frags }
 }
@@ -126,7 +88,7 @@ impl TrackFloor {
         let frag = floor_ceiling(self.frag.capacity, registered, self.frag.floor, self.margin);
         let v = (u64::from(floor::track_half(self.dns.floor, dns)) << 32)
             | u64::from(floor::track_half(self.frag.floor, frag));
-        let _flock = Flock::take(self.lock.as_ref())?;
+        let _flock = Flock::take(self.lock.as_ref(), map::TRACK_CLOSED)?;
         let mut g = self.inner.lock().expect("track lock");
         g.node.insert(floor::TRACK_LIMITS, v, 0).map_err(Error::map(map::SESSION_FLOOR, "update"))?;
         Ok((dns, frag))
@@ -172,7 +134,7 @@ impl TrackFloor {
         for k in owners {
             *by.entry(*k).or_default() += 1;
         }
-        let _flock = Flock::take(self.lock.as_ref())?;
+        let _flock = Flock::take(self.lock.as_ref(), map::TRACK_CLOSED)?;
         let mut g = self.inner.lock().expect("track lock");
         let (ko, kc) = floor::track_keys(kind);
         if ok_absent(g.node.get(&ko, 0)).map_err(Error::map(map::SESSION_FLOOR, "lookup"))?.is_some() {
@@ -197,7 +159,7 @@ impl TrackFloor {
     /// Removes both entries of (`ifindex`, `version`) (absent is fine).
     pub(crate) fn forget(&self, ifindex: u32, version: u32) -> Result<(), Error> {
         let key = QuotaKey { ifindex, version };
-        let _flock = Flock::take(self.lock.as_ref())?;
+        let _flock = Flock::take(self.lock.as_ref(), map::TRACK_CLOSED)?;
         let mut g = self.inner.lock().expect("track lock");
         ok_absent(g.closed.remove(&key)).map_err(Error::map(map::TRACK_CLOSED, "delete"))?;
         ok_absent(g.opened.remove(&key)).map_err(Error::map(map::TRACK_OPENED, "delete"))?;
