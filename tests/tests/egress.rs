@@ -225,6 +225,68 @@ fn has_event(lines: &[Value], event: &str, reason: &str) -> bool {
     lines.iter().any(|l| l["event"] == event && l["security"]["reason"].as_str().is_some_and(|r| r.starts_with(reason)))
 }
 
+/// `curl args` from `node` (the gateway's admin API): (HTTP status, body), status 0 when
+/// unreachable.
+fn admin_curl(node: &TestNetns, args: &[&str]) -> (u16, String) {
+    let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
+    a.extend_from_slice(args);
+    let o = node.exec("curl", &a);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The gateway CA in `<dir>/ca` (`cube-root-ca.crt`, `cube-root-ca.key`), which the sandbox
+/// trusts.
+fn gateway_ca(dir: &Path) -> tls::TestCa {
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let ca = tls::make_ca("CubeSandbox Egress test CA");
+    std::fs::write(dir.join("ca/cube-root-ca.crt"), &ca.pem).unwrap();
+    std::fs::write(dir.join("ca/cube-root-ca.key"), &ca.key_pem).unwrap();
+    ca
+}
+
+/// A gateway behind the TPROXY plumbing with no bootstrap (policies come through the admin
+/// API); on drop the gateway is killed, then the plumbing taken down.
+struct Gateway<'a> {
+    _child: ChildGuard,
+    _down: NetDown<'a>,
+}
+
+/// Brings the plumbing up in `node` and starts `cmd` (the gateway binary, or a wrapper such
+/// as `prlimit` followed by it) with `--sandbox-cidr 192.168.0.0/18 --ca-dir <dir>/ca
+/// --audit-file <audit> --bootstrap-url ""` and `extra`, then waits for its admin health.
+fn start_gateway<'a>(
+    node: &'a TestNetns,
+    mut cmd: std::process::Command,
+    dir: &Path,
+    audit: &str,
+    extra: &[&str],
+) -> Gateway<'a> {
+    let down = NetDown(node);
+    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
+    assert!(o.status.success(), "up: {}", text(&o));
+    let child = cmd
+        .stdin(std::process::Stdio::null())
+        .args(["--sandbox-cidr", "192.168.0.0/18", "--ca-dir", dir.join("ca").to_str().unwrap()])
+        .args(["--audit-file", audit, "--bootstrap-url", ""])
+        .args(extra)
+        .spawn()
+        .unwrap();
+    let gw = Gateway { _child: ChildGuard::from_child(child), _down: down };
+    wait_for("admin health", Duration::from_secs(10), || {
+        admin_curl(node, &["http://127.0.0.1:9091/admin/v1/health"]).0 == 200
+    });
+    gw
+}
+
+/// PUTs `policy` for the sandbox at `ip` through the admin API; asserts 200.
+fn put_policy(node: &TestNetns, ip: &str, policy: &Value) {
+    let url = format!("http://127.0.0.1:9091/admin/v1/policies/{ip}");
+    let (code, body) = admin_curl(node, &["-X", "PUT", "--data", &policy.to_string(), &url]);
+    assert_eq!(code, 200, "{body}");
+}
+
 /// Runs `cube-egress-net.sh down` in the node namespace on drop (also on panic).
 struct NetDown<'a>(&'a TestNetns);
 impl Drop for NetDown<'_> {
@@ -372,14 +434,7 @@ fn egress_gateway_end_to_end() {
             &format!("{WORLD}:53"),
         ],
     );
-    let admin = |args: &[&str]| -> (u16, String) {
-        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
-        a.extend_from_slice(args);
-        let o = node.exec("curl", &a);
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    };
+    let admin = |args: &[&str]| admin_curl(node, args);
     wait_for("admin health", Duration::from_secs(10), || admin(&["http://127.0.0.1:9091/admin/v1/health"]).0 == 200);
 
     // Before bootstrap: every request is refused (HTTP 403; HTTPS gets no certificate).
@@ -712,14 +767,7 @@ fn egress_gateway_holes() {
         .spawn()
         .unwrap();
     let mut gw = ChildGuard::from_child(gw_cmd);
-    let admin = |args: &[&str]| -> (u16, String) {
-        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
-        a.extend_from_slice(args);
-        let o = node.exec("curl", &a);
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    };
+    let admin = |args: &[&str]| admin_curl(node, args);
     let base = "http://127.0.0.1:9091/admin/v1";
     wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
     let pol = json!({"policy_id": "holes", "rules": [
@@ -888,44 +936,14 @@ fn egress_gateway_fails_closed_without_audit() {
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
-    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
-    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
-    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
-    let _down = NetDown(node);
-    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
-    assert!(o.status.success(), "up: {}", text(&o));
-    let gw_cmd = node
-        .command(egress_bin().to_str().unwrap())
-        .stdin(std::process::Stdio::null())
-        .args([
-            "--sandbox-cidr",
-            "192.168.0.0/18",
-            "--ca-dir",
-            dir.join("ca").to_str().unwrap(),
-            "--audit-file",
-            "/dev/full",
-            "--bootstrap-url",
-            "",
-        ])
-        .spawn()
-        .unwrap();
-    let _gw = ChildGuard::from_child(gw_cmd);
-    let admin = |args: &[&str]| -> (u16, String) {
-        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
-        a.extend_from_slice(args);
-        let o = node.exec("curl", &a);
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    };
-    let base = "http://127.0.0.1:9091/admin/v1";
-    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, "/dev/full", &[]);
+    let admin = |args: &[&str]| admin_curl(node, args);
     let pol = json!({"policy_id": "noaudit", "rules": [
         {"id": "plain", "match": {"host": WORLD, "scheme": "http", "path": "/v1/*"}, "action": {"allow": true}}
     ]});
-    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
-    assert_eq!(code, 200, "{body}");
+    put_policy(node, SANDBOX_IP, &pol);
 
     let (code, body, o) = curl(&sb, &[&format!("http://{WORLD}/v1/exfil")]);
     assert_eq!(code, 503, "{}", text(&o));
@@ -977,9 +995,7 @@ fn egress_gateway_request_confusion() {
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
-    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
-    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
-    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
     let world_ca = tls::make_ca("world test CA");
     std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
@@ -992,39 +1008,11 @@ fn egress_gateway_request_confusion() {
     );
     let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
     let _dns = world_dns(world, &[("api.example.test", WORLD), ("evil.example.test", WORLD)]);
-    let _down = NetDown(node);
-    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
-    assert!(o.status.success(), "up: {}", text(&o));
     let audit = dir.join("log/access.jsonl");
-    let gw_cmd = node
-        .command(egress_bin().to_str().unwrap())
-        .env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"))
-        .stdin(std::process::Stdio::null())
-        .args([
-            "--sandbox-cidr",
-            "192.168.0.0/18",
-            "--ca-dir",
-            dir.join("ca").to_str().unwrap(),
-            "--audit-file",
-            audit.to_str().unwrap(),
-            "--bootstrap-url",
-            "",
-            "--upstream-extra-ca",
-            dir.join("world-ca.pem").to_str().unwrap(),
-        ])
-        .spawn()
-        .unwrap();
-    let _gw = ChildGuard::from_child(gw_cmd);
-    let admin = |args: &[&str]| -> (u16, String) {
-        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
-        a.extend_from_slice(args);
-        let o = node.exec("curl", &a);
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    };
-    let base = "http://127.0.0.1:9091/admin/v1";
-    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let mut cmd = node.command(egress_bin().to_str().unwrap());
+    cmd.env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"));
+    let world_ca_arg = dir.join("world-ca.pem").to_str().unwrap().to_string();
+    let _gw = start_gateway(node, cmd, dir, audit.to_str().unwrap(), &["--upstream-extra-ca", &world_ca_arg]);
     let pol = json!({"policy_id": "confusion", "rules": [
         {"id": "no-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
         {"id": "web", "match": {"host": "api.example.test"},
@@ -1032,8 +1020,7 @@ fn egress_gateway_request_confusion() {
         {"id": "no-secret", "match": {"host": "secret.example.test"}, "action": {"allow": false}},
         {"id": "tls-any", "match": {"host": "*.example.test", "scheme": "https"}, "action": {"allow": true}}
     ]});
-    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
-    assert_eq!(code, 200, "{body}");
+    put_policy(node, SANDBOX_IP, &pol);
     let to = format!("{WORLD}:80");
 
     // The allowed request itself is served with its credential (the rig works).
@@ -1174,46 +1161,15 @@ fn egress_gateway_never_dials_a_sandbox() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), "200", "{}", text(&o));
     assert_eq!(seen.lock().unwrap().len(), 1);
 
-    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
-    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
-    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    gateway_ca(dir);
     let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
-    let _down = NetDown(node);
-    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
-    assert!(o.status.success(), "up: {}", text(&o));
     let audit = dir.join("log/access.jsonl");
-    let gw_cmd = node
-        .command(egress_bin().to_str().unwrap())
-        .stdin(std::process::Stdio::null())
-        .args([
-            "--sandbox-cidr",
-            "192.168.0.0/18",
-            "--ca-dir",
-            dir.join("ca").to_str().unwrap(),
-            "--audit-file",
-            audit.to_str().unwrap(),
-            "--bootstrap-url",
-            "",
-        ])
-        .spawn()
-        .unwrap();
-    let _gw = ChildGuard::from_child(gw_cmd);
-    let admin = |args: &[&str]| -> (u16, String) {
-        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
-        a.extend_from_slice(args);
-        let o = node.exec("curl", &a);
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    };
-    let base = "http://127.0.0.1:9091/admin/v1";
-    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
     let pol = json!({"policy_id": "sandbox-dst", "rules": [
         {"id": "victim", "match": {"host": VICTIM}, "action": {"allow": true}},
         {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
     ]});
-    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{SANDBOX_IP}")]);
-    assert_eq!(code, 200, "{body}");
+    put_policy(node, SANDBOX_IP, &pol);
 
     // Control: the same kind of rule to a world address is served.
     let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/ok")]);
@@ -1251,38 +1207,17 @@ fn egress_gateway_connection_flood_starves_no_other_sandbox() {
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
-    let gw_ca = tls::make_ca("CubeSandbox Egress test CA");
-    std::fs::write(dir.join("ca/cube-root-ca.crt"), &gw_ca.pem).unwrap();
-    std::fs::write(dir.join("ca/cube-root-ca.key"), &gw_ca.key_pem).unwrap();
+    gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
-    let _down = NetDown(node);
-    let o = node.exec("bash", &[script().to_str().unwrap(), "up"]);
-    assert!(o.status.success(), "up: {}", text(&o));
     let egress = egress_bin();
-    let gw_cmd = node
-        .command("prlimit")
-        .stdin(std::process::Stdio::null())
-        .args(["--nofile=256:256", egress.to_str().unwrap()])
-        .args(["--sandbox-cidr", "192.168.0.0/18", "--ca-dir", dir.join("ca").to_str().unwrap()])
-        .args(["--audit-file", dir.join("log/access.jsonl").to_str().unwrap(), "--bootstrap-url", ""])
-        .spawn()
-        .unwrap();
-    let _gw = ChildGuard::from_child(gw_cmd);
-    let admin = |args: &[&str]| -> (u16, String) {
-        let mut a = vec!["-s", "--max-time", "5", "-w", "\n%{http_code}"];
-        a.extend_from_slice(args);
-        let o = node.exec("curl", &a);
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        let (body, code) = out.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    };
-    let base = "http://127.0.0.1:9091/admin/v1";
-    wait_for("admin health", Duration::from_secs(10), || admin(&[&format!("{base}/health")]).0 == 200);
+    let mut cmd = node.command("prlimit");
+    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
+    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let admin = |args: &[&str]| admin_curl(node, args);
     let pol = json!({"policy_id": "victim", "rules": [
         {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
     ]});
-    let (code, body) = admin(&["-X", "PUT", "--data", &pol.to_string(), &format!("{base}/policies/{UNKNOWN_IP}")]);
-    assert_eq!(code, 200, "{body}");
+    put_policy(node, UNKNOWN_IP, &pol);
 
     // The flood: FLOOD idle connections from the attacker's address (the namespace's first,
     // 192.168.0.2), held open.
