@@ -107,6 +107,38 @@ impl Rig {
         self.maps.policy.install_default_deny(e.ifindex).expect("policy");
     }
 
+    /// A guest DNS query for `name` with `id` from the sandbox on `ifindex` (the rig's guest
+    /// address), guest port `gport`, to `resolver`:53 through `from_cube`; asserts it was
+    /// forwarded and returns the SNAT port of its session.
+    pub fn dns_query(&self, ifindex: u32, gport: u16, id: u16, resolver: [u8; 4], name: &str) -> u16 {
+        use crate::{
+            dns,
+            frames::udp,
+            packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+        };
+        let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, resolver, gport, 53, &dns::query(id, name));
+        assert_eq!(self.run(prog::FROM_CUBE, f, ifindex).verdict, testrun::TC_ACT_REDIRECT, "query forwarded");
+        let s = self.maps.sessions.list().expect("sessions");
+        s.iter().find(|s| s.vm_ifindex == ifindex && s.guest_port == gport).expect("dns session").snat_port
+    }
+
+    /// The answer `addr` (one A record, TTL 600) for `name` with `id` from `resolver`:53 to
+    /// the node's `snat_port` through `from_world`; asserts it was delivered.
+    pub fn dns_respond(&self, snat_port: u16, id: u16, resolver: [u8; 4], name: &str, addr: [u8; 4]) {
+        use crate::{
+            dns::{self, Owner, a},
+            frames::udp,
+        };
+        let msg = dns::response(id, name, &[a(Owner::Question, addr, 600)]);
+        let out = self.world(udp(self.world_mac, self.up_mac, resolver, NODE_IP, 53, snat_port, &msg));
+        assert_eq!(out.verdict, testrun::TC_ACT_REDIRECT, "response delivered");
+    }
+
+    /// The addresses the datapath learned for the sandbox on `ifindex`.
+    pub fn learned_ips(&self, ifindex: u32) -> Vec<Ipv4Addr> {
+        self.maps.policy.learned(Some(ifindex)).iter().map(|e| e.ip).collect()
+    }
+
     /// `n` UDP sessions of the rig sandbox (guest ports 50,000 + i to the world's port 53, SNAT
     /// ports 31,000 + i), as an object older than the session quota left them: charged to
     /// neither the sandbox nor the node (`quota` and `node_quota` 0). For

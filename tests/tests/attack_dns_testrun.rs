@@ -29,6 +29,7 @@ use cubevs::{
 use cubevs_common::{counter, limits};
 
 const RESOLVER: [u8; 4] = WORLD_IP;
+const NAME: &str = "api.example.com";
 const B_IFINDEX: u32 = 101;
 const ADDR1: [u8; 4] = [203, 0, 113, 10];
 const ADDR2: [u8; 4] = [203, 0, 113, 11];
@@ -39,27 +40,9 @@ fn policy() -> EgressPolicy {
     EgressPolicy {
         allow_internet_access: false,
         allow_out: vec![format!("{}/32", Ipv4Addr::from(RESOLVER))],
-        allow_fqdn: vec![FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
+        allow_fqdn: vec![FqdnAllow { name: NAME.into(), ports: vec![] }],
         ..Default::default()
     }
-}
-
-/// A query of the sandbox on `ifindex` from guest port `gport`; returns its SNAT port.
-fn query(r: &Rig, ifindex: u32, gport: u16, id: u16) -> u16 {
-    let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, "api.example.com"));
-    assert_eq!(r.run(prog::FROM_CUBE, f, ifindex).verdict, TC_ACT_REDIRECT, "query forwarded");
-    let s = r.maps.sessions.list().unwrap();
-    s.iter().find(|s| s.vm_ifindex == ifindex && s.guest_port == gport).expect("dns session").snat_port
-}
-
-fn respond(r: &Rig, snat_port: u16, id: u16, addr: [u8; 4]) {
-    let msg = dns::response(id, "api.example.com", &[a(Owner::Question, addr, 600)]);
-    let out = r.world(udp(r.world_mac, r.up_mac, RESOLVER, NODE_IP, 53, snat_port, &msg));
-    assert_eq!(out.verdict, TC_ACT_REDIRECT, "response delivered");
-}
-
-fn learned(r: &Rig, ifindex: u32) -> Vec<Ipv4Addr> {
-    r.maps.policy.learned(Some(ifindex)).iter().map(|e| e.ip).collect()
 }
 
 #[test]
@@ -75,9 +58,9 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
     r.maps.policy.replace(B_IFINDEX, &policy()).expect("policy B");
 
     // Control: B's exchange without a flood is learned.
-    let snat = query(&r, B_IFINDEX, 40000, 0x0b01);
-    respond(&r, snat, 0x0b01, ADDR1);
-    assert_eq!(learned(&r, B_IFINDEX), [Ipv4Addr::from(ADDR1)]);
+    let snat = r.dns_query(B_IFINDEX, 40000, 0x0b01, RESOLVER, NAME);
+    r.dns_respond(snat, 0x0b01, RESOLVER, NAME, ADDR1);
+    assert_eq!(r.learned_ips(B_IFINDEX), [Ipv4Addr::from(ADDR1)]);
 
     // B asks again; before the answer comes, A sends twice the map's size in queries for the
     // allowed name (every id of two source ports, one session each). The frames are built
@@ -89,11 +72,11 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
         (0..flood)
             .map(|i| {
                 let (gport, id) = (50000 + (i >> 16) as u16, i as u16);
-                udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, "api.example.com"))
+                udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, NAME))
             })
             .collect(),
     );
-    let snat = query(&r, B_IFINDEX, 40001, 0x0b02);
+    let snat = r.dns_query(B_IFINDEX, 40001, 0x0b02, RESOLVER, NAME);
     let asked = std::time::Instant::now();
     assert_eq!(r.maps.policy.dns_queries(Some(B_IFINDEX)).len(), 1, "B's query tracked");
     let tracked0 = r.maps.counters.get(counter::DNS_QUERY_TRACKED).unwrap();
@@ -113,16 +96,16 @@ fn a_query_flood_never_evicts_another_sandboxs_tracked_query() {
         waited < std::time::Duration::from_nanos(cubevs_common::dns::QUERY_TIMEOUT_NS),
         "the flood outlasted B's query window ({waited:?}): machine too loaded to judge the property"
     );
-    respond(&r, snat, 0x0b02, ADDR2);
+    r.dns_respond(snat, 0x0b02, RESOLVER, NAME, ADDR2);
     assert_eq!(r.maps.counters.get(counter::DNS_RESP_UNSOLICITED).unwrap(), 0, "B's answer taken as unsolicited");
-    let mut l = learned(&r, B_IFINDEX);
+    let mut l = r.learned_ips(B_IFINDEX);
     l.sort();
     assert_eq!(l, [Ipv4Addr::from(ADDR1), Ipv4Addr::from(ADDR2)], "B learns its answer despite A's flood");
 
     // After the flood B's next query is still tracked (A cannot fill the map) and learned.
-    let snat = query(&r, B_IFINDEX, 40002, 0x0b03);
-    respond(&r, snat, 0x0b03, ADDR3);
-    let mut l = learned(&r, B_IFINDEX);
+    let snat = r.dns_query(B_IFINDEX, 40002, 0x0b03, RESOLVER, NAME);
+    r.dns_respond(snat, 0x0b03, RESOLVER, NAME, ADDR3);
+    let mut l = r.learned_ips(B_IFINDEX);
     l.sort();
     assert_eq!(l, [ADDR1, ADDR2, ADDR3].map(Ipv4Addr::from), "B learns a query sent after A's flood");
 
@@ -147,11 +130,11 @@ fn a_dns_answer_never_opens_an_always_denied_address() {
     let denied: [[u8; 4]; 6] =
         [[169, 254, 169, 254], [10, 0, 0, 5], [127, 0, 0, 1], [172, 16, 0, 1], [192, 168, 0, 4], [172, 31, 255, 254]];
     let answers: Vec<_> = denied.iter().copied().chain([ADDR1]).map(|ip| a(Owner::Question, ip, 600)).collect();
-    let snat = query(&r, SB_IFINDEX, 40000, 0x0a01);
-    let msg = dns::response(0x0a01, "api.example.com", &answers);
+    let snat = r.dns_query(SB_IFINDEX, 40000, 0x0a01, RESOLVER, NAME);
+    let msg = dns::response(0x0a01, NAME, &answers);
     let out = r.world(udp(r.world_mac, r.up_mac, RESOLVER, NODE_IP, 53, snat, &msg));
     assert_eq!(out.verdict, TC_ACT_REDIRECT, "the answer itself is delivered to the guest");
-    assert_eq!(learned(&r, SB_IFINDEX), [Ipv4Addr::from(ADDR1)], "only the public answer is learned");
+    assert_eq!(r.learned_ips(SB_IFINDEX), [Ipv4Addr::from(ADDR1)], "only the public answer is learned");
     assert_eq!(r.maps.counters.get(counter::DNS_RESP_NOT_PUBLIC).unwrap(), denied.len() as u64);
 
     // The guest then dials them: every always-denied one is refused, the public one leaves.

@@ -9,7 +9,7 @@
 use std::net::Ipv4Addr;
 
 use cubenet_tests::{
-    dns::{self, Owner, a},
+    dns,
     frames::{fragment, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
@@ -27,6 +27,7 @@ use cubevs::{
 use cubevs_common::{counter, limits, track};
 
 const RESOLVER: [u8; 4] = WORLD_IP;
+const NAME: &str = "api.example.com";
 /// Attackers are ifindex 200.., the victim this one.
 const VICTIM: u32 = 199;
 const FLOOR: u32 = 4;
@@ -46,7 +47,7 @@ fn dns_policy() -> EgressPolicy {
     EgressPolicy {
         allow_internet_access: false,
         allow_out: vec![format!("{}/32", Ipv4Addr::from(RESOLVER))],
-        allow_fqdn: vec![FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
+        allow_fqdn: vec![FqdnAllow { name: NAME.into(), ports: vec![] }],
         ..Default::default()
     }
 }
@@ -87,24 +88,6 @@ fn expected(floor: u32, attackers: u32, attempts: u32, registered: u32, capacity
     (n, ceiling)
 }
 
-/// A guest DNS query of the sandbox on `ifindex`; returns its SNAT port.
-fn query(r: &Rig, ifindex: u32, gport: u16, id: u16) -> u16 {
-    let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, gport, 53, &dns::query(id, "api.example.com"));
-    assert_eq!(r.run(prog::FROM_CUBE, f, ifindex).verdict, TC_ACT_REDIRECT, "query forwarded");
-    let s = r.maps.sessions.list().unwrap();
-    s.iter().find(|s| s.vm_ifindex == ifindex && s.guest_port == gport).expect("dns session").snat_port
-}
-
-fn respond(r: &Rig, snat_port: u16, id: u16, addr: [u8; 4]) {
-    let msg = dns::response(id, "api.example.com", &[a(Owner::Question, addr, 600)]);
-    let out = r.world(udp(r.world_mac, r.up_mac, RESOLVER, NODE_IP, 53, snat_port, &msg));
-    assert_eq!(out.verdict, TC_ACT_REDIRECT, "response delivered");
-}
-
-fn learned(r: &Rig, ifindex: u32) -> Vec<Ipv4Addr> {
-    r.maps.policy.learned(Some(ifindex)).iter().map(|e| e.ip).collect()
-}
-
 /// Charged entries of `dns_query_track_v2` (of `ifindex`, or all).
 fn dns_charged(r: &Rig, ifindex: Option<u32>) -> i64 {
     r.maps.policy.dns_queries(ifindex).iter().filter(|(_, v)| v._pad == track::DNS_CHARGED).count() as i64
@@ -126,9 +109,7 @@ fn dns_scenario(floor: u32) -> bool {
     let per = limits::DNS_QUERIES_PER_SANDBOX;
     let frames: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
         (0..per)
-            .map(|i| {
-                udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, 50000, 53, &dns::query(i as u16, "api.example.com"))
-            })
+            .map(|i| udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, 50000, 53, &dns::query(i as u16, NAME)))
             .collect(),
     );
     for k in 0..DNS_ATTACKERS {
@@ -160,9 +141,9 @@ fn dns_scenario(floor: u32) -> bool {
     }
 
     // The victim's query, then its answer.
-    let snat = query(&r, VICTIM, 40000, 0x0b01);
-    respond(&r, snat, 0x0b01, ADDR);
-    let ok = learned(&r, VICTIM) == [Ipv4Addr::from(ADDR)];
+    let snat = r.dns_query(VICTIM, 40000, 0x0b01, RESOLVER, NAME);
+    r.dns_respond(snat, 0x0b01, RESOLVER, NAME, ADDR);
+    let ok = r.learned_ips(VICTIM) == [Ipv4Addr::from(ADDR)];
     if !ok {
         assert_eq!(r.maps.counters.get(counter::DNS_RESP_UNSOLICITED).unwrap(), 1, "victim's answer unsolicited");
         return false;
@@ -174,10 +155,10 @@ fn dns_scenario(floor: u32) -> bool {
     // Its whole floor is tracked while the node is at the ceiling, and one query more is not.
     let over0 = r.maps.counters.get(counter::DNS_QUERY_OVER_BUDGET).unwrap();
     for i in 0..floor as u16 {
-        query(&r, VICTIM, 40001 + i, 0x0c00 + i);
+        r.dns_query(VICTIM, 40001 + i, 0x0c00 + i, RESOLVER, NAME);
     }
     assert_eq!(dns_charged(&r, Some(VICTIM)), i64::from(floor), "the victim's floor");
-    query(&r, VICTIM, 40100, 0x0d00);
+    r.dns_query(VICTIM, 40100, 0x0d00, RESOLVER, NAME);
     assert_eq!(
         r.maps.counters.get(counter::DNS_QUERY_OVER_BUDGET).unwrap(),
         over0 + 1,
@@ -375,8 +356,8 @@ fn racing_answers_and_reaps_keep_the_count_exact() {
     let snat: Vec<u16> = sandboxes
         .iter()
         .map(|&sb| {
-            let p = query(&r, sb, 40000, 0);
-            respond(&r, p, 0, ADDR);
+            let p = r.dns_query(sb, 40000, 0, RESOLVER, NAME);
+            r.dns_respond(p, 0, RESOLVER, NAME, ADDR);
             p
         })
         .collect();
@@ -398,14 +379,14 @@ fn racing_answers_and_reaps_keep_the_count_exact() {
     let mut reaped_here = 0u64;
     for id in 1..=N {
         for &sb in &sandboxes {
-            let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, 40000, 53, &dns::query(id, "api.example.com"));
+            let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, 40000, 53, &dns::query(id, NAME));
             assert_eq!(r.run(prog::FROM_CUBE, f, sb).verdict, TC_ACT_REDIRECT);
         }
         if id % 5 == 0 {
             reaped_here += r.maps.policy.reap_dns(u64::MAX).expect("reap").queries as u64;
         }
         for &port in &snat {
-            respond(&r, port, id, ADDR);
+            r.dns_respond(port, id, RESOLVER, NAME, ADDR);
         }
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
