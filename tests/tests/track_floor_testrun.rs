@@ -370,6 +370,9 @@ fn racing_answers_and_reaps_keep_the_count_exact() {
             let mut reaped = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 reaped += maps.policy.reap_dns(u64::MAX).expect("reap").queries as u64;
+                // The policy lock is not fair: without a pause this loop would starve the
+                // main thread's own reaps of it.
+                std::thread::sleep(std::time::Duration::from_micros(200));
             }
             reaped
         })
@@ -397,6 +400,8 @@ fn racing_answers_and_reaps_keep_the_count_exact() {
     let answered = r.maps.counters.get(counter::DNS_RESP_LEARNED).unwrap() - learned0;
     eprintln!("[track_floor] {tracked} tracked: {answered} consumed by their answers, {reaped} reaped first");
     assert_eq!(tracked, u64::from(N) * 6, "every query tracked (each sandbox inside its window)");
+    // Only the answer whose delete removed its query is learned (R21), so learned answers
+    // and reaped queries partition the tracked ones.
     assert_eq!(tracked, answered + reaped, "each query deleted once, by one side");
     assert!(reaped_here > 0 && answered > 0, "both deleters took part");
     let st = r.maps.track.state(KIND_DNS_QUERY).unwrap();

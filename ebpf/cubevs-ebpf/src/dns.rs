@@ -295,7 +295,7 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     if tracked.expires_ns <= now {
-        forget(&key, &tracked);
+        let _ = forget(&key, &tracked);
         count(counter::DNS_RESP_UNSOLICITED);
         return;
     }
@@ -311,8 +311,12 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
         count(counter::DNS_RESP_MISMATCH);
         return;
     }
-    // One response per query.
-    forget(&key, &tracked);
+    // One response per query: only the response whose delete removed the query is learned
+    // (a duplicate answer on another CPU, or a reaper delete in between, finds it gone; R21).
+    if !forget(&key, &tracked) {
+        count(counter::DNS_RESP_UNSOLICITED);
+        return;
+    }
     if h.flags & flags::RCODE != 0 {
         count(counter::DNS_RESP_RCODE);
         return;
@@ -353,12 +357,14 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
 }
 
 /// Deletes the tracked query `key` (value `v` as read) and, when this delete removed it and
-/// it was charged, gives its charge back (decision Q6).
+/// it was charged, gives its charge back (decision Q6). `true` when this delete removed it.
 #[inline(always)]
-fn forget(key: &DnsQueryKey, v: &DnsQueryValue) {
-    if DNS_QUERY_TRACK.remove(key).is_ok() && v._pad == track::DNS_CHARGED {
+fn forget(key: &DnsQueryKey, v: &DnsQueryValue) -> bool {
+    let removed = DNS_QUERY_TRACK.remove(key).is_ok();
+    if removed && v._pad == track::DNS_CHARGED {
         track_floor::refund(key.ifindex, key.version, KIND_DNS_QUERY);
     }
+    removed
 }
 
 #[inline(always)]
