@@ -235,8 +235,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         };
         let dp = CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?;
         // Before any TAP is adopted or created: the node's list holds for every sandbox (R30).
-        dp.set_always_denied(&cfg.always_denied)?;
-        tracing::info!(always_denied = ?raw.always_denied_cidrs, "node always-denied list written");
+        let cut = dp.set_always_denied(&cfg.always_denied)?;
+        tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
         Ok(Arc::new(dp))
     })?;
 

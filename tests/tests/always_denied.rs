@@ -5,7 +5,8 @@
 //! UDP datagrams and pings. Property: with the agent's default list nothing reaches the host
 //! (each guest's control datagram to another world address does); after a restart with
 //! `always_denied_cidrs = []` the same guests on the same TAPs reach it, so it is the list
-//! (rewritten in place at start) that denied them, not the baseline or the policy.
+//! (rewritten in place at start) that denied them, not the baseline or the policy. A flow
+//! opened while the list was empty dies at the restart that lists its address again.
 
 use std::{
     net::{SocketAddr, UdpSocket},
@@ -133,13 +134,15 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
     assert!(hosts.probe(&gb, 40004, "b2"), "without the list, allow_out 100.64.0.0/10 must reach it");
     assert!(ping(&ga, 3), "without the list, sb-all's ping must be answered");
 
-    // And back: a restart with the entry again closes it for the running sandboxes.
+    // And back: a restart with the entry again closes it for the running sandboxes, also the
+    // flows opened while it was open (the UDP session of `a2`, same ports, is deleted).
     a.kill(nix::sys::signal::Signal::SIGTERM);
     let toml = std::fs::read_to_string(&cfg)
         .unwrap()
         .replace("always_denied_cidrs = []\n", "always_denied_cidrs = [\"203.0.113.0/24\", \"100.100.100.200\"]\n");
     std::fs::write(&cfg, toml).unwrap();
     a.start();
-    assert!(!hosts.probe(&ga, 40005, "a3"), "the list restored at restart was not enforced");
+    assert!(!hosts.probe(&ga, 40003, "a3"), "a flow opened while the list was empty outlived the restart");
+    assert!(!hosts.probe(&ga, 40005, "a4"), "the list restored at restart was not enforced");
     assert!(!hosts.probe(&gb, 40006, "b3"), "the list restored at restart was not enforced");
 }
