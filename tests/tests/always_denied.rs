@@ -120,6 +120,12 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
     assert!(!hosts.probe(&gb, 40002, "b1"), "allow_out 100.64.0.0/10 reached the always-denied address");
     assert!(!ping(&ga, 1), "a ping from sb-all was answered by the always-denied address");
     assert!(!ping(&gb, 2), "a ping from sb-cgnat was answered by the always-denied address");
+    // Counted as what they are: each sandbox's datagram and ping are policy drops.
+    let counters = a.http_json("/v1/dataplane/counters");
+    for id in ["sb-all", "sb-cgnat"] {
+        let c = counters["sandboxes"].as_array().unwrap().iter().find(|s| s["sandboxID"] == id).expect(id);
+        assert_eq!(c["drops"]["policy"], 2, "{id}: {c}");
+    }
     let log = a.log();
     assert!(log.contains("node always-denied list written"), "{log}");
 
