@@ -71,6 +71,8 @@ pub struct App {
     pub drain: watch::Sender<bool>,
     /// The sandbox CIDR (network, mask; host order): never dialled upstream (R17).
     sandbox_net: (Ipv4Addr, u32),
+    /// The node's always-denied destinations (network, mask; host order): never dialled (R30).
+    always_denied: Vec<(Ipv4Addr, u32)>,
     /// Live proxy connections per sandbox, bounded (R18).
     pub conns: Arc<conns::ConnBudget>,
     /// When the drain started (set once, just before `drain` turns `true`).
@@ -99,6 +101,7 @@ impl App {
             admin_frozen: RwLock::new(false),
             drain: watch::channel(false).0,
             sandbox_net: config::network_of(&cfg.sandbox_cidr)?,
+            always_denied: cfg.always_denied()?,
             conns: conns::ConnBudget::new(match cfg.max_conns_per_sandbox {
                 0 => conns::ConnBudget::auto(conns::raise_nofile()),
                 n => {
@@ -119,6 +122,13 @@ impl App {
     pub fn is_sandbox_addr(&self, ip: Ipv4Addr) -> bool {
         let (net, mask) = self.sandbox_net;
         u32::from(ip) & mask == u32::from(net)
+    }
+
+    /// True when `ip` is in `always_denied_cidrs`, the node's always-denied list (cloud
+    /// metadata and the like), which the gateway never dials, whatever a rule or a learned
+    /// name says (decision R30).
+    pub fn is_always_denied(&self, ip: Ipv4Addr) -> bool {
+        self.always_denied.iter().any(|&(net, mask)| u32::from(ip) & mask == u32::from(net))
     }
 
     /// A process-unique id (connection ids in audit `request_id`s).

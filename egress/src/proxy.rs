@@ -211,6 +211,9 @@ async fn serve_tls(
     if app.is_sandbox_addr(*dst.ip()) {
         return refuse("destination_is_sandbox".into());
     }
+    if app.is_always_denied(*dst.ip()) {
+        return refuse("destination_always_denied".into());
+    }
     let status = app.store.status();
     if !status.serving() {
         return refuse(format!("bootstrap_not_ready:{}", status.as_str()));
@@ -323,6 +326,10 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
     if app.is_sandbox_addr(*ctx.dst.ip()) {
         // One sandbox never reaches another, not even through the gateway's upstream leg (R17).
         return Ok(deny(&app, rec, "destination_is_sandbox", true, started).await);
+    }
+    if app.is_always_denied(*ctx.dst.ip()) {
+        // The node's always-denied list (cloud metadata...) beats every allow rule (R30).
+        return Ok(deny(&app, rec, "destination_always_denied", true, started).await);
     }
     // Rules see the path the server behind will resolve, not the raw one (R19).
     let Some(path) = normalize_request_path(&path) else {

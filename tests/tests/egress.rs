@@ -1190,6 +1190,79 @@ fn egress_gateway_never_dials_a_sandbox() {
     drop(rt);
 }
 
+/// Attack (R30): a sandbox whose gateway policy allows everything (an empty `match`, and an
+/// IPv4-literal rule naming the address) asks the gateway for Alibaba Cloud's metadata
+/// service, 100.100.100.200 (a test host in the world namespace, routed from the node).
+/// Property: with its default `always_denied_cidrs` the gateway never dials it (HTTP 403
+/// `destination_always_denied`, HTTPS refused before minting, audited); a gateway started with
+/// the list emptied serves the same request, so the list is what refused it.
+#[test]
+fn egress_gateway_never_dials_an_always_denied_address() {
+    if !require_root("egress_gateway_never_dials_an_always_denied_address") {
+        return;
+    }
+    const METADATA: &str = "100.100.100.200";
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-always-denied-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    topo.add_world_address([100, 100, 100, 200], 32);
+    let seen = world_server(&rt, world, format!("{METADATA}:80").parse().unwrap(), None);
+    let _world = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    // Control: the node itself reaches the host (the path the gateway would take).
+    let o = node.exec(
+        "curl",
+        &["-sS", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{METADATA}/control")],
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "200", "{}", text(&o));
+
+    gateway_ca(dir);
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
+    let audit = dir.join("log/access.jsonl");
+    let pol = json!({"policy_id": "allow-all", "rules": [
+        {"id": "metadata", "match": {"host": METADATA}, "action": {"allow": true}},
+        {"id": "all", "match": {}, "action": {"allow": true}}
+    ]});
+    {
+        // The default list (no flag): 100.100.100.200/32.
+        let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+        put_policy(node, SANDBOX_IP, &pol);
+        let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/ok")]);
+        assert_eq!(code, 200, "control: {}", text(&o));
+        let (code, body, o) = curl(&sb, &[&format!("http://{METADATA}/latest/meta-data/ram/security-credentials/")]);
+        assert_eq!(code, 403, "{}", text(&o));
+        assert!(body.contains("destination_always_denied"), "{body}");
+        let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, &format!("https://{METADATA}/latest/meta-data/")]);
+        assert_eq!(code, 0, "TLS to an always-denied address completed: {}", text(&o));
+        let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+        assert_eq!(paths, ["/control"], "the gateway dialled the always-denied address");
+        let lines = audit_lines(&audit);
+        assert!(has_event(&lines, "security_event", "destination_always_denied"), "{lines:?}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_always_denied"),
+            "{lines:?}"
+        );
+    }
+    // The list emptied: the same request is served, so the list refused it above.
+    let _gw = start_gateway(
+        node,
+        node.command(egress_bin().to_str().unwrap()),
+        dir,
+        audit.to_str().unwrap(),
+        &["--always-denied-cidr", ""],
+    );
+    put_policy(node, SANDBOX_IP, &pol);
+    let (code, _, o) = curl(&sb, &[&format!("http://{METADATA}/reopened")]);
+    assert_eq!(code, 200, "without the list the allow-all rule applies: {}", text(&o));
+    assert!(seen.lock().unwrap().iter().any(|r| r.path == "/reopened"));
+    drop(rt);
+}
+
 /// Attack (R18): one sandbox (192.168.0.2, no policy needed) opens 300 connections to the
 /// gateway and holds them idle, in a gateway whose descriptor limit is 256 (`prlimit`; the
 /// limit is per process, the budget is derived from it). Property: another sandbox's request is
