@@ -71,6 +71,14 @@ pub struct Config {
     /// (decision R18). 0 (default) = max(64, soft descriptor limit / 16), after the soft limit
     /// was raised to the hard one.
     pub max_conns_per_sandbox: usize,
+    /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
+    /// hold (decision R22; default 8). All sandboxes together hold at most (soft descriptor
+    /// limit − 64) / 2; the floor in force is min(this, that / sandboxes with a policy).
+    pub conn_floor_per_sandbox: usize,
+    /// Audit records each sandbox with a policy may always have queued, whatever other
+    /// sandboxes queue (decision R22; default 8); the floor in force is min(this,
+    /// `audit_queue_capacity` / sandboxes with a policy).
+    pub audit_floor_per_sandbox: usize,
 }
 
 impl Default for Config {
@@ -99,6 +107,8 @@ impl Default for Config {
             dns_timeout_ms: 2000,
             audit_queue_capacity: 16_384,
             max_conns_per_sandbox: 0,
+            conn_floor_per_sandbox: crate::conns::DEFAULT_FLOOR,
+            audit_floor_per_sandbox: 8,
         }
     }
 }

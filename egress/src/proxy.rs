@@ -431,7 +431,7 @@ async fn refuse(
         app.audit.write(ev);
     }
     if let Err(e) = app.audit.write_durable(rec.rec).await {
-        app.metrics.audit_refused.inc();
+        app.metrics.audit_refused.with_label_values(&[e.reason()]).inc();
         tracing::warn!(error = %e, "deny record not written");
     }
     app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
@@ -542,7 +542,7 @@ async fn forward(
         start["event"] = json!("http_request_start");
         start["policy"]["duration_us"] = json!(started.elapsed().as_micros() as u64);
         if let Err(e) = app.audit.write_durable(start).await {
-            app.metrics.audit_refused.inc();
+            app.metrics.audit_refused.with_label_values(&[e.reason()]).inc();
             tracing::warn!(sandbox = %ctx.sandbox, error = %e, "request refused: audit record not written");
             rec.set(&["http", "status"], json!(503));
             rec.set(&["security", "reason"], json!("audit_unavailable"));
