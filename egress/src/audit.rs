@@ -532,6 +532,67 @@ mod tests {
         assert_eq!(text.lines().count(), 6, "first, four queued, the one after: {text}");
     }
 
+    /// Two sandboxes with a policy (R22 tests).
+    struct Two;
+    impl Members for Two {
+        fn contains(&self, ip: Ipv4Addr) -> bool {
+            ip == Ipv4Addr::new(192, 168, 0, 2) || ip == Ipv4Addr::new(192, 168, 0, 3)
+        }
+        fn count(&self) -> usize {
+            2
+        }
+    }
+
+    /// Attack (R22): with the writer stalled, one sandbox queues all it may (its floor and the
+    /// whole shared remainder); the other's durable record is still queued (its floor), and is
+    /// written once the sink moves.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn one_sandbox_cannot_take_another_s_floor() {
+        let sink = Stalled::new();
+        let h = sink.handle();
+        let dropped = counter();
+        let share = QueueShare { floor: 3, members: Arc::new(Two) };
+        let log = AuditLog::with_writer(sink, "t".into(), 10, share, dropped.clone()).unwrap();
+        let rec = |ip: &str, n: usize| json!({"event": "http_request_start", "sandbox": {"src_ip": ip}, "n": n});
+        log.write(json!({"event": "security_event", "n": "first"}));
+        wait_entered(&h.entered);
+        // The attacker: 3 (floor) + 4 (shared: 10 − 2 × 3) queued, the rest refused or dropped.
+        let mut waiting = Vec::new();
+        for i in 0..7 {
+            let l = log.clone();
+            let r = rec("192.168.0.2", i);
+            waiting.push(tokio::spawn(async move { l.write_durable(r).await }));
+        }
+        for t in &waiting {
+            while log.queued().0 + log.queued().1 < 7 && !t.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        }
+        assert_eq!(log.queued(), (3, 4));
+        assert_eq!(log.write_durable(rec("192.168.0.2", 99)).await, Err(AuditError::QueueFull));
+        log.write(rec("192.168.0.2", 100));
+        log.write(json!({"event": "security_event", "n": "no sandbox"}));
+        assert_eq!(dropped.get(), 2, "over its share, and nothing shared left");
+        // The victim: its floor is untouched.
+        let l = log.clone();
+        let victim = tokio::spawn(async move { l.write_durable(rec("192.168.0.3", 0)).await });
+        while log.queued().0 < 4 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!victim.is_finished());
+        h.open();
+        assert_eq!(victim.await.unwrap(), Ok(()));
+        for t in waiting {
+            assert_eq!(t.await.unwrap(), Ok(()));
+        }
+        let text = h.text();
+        assert!(text.contains(r#""src_ip":"192.168.0.3""#), "{text}");
+        let l = log.clone();
+        assert!(tokio::task::spawn_blocking(move || l.flush(Duration::from_secs(10))).await.unwrap());
+        assert!(h.text().contains("audit_records_dropped"), "the drops are reported");
+        assert_eq!(log.queued(), (0, 0));
+    }
+
     /// A sink whose every write fails (a full or broken disk).
     struct Failing;
     impl Write for Failing {

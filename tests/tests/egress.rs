@@ -15,7 +15,10 @@
 //! write (`/dev/full`): nothing may be forwarded (E20); `egress_gateway_request_confusion` sends
 //! hand-written requests naming two hosts or smuggling a second request (R14);
 //! `egress_gateway_never_dials_a_sandbox` points an allowed rule at another sandbox (R17);
-//! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18).
+//! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18);
+//! `egress_gateway_colluding_sandboxes_starve_no_other_sandbox` does it from six sandboxes at
+//! once (R22); `egress_gateway_audit_flood_starves_no_other_sandbox` fills the audit queue from
+//! one sandbox while the audit file is a FIFO nobody reads (R23).
 
 use std::{
     convert::Infallible,
