@@ -127,20 +127,26 @@ impl FloorPool {
 
     /// The floor in force: min(configured floor, capacity / known sandboxes).
     pub fn floor(&self) -> usize {
-        self.floor.min(self.capacity / self.members.count().max(1))
+        self.limits(self.members.count()).0
     }
 
     /// The shared remainder in force: capacity − known × [`FloorPool::floor`].
     pub fn ceiling(&self) -> usize {
-        self.capacity.saturating_sub(self.members.count() * self.floor())
+        self.limits(self.members.count()).1
+    }
+
+    /// (floor, ceiling) with `known` sandboxes.
+    fn limits(&self, known: usize) -> (usize, usize) {
+        let floor = self.floor.min(self.capacity / known.max(1));
+        (floor, self.capacity.saturating_sub(known * floor))
     }
 
     /// Takes one unit for `sandbox` (`None`: a unit of no sandbox, from the shared remainder):
     /// from its floor when it is known and below it, else from the shared remainder when that
     /// is below the ceiling. Errors: [`Refusal`].
     pub fn take(&self, sandbox: Option<Ipv4Addr>) -> Result<Charge, Refusal> {
-        let known = sandbox.is_some_and(|ip| self.members.contains(ip));
-        let (floor, ceiling) = if known { (self.floor(), self.ceiling()) } else { (0, self.ceiling()) };
+        let (floor, ceiling) = self.limits(self.members.count());
+        let floor = if sandbox.is_some_and(|ip| self.members.contains(ip)) { floor } else { 0 };
         let mut st = self.state.lock().expect("floor pool lock");
         let held = sandbox.and_then(|ip| st.by_sandbox.get(&ip).copied()).unwrap_or_default();
         if held.floor + held.shared >= self.per_sandbox {
