@@ -10,7 +10,8 @@
 //! [`ConnBudget::capacity_for`] places: each sandbox with a policy may always hold
 //! `conn_floor_per_sandbox`, the rest is shared under the ceiling, and no sandbox holds more
 //! than `max_conns_per_sandbox`. A connection over its limit is closed at accept and counted
-//! by reason (`cube_egress_connections_refused_total{reason}`).
+//! by reason (`cube_egress_connections_refused_total{reason}`); a request that would need a
+//! second upstream socket of its connection takes a place too, or gets 503 (R24).
 
 use std::{net::Ipv4Addr, sync::Arc};
 
@@ -23,7 +24,8 @@ pub const AUTO_SHARE: u64 = 16;
 /// Descriptors kept out of the connection pool for the process itself (listeners, audit
 /// file, epoll, admin connections, DNS sockets, hand-over).
 pub const FD_RESERVE: u64 = 64;
-/// Descriptors one proxy connection may hold: its own and its upstream's.
+/// Descriptors one place stands for: a connection's own and its first upstream socket. Every
+/// further concurrent request of the connection takes a place of its own (R24, `proxy.rs`).
 pub const FDS_PER_CONN: u64 = 2;
 /// Default `conn_floor_per_sandbox`.
 pub const DEFAULT_FLOOR: usize = 8;

@@ -18,7 +18,8 @@
 //! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18);
 //! `egress_gateway_colluding_sandboxes_starve_no_other_sandbox` does it from six sandboxes at
 //! once (R22); `egress_gateway_audit_flood_starves_no_other_sandbox` fills the audit queue from
-//! one sandbox while the audit file is a FIFO nobody reads (R23).
+//! one sandbox while the audit file is a FIFO nobody reads (R23);
+//! `egress_gateway_http2_streams_starve_no_other_sandbox` multiplexes 400 HTTP/2 streams (R24).
 
 use std::{
     convert::Infallible,
@@ -109,6 +110,10 @@ async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response
     let headers =
         req.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
     seen.lock().unwrap().push(Seen { path: path.clone(), version: req.version(), headers });
+    if path.starts_with("/v1/hang/") {
+        // Held past the test (the runtime is dropped at its end), within the gateway's 60 s.
+        tokio::time::sleep(Duration::from_secs(50)).await;
+    }
     if path == "/v1/slow" {
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
@@ -1435,6 +1440,84 @@ fn egress_gateway_audit_flood_starves_no_other_sandbox() {
     stop.store(true, Ordering::SeqCst);
     reader.join().unwrap();
     drop(held);
+    drop(rt);
+}
+
+/// Attack (R24): one sandbox's two HTTP/2 connections carry 400 concurrent requests to a
+/// plain-HTTP upstream that does not answer; each is forwarded on an upstream socket of its
+/// own, so two admitted connections held ~250 descriptors under a limit of 256 and a victim
+/// sandbox's request was starved (EMFILE). Now every concurrent request of a connection beyond
+/// its first takes a place in the sandbox's share of the connection pool (R22); the rest get
+/// 503 at once.
+#[test]
+fn egress_gateway_http2_streams_starve_no_other_sandbox() {
+    if !require_root("egress_gateway_http2_streams_starve_no_other_sandbox") {
+        return;
+    }
+    const CONNS: usize = 2;
+    const STREAMS: usize = 200;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-h2flood-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let egress = egress_bin();
+    let mut cmd = node.command("prlimit");
+    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
+    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "p", "rules": [
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    put_policy(node, UNKNOWN_IP, &pol);
+
+    // The attacker (192.168.0.2, the namespace's first address): h2c with prior knowledge.
+    let to: SocketAddr = format!("{WORLD}:80").parse().unwrap();
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let a = answered.clone();
+    let attacker = sb.spawn_thread(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            for c in 0..CONNS {
+                let s = tokio::net::TcpStream::connect(to).await.expect("connect");
+                let (send, conn) =
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(s)).await.expect("h2");
+                tokio::spawn(conn);
+                for i in 0..STREAMS {
+                    let (mut send, a) = (send.clone(), a.clone());
+                    tokio::spawn(async move {
+                        let req = Request::get(format!("http://{WORLD}/v1/hang/{c}/{i}"))
+                            .body(Full::new(Bytes::new()))
+                            .unwrap();
+                        let _ = send.send_request(req).await;
+                        a.fetch_add(1, Ordering::SeqCst);
+                    });
+                }
+            }
+            let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
+        });
+    });
+    let hanging = || seen.lock().unwrap().iter().filter(|r| r.path.starts_with("/v1/hang/")).count();
+    wait_for("every attacker request forwarded or answered", Duration::from_secs(30), || {
+        answered.load(Ordering::SeqCst) + hanging() == CONNS * STREAMS
+    });
+
+    let (code, _, o) = curl(&sb, &["--interface", UNKNOWN_IP, &format!("http://{WORLD}/victim")]);
+    assert_eq!(code, 200, "the victim was starved: {}", text(&o));
+    // How: the attacker's places count against its R18 budget (64 at this limit): its two
+    // connections and 62 second-or-later requests; with the two first requests 64 are
+    // forwarded and 336 refused. (Its share of the pool, 8 + 80, is larger.)
+    let (_, metrics) = admin_curl(node, &["http://127.0.0.1:9091/metrics"]);
+    let want = "cube_egress_connections_refused_total{reason=\"upstream_sandbox_budget\"} 336";
+    assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    assert_eq!(hanging(), 64);
+    let _ = stop_tx.send(());
+    attacker.join().unwrap();
     drop(rt);
 }
 
