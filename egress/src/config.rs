@@ -302,6 +302,10 @@ mod tests {
         let c = Config::load(cli).unwrap();
         assert_eq!((c.http_port, c.https_port, c.bootstrap_url.as_str()), (1080, 2443, ""));
         assert_eq!(c.admin_addr.to_string(), "127.0.0.1:9091");
+        assert_eq!((c.conn_floor_per_sandbox, c.audit_floor_per_sandbox), (8, 8), "R22/R23 defaults");
+        std::fs::write(&f, "conn_floor_per_sandbox = 2\naudit_floor_per_sandbox = 0\n").unwrap();
+        let c = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap();
+        assert_eq!((c.conn_floor_per_sandbox, c.audit_floor_per_sandbox), (2, 0));
         std::fs::write(&f, "admin_addr = \"0.0.0.0:9091\"\n").unwrap();
         let e = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap_err();
         assert!(e.to_string().contains("loopback"), "{e}");

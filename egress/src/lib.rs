@@ -7,7 +7,9 @@
 //! written to a JSON Lines audit log ([`audit`]). Policies are managed through the admin API
 //! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]), or taken with the
 //! listening sockets from a predecessor in a swap ([`handoff`]). The original destination
-//! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). Behaviour follows
+//! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). No group of
+//! sandboxes can take another's connections or audit queue: both are shared by a floor per
+//! sandbox and a ceiling ([`floor`], [`conns`]). Behaviour follows
 //! `reference/upstream.md §4` unless a decision in `docs/decisions.md` (E-entries) says otherwise.
 
 pub mod admin;
