@@ -552,23 +552,23 @@ mod tests {
         let h = sink.handle();
         let dropped = counter();
         let share = QueueShare { floor: 3, members: Arc::new(Two) };
-        let log = AuditLog::with_writer(sink, "t".into(), 10, share, dropped.clone()).unwrap();
+        let log = AuditLog::with_writer(sink, "t".into(), 20, share, dropped.clone()).unwrap();
         let rec = |ip: &str, n: usize| json!({"event": "http_request_start", "sandbox": {"src_ip": ip}, "n": n});
         log.write(json!({"event": "security_event", "n": "first"}));
         wait_entered(&h.entered);
-        // The attacker: 3 (floor) + 4 (shared: 10 − 2 × 3) queued, the rest refused or dropped.
+        // The attacker: 3 (floor) + 14 (shared: 20 − 2 × 3) queued, the rest refused or dropped.
         let mut waiting = Vec::new();
-        for i in 0..7 {
+        for i in 0..17 {
             let l = log.clone();
             let r = rec("192.168.0.2", i);
             waiting.push(tokio::spawn(async move { l.write_durable(r).await }));
         }
         for t in &waiting {
-            while log.queued().0 + log.queued().1 < 7 && !t.is_finished() {
+            while log.queued().0 + log.queued().1 < 17 && !t.is_finished() {
                 tokio::task::yield_now().await;
             }
         }
-        assert_eq!(log.queued(), (3, 4));
+        assert_eq!(log.queued(), (3, 14));
         assert_eq!(log.write_durable(rec("192.168.0.2", 99)).await, Err(AuditError::QueueFull));
         log.write(rec("192.168.0.2", 100));
         log.write(json!({"event": "security_event", "n": "no sandbox"}));

@@ -73,11 +73,13 @@ pub struct Config {
     pub max_conns_per_sandbox: usize,
     /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
     /// hold (decision R22; default 8). All sandboxes together hold at most (soft descriptor
-    /// limit − 64) / 2; the floor in force is min(this, that / sandboxes with a policy).
+    /// limit − 64) / 2; the floor in force is min(this, that / (2 × sandboxes with a policy)),
+    /// at least 1 while there are no more sandboxes than places.
     pub conn_floor_per_sandbox: usize,
     /// Audit records each sandbox with a policy may always have queued, whatever other
-    /// sandboxes queue (decision R22; default 8); the floor in force is min(this,
-    /// `audit_queue_capacity` / sandboxes with a policy).
+    /// sandboxes queue (decision R23; default 8; 0 = none); the floor in force is min(this,
+    /// `audit_queue_capacity` / (2 × sandboxes with a policy)), at least 1 while there are no
+    /// more sandboxes than records.
     pub audit_floor_per_sandbox: usize,
 }
 

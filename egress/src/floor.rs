@@ -9,8 +9,10 @@
 //! its floor always finds room, whatever any group of other sandboxes holds.
 //!
 //! The floor follows the actual number of known sandboxes: `floor = min(configured floor,
-//! capacity / known)`, so the reserve never exceeds the capacity (with more sandboxes than
-//! capacity / configured floor each is guaranteed less). When a new sandbox lowers the floor,
+//! capacity / (2 × known))`, so the reserve takes at most half the capacity and the other half
+//! stays shared for bursts (as Q4 leaves half the session map shared); with more sandboxes than
+//! that allows, 1 each while there are no more sandboxes than units, else 0. When a new
+//! sandbox lowers the floor,
 //! units already held under the old one stay charged as they were until given back: the bound
 //! can be exceeded by at most the difference until then (as Q4's registration shortfall).
 
@@ -125,7 +127,8 @@ impl FloorPool {
         self.per_sandbox
     }
 
-    /// The floor in force: min(configured floor, capacity / known sandboxes).
+    /// The floor in force: min(configured floor, capacity / (2 × known sandboxes)), at least 1
+    /// while there are no more known sandboxes than units.
     pub fn floor(&self) -> usize {
         self.limits(self.members.count()).0
     }
@@ -135,9 +138,13 @@ impl FloorPool {
         self.limits(self.members.count()).1
     }
 
-    /// (floor, ceiling) with `known` sandboxes.
+    /// (floor, ceiling) with `known` sandboxes: the floors take at most half the capacity
+    /// while each can have one unit, so bursts above a floor keep room on a node with many
+    /// sandboxes; past that one unit each while there are units for all, none beyond.
     fn limits(&self, known: usize) -> (usize, usize) {
-        let floor = self.floor.min(self.capacity / known.max(1));
+        let k = known.max(1);
+        let half = self.capacity / (2 * k);
+        let floor = self.floor.min(if half > 0 { half } else { (self.capacity / k).min(1) });
         (floor, self.capacity.saturating_sub(known * floor))
     }
 
@@ -259,14 +266,19 @@ mod tests {
     #[test]
     fn per_sandbox_cap_and_small_capacity() {
         let p = FloorPool::new(10, 8, 3, Arc::new(Set(vec![ip(2), ip(3)])));
-        // 2 members × 8 > 10: the floor shrinks to capacity / members.
-        assert_eq!((p.floor(), p.ceiling()), (5, 0));
+        // 2 members × 8 > 10: the floors take half the capacity.
+        assert_eq!((p.floor(), p.ceiling()), (2, 6));
         let a: Vec<Charge> = (0..3).map(|_| p.take(Some(ip(2))).unwrap()).collect();
+        assert_eq!(a.iter().filter(|c| c.is_shared()).count(), 1);
         assert_eq!(p.take(Some(ip(2))), Err(Refusal::SandboxBudget));
-        assert_eq!(p.take(None), Err(Refusal::NodeCeiling), "no shared room at all");
         for c in a {
             p.give_back(c);
         }
+        // More members than half the units: one each while every member can have one.
+        let three = FloorPool::new(3, 8, usize::MAX, Arc::new(Set(vec![ip(2), ip(3)])));
+        assert_eq!((three.floor(), three.ceiling()), (1, 1));
+        let crowd = FloorPool::new(3, 8, usize::MAX, Arc::new(Set((10..15).map(ip).collect())));
+        assert_eq!((crowd.floor(), crowd.ceiling()), (0, 3), "no floor when units are fewer than members");
         let open = FloorPool::new(2, 8, usize::MAX, Arc::new(NoMembers));
         let (x, y) = (open.take(None).unwrap(), open.take(Some(ip(4))).unwrap());
         assert!(x.is_shared() && y.is_shared());

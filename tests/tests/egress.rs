@@ -1318,11 +1318,11 @@ fn egress_gateway_colluding_sandboxes_starve_no_other_sandbox() {
     assert_eq!(code, 200, "the victim was starved: {}", text(&o));
     assert!(seen.lock().unwrap().iter().any(|r| r.path == "/victim"));
     // How: capacity (256 − 64 reserved) / 2 = 96 connections; 7 sandboxes with a policy hold a
-    // floor of 8 each (56), the shared remainder is 40. The first attacker took its floor and
-    // the whole remainder (48), the five others their floors (40): 88 admitted, 296 refused by
-    // the ceiling, none by the per-sandbox budget (64).
+    // floor of min(8, 96 / (2 × 7)) = 6 each (42), the shared remainder is 54. The first
+    // attacker took its floor and the whole remainder (60), the five others their floors (30):
+    // 90 admitted, 294 refused by the ceiling, none by the per-sandbox budget (64).
     let (_, metrics) = admin_curl(node, &["http://127.0.0.1:9091/metrics"]);
-    let want = "cube_egress_connections_refused_total{reason=\"node_ceiling\"} 296";
+    let want = "cube_egress_connections_refused_total{reason=\"node_ceiling\"} 294";
     assert!(metrics.contains(want), "{want} missing:\n{metrics}");
     drop(held);
     drop(rt);
