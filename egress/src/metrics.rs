@@ -24,7 +24,8 @@ pub struct Metrics {
     pub handshakes_refused: IntCounter,
     /// Connections closed at accept, by `reason`: `sandbox_budget` (the sandbox held
     /// `max_conns_per_sandbox`, R18), `node_ceiling` (its floor was used, or it has no policy,
-    /// and the shared remainder was full, R22).
+    /// and the shared remainder was full, R22); requests refused a second upstream socket of
+    /// their connection: `upstream_sandbox_budget`, `upstream_node_ceiling` (503, R24).
     pub connections_refused: IntCounterVec,
     /// Live proxy connections by `pool` (`floor`, `shared`), set when `/metrics` is read (R22).
     pub connections: IntGaugeVec,
@@ -63,8 +64,11 @@ impl Metrics {
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
         let vec = |n: &str, h: &str, l: &str| IntCounterVec::new(Opts::new(n, h), &[l]).expect("metric");
         let gauges = |n: &str, h: &str| IntGaugeVec::new(Opts::new(n, h), &["pool"]).expect("metric");
-        let connections_refused =
-            vec("cube_egress_connections_refused_total", "Connections closed at accept, by reason", "reason");
+        let connections_refused = vec(
+            "cube_egress_connections_refused_total",
+            "Connections closed at accept, and requests refused an upstream socket (upstream_*), by reason",
+            "reason",
+        );
         let connections = gauges("cube_egress_connections", "Live proxy connections by pool (floor, shared)");
         let audit_queued = gauges("cube_egress_audit_queued_records", "Audit records queued by pool (floor, shared)");
         let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
