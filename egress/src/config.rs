@@ -76,6 +76,16 @@ pub struct Config {
     /// `always_denied_cidrs` (decision R30): keep them equal. Default
     /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none.
     pub always_denied_cidrs: Vec<String>,
+    /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
+    /// hold (decision R22; default 8). All sandboxes together hold at most (soft descriptor
+    /// limit − 64) / 2; the floor in force is min(this, that / (2 × sandboxes with a policy)),
+    /// at least 1 while there are no more sandboxes than places.
+    pub conn_floor_per_sandbox: usize,
+    /// Audit records each sandbox with a policy may always have queued, whatever other
+    /// sandboxes queue (decision R23; default 8; 0 = none); the floor in force is min(this,
+    /// `audit_queue_capacity` / (2 × sandboxes with a policy)), at least 1 while there are no
+    /// more sandboxes than records.
+    pub audit_floor_per_sandbox: usize,
 }
 
 /// Default `always_denied_cidrs`, the agent's default too (decision R30).
@@ -111,6 +121,8 @@ impl Default for Config {
             audit_queue_capacity: 16_384,
             max_conns_per_sandbox: 0,
             always_denied_cidrs: DEFAULT_ALWAYS_DENIED.iter().map(|s| s.to_string()).collect(),
+            conn_floor_per_sandbox: crate::conns::DEFAULT_FLOOR,
+            audit_floor_per_sandbox: 8,
         }
     }
 }
@@ -335,6 +347,10 @@ mod tests {
         let c = Config::load(cli).unwrap();
         assert_eq!((c.http_port, c.https_port, c.bootstrap_url.as_str()), (1080, 2443, ""));
         assert_eq!(c.admin_addr.to_string(), "127.0.0.1:9091");
+        assert_eq!((c.conn_floor_per_sandbox, c.audit_floor_per_sandbox), (8, 8), "R22/R23 defaults");
+        std::fs::write(&f, "conn_floor_per_sandbox = 2\naudit_floor_per_sandbox = 0\n").unwrap();
+        let c = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap();
+        assert_eq!((c.conn_floor_per_sandbox, c.audit_floor_per_sandbox), (2, 0));
         std::fs::write(&f, "admin_addr = \"0.0.0.0:9091\"\n").unwrap();
         let e = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap_err();
         assert!(e.to_string().contains("loopback"), "{e}");
