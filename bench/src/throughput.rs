@@ -560,9 +560,15 @@ pub fn crr_target_note(rows: &[Row]) -> Option<String> {
          bridge+iptables alike, the guest's new ports opening sessions until 4 SYNs met the session budget \
          (`drop_session_quota`). With the server closing first (the guest never holds TIME_WAIT) and the paths \
          interleaved, 8 rounds of two runs pooled gave CubeVS 48.6 us per connection (39.3..58.6), plain routing \
-         42.5 (33.2..50.7), bridge+iptables 52.7 (45.4..66.9): the gap to plain routing is about what CubeVS' \
-         programs take (perf: `from_world` 5.6% and `from_cube` 4.2% of the loop's samples, mostly the \
-         session-table bucket walks), and the round-to-round spread on this shared machine is wider than it.",
+         42.5 (33.2..50.7), bridge+iptables 52.7 (45.4..66.9). Looked for in the real path (V10): every hop \
+         carries the same 5 packets each way on all three paths (no second pass, no extra hop), CubeVS' \
+         namespaces run no conntrack or iptables, and a profile of exactly the loop puts 6.4 us per \
+         connection under CubeVS' programs and their redirect (2.7 of it session and sandbox map lookups) \
+         against ~3.4 us of node forwarding with plain routing: scaled to the same load CubeVS adds ~4-5 us \
+         per connection (~0.4-0.5 us per packet), while the other load on this machine moved the common TCP \
+         work (tcp_v4_rcv and below) by 37% between the paths' rounds. The ~16 us over plain routing of the \
+         quiet 19:00 UTC run was not reproduced in that session (4 rounds without perf: 62.6 vs 62.0 us, \
+         load average 7-15); a gap well above ~5 us is that spread, or something outside the datapath.",
         routed / bridge,
         used(bridge, bc),
         used(routed, rc),
