@@ -322,8 +322,23 @@ impl Perf {
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("perf record");
-        // Opening a FIFO blocks until perf has opened its end.
-        let ctl = std::fs::OpenOptions::new().write(true).open(dir.join("ctl")).expect("perf ctl fifo");
+        let mut child = child;
+        // A FIFO's write end opens (non-blocking) only once perf holds its read end; until then
+        // ENXIO, and a perf that exited (no permission, bad option) ends the wait.
+        let ctl = loop {
+            use std::os::unix::fs::OpenOptionsExt;
+            match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(dir.join("ctl")) {
+                Ok(f) => break f,
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        panic!("perf record exited before recording: {status}");
+                    }
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("perf ctl fifo: {e}"),
+            }
+        };
+        // perf opens the ack FIFO for writing right after the control one.
         let ack = std::fs::File::open(dir.join("ack")).expect("perf ack fifo");
         let mut p = Self { child, ctl, ack, dir };
         p.command("enable");
