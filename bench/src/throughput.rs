@@ -315,14 +315,13 @@ impl Perf {
             assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo: {}", std::io::Error::last_os_error());
         }
         let control = format!("fifo:{},{}", dir.join("ctl").display(), dir.join("ack").display());
-        let child = std::process::Command::new("perf")
+        let mut child = std::process::Command::new("perf")
             .args(["record", "-q", "-e", "cpu-clock", "-a", "-g", "-D", "-1", "--control", &control, "-o"])
             .arg(out)
             .args(["--", "sleep", "3600"])
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("perf record");
-        let mut child = child;
         // A FIFO's write end opens (non-blocking) only once perf holds its read end; until then
         // ENXIO, and a perf that exited (no permission, bad option) ends the wait.
         let ctl = loop {
