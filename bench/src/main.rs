@@ -172,8 +172,10 @@ a world namespace, through (a) CubeVS, (b) a Linux bridge + iptables MASQUERADE 
 path in its own topology, all up for the whole run; 3 rounds, each measuring the paths in turn, in alternating order \
 (V9). In the connection loop the server closes first and the client closes after reading the server's FIN, so \
 TIME_WAIT stays on the world side (V9); a fourth topology, `CubeVS, client closes first (before V9)`, runs the loop as \
-it was before (the client closes once it has the reply) beside CubeVS in the same rounds. `cargo xtask bench crr` runs \
-the loops alone.\n\
+it was before (the client closes once it has the reply) beside CubeVS in the same rounds. Around each loop the \
+bench prints the packets per connection every device of the setup saw (`ip -s link`, V10); \
+`CUBENET_BENCH_PERF_DIR=dir` records a `perf record -a -g` profile of exactly each loop (events enabled through \
+perf's control FIFOs). `cargo xtask bench crr` runs the loops alone.\n\
 - scale: sessions created by the datapath itself (BPF_PROG_TEST_RUN SYNs), then swept by the userspace reaper.\n\
 - agent: the release network-agent started by scripts/start-network-agent.sh in its own namespace, dataplane in \
 a harness node namespace; EnsureNetwork over gRPC (tonic client) + the TAP fd over the fd socket, timed together; \

@@ -181,9 +181,10 @@ struct ConnRate {
 
 /// Connections per second: `threads` clients connect, send a request, read the reply, close;
 /// with the CPU the loop took (this process's client and server threads, the kernel work done
-/// in their context, ksoftirqd). `CUBENET_BENCH_PERF_DIR=dir` also records a machine-wide
-/// `perf record -e cpu-clock -a -g` profile of the loop into `dir/crr-<path>.data`.
-fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
+/// in their context, ksoftirqd), and the packets per connection each device of the setup saw.
+/// `CUBENET_BENCH_PERF_DIR=dir` also records a machine-wide `perf record -e cpu-clock -a -g`
+/// profile of exactly the loop ([`Perf`]) into `dir/crr-<path>-<round>.data`.
+fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path, round: usize) -> ConnRate {
     let listener = s.topo.world.run(|| TcpListener::bind(("198.51.100.1", 8090))).expect("bind rate server");
     let stop = Arc::new(AtomicBool::new(false));
     let mut servers = Vec::new();
@@ -203,19 +204,13 @@ fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
     let count = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let client_first = path == Path::CubevsClientFirst;
-    let perf = std::env::var_os("CUBENET_BENCH_PERF_DIR").map(|d| {
-        let name = path.label().replace(['+', ' ', ',', '(', ')'], "-");
-        let out = std::path::Path::new(&d).join(format!("crr-{name}.data"));
-        std::process::Command::new("perf")
-            .args(["record", "-q", "-e", "cpu-clock", "-a", "-g", "-o"])
-            .arg(&out)
-            .args(["--", "sleep", &dur.as_secs().to_string()])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("perf record")
-    });
     let tcp_before = (tcp_stats(s.guest()), tcp_stats(&s.topo.world));
+    let hops_before = hop_packets(s);
     let dp_before = s._dp.as_ref().map(|dp| dp.maps().counters.read().unwrap_or_default()).unwrap_or_default();
+    let mut perf = std::env::var_os("CUBENET_BENCH_PERF_DIR").map(|d| {
+        let name = path.label().replace(['+', ' ', ',', '(', ')'], "-");
+        Perf::start(&std::path::Path::new(&d).join(format!("crr-{name}-{round}.data")))
+    });
     let before = cpu::snapshot();
     let start = Instant::now();
     let mut clients = Vec::new();
@@ -249,8 +244,8 @@ fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
     }
     let rate = count.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64();
     let usage = cpu::between(&before, &cpu::snapshot());
-    if let Some(mut p) = perf {
-        let _ = p.wait();
+    if let Some(p) = perf.take() {
+        p.stop();
     }
     if let Some(dp) = &s._dp {
         for c in dp.maps().counters.read().unwrap_or_default() {
@@ -275,6 +270,16 @@ fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
             if moved.is_empty() { "no retransmits, resets or drops".into() } else { moved.join(", ") }
         );
     }
+    let done = count.load(Ordering::Relaxed).max(1) as f64;
+    let hops: Vec<String> = hop_packets(s)
+        .into_iter()
+        .filter_map(|(dev, rx, tx)| {
+            let (rx0, tx0) = hops_before.iter().find(|b| b.0 == dev).map_or((0, 0), |b| (b.1, b.2));
+            let (drx, dtx) = (rx.saturating_sub(rx0), tx.saturating_sub(tx0));
+            (drx + dtx > 0).then(|| format!("{dev} rx {:.1} tx {:.1}", drx as f64 / done, dtx as f64 / done))
+        })
+        .collect();
+    eprintln!("  packets per connection: {}", hops.join(", "));
     eprintln!("  {} connections, {} errors", count.load(Ordering::Relaxed), errors.load(Ordering::Relaxed));
     stop.store(true, Ordering::Relaxed);
     // Wake the blocked accepts.
@@ -285,6 +290,90 @@ fn conn_rate(s: &Setup, threads: usize, dur: Duration, path: Path) -> ConnRate {
         let _ = t.join();
     }
     ConnRate { rate, count: count.load(Ordering::Relaxed), cpu: usage }
+}
+
+/// A machine-wide `perf record -e cpu-clock -a -g` whose events are enabled exactly while the
+/// loop runs (`--control` FIFOs, started with events disabled): a profile started and stopped
+/// by time alone (`-- sleep <secs>`) began late when perf's start-up synthesis of every
+/// process was slow, and its samples then covered other work than the loop's connections.
+struct Perf {
+    child: std::process::Child,
+    ctl: std::fs::File,
+    ack: std::fs::File,
+    dir: std::path::PathBuf,
+}
+
+impl Perf {
+    /// Starts perf writing `out` and waits until its events are enabled.
+    fn start(out: &std::path::Path) -> Self {
+        let dir = out.with_extension("fifos");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("perf fifo dir");
+        for f in ["ctl", "ack"] {
+            let c = std::ffi::CString::new(dir.join(f).as_os_str().as_encoded_bytes()).expect("fifo path");
+            // SAFETY: a valid NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo: {}", std::io::Error::last_os_error());
+        }
+        let control = format!("fifo:{},{}", dir.join("ctl").display(), dir.join("ack").display());
+        let mut child = std::process::Command::new("perf")
+            .args(["record", "-q", "-e", "cpu-clock", "-a", "-g", "-D", "-1", "--control", &control, "-o"])
+            .arg(out)
+            .args(["--", "sleep", "3600"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("perf record");
+        // A FIFO's write end opens (non-blocking) only once perf holds its read end; until then
+        // ENXIO, and a perf that exited (no permission, bad option) ends the wait.
+        let ctl = loop {
+            use std::os::unix::fs::OpenOptionsExt;
+            match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(dir.join("ctl")) {
+                Ok(f) => break f,
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        panic!("perf record exited before recording: {status}");
+                    }
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("perf ctl fifo: {e}"),
+            }
+        };
+        // perf opens the ack FIFO for writing right after the control one.
+        let ack = std::fs::File::open(dir.join("ack")).expect("perf ack fifo");
+        let mut p = Self { child, ctl, ack, dir };
+        p.command("enable");
+        p
+    }
+
+    /// Sends `cmd` and waits for perf's `ack`.
+    fn command(&mut self, cmd: &str) {
+        self.ctl.write_all(format!("{cmd}\n").as_bytes()).expect("perf control");
+        let mut b = [0u8; 4];
+        let _ = self.ack.read(&mut b);
+    }
+
+    /// Disables the events, stops perf (SIGINT: it writes the file and ends its workload) and
+    /// waits for it.
+    fn stop(mut self) {
+        self.command("disable");
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Packets each device of the setup received and sent (`ip -s -j link` in the guest, node and
+/// world namespaces): `(namespace/device, rx, tx)`, for the packets-per-hop line of the loop.
+fn hop_packets(s: &Setup) -> Vec<(String, u64, u64)> {
+    let mut out = Vec::new();
+    for (side, ns) in [("guest", s.guest()), ("node", &s.topo.node), ("world", &s.topo.world)] {
+        let json: serde_json::Value = serde_json::from_str(&ns.ip(&["-s", "-j", "link", "show"])).unwrap_or_default();
+        for l in json.as_array().into_iter().flatten() {
+            let n = |dir: &str| l["stats64"][dir]["packets"].as_u64().unwrap_or(0);
+            out.push((format!("{side}/{}", l["ifname"].as_str().unwrap_or("?")), n("rx"), n("tx")));
+        }
+    }
+    out
 }
 
 /// TCP counters (`nstat`) whose movement during a connect-request-close loop means a lost or
@@ -345,7 +434,7 @@ pub fn run(rounds: usize, iperf_too: bool) -> Vec<Row> {
                 v[0].push(iperf(s, 1, 4));
                 v[1].push(iperf(s, 4, 4));
             }
-            let r = conn_rate(s, 4, Duration::from_secs(3), p);
+            let r = conn_rate(s, 4, Duration::from_secs(3), p, round);
             let n = r.count.max(1) as f64;
             eprintln!(
                 "  {}: {:.0} conn/s, CPU {:.1} us/conn (user {:.1}, kernel {:.1}, ksoftirqd {:.1}), machine {:.0}% busy",
@@ -485,9 +574,15 @@ pub fn crr_target_note(rows: &[Row]) -> Option<String> {
          bridge+iptables alike, the guest's new ports opening sessions until 4 SYNs met the session budget \
          (`drop_session_quota`). With the server closing first (the guest never holds TIME_WAIT) and the paths \
          interleaved, 8 rounds of two runs pooled gave CubeVS 48.6 us per connection (39.3..58.6), plain routing \
-         42.5 (33.2..50.7), bridge+iptables 52.7 (45.4..66.9): the gap to plain routing is about what CubeVS' \
-         programs take (perf: `from_world` 5.6% and `from_cube` 4.2% of the loop's samples, mostly the \
-         session-table bucket walks), and the round-to-round spread on this shared machine is wider than it.",
+         42.5 (33.2..50.7), bridge+iptables 52.7 (45.4..66.9). Looked for in the real path (V10): every hop \
+         carries the same 5 packets each way on all three paths (no second pass, no extra hop), CubeVS' \
+         namespaces run no conntrack or iptables, and a profile of exactly the loop puts 6.4 us per \
+         connection under CubeVS' programs and their redirect (2.7 of it session and sandbox map lookups) \
+         against ~3.4 us of node forwarding with plain routing: scaled to the same load CubeVS adds ~4-5 us \
+         per connection (~0.4-0.5 us per packet), while the other load on this machine moved the common TCP \
+         work (tcp_v4_rcv and below) by 37% between the paths' rounds. The ~16 us over plain routing of the \
+         quiet 19:00 UTC run was not reproduced in that session (4 rounds without perf: 62.6 vs 62.0 us, \
+         load average 7-15); a gap well above ~5 us is that spread, or something outside the datapath.",
         routed / bridge,
         used(bridge, bc),
         used(routed, rc),
