@@ -6,7 +6,7 @@
 //! packets/bytes each way and drops by reason) and `GET /v1/policies/dump` (CubeEgress
 //! bootstrap, with secrets: [`crate::policy_dump`]; with `dataplane_netns` also on
 //! `egress_dump_listen` in that namespace, [`Routes::DumpOnly`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
-//! `/v1/` paths get 403.
+//! `/v1/` paths get 403; a peer inside the sandbox `cidr` gets 403 on every path (R41).
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
 
@@ -62,6 +62,12 @@ async fn route(agent: Arc<Agent>, routes: Routes, peer: SocketAddr, req: Request
     let path = req.uri().path().to_string();
     if routes == Routes::DumpOnly && path != "/v1/policies/dump" {
         return text(StatusCode::NOT_FOUND, "not found\n", "text/plain");
+    }
+    // A sandbox never reads the agent (R41): a guest reaches the node address through the
+    // datapath with its own address as the source, and `/metrics` names every other sandbox.
+    if agent.in_sandbox_cidr(peer.ip()) {
+        tracing::warn!(%peer, path, "health listener: sandbox client refused");
+        return text(StatusCode::FORBIDDEN, "not for sandboxes\n", "text/plain");
     }
     if req.method() != Method::GET {
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n", "text/plain");

@@ -197,3 +197,66 @@ fn agent_refuses_directories_another_user_controls() {
     a.start();
     assert_eq!(std::fs::metadata(&state).unwrap().mode() & 0o777, 0o700);
 }
+
+/// Descriptors the agent process holds.
+fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+}
+
+/// The TAP fd socket asked for what is not the caller's: a Ready pool TAP (no owner), another
+/// sandbox's TAP by a near-miss id, by ifindex, by a path-like name; then 600 clients that
+/// vanish mid-handoff (request sent, socket closed before the reply; or nothing sent). No fd
+/// goes out for the first, and the agent's descriptor count comes back to where it was (the
+/// duplicate it made for each vanished client is closed), the owner is still served.
+#[test]
+fn tap_fd_socket_gives_nothing_foreign_and_leaks_nothing() {
+    if !require_root("tap_fd_socket_gives_nothing_foreign_and_leaks_nothing") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("fdforeign", 2, "");
+    a.start();
+    let tap = ensure(&a, "sb-a");
+    let taps = a.http_json("/v1/network/taps");
+    let list = taps["taps"].as_array().unwrap();
+    let ready = list.iter().find(|t| t["state"] == "Ready").unwrap_or_else(|| panic!("no Ready TAP: {taps}"));
+    let ready_name = ready["tapName"].as_str().unwrap().to_string();
+    let ifindex = list.iter().find(|t| t["tapName"] == tap.as_str()).unwrap()["tapIfIndex"].to_string();
+    let sock = a.tap_socket();
+    for (name, id) in [
+        (ready_name.as_str(), "sb-a"),
+        (ready_name.as_str(), "anything"),
+        (tap.as_str(), "sb-a "),
+        (tap.as_str(), "SB-A"),
+        (ifindex.as_str(), "sb-a"),
+        (&format!("../{tap}") as &str, "sb-a"),
+    ] {
+        let (reply, fd) = tap_fd(&sock, name, id);
+        assert_eq!(reply["errCode"], "1002", "{name}/{id}: {reply}");
+        assert!(fd.is_none(), "{name}/{id}");
+    }
+
+    let pid = a.child.as_mut().unwrap().id();
+    let (reply, fd) = tap_fd(&sock, &tap, "sb-a");
+    assert_eq!(reply["errCode"], "0");
+    drop(fd);
+    let baseline = fd_count(pid);
+    let req = format!(r#"{{"name":"{tap}","sandboxId":"sb-a"}}"#);
+    for i in 0..600 {
+        let s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        if i % 2 == 0 {
+            std::io::Write::write_all(&mut &s, req.as_bytes()).unwrap();
+        }
+        drop(s);
+    }
+    // Every vanished client is answered or timed out (1 s deadlines), then its fds are gone.
+    let t = Instant::now();
+    let mut now = fd_count(pid);
+    while now > baseline && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(100));
+        now = fd_count(pid);
+    }
+    assert!(now <= baseline, "the agent holds {now} descriptors, {baseline} before 600 vanishing clients");
+    let (reply, fd) = tap_fd(&sock, &tap, "sb-a");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    assert!(fd.is_some());
+}

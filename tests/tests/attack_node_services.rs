@@ -1,0 +1,81 @@
+//! Attack: a sandbox reads the agent's health/metrics listener through the node address
+//! (decision R41). The Helm chart binds `health_listen` on `0.0.0.0:19090` (kubelet probes,
+//! Prometheus) and the datapath delivers a guest's flow to the node address to the host
+//! (upstream's "host service access"), so a guest with the default policy reached `/metrics`:
+//! every other sandbox's id (`cubenet_sandbox_*{sandbox="…"}`) with its packet and byte
+//! counts, a side channel on its neighbours' traffic. The agent now answers a peer inside the
+//! sandbox `cidr` 403 on every path; a scraper on the node's network still gets `/metrics`.
+//!
+//! The guest is a kernel stack on the TAP fd the agent handed out (`KernelGuest`), the agent
+//! runs in the dataplane namespace with the chart's listener address.
+
+use std::{net::Ipv4Addr, time::Duration};
+
+use cubenet_proto::v1 as pb;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    agent_upgrade::KernelGuest,
+    netns::TestNetns,
+    require_root,
+    topology::NODE_IP,
+};
+
+/// `curl` from `ns`: (HTTP status, body); status 0 when no answer came.
+fn get(ns: &TestNetns, url: &str) -> (u16, String) {
+    let o = ns.exec("curl", &["-s", "-m", "10", "-w", "\n%{http_code}", url]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+#[test]
+fn sandbox_cannot_read_the_agent_listener_via_the_node_address() {
+    if !require_root("sandbox_cannot_read_the_agent_listener_via_the_node_address") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("nodesvc", 2, "");
+    a.in_dataplane = true;
+    // The chart's listener: every address of the node namespace.
+    let cfg = std::fs::read_to_string(a.dir.join("agent.toml")).unwrap();
+    let cfg = cfg.replace("health_listen = \"127.0.0.1:19090\"", "health_listen = \"0.0.0.0:19090\"");
+    assert!(cfg.contains("0.0.0.0:19090"));
+    std::fs::write(a.dir.join("agent.toml"), cfg).unwrap();
+    a.start();
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let ensure = |id: &str| {
+        rt.block_on(async {
+            let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+            c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await
+        })
+        .unwrap()
+        .into_inner()
+    };
+    ensure("sb-neighbour-secret-id");
+    let r = ensure("sb-attacker");
+    let ifc = &r.interfaces[0];
+    let (reply, fd) = tap_fd(&a.tap_socket(), &ifc.name, &r.sandbox_id);
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let guest = KernelGuest::new(fd.expect("TAP fd"), &ifc.mac_address, &ifc.ip_cidrs[0], &ifc.gateway, ifc.mtu as u32);
+
+    // A scraper on the node's network reads the metrics (and is refused the /v1/ dumps).
+    let node = Ipv4Addr::from(NODE_IP);
+    let (code, body) = get(&a.topo.world, &format!("http://{node}:19090/metrics"));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("sb-neighbour-secret-id"), "the scrape lists the sandboxes: {body}");
+    assert_eq!(get(&a.topo.world, &format!("http://{node}:19090/v1/network/taps")).0, 403);
+
+    // The sandbox, through the node address: nothing.
+    for path in ["/metrics", "/healthz", "/readyz", "/v1/network/taps", "/v1/policies/dump"] {
+        let mut got = get(&guest.ns, &format!("http://{node}:19090{path}"));
+        // The first SYN may race the guest's ARP for its gateway: one retry.
+        if got.0 == 0 {
+            std::thread::sleep(Duration::from_millis(200));
+            got = get(&guest.ns, &format!("http://{node}:19090{path}"));
+        }
+        let (code, body) = got;
+        assert!(!body.contains("sb-neighbour-secret-id"), "{path}: the sandbox read its neighbour's id:\n{body}");
+        assert_eq!(code, 403, "{path}: {body}");
+    }
+    assert!(a.log().contains("sandbox client refused"), "{}", a.log());
+}
