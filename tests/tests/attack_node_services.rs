@@ -28,12 +28,9 @@ fn get(ns: &TestNetns, url: &str) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
-#[test]
-fn sandbox_cannot_read_the_agent_listener_via_the_node_address() {
-    if !require_root("sandbox_cannot_read_the_agent_listener_via_the_node_address") {
-        return;
-    }
-    let mut a = AgentUnderTest::prepare("nodesvc", 2, "");
+/// The agent in the dataplane namespace with the chart's listener address, running.
+fn chart_agent(tag: &str) -> AgentUnderTest {
+    let mut a = AgentUnderTest::prepare(tag, 2, "");
     a.in_dataplane = true;
     // The chart's listener: every address of the node namespace.
     let cfg = std::fs::read_to_string(a.dir.join("agent.toml")).unwrap();
@@ -41,22 +38,49 @@ fn sandbox_cannot_read_the_agent_listener_via_the_node_address() {
     assert!(cfg.contains("0.0.0.0:19090"));
     std::fs::write(a.dir.join("agent.toml"), cfg).unwrap();
     a.start();
+    a
+}
 
+/// Ensures `id` with `ctx` and returns it with a kernel guest on its TAP.
+fn guest(a: &AgentUnderTest, id: &str, ctx: Option<pb::CubeVsContext>) -> KernelGuest {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let ensure = |id: &str| {
-        rt.block_on(async {
+    let r = rt
+        .block_on(async {
             let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-            c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await
+            c.ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: id.into(),
+                cubevs_context: ctx,
+                ..Default::default()
+            })
+            .await
         })
         .unwrap()
-        .into_inner()
-    };
-    ensure("sb-neighbour-secret-id");
-    let r = ensure("sb-attacker");
+        .into_inner();
     let ifc = &r.interfaces[0];
     let (reply, fd) = tap_fd(&a.tap_socket(), &ifc.name, &r.sandbox_id);
     assert_eq!(reply["errCode"], "0", "{reply}");
-    let guest = KernelGuest::new(fd.expect("TAP fd"), &ifc.mac_address, &ifc.ip_cidrs[0], &ifc.gateway, ifc.mtu as u32);
+    KernelGuest::new(fd.expect("TAP fd"), &ifc.mac_address, &ifc.ip_cidrs[0], &ifc.gateway, ifc.mtu as u32)
+}
+
+/// `curl` from the guest, one retry when nothing answered (the first SYN may race the
+/// guest's ARP for its gateway).
+fn guest_get(g: &KernelGuest, url: &str) -> (u16, String) {
+    let got = get(&g.ns, url);
+    if got.0 != 0 {
+        return got;
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    get(&g.ns, url)
+}
+
+#[test]
+fn sandbox_cannot_read_the_agent_listener_via_the_node_address() {
+    if !require_root("sandbox_cannot_read_the_agent_listener_via_the_node_address") {
+        return;
+    }
+    let a = chart_agent("nodesvc");
+    let _neighbour = a_sandbox(&a, "sb-neighbour-secret-id");
+    let guest = guest(&a, "sb-attacker", None);
 
     // A scraper on the node's network reads the metrics (and is refused the /v1/ dumps).
     let node = Ipv4Addr::from(NODE_IP);
@@ -67,15 +91,42 @@ fn sandbox_cannot_read_the_agent_listener_via_the_node_address() {
 
     // The sandbox, through the node address: nothing.
     for path in ["/metrics", "/healthz", "/readyz", "/v1/network/taps", "/v1/policies/dump"] {
-        let mut got = get(&guest.ns, &format!("http://{node}:19090{path}"));
-        // The first SYN may race the guest's ARP for its gateway: one retry.
-        if got.0 == 0 {
-            std::thread::sleep(Duration::from_millis(200));
-            got = get(&guest.ns, &format!("http://{node}:19090{path}"));
-        }
-        let (code, body) = got;
+        let (code, body) = guest_get(&guest, &format!("http://{node}:19090{path}"));
         assert!(!body.contains("sb-neighbour-secret-id"), "{path}: the sandbox read its neighbour's id:\n{body}");
         assert_eq!(code, 403, "{path}: {body}");
     }
     assert!(a.log().contains("sandbox client refused"), "{}", a.log());
+}
+
+fn a_sandbox(a: &AgentUnderTest, id: &str) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await
+    })
+    .unwrap()
+    .into_inner()
+    .sandbox_id
+}
+
+/// The most permissive policy a caller can give (`allow_out` 0.0.0.0/0 beats the always-denied
+/// ranges), and every other address of the node the guest can name: cube-dev's (the sandbox
+/// CIDR's `.1`, where CubeEgress listens), loopback, the guest's gateway, the limited broadcast.
+/// None of them may hand the guest the agent's metrics (a path that SNATed the guest to the
+/// node address before delivering it locally would pass R41's source check).
+#[test]
+fn sandbox_cannot_reach_the_agent_listener_by_any_node_address() {
+    if !require_root("sandbox_cannot_reach_the_agent_listener_by_any_node_address") {
+        return;
+    }
+    let a = chart_agent("nodesvc-any");
+    let _neighbour = a_sandbox(&a, "sb-neighbour-secret-id");
+    let ctx = pb::CubeVsContext { allow_out: vec!["0.0.0.0/0".into()], ..Default::default() };
+    let guest = guest(&a, "sb-attacker", Some(ctx));
+    for addr in ["198.51.100.2", "192.168.0.1", "127.0.0.1", "169.254.68.5", "169.254.68.6", "255.255.255.255"] {
+        let (code, body) = guest_get(&guest, &format!("http://{addr}:19090/metrics"));
+        eprintln!("{addr}:19090/metrics -> {code}");
+        assert!(!body.contains("sb-neighbour-secret-id"), "{addr}: the sandbox read its neighbour's id:\n{body}");
+        assert_ne!(code, 200, "{addr}: {body}");
+    }
 }
