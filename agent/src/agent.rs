@@ -236,6 +236,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Agent {
+    /// Reads a file on a dataplane-namespace thread ([`Host::read_netns_file`]), e.g. that
+    /// namespace's socket tables.
+    pub fn read_dataplane_file(&self, path: &std::path::Path) -> std::io::Result<String> {
+        self.host.read_netns_file(path)
+    }
+
     /// Whether `ip` lies in the sandbox CIDR (`cidr`): a sandbox's own address, cube-dev's,
     /// or one the pool may hand out.
     pub fn in_sandbox_cidr(&self, ip: std::net::IpAddr) -> bool {
