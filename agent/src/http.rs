@@ -89,13 +89,13 @@ async fn route(
         // root and our uid only, found in the listener's namespace's socket table (R42).
         let a = agent.clone();
         let uid = tokio::task::spawn_blocking(move || match routes {
-            Routes::DumpOnly => crate::peer_uid::owner(peer, local, |p| a.read_dataplane_file(p)),
-            Routes::All => crate::peer_uid::owner(peer, local, |p| std::fs::read_to_string(p)),
+            Routes::DumpOnly => cubenet_sys::peer_uid::owner(peer, local, |p| a.read_dataplane_file(p)),
+            Routes::All => cubenet_sys::peer_uid::owner(peer, local, |p| std::fs::read_to_string(p)),
         })
         .await
         .ok()
         .flatten();
-        if !crate::peer_uid::allowed(uid) {
+        if !cubenet_sys::peer_uid::allowed(uid) {
             tracing::warn!(%peer, ?uid, path, "health listener: /v1/ client of another user refused");
             return text(StatusCode::FORBIDDEN, "root only\n", "text/plain");
         }

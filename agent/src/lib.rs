@@ -15,7 +15,6 @@ pub mod http;
 pub mod ipam;
 pub mod listeners;
 pub mod metrics;
-pub mod peer_uid;
 pub mod policy_dump;
 pub mod ports;
 pub mod state;

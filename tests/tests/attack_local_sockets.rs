@@ -239,6 +239,11 @@ fn tap_fd_socket_gives_nothing_foreign_and_leaks_nothing() {
     let (reply, fd) = tap_fd(&sock, &tap, "sb-a");
     assert_eq!(reply["errCode"], "0");
     drop(fd);
+    // The pool refills behind the Ensure (one more TAP, one more queue fd): measure after it.
+    cubenet_tests::wait_for("the pool refilled", Duration::from_secs(20), || {
+        let j = a.http_json("/v1/network/taps");
+        j["stateCounts"]["Ready"] == 2 && j["stateCounts"]["Active"] == 1
+    });
     let baseline = fd_count(pid);
     let req = format!(r#"{{"name":"{tap}","sandboxId":"sb-a"}}"#);
     for i in 0..600 {
@@ -250,12 +255,16 @@ fn tap_fd_socket_gives_nothing_foreign_and_leaks_nothing() {
     }
     // Every vanished client is answered or timed out (1 s deadlines), then its fds are gone.
     let t = Instant::now();
+    // Background work (maintenance netlink sockets) may hold a few at any moment; a leak
+    // would be one per vanished client (300 requests were sent).
+    const SLACK: usize = 16;
     let mut now = fd_count(pid);
-    while now > baseline && t.elapsed() < Duration::from_secs(20) {
+    while now > baseline + SLACK && t.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(100));
         now = fd_count(pid);
     }
-    assert!(now <= baseline, "the agent holds {now} descriptors, {baseline} before 600 vanishing clients");
+    assert!(now <= baseline + SLACK, "the agent holds {now} descriptors, {baseline} before 600 vanishing clients");
+    eprintln!("descriptors: {baseline} before, {now} after 600 vanishing clients");
     let (reply, fd) = tap_fd(&sock, &tap, "sb-a");
     assert_eq!(reply["errCode"], "0", "{reply}");
     assert!(fd.is_some());

@@ -1396,6 +1396,8 @@ fn continuation_flood(ns: &TestNetns, to: &str, limit: usize) -> Option<usize> {
 /// 5. A 1 MiB request header: refused (431), never forwarded.
 /// 6. Audit-log injection: quotes and JSON in the `User-Agent`, CR/LF encoded in the path:
 ///    every audit line is one JSON object, the values are kept verbatim inside their fields.
+/// 7. A keep-alive connection whose second request names another allowed host: the credential
+///    injected into the first request (plain HTTP, opted in) is not added to the second.
 ///
 /// Then an ordinary request is still served.
 #[test]
@@ -1412,14 +1414,16 @@ fn egress_gateway_protocol_abuse() {
     let sb = sandbox_net(&topo);
     gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
-    let _dns = world_dns(world, &[("api.example.test", WORLD)]);
+    let _dns = world_dns(world, &[("api.example.test", WORLD), ("evil.example.test", WORLD)]);
     let audit = dir.join("log/access.jsonl");
     let mut cmd = node.command(egress_bin().to_str().unwrap());
     cmd.env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"));
     let _gw = start_gateway(node, cmd, dir, audit.to_str().unwrap(), &[]);
     let pol = json!({"policy_id": "abuse", "rules": [
         {"id": "no-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
-        {"id": "web", "match": {"host": "api.example.test"}, "action": {"allow": true}},
+        {"id": "web", "match": {"host": "api.example.test"},
+         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}},
+        {"id": "evil", "match": {"host": "evil.example.test"}, "action": {"allow": true}},
         {"id": "world-ip", "match": {"host": WORLD}, "action": {"allow": true}}
     ]});
     put_policy(node, SANDBOX_IP, &pol);
@@ -1474,6 +1478,16 @@ Connection: close\r\n\r\n"
     let inj = raw_http(&sb, &to, req.as_bytes());
     assert!(inj.starts_with("HTTP/1.1 200"), "{inj}");
 
+    // 7. Keep-alive: an allowed request that gets the credential, then one for another
+    //    (allowed) host on the same connection: decided and injected per request.
+    let ka = raw_http(
+        &sb,
+        &to,
+        b"GET /ka-1 HTTP/1.1\r\nHost: api.example.test\r\n\r\n\
+GET /ka-2 HTTP/1.1\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(ka.matches("HTTP/1.1 200").count(), 2, "{ka}");
+
     // Still serving.
     let ok = raw_http(&sb, &to, b"GET /still-ok HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
@@ -1486,6 +1500,11 @@ Connection: close\r\n\r\n"
         let r = s.iter().find(|r| r.path == path).unwrap_or_else(|| panic!("world never saw {path}: {listing:?}"));
         assert!(r.header("upgrade").is_empty() && r.header("http2-settings").is_empty(), "{path}: {r:?}");
     }
+    let ka1 = s.iter().find(|r| r.path == "/ka-1").expect("world saw /ka-1");
+    assert_eq!(ka1.header("x-api-key"), vec![SECRET], "{ka1:?}");
+    let ka2 = s.iter().find(|r| r.path == "/ka-2").expect("world saw /ka-2");
+    assert!(ka2.header("x-api-key").is_empty(), "the credential followed the connection to another Host: {ka2:?}");
+    assert_eq!(ka2.header("host"), vec!["evil.example.test"]);
     let lines = audit_lines(&audit);
     assert!(lines.iter().all(|l| l["event"] != "forged"), "{lines:?}");
     let rec = lines
@@ -1495,4 +1514,68 @@ Connection: close\r\n\r\n"
     assert_eq!(rec["http"]["user_agent"], ua, "{rec}");
     assert_eq!(rec["http"]["path"], "/inject%0d%0a%7B%22event%22:%22forged%22%7D", "{rec}");
     drop(rt);
+}
+
+/// `curl` in `ns` as uid 65534 (`setpriv`), with `args`: (status, body).
+fn curl_as_nobody(ns: &TestNetns, args: &[&str]) -> (u16, String) {
+    let o = ns
+        .command("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "curl", "-s", "-m", "10", "-w", "\n%{http_code}"])
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("setpriv curl");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Attack (R43): another user on the node talks to the admin API on loopback. The old gateway
+/// let uid 65534 replace a sandbox's policy (drop its deny rules), bind a name to an address of
+/// its choosing in the learned table (the destination check then lets a Host with an injected
+/// credential go there), or delete the policy. Now every path but `/metrics` and
+/// `/admin/v1/health` answers it 403 and nothing changes; root (the agent's push) is served.
+#[test]
+fn egress_admin_serves_no_other_local_user() {
+    if !require_root("egress_admin_serves_no_other_local_user") {
+        return;
+    }
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-adminuser-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let node = &topo.node;
+    gateway_ca(dir);
+    let audit = dir.join("log/access.jsonl");
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+    put_policy(node, SANDBOX_IP, &policy());
+    let base = "http://127.0.0.1:9091";
+    let before = admin_curl(node, &[&format!("{base}/admin/v1/policies/{SANDBOX_IP}")]);
+    assert_eq!(before.0, 200, "{}", before.1);
+    let open =
+        json!({"policy_id": "pwned", "rules": [{"id": "all", "match": {}, "action": {"allow": true}}]}).to_string();
+    let learned = json!({"names": {"api.example.test": ["203.0.113.66"]}}).to_string();
+    let policy_url = format!("{base}/admin/v1/policies/{SANDBOX_IP}");
+    let learned_url = format!("{base}/admin/v1/learned/{SANDBOX_IP}");
+    let attempts: Vec<(&str, Vec<&str>)> = vec![
+        ("PUT policy", vec!["-X", "PUT", "--data", &open, &policy_url]),
+        (
+            "PATCH rule",
+            vec!["-X", "PATCH", "--data", r#"{"id":"all","match":{},"action":{"allow":true}}"#, &policy_url],
+        ),
+        ("PUT learned", vec!["-X", "PUT", "--data", &learned, &learned_url]),
+        ("DELETE policy", vec!["-X", "DELETE", &policy_url]),
+        ("GET policy", vec![&policy_url]),
+        ("GET dump", vec!["http://127.0.0.1:9091/admin/v1/dump"]),
+    ];
+    for (what, args) in &attempts {
+        let (code, body) = curl_as_nobody(node, args);
+        assert_eq!(code, 403, "{what} by uid 65534: {body}");
+    }
+    assert_eq!(admin_curl(node, &[&policy_url]), before, "uid 65534 changed the policy");
+    let (code, body) = admin_curl(node, &[&learned_url]);
+    assert!(!body.contains("203.0.113.66"), "uid 65534 bound a name: {code} {body}");
+    for open_path in ["/metrics", "/admin/v1/health"] {
+        assert_eq!(curl_as_nobody(node, &[&format!("{base}{open_path}")]).0, 200, "{open_path}");
+    }
 }

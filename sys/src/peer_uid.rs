@@ -1,8 +1,9 @@
 //! The uid owning a loopback TCP client's socket, from the kernel's socket tables
 //! (`/proc/thread-self/net/tcp` and `tcp6`, as seen from the listener's namespace): a TCP
 //! peer has no SO_PEERCRED, but on loopback its socket is in the same table as ours. The
-//! agent's `/v1/` dumps (one of them with every sandbox's injection secrets) are served only
-//! to root and the agent's own uid, not to every local process (decision R42).
+//! agent's `/v1/` dumps (one of them with every sandbox's injection secrets, decision R42) and
+//! CubeEgress's admin API (R43) are served only to root and the server's own uid, not to
+//! every local process.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -50,7 +51,7 @@ pub fn owner(
         .find_map(|p| find_uid(&read(std::path::Path::new(p)).ok()?, peer, local))
 }
 
-/// Whether `uid` may read the `/v1/` dumps: root or the agent's effective uid.
+/// Whether `uid` is trusted: root or this process's effective uid.
 pub fn allowed(uid: Option<u32>) -> bool {
     uid.is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw())
 }
