@@ -164,7 +164,11 @@ fn agent_refuses_directories_another_user_controls() {
     if !require_root("agent_refuses_directories_another_user_controls") {
         return;
     }
-    let mut a = AgentUnderTest::prepare("dirowner", 1, "");
+    // The hand-over socket's directory too (the rig's directory name is known in advance).
+    let ho = std::env::temp_dir().join(format!("cubenet-agent-{}-dirowner/ho", std::process::id()));
+    let mut a =
+        AgentUnderTest::prepare("dirowner", 1, &format!("handover_socket = \"{}/handover.sock\"\n", ho.display()));
+    assert!(a.dir.join("ho") == ho);
     let cube = a.dir.join("cube");
     let state = a.state_dir();
 
@@ -192,6 +196,12 @@ fn agent_refuses_directories_another_user_controls() {
     chown(&state, NOBODY);
     refuses(&a, "state_dir of uid 65534", &format!("state_dir {}", state.display()));
     chown(&state, 0);
+
+    // The hand-over socket's directory of another user (bound once the agent serves).
+    std::fs::create_dir(&ho).unwrap();
+    chown(&ho, NOBODY);
+    refuses(&a, "handover_socket directory of uid 65534", &format!("handover_socket directory {}", ho.display()));
+    chown(&ho, 0);
 
     // Everything root's again: the agent starts.
     a.start();
