@@ -93,6 +93,15 @@ fn host_ports_cannot_be_taken_or_remapped_by_another_sandbox() {
     let e = rt.block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-many".into(), ..Default::default() }));
     assert_eq!(e.unwrap_err().code(), Code::NotFound);
 
+    // A message over the gRPC limit (5 MiB of metadata): refused by the transport, nothing kept.
+    let mut big = req("sb-big", vec![]);
+    big.persist_metadata.insert("k".into(), "v".repeat(5 << 20));
+    let e = rt.block_on(c.ensure_network(big)).unwrap_err();
+    assert!(matches!(e.code(), Code::ResourceExhausted | Code::OutOfRange | Code::Internal), "{e:?}");
+    let mut c = rt.block_on(network_agent::client::connect(&a.grpc_endpoint())).unwrap();
+    let e = rt.block_on(c.get_network(pb::GetNetworkRequest { sandbox_id: "sb-big".into(), ..Default::default() }));
+    assert_eq!(e.unwrap_err().code(), Code::NotFound);
+
     // Once A is released, its port is free for B.
     rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "sb-a".into(), ..Default::default() }))
         .unwrap();

@@ -130,3 +130,25 @@ fn sandbox_cannot_reach_the_agent_listener_by_any_node_address() {
         assert_ne!(code, 200, "{addr}: {body}");
     }
 }
+
+/// The operator's way to close host service access for a sandbox: `deny_out` naming the node
+/// address. The guest then reaches no listener there (a RST, no answer), the agent's included;
+/// the world scraper still does. A property users rely on that had no test.
+#[test]
+fn deny_out_of_the_node_address_closes_host_services() {
+    if !require_root("deny_out_of_the_node_address_closes_host_services") {
+        return;
+    }
+    let a = chart_agent("nodesvc-deny");
+    let node = Ipv4Addr::from(NODE_IP);
+    let ctx = pb::CubeVsContext { deny_out: vec![format!("{node}/32")], ..Default::default() };
+    let guest = guest(&a, "sb-denied", Some(ctx));
+    let o = guest.ns.exec(
+        "curl",
+        &["-s", "-m", "10", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{node}:19090/healthz")],
+    );
+    let code = String::from_utf8_lossy(&o.stdout).to_string();
+    // curl exit 7: connection refused (the datapath's RST), not 28 (a timeout).
+    assert_eq!((o.status.code(), code.as_str()), (Some(7), "000"), "{o:?}");
+    assert_eq!(get(&a.topo.world, &format!("http://{node}:19090/healthz")).0, 200);
+}
