@@ -158,6 +158,14 @@ pub struct Config {
     /// receive frames from a wire (physical NICs): XDP cannot see an skb's CHECKSUM_PARTIAL
     /// state, so a veth uplink whose peer sends with TX checksum offload breaks (decision X3).
     pub xdp_mode: String,
+    /// Destinations every sandbox of this node is always denied, on top of the baseline
+    /// ranges (`cubevs::policy::BASELINE_DENY`): IPv4 addresses (/32) or CIDRs (host bits
+    /// must be zero), at most 64 (`cubevs_common::limits::NODE_DENY`). Checked before any allow (`allow_out`,
+    /// learned FQDN addresses, static L7 entries) and never learned from a DNS answer; written
+    /// to the pinned `node_deny` map at every start, replacing what a previous run wrote.
+    /// Default `["100.100.100.200/32"]` (Alibaba Cloud's metadata service, decision R30);
+    /// `[]` = baseline only. CubeEgress has its own key of the same name: keep them equal.
+    pub always_denied_cidrs: Vec<String>,
 }
 
 /// The `after_handover` key.
@@ -210,9 +218,13 @@ impl Default for Config {
             handover_socket: PathBuf::new(),
             after_handover: AfterHandover::Exit,
             xdp_mode: "off".into(),
+            always_denied_cidrs: DEFAULT_ALWAYS_DENIED.iter().map(|s| s.to_string()).collect(),
         }
     }
 }
+
+/// Default `always_denied_cidrs`: Alibaba Cloud's instance metadata service (decision R30).
+pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32"];
 
 /// An IPv4 network.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,6 +329,8 @@ pub struct Validated {
     pub port_range: (u16, u16),
     /// `xdp_mode` parsed.
     pub xdp_mode: cubevs::XdpMode,
+    /// `always_denied_cidrs` parsed (a bare address is a /32), in the given order.
+    pub always_denied: Vec<cubevs::Cidr>,
 }
 
 impl Config {
@@ -474,7 +488,24 @@ impl Config {
             ));
         }
         let xdp_mode = self.xdp_mode.parse::<cubevs::XdpMode>().map_err(|r| invalid("xdp_mode", r))?;
-        Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range, xdp_mode })
+        let max = cubevs_common::limits::NODE_DENY as usize;
+        if self.always_denied_cidrs.len() > max {
+            return Err(invalid(
+                "always_denied_cidrs",
+                format!("{} entries exceed the limit of {max}", self.always_denied_cidrs.len()),
+            ));
+        }
+        let mut always_denied = Vec::with_capacity(self.always_denied_cidrs.len());
+        for (i, s) in self.always_denied_cidrs.iter().enumerate() {
+            let bad = |r: String| invalid("always_denied_cidrs", format!("[{i}] {s:?}: {r}"));
+            let c = cubevs::Cidr::parse(s).map_err(bad)?;
+            // Strict, as `cidr`: a typo such as `100.100.100.200/10` would deny a whole range.
+            if c.has_host_bits() {
+                return Err(bad("host bits set".into()));
+            }
+            always_denied.push(c);
+        }
+        Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range, xdp_mode, always_denied })
     }
 }
 
@@ -497,6 +528,32 @@ mod tests {
         assert_eq!(v.port_range, (20000, 29999));
         assert_eq!(v.xdp_mode, cubevs::XdpMode::Off);
         assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn always_denied_cidrs_default_and_limits() {
+        let v = Config::default().validate().unwrap();
+        assert_eq!(v.always_denied, [cubevs::Cidr::new(Ipv4Addr::new(100, 100, 100, 200), 32)]);
+        let v = Config::parse("always_denied_cidrs = []").unwrap().validate().unwrap();
+        assert!(v.always_denied.is_empty());
+        let v = Config::parse("always_denied_cidrs = [\"10.96.0.1\", \"100.64.0.0/10\"]").unwrap().validate().unwrap();
+        assert_eq!(v.always_denied[0], cubevs::Cidr::new(Ipv4Addr::new(10, 96, 0, 1), 32));
+        assert_eq!(v.always_denied[1], cubevs::Cidr::new(Ipv4Addr::new(100, 64, 0, 0), 10));
+        for bad in ["\"100.100.100.200/10\"", "\"1.2.3\"", "\"1.2.3.4/33\""] {
+            let e = Config::parse(&format!("always_denied_cidrs = [\"1.1.1.1\", {bad}]"))
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("`always_denied_cidrs`") && e.contains("[1]"), "{e}");
+        }
+        let many: Vec<String> = (0..65).map(|i| format!("\"203.0.113.{i}\"")).collect();
+        let e = Config::parse(&format!("always_denied_cidrs = [{}]", many.join(", ")))
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("65 entries exceed the limit of 64"), "{e}");
     }
 
     #[test]

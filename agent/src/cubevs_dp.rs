@@ -97,6 +97,17 @@ impl CubeVsDataplane {
         self.host.run_first(move || f(&mut dp.lock().unwrap_or_else(|e| e.into_inner()))).map_err(other)?.map_err(err)
     }
 
+    /// Makes the pinned `node_deny` map hold exactly `list` (the node's `always_denied_cidrs`,
+    /// decision R30), replacing in place what a previous run wrote, then deletes the sessions
+    /// toward listed addresses: every sandbox, running or not, is denied these destinations
+    /// from its next packet on. Returns how many sessions were deleted. Errors: more than
+    /// `cubevs_common::limits::NODE_DENY` entries, a non-empty list with an object older than
+    /// R30, map syscall errors.
+    pub fn set_always_denied(&self, list: &[cubevs::Cidr]) -> Result<usize, DataplaneError> {
+        self.maps.node_deny.replace(list).map_err(err)?;
+        self.maps.sessions.delete_to(list).map_err(err)
+    }
+
     /// Removes link pins of interfaces that no longer exist (deleted TAPs).
     pub fn gc_link_pins(&self) -> Result<Vec<String>, DataplaneError> {
         self.on_thread(|dp| dp.gc_link_pins())

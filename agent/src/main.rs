@@ -233,7 +233,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
             // `auto`: a warm-up filter first, moved to its tcx link in the background (F5, T1).
             _ => cubevs::AttachMode::TcxDeferred,
         };
-        Ok(Arc::new(CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?))
+        let dp = CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?;
+        // Before any TAP is adopted or created: the node's list holds for every sandbox (R30).
+        let cut = dp.set_always_denied(&cfg.always_denied)?;
+        tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
+        Ok(Arc::new(dp))
     })?;
 
     // 2. cube-dev.

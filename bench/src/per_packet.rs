@@ -184,6 +184,43 @@ pub fn run() -> Vec<Row> {
             target: None,
         });
     }
+    // The node's always-denied list (decision R30): the same SYNs on fresh rigs, one with the
+    // list empty (control), one with it full (64 /24s that never cover the destination, so every
+    // SYN runs the `node_deny` lookup and goes on), measured alternately twice (A B A B, each
+    // row the mean of its two medians) so drift of the machine hits both. The difference is
+    // what the list costs a new flow.
+    {
+        let list: Vec<cubevs::Cidr> =
+            (0..64).map(|i| cubevs::Cidr::new(std::net::Ipv4Addr::new(100, 100, i, 0), 24)).collect();
+        let mut sums = [(0.0, (0.0, 0.0)); 2];
+        for _ in 0..2 {
+            for (k, full) in [false, true].into_iter().enumerate() {
+                let rig = Rig::new();
+                if full {
+                    rig.maps.node_deny.replace(&list).expect("node_deny");
+                }
+                let (v, s) = measure(&rig, prog::FROM_CUBE, SB_IFINDEX, new_syn);
+                sums[k] = (sums[k].0 + v / 2.0, (sums[k].1.0 + s.0 / 2.0, sums[k].1.1 + s.1 / 2.0));
+            }
+        }
+        for (k, case) in [
+            "from_cube new TCP SYN, fresh rig, always-denied list empty (control of the next row)",
+            "from_cube new TCP SYN, fresh rig, always-denied list full (64 entries, no match)",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            extra.push(Row {
+                bench: "per-packet".into(),
+                case: case.into(),
+                value: sums[k].0,
+                spread: sums[k].1,
+                unit: "ns/pkt".into(),
+                baseline: base.clone(),
+                target: None,
+            });
+        }
+    }
     add(
         "from_cube established UDP",
         prog::FROM_CUBE,

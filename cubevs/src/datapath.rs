@@ -458,6 +458,8 @@ impl Datapath {
             sandbox_stats: SandboxStatsTable::new(take(&mut ebpf, map::SANDBOX_STATS)?),
             frags: crate::FragTable::new(take(&mut ebpf, map::FRAG_SESSIONS)?, Some(track.clone())),
             track,
+            // Optional (an object older than R30 has none): `replace` then refuses a list.
+            node_deny: crate::NodeDenyTable::new(ebpf.take_map(map::NODE_DENY).and_then(|m| m.try_into().ok())),
         });
         Ok(Self {
             ebpf,

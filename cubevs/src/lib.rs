@@ -23,6 +23,7 @@ mod frags;
 pub mod layout;
 pub mod lock;
 mod node;
+mod node_deny;
 mod periodic;
 pub mod policy;
 mod ports;
@@ -46,6 +47,7 @@ pub use datapath::{
 pub use error::Error;
 pub use frags::{FragEntry, FragTable};
 pub use node::NodeTable;
+pub use node_deny::NodeDenyTable;
 pub use policy::{Cidr, EgressPolicy, PolicyDump, PolicyLimits, PolicyTable};
 pub use ports::{PortMapping, PortMaps, Proto};
 pub use quota::{FloorState, QuotaUsage};
@@ -84,6 +86,8 @@ pub struct Maps {
     /// `track_opened`, `track_closed` and the tracking keys of `session_floor`: the floor of
     /// `dns_query_track_v2` and `frag_sessions_v2` (decision Q6).
     pub track: std::sync::Arc<track_floor::TrackFloor>,
+    /// `node_deny`: the node's extra always-denied CIDRs (decision R30).
+    pub node_deny: NodeDenyTable,
 }
 
 impl std::fmt::Debug for Maps {

@@ -255,6 +255,30 @@ impl Sessions {
     }
 }
 
+impl Sessions {
+    /// Deletes every session whose remote address (the guest's original destination) lies in
+    /// one of `list` (both directions, batched); returns how many. The agent calls it after
+    /// writing the node's always-denied list (decision R30), so a flow opened while an address
+    /// was not listed does not outlive the restart that lists it.
+    pub fn delete_to(&self, list: &[crate::policy::Cidr]) -> Result<usize, Error> {
+        use std::os::fd::AsFd;
+
+        use aya::maps::IterableMap;
+        if list.is_empty() {
+            return Ok(0);
+        }
+        let covered = |ip: u32| {
+            let host = u32::from_be(ip);
+            list.iter().any(|c| host & c.mask() == c.first())
+        };
+        let mut g = self.inner.lock().expect("sessions lock");
+        let all: Vec<(SessionKey, NatSession)> = crate::batch::lookup_all(g.egress.map().fd().as_fd(), 4096)
+            .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
+        let victims: Vec<_> = all.into_iter().filter(|(k, _)| covered(k.dst_ip)).collect();
+        delete_batch_locked(&mut g, &victims, 4096)
+    }
+}
+
 pub(crate) fn delete_locked(g: &mut SessionMaps, k: &SessionKey, s: &NatSession) -> Result<(), Error> {
     let ok = |r: Result<(), aya::maps::MapError>| match r {
         Ok(()) => Ok(()),

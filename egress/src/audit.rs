@@ -5,6 +5,7 @@
 
 use std::{
     io::Write,
+    net::Ipv4Addr,
     path::Path,
     sync::{
         Arc,
@@ -17,6 +18,8 @@ use std::{
 use prometheus::IntCounter;
 use serde_json::{Value, json};
 
+use crate::floor::{Charge, FloorPool, Members, NoMembers, Refusal};
+
 /// Largest batch of whole lines handed to one `write(2)`, bytes.
 pub const MAX_WRITE_BYTES: usize = 64 * 1024;
 
@@ -26,16 +29,20 @@ type Ack = tokio::sync::oneshot::Sender<Result<(), AuditError>>;
 /// What the writer thread receives.
 #[derive(Debug)]
 enum Msg {
-    /// A record, with the waiter to answer once its line is written ([`AuditLog::write_durable`]).
-    Record(Value, Option<Ack>),
+    /// A record, with the waiter to answer once its line is written ([`AuditLog::write_durable`])
+    /// and its place in the queue (given back when the writer takes it).
+    Record(Value, Option<Ack>, Charge),
     /// Answer on the channel once everything queued before it is written.
     Flush(mpsc::Sender<()>),
+    /// Nothing to write: wakes the writer to report dropped records.
+    Wake,
 }
 
 /// Why [`AuditLog::write_durable`] could not write a record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuditError {
-    /// The writer's queue is full (the disk is slower than the requests).
+    /// The record's sandbox used its share of the writer's queue (its floor, and the shared
+    /// remainder is full: the disk is slower than the requests, R22).
     #[error("audit queue full")]
     QueueFull,
     /// `write(2)` of the batch holding the record failed (the OS error, as text).
@@ -44,6 +51,18 @@ pub enum AuditError {
     /// The writer thread is gone.
     #[error("audit writer gone")]
     WriterGone,
+}
+
+impl AuditError {
+    /// The `reason` label of `cube_egress_audit_refused_total`: `queue_share`, `write_failed`,
+    /// `writer_gone`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AuditError::QueueFull => "queue_share",
+            AuditError::Write(_) => "write_failed",
+            AuditError::WriterGone => "writer_gone",
+        }
+    }
 }
 
 /// Writes the batch (whole lines) in one `write_all`, then answers the waiters of its records.
@@ -71,16 +90,41 @@ fn push_line(sink: &mut impl Write, batch: &mut Vec<u8>, acks: &mut Vec<Ack>, wh
     batch.extend_from_slice(&line);
 }
 
+/// How the audit queue is shared between sandboxes (decision R22): each sandbox with a policy
+/// in `members` may always have `floor` records queued; the rest of the queue is shared (module
+/// [`crate::floor`]).
+#[derive(Clone)]
+pub struct QueueShare {
+    /// Records each sandbox with a policy may always have queued (`audit_floor_per_sandbox`).
+    pub floor: usize,
+    /// The sandboxes with a policy.
+    pub members: Arc<dyn Members>,
+}
+
+impl QueueShare {
+    /// No floors: the whole queue is shared (one sandbox may fill it).
+    pub fn none() -> QueueShare {
+        QueueShare { floor: 0, members: Arc::new(NoMembers) }
+    }
+}
+
+/// The sandbox a record is charged to: its `sandbox.src_ip`, when it has one.
+fn sandbox_of(record: &Value) -> Option<Ipv4Addr> {
+    record.get("sandbox")?.get("src_ip")?.as_str()?.parse().ok()
+}
+
 /// Appends audit records to a file from a dedicated writer thread. The queue is bounded
-/// (`capacity` records).
+/// (`capacity` records) and shared between sandboxes by floor and ceiling ([`QueueShare`],
+/// R22): a record is charged to the sandbox of its `sandbox.src_ip` (records of no sandbox to
+/// the shared remainder) until the writer takes it.
 ///
 /// Two ways in:
 /// - [`AuditLog::write_durable`] (records a request's answer or forwarding depends on, E20): the
 ///   caller waits until the record's line was written (`write(2)` returned: in the page cache,
-///   which survives the death of this process, not a power loss); a full queue or a failed write
-///   is an error, and the caller fails closed.
+///   which survives the death of this process, not a power loss); no room for the record in its
+///   sandbox's share or a failed write is an error, and the caller fails closed.
 /// - [`AuditLog::write`] (completion records, TLS refusals, security events): queued, the caller
-///   does not wait; when the queue is full the record is dropped (drop-newest), counted in
+///   does not wait; without room in its share the record is dropped (drop-newest), counted in
 ///   `cube_egress_audit_dropped_total`, and the writer records how many it lost in a
 ///   `security_event` (`audit_records_dropped`) as soon as it catches up (decision E15).
 ///
@@ -92,16 +136,17 @@ fn push_line(sink: &mut impl Write, batch: &mut Vec<u8>, acks: &mut Vec<Ack>, wh
 /// appending to the same file during a swap never interleave inside a line (E19).
 #[derive(Debug, Clone)]
 pub struct AuditLog {
-    tx: mpsc::SyncSender<Msg>,
+    tx: mpsc::Sender<Msg>,
+    pool: Arc<FloorPool>,
     pending_drops: Arc<AtomicU64>,
     dropped: IntCounter,
 }
 
 impl AuditLog {
     /// Opens (creating parents and the file, append mode) and starts the writer thread with a
-    /// queue of `capacity` records; drops are counted in `dropped`. Errors: the directory or
-    /// file cannot be created.
-    pub fn open(path: &Path, capacity: usize, dropped: IntCounter) -> anyhow::Result<AuditLog> {
+    /// queue of `capacity` records shared by `share`; drops are counted in `dropped`. Errors:
+    /// the directory or file cannot be created.
+    pub fn open(path: &Path, capacity: usize, share: QueueShare, dropped: IntCounter) -> anyhow::Result<AuditLog> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -118,7 +163,7 @@ impl AuditLog {
                 file.write_all(b"\n")?;
             }
         }
-        Self::with_writer(file, path.display().to_string(), capacity, dropped)
+        Self::with_writer(file, path.display().to_string(), capacity, share, dropped)
     }
 
     /// Starts the writer thread on any sink (`what` names it in warnings). The sink gets one
@@ -127,11 +172,15 @@ impl AuditLog {
         sink: impl Write + Send + 'static,
         what: String,
         capacity: usize,
+        share: QueueShare,
         dropped: IntCounter,
     ) -> anyhow::Result<AuditLog> {
-        let (tx, rx) = mpsc::sync_channel::<Msg>(capacity.max(1));
+        // Unbounded channel: the pool bounds the records in it (a flush or a wake-up carries none).
+        let (tx, rx) = mpsc::channel::<Msg>();
+        let pool = Arc::new(FloorPool::new(capacity.max(1), share.floor, usize::MAX, share.members));
         let pending_drops = Arc::new(AtomicU64::new(0));
         let pending = pending_drops.clone();
+        let writer_pool = pool.clone();
         std::thread::Builder::new().name("audit-writer".into()).spawn(move || {
             let mut sink = sink;
             let mut batch = Vec::with_capacity(MAX_WRITE_BYTES);
@@ -141,11 +190,14 @@ impl AuditLog {
                 let mut next = Some(first);
                 while let Some(m) = next.take() {
                     match m {
-                        Msg::Record(v, ack) => {
+                        Msg::Record(v, ack, charge) => {
+                            // Out of the queue: at most one batch is held here.
+                            writer_pool.give_back(charge);
                             push_line(&mut sink, &mut batch, &mut acks, &what, &v);
                             acks.extend(ack);
                         }
                         Msg::Flush(w) => waiters.push(w),
+                        Msg::Wake => {}
                     }
                     next = rx.try_recv().ok();
                 }
@@ -163,31 +215,50 @@ impl AuditLog {
                 }
             }
         })?;
-        Ok(AuditLog { tx, pending_drops, dropped })
+        Ok(AuditLog { tx, pool, pending_drops, dropped })
     }
 
-    /// Queues one record (adds `ts` when missing); drops it when the queue is full.
+    /// Records queued and not yet taken by the writer: (under sandboxes' floors, shared).
+    pub fn queued(&self) -> (usize, usize) {
+        self.pool.totals()
+    }
+
+    /// Queues one record (adds `ts` when missing); drops it when its sandbox has no room left
+    /// in its share of the queue.
     pub fn write(&self, record: Value) {
-        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(Msg::Record(with_ts(record), None)) {
-            self.dropped.inc();
-            // The writer reports this on its next wake-up, which the full queue guarantees.
-            self.pending_drops.fetch_add(1, Ordering::Relaxed);
+        match self.pool.take(sandbox_of(&record)) {
+            Ok(c) => {
+                let _ = self.tx.send(Msg::Record(with_ts(record), None, c));
+            }
+            Err(_) => {
+                self.dropped.inc();
+                // The writer reports this on its next wake-up: the first drop since its last
+                // report makes sure there is one (one message per report, not per drop).
+                if self.pending_drops.fetch_add(1, Ordering::Relaxed) == 0 {
+                    let _ = self.tx.send(Msg::Wake);
+                }
+            }
         }
     }
 
     /// Queues one record (adds `ts` when missing) and waits until its line was written
     /// (`write(2)` returned; with it every record queued earlier). Never waits for queue space:
-    /// a full queue is [`AuditError::QueueFull`] at once, so memory stays bounded by the queue
-    /// and a slow disk makes requests fail closed instead of piling up. Errors:
-    /// [`AuditError::QueueFull`], [`AuditError::Write`] (the batch's `write(2)` failed: the line
-    /// may be missing or partial), [`AuditError::WriterGone`]. Dropping the future does not
-    /// unqueue the record.
+    /// no room in the share of the record's sandbox is [`AuditError::QueueFull`] at once, so
+    /// memory stays bounded by the queue and a slow disk makes requests fail closed instead of
+    /// piling up, each sandbox within its own share (R22). Errors: [`AuditError::QueueFull`],
+    /// [`AuditError::Write`] (the batch's `write(2)` failed: the line may be missing or
+    /// partial), [`AuditError::WriterGone`]. Dropping the future does not unqueue the record.
     pub async fn write_durable(&self, record: Value) -> Result<(), AuditError> {
+        let charge = self.pool.take(sandbox_of(&record)).map_err(|_: Refusal| AuditError::QueueFull)?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        match self.tx.try_send(Msg::Record(with_ts(record), Some(tx))) {
+        match self.tx.send(Msg::Record(with_ts(record), Some(tx), charge)) {
             Ok(()) => rx.await.unwrap_or(Err(AuditError::WriterGone)),
-            Err(mpsc::TrySendError::Full(_)) => Err(AuditError::QueueFull),
-            Err(mpsc::TrySendError::Disconnected(_)) => Err(AuditError::WriterGone),
+            Err(mpsc::SendError(m)) => {
+                if let Msg::Record(_, _, c) = m {
+                    self.pool.give_back(c);
+                }
+                Err(AuditError::WriterGone)
+            }
         }
     }
 
@@ -355,7 +426,7 @@ mod tests {
         let out = Arc::new(std::sync::Mutex::new(Vec::new()));
         let dropped = counter();
         let sink = Stalled { gate: gate.clone(), entered: entered.clone(), out: out.clone() };
-        let log = AuditLog::with_writer(sink, "t".into(), 8, dropped.clone()).unwrap();
+        let log = AuditLog::with_writer(sink, "t".into(), 8, QueueShare::none(), dropped.clone()).unwrap();
         log.write(json!({"event": "http_request", "n": "first"}));
         for _ in 0..500 {
             if entered.load(Ordering::SeqCst) {
@@ -421,7 +492,7 @@ mod tests {
     async fn durable_write_answers_only_after_the_write() {
         let sink = Stalled::new();
         let h = sink.handle();
-        let log = AuditLog::with_writer(sink, "t".into(), 8, counter()).unwrap();
+        let log = AuditLog::with_writer(sink, "t".into(), 8, QueueShare::none(), counter()).unwrap();
         let l = log.clone();
         let task = tokio::spawn(async move { l.write_durable(json!({"event": "http_request_start", "n": 1})).await });
         wait_entered(&h.entered);
@@ -444,7 +515,7 @@ mod tests {
         let sink = Stalled::new();
         let h = sink.handle();
         let dropped = counter();
-        let log = AuditLog::with_writer(sink, "t".into(), 4, dropped.clone()).unwrap();
+        let log = AuditLog::with_writer(sink, "t".into(), 4, QueueShare::none(), dropped.clone()).unwrap();
         log.write(json!({"event": "http_request", "n": "first"}));
         wait_entered(&h.entered);
         for i in 0..4 {
@@ -459,6 +530,67 @@ mod tests {
         assert_eq!(log.write_durable(json!({"event": "http_request_start", "n": "after"})).await, Ok(()));
         let text = h.text();
         assert_eq!(text.lines().count(), 6, "first, four queued, the one after: {text}");
+    }
+
+    /// Two sandboxes with a policy (R22 tests).
+    struct Two;
+    impl Members for Two {
+        fn contains(&self, ip: Ipv4Addr) -> bool {
+            ip == Ipv4Addr::new(192, 168, 0, 2) || ip == Ipv4Addr::new(192, 168, 0, 3)
+        }
+        fn count(&self) -> usize {
+            2
+        }
+    }
+
+    /// Attack (R22): with the writer stalled, one sandbox queues all it may (its floor and the
+    /// whole shared remainder); the other's durable record is still queued (its floor), and is
+    /// written once the sink moves.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn one_sandbox_cannot_take_another_s_floor() {
+        let sink = Stalled::new();
+        let h = sink.handle();
+        let dropped = counter();
+        let share = QueueShare { floor: 3, members: Arc::new(Two) };
+        let log = AuditLog::with_writer(sink, "t".into(), 20, share, dropped.clone()).unwrap();
+        let rec = |ip: &str, n: usize| json!({"event": "http_request_start", "sandbox": {"src_ip": ip}, "n": n});
+        log.write(json!({"event": "security_event", "n": "first"}));
+        wait_entered(&h.entered);
+        // The attacker: 3 (floor) + 14 (shared: 20 − 2 × 3) queued, the rest refused or dropped.
+        let mut waiting = Vec::new();
+        for i in 0..17 {
+            let l = log.clone();
+            let r = rec("192.168.0.2", i);
+            waiting.push(tokio::spawn(async move { l.write_durable(r).await }));
+        }
+        for t in &waiting {
+            while log.queued().0 + log.queued().1 < 17 && !t.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        }
+        assert_eq!(log.queued(), (3, 14));
+        assert_eq!(log.write_durable(rec("192.168.0.2", 99)).await, Err(AuditError::QueueFull));
+        log.write(rec("192.168.0.2", 100));
+        log.write(json!({"event": "security_event", "n": "no sandbox"}));
+        assert_eq!(dropped.get(), 2, "over its share, and nothing shared left");
+        // The victim: its floor is untouched.
+        let l = log.clone();
+        let victim = tokio::spawn(async move { l.write_durable(rec("192.168.0.3", 0)).await });
+        while log.queued().0 < 4 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!victim.is_finished());
+        h.open();
+        assert_eq!(victim.await.unwrap(), Ok(()));
+        for t in waiting {
+            assert_eq!(t.await.unwrap(), Ok(()));
+        }
+        let text = h.text();
+        assert!(text.contains(r#""src_ip":"192.168.0.3""#), "{text}");
+        let l = log.clone();
+        assert!(tokio::task::spawn_blocking(move || l.flush(Duration::from_secs(10))).await.unwrap());
+        assert!(h.text().contains("audit_records_dropped"), "the drops are reported");
+        assert_eq!(log.queued(), (0, 0));
     }
 
     /// A sink whose every write fails (a full or broken disk).
@@ -476,7 +608,7 @@ mod tests {
     /// answered as written.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn durable_write_reports_a_failed_write() {
-        let log = AuditLog::with_writer(Failing, "t".into(), 8, counter()).unwrap();
+        let log = AuditLog::with_writer(Failing, "t".into(), 8, QueueShare::none(), counter()).unwrap();
         match log.write_durable(json!({"event": "http_request_start"})).await {
             Err(AuditError::Write(e)) => assert!(e.contains("space"), "{e}"),
             other => panic!("expected a write error, got {other:?}"),
@@ -491,7 +623,7 @@ mod tests {
         let f = dir.join("access.jsonl");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(&f, b"{\"event\":\"http_request\",\"n\":0}\n{\"event\":\"http_req").unwrap();
-        let log = AuditLog::open(&f, 16, counter()).unwrap();
+        let log = AuditLog::open(&f, 16, QueueShare::none(), counter()).unwrap();
         log.write(json!({"event": "http_request", "n": 1}));
         let mut text = String::new();
         for _ in 0..200 {
@@ -525,7 +657,7 @@ mod tests {
     #[test]
     fn writes_hold_whole_lines_and_flush_waits() {
         let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let log = AuditLog::with_writer(Calls(calls.clone()), "t".into(), 4096, counter()).unwrap();
+        let log = AuditLog::with_writer(Calls(calls.clone()), "t".into(), 4096, QueueShare::none(), counter()).unwrap();
         let pad = "x".repeat(3000);
         for i in 0..200 {
             log.write(json!({"event": "http_request", "n": i, "pad": pad}));
@@ -546,7 +678,7 @@ mod tests {
     fn records_are_json_lines() {
         let dir = std::env::temp_dir().join(format!("cube-egress-audit-{}", std::process::id()));
         let f = dir.join("sub/access.jsonl");
-        let log = AuditLog::open(&f, 16, counter()).unwrap();
+        let log = AuditLog::open(&f, 16, QueueShare::none(), counter()).unwrap();
         log.write(json!({"event": "http_request", "n": 1}));
         log.security_event("no_rule_match", "192.168.0.2", json!({"policy": {"decision": "deny"}}));
         let mut text = String::new();

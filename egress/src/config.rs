@@ -71,7 +71,28 @@ pub struct Config {
     /// (decision R18). 0 (default) = max(64, soft descriptor limit / 16), after the soft limit
     /// was raised to the hard one.
     pub max_conns_per_sandbox: usize,
+    /// Destinations the gateway never dials, whatever a rule or a learned name says: IPv4
+    /// addresses (/32) or CIDRs (host bits zero), at most 64. The same list as the agent's
+    /// `always_denied_cidrs` (decision R30): keep them equal. Default
+    /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none.
+    pub always_denied_cidrs: Vec<String>,
+    /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
+    /// hold (decision R22; default 8). All sandboxes together hold at most (soft descriptor
+    /// limit − 64) / 2; the floor in force is min(this, that / (2 × sandboxes with a policy)),
+    /// at least 1 while there are no more sandboxes than places.
+    pub conn_floor_per_sandbox: usize,
+    /// Audit records each sandbox with a policy may always have queued, whatever other
+    /// sandboxes queue (decision R23; default 8; 0 = none); the floor in force is min(this,
+    /// `audit_queue_capacity` / (2 × sandboxes with a policy)), at least 1 while there are no
+    /// more sandboxes than records.
+    pub audit_floor_per_sandbox: usize,
 }
+
+/// Default `always_denied_cidrs`, the agent's default too (decision R30).
+pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32"];
+
+/// Most `always_denied_cidrs` entries (the agent's `node_deny` map holds 64).
+pub const MAX_ALWAYS_DENIED: usize = 64;
 
 impl Default for Config {
     fn default() -> Self {
@@ -99,6 +120,9 @@ impl Default for Config {
             dns_timeout_ms: 2000,
             audit_queue_capacity: 16_384,
             max_conns_per_sandbox: 0,
+            always_denied_cidrs: DEFAULT_ALWAYS_DENIED.iter().map(|s| s.to_string()).collect(),
+            conn_floor_per_sandbox: crate::conns::DEFAULT_FLOOR,
+            audit_floor_per_sandbox: 8,
         }
     }
 }
@@ -164,6 +188,10 @@ pub struct Cli {
     /// DNS servers for the destination check (`ip:port`, comma-separated or repeated).
     #[arg(long = "dns-server", env = "CUBE_EGRESS_DNS_SERVERS", value_delimiter = ',')]
     pub dns_servers: Option<Vec<SocketAddr>>,
+    /// Destinations never dialled (`a.b.c.d[/len]`, comma-separated or repeated; replaces
+    /// `always_denied_cidrs`; an empty value = none).
+    #[arg(long = "always-denied-cidr", env = "CUBE_EGRESS_ALWAYS_DENIED_CIDRS", value_delimiter = ',')]
+    pub always_denied_cidrs: Option<Vec<String>>,
 }
 
 impl Config {
@@ -178,6 +206,9 @@ impl Config {
         }
         over!(sandbox_cidr, http_port, https_port, admin_addr, ca_dir, audit_file, bootstrap_url, bootstrap_attempts);
         over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs, dns_servers);
+        if let Some(v) = cli.always_denied_cidrs {
+            c.always_denied_cidrs = v.into_iter().filter(|s| !s.is_empty()).collect();
+        }
         if cli.listen_ip.is_some() {
             c.listen_ip = cli.listen_ip;
         }
@@ -216,6 +247,7 @@ impl Config {
         if !self.admin_addr.ip().is_loopback() {
             bail!("admin_addr {}: must be a loopback address (127.0.0.0/8 or ::1)", self.admin_addr);
         }
+        self.always_denied()?;
         if self.dns_timeout_ms == 0 || self.audit_queue_capacity == 0 {
             bail!("dns_timeout_ms and audit_queue_capacity must be positive");
         }
@@ -235,6 +267,29 @@ impl Config {
                 Ok(Vec::new())
             }
         }
+    }
+
+    /// `always_denied_cidrs` parsed: (network, mask), host order. Errors name the entry.
+    pub fn always_denied(&self) -> anyhow::Result<Vec<(Ipv4Addr, u32)>> {
+        if self.always_denied_cidrs.len() > MAX_ALWAYS_DENIED {
+            bail!(
+                "always_denied_cidrs: {} entries exceed the limit of {MAX_ALWAYS_DENIED}",
+                self.always_denied_cidrs.len()
+            );
+        }
+        let mut v = Vec::with_capacity(self.always_denied_cidrs.len());
+        for (i, s) in self.always_denied_cidrs.iter().enumerate() {
+            let bad = |r: &str| anyhow::anyhow!("always_denied_cidrs[{i}] {s:?}: {r}");
+            let (a, len) = s.split_once('/').unwrap_or((s, "32"));
+            let addr: Ipv4Addr = a.parse().map_err(|_| bad("bad address"))?;
+            let len: u32 = len.parse().ok().filter(|l| *l <= 32).ok_or_else(|| bad("bad prefix length"))?;
+            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+            if u32::from(addr) & !mask != 0 {
+                return Err(bad("host bits set"));
+            }
+            v.push((addr, mask));
+        }
+        Ok(v)
     }
 
     /// The listen address: `listen_ip`, else network(`sandbox_cidr`) + 1 (upstream.md §4.2).
@@ -292,11 +347,24 @@ mod tests {
         let c = Config::load(cli).unwrap();
         assert_eq!((c.http_port, c.https_port, c.bootstrap_url.as_str()), (1080, 2443, ""));
         assert_eq!(c.admin_addr.to_string(), "127.0.0.1:9091");
+        assert_eq!((c.conn_floor_per_sandbox, c.audit_floor_per_sandbox), (8, 8), "R22/R23 defaults");
+        std::fs::write(&f, "conn_floor_per_sandbox = 2\naudit_floor_per_sandbox = 0\n").unwrap();
+        let c = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap();
+        assert_eq!((c.conn_floor_per_sandbox, c.audit_floor_per_sandbox), (2, 0));
         std::fs::write(&f, "admin_addr = \"0.0.0.0:9091\"\n").unwrap();
         let e = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap_err();
         assert!(e.to_string().contains("loopback"), "{e}");
         let cli = Cli::parse_from(["cube-egress", "--dns-server", "10.0.0.53:53,10.0.0.54:5353"]);
         assert_eq!(Config::load(cli).unwrap().dns_servers.len(), 2);
+        assert_eq!(Config::load(Cli::parse_from(["cube-egress"])).unwrap().always_denied_cidrs, ["100.100.100.200/32"]);
+        let cli = Cli::parse_from(["cube-egress", "--always-denied-cidr", "10.96.0.1,100.64.0.0/10"]);
+        let d = Config::load(cli).unwrap().always_denied().unwrap();
+        assert_eq!(d, [(Ipv4Addr::new(10, 96, 0, 1), u32::MAX), (Ipv4Addr::new(100, 64, 0, 0), 0xffc0_0000)]);
+        let cli = Cli::parse_from(["cube-egress", "--always-denied-cidr", ""]);
+        assert!(Config::load(cli).unwrap().always_denied_cidrs.is_empty());
+        let cli = Cli::parse_from(["cube-egress", "--always-denied-cidr", "1.1.1.1,100.100.100.200/10"]);
+        let e = Config::load(cli).unwrap_err().to_string();
+        assert!(e.contains("always_denied_cidrs[1]") && e.contains("host bits"), "{e}");
         std::fs::write(&f, "htp_port = 1\n").unwrap();
         assert!(Config::from_toml_file(&f).is_err());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -1,41 +1,53 @@
-//! Per-sandbox budget of concurrent proxy connections (decision R18).
+//! Proxy connections per sandbox: a per-sandbox budget (decision R18) inside a floor and a
+//! node ceiling derived from the descriptor limit (decision R22).
 //!
 //! Every accepted connection holds one file descriptor until it ends (an idle HTTP/1 client
-//! up to the 30 s header timeout, a silent TLS client up to the 10 s hello timeout), and the
-//! process has one descriptor limit for all sandboxes: one sandbox that kept opening and
-//! holding connections made `accept(2)` fail with EMFILE for everyone. Each sandbox (peer
-//! address) may now hold at most [`ConnBudget::per_sandbox`] connections; the next one is
-//! closed at accept and counted (`cube_egress_connections_refused_total`).
+//! up to the 30 s header timeout, a silent TLS client up to the 10 s hello timeout) and one
+//! more while it talks to its upstream; the process has one descriptor limit for all
+//! sandboxes. One sandbox that kept opening and holding connections made `accept(2)` fail with
+//! EMFILE for everyone (R18: per-sandbox budget); sixteen or more within their budgets still
+//! could (R22). Now the connections of all sandboxes are a [`FloorPool`] of
+//! [`ConnBudget::capacity_for`] places: each sandbox with a policy may always hold
+//! `conn_floor_per_sandbox`, the rest is shared under the ceiling, and no sandbox holds more
+//! than `max_conns_per_sandbox`. A connection over its limit is closed at accept and counted
+//! by reason (`cube_egress_connections_refused_total{reason}`); a request that would need a
+//! second upstream socket of its connection takes a place too, or gets 503 (R24).
 
-use std::{
-    collections::HashMap,
-    net::Ipv4Addr,
-    sync::{Arc, Mutex},
-};
+use std::{net::Ipv4Addr, sync::Arc};
+
+use crate::floor::{Charge, FloorPool, Members, Refusal};
 
 /// Smallest automatic per-sandbox budget.
 pub const MIN_AUTO: usize = 64;
 /// The automatic budget is the descriptor limit divided by this.
 pub const AUTO_SHARE: u64 = 16;
+/// Descriptors kept out of the connection pool for the process itself (listeners, audit
+/// file, epoll, admin connections, DNS sockets, hand-over).
+pub const FD_RESERVE: u64 = 64;
+/// Descriptors one place stands for: a connection's own and its first upstream socket. Every
+/// further concurrent request of the connection takes a place of its own (R24, `proxy.rs`).
+pub const FDS_PER_CONN: u64 = 2;
+/// Default `conn_floor_per_sandbox`.
+pub const DEFAULT_FLOOR: usize = 8;
 
-/// Live connections per sandbox, bounded.
+/// Live proxy connections of all sandboxes, bounded by floor, ceiling and per-sandbox budget.
 #[derive(Debug)]
 pub struct ConnBudget {
-    per_sandbox: usize,
-    live: Mutex<HashMap<Ipv4Addr, usize>>,
+    pool: FloorPool,
 }
 
 /// One admitted connection; gives its place back when dropped.
 #[derive(Debug)]
 pub struct ConnSlot {
     budget: Arc<ConnBudget>,
-    sandbox: Ipv4Addr,
+    charge: Option<Charge>,
 }
 
 impl ConnBudget {
-    /// A budget of `per_sandbox` (≥ 1) live connections per sandbox.
-    pub fn new(per_sandbox: usize) -> Arc<ConnBudget> {
-        Arc::new(ConnBudget { per_sandbox: per_sandbox.max(1), live: Mutex::new(HashMap::new()) })
+    /// A budget of `capacity` connections in all, `floor` always available to each sandbox
+    /// with a policy in `members`, at most `per_sandbox` (≥ 1) per sandbox.
+    pub fn new(capacity: usize, floor: usize, per_sandbox: usize, members: Arc<dyn Members>) -> Arc<ConnBudget> {
+        Arc::new(ConnBudget { pool: FloorPool::new(capacity, floor, per_sandbox, members) })
     }
 
     /// The automatic budget for a process whose soft descriptor limit is `nofile`:
@@ -45,36 +57,40 @@ impl ConnBudget {
         (nofile / AUTO_SHARE).max(MIN_AUTO as u64) as usize
     }
 
-    /// Connections one sandbox may hold.
-    pub fn per_sandbox(&self) -> usize {
-        self.per_sandbox
+    /// Connections all sandboxes may hold with a descriptor limit of `nofile`:
+    /// (`nofile` − [`FD_RESERVE`]) / [`FDS_PER_CONN`], at least 1.
+    pub fn capacity_for(nofile: u64) -> usize {
+        (nofile.saturating_sub(FD_RESERVE) / FDS_PER_CONN).max(1) as usize
     }
 
-    /// Takes a place for a connection of `sandbox`, or `None` when it holds its whole budget.
-    pub fn admit(self: &Arc<Self>, sandbox: Ipv4Addr) -> Option<ConnSlot> {
-        let mut live = self.live.lock().expect("conn budget lock");
-        let n = live.entry(sandbox).or_insert(0);
-        if *n >= self.per_sandbox {
-            return None;
-        }
-        *n += 1;
-        Some(ConnSlot { budget: self.clone(), sandbox })
+    /// Connections one sandbox may hold.
+    pub fn per_sandbox(&self) -> usize {
+        self.pool.per_sandbox()
+    }
+
+    /// The pool (floor, ceiling, totals).
+    pub fn pool(&self) -> &FloorPool {
+        &self.pool
+    }
+
+    /// Takes a place for a connection of `sandbox`. Errors: [`Refusal::SandboxBudget`] (it holds
+    /// `per_sandbox`), [`Refusal::NodeCeiling`] (its floor is used, or it has no policy, and the
+    /// shared remainder is full).
+    pub fn admit(self: &Arc<Self>, sandbox: Ipv4Addr) -> Result<ConnSlot, Refusal> {
+        let charge = self.pool.take(Some(sandbox))?;
+        Ok(ConnSlot { budget: self.clone(), charge: Some(charge) })
     }
 
     /// Live connections of `sandbox`.
     pub fn live(&self, sandbox: Ipv4Addr) -> usize {
-        self.live.lock().expect("conn budget lock").get(&sandbox).copied().unwrap_or(0)
+        self.pool.held(sandbox)
     }
 }
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
-        let mut live = self.budget.live.lock().expect("conn budget lock");
-        if let Some(n) = live.get_mut(&self.sandbox) {
-            *n -= 1;
-            if *n == 0 {
-                live.remove(&self.sandbox);
-            }
+        if let Some(c) = self.charge.take() {
+            self.budget.pool.give_back(c);
         }
     }
 }
@@ -104,16 +120,18 @@ mod tests {
 
     #[test]
     fn budget_is_per_sandbox_and_given_back() {
-        let b = ConnBudget::new(2);
+        let b = ConnBudget::new(100, DEFAULT_FLOOR, 2, Arc::new(crate::floor::NoMembers));
         let (a, c) = (Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(192, 168, 0, 3));
         let s1 = b.admit(a).unwrap();
         let _s2 = b.admit(a).unwrap();
-        assert!(b.admit(a).is_none(), "a third connection of the same sandbox");
-        assert!(b.admit(c).is_some(), "another sandbox is unaffected");
+        assert_eq!(b.admit(a).unwrap_err(), Refusal::SandboxBudget, "a third connection of the same sandbox");
+        assert!(b.admit(c).is_ok(), "another sandbox is unaffected");
         drop(s1);
         assert_eq!(b.live(a), 1);
-        assert!(b.admit(a).is_some(), "a place given back is usable again");
+        assert!(b.admit(a).is_ok(), "a place given back is usable again");
         assert_eq!(ConnBudget::auto(256), MIN_AUTO);
         assert_eq!(ConnBudget::auto(20_000), 1250);
+        assert_eq!(ConnBudget::capacity_for(256), 96);
+        assert_eq!(ConnBudget::capacity_for(10), 1);
     }
 }

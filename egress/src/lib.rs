@@ -7,7 +7,9 @@
 //! written to a JSON Lines audit log ([`audit`]). Policies are managed through the admin API
 //! ([`admin`]) and loaded at start from the agent's dump ([`bootstrap`]), or taken with the
 //! listening sockets from a predecessor in a swap ([`handoff`]). The original destination
-//! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). Behaviour follows
+//! must belong to the name a decision was made on ([`dest`], resolving with [`dns`]). No group of
+//! sandboxes can take another's connections or audit queue: both are shared by a floor per
+//! sandbox and a ceiling ([`floor`], [`conns`]). Behaviour follows
 //! `reference/upstream.md §4` unless a decision in `docs/decisions.md` (E-entries) says otherwise.
 
 pub mod admin;
@@ -18,6 +20,7 @@ pub mod config;
 pub mod conns;
 pub mod dest;
 pub mod dns;
+pub mod floor;
 pub mod handoff;
 pub mod metrics;
 pub mod net;
@@ -71,7 +74,9 @@ pub struct App {
     pub drain: watch::Sender<bool>,
     /// The sandbox CIDR (network, mask; host order): never dialled upstream (R17).
     sandbox_net: (Ipv4Addr, u32),
-    /// Live proxy connections per sandbox, bounded (R18).
+    /// The node's always-denied destinations (network, mask; host order): never dialled (R30).
+    always_denied: Vec<(Ipv4Addr, u32)>,
+    /// Live proxy connections per sandbox, bounded by budget (R18), floor and ceiling (R22).
     pub conns: Arc<conns::ConnBudget>,
     /// When the drain started (set once, just before `drain` turns `true`).
     pub drain_at: std::sync::OnceLock<std::time::Instant>,
@@ -84,12 +89,34 @@ impl App {
     pub fn new(cfg: &Config) -> anyhow::Result<App> {
         let metrics = Metrics::new();
         let ca = Arc::new(Ca::load(&cfg.ca_dir)?);
-        let audit = AuditLog::open(&cfg.audit_file, cfg.audit_queue_capacity, metrics.audit_dropped.clone())
+        let store = PolicyStore::default();
+        let share = audit::QueueShare { floor: cfg.audit_floor_per_sandbox, members: store.members() };
+        let audit = AuditLog::open(&cfg.audit_file, cfg.audit_queue_capacity, share, metrics.audit_dropped.clone())
             .with_context(|| format!("open audit {}", cfg.audit_file.display()))?;
+        // The descriptor limit in force after raising it bounds every sandbox's connections
+        // together (R22) and, by default, each one's (R18).
+        let nofile = conns::raise_nofile();
+        let per_sandbox = match cfg.max_conns_per_sandbox {
+            0 => conns::ConnBudget::auto(nofile),
+            n => n,
+        };
+        let conns = conns::ConnBudget::new(
+            conns::ConnBudget::capacity_for(nofile),
+            cfg.conn_floor_per_sandbox,
+            per_sandbox,
+            store.members(),
+        );
+        tracing::info!(
+            nofile,
+            capacity = conns.pool().capacity(),
+            floor = cfg.conn_floor_per_sandbox,
+            per_sandbox,
+            "connection budget"
+        );
         let mut tls = certs::upstream_client_config(cfg.upstream_extra_ca.as_deref())?;
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(App {
-            store: PolicyStore::default(),
+            store,
             certs: CertCache::new(ca, cfg.cert_cache_size, cfg.mint_rate_per_sec, cfg.mint_burst, metrics.clone()),
             metrics,
             audit,
@@ -99,13 +126,8 @@ impl App {
             admin_frozen: RwLock::new(false),
             drain: watch::channel(false).0,
             sandbox_net: config::network_of(&cfg.sandbox_cidr)?,
-            conns: conns::ConnBudget::new(match cfg.max_conns_per_sandbox {
-                0 => conns::ConnBudget::auto(conns::raise_nofile()),
-                n => {
-                    conns::raise_nofile();
-                    n
-                }
-            }),
+            always_denied: cfg.always_denied()?,
+            conns,
             drain_at: std::sync::OnceLock::new(),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
@@ -119,6 +141,13 @@ impl App {
     pub fn is_sandbox_addr(&self, ip: Ipv4Addr) -> bool {
         let (net, mask) = self.sandbox_net;
         u32::from(ip) & mask == u32::from(net)
+    }
+
+    /// True when `ip` is in `always_denied_cidrs`, the node's always-denied list (cloud
+    /// metadata and the like), which the gateway never dials, whatever a rule or a learned
+    /// name says (decision R30).
+    pub fn is_always_denied(&self, ip: Ipv4Addr) -> bool {
+        self.always_denied.iter().any(|&(net, mask)| u32::from(ip) & mask == u32::from(net))
     }
 
     /// A process-unique id (connection ids in audit `request_id`s).
@@ -212,15 +241,19 @@ async fn accept_loop(app: Arc<App>, l: TcpListener, scheme: Option<Scheme>, mut 
         let drain = app.drain.subscribe();
         match scheme {
             Some(sc) => {
-                // One sandbox may not hold every descriptor of the process (R18).
+                // No sandbox, nor any group of them, may hold every descriptor of the process
+                // (R18, R22).
                 let peer = match s.peer_addr() {
                     Ok(std::net::SocketAddr::V4(p)) => *p.ip(),
                     _ => continue,
                 };
-                let Some(slot) = app.conns.admit(peer) else {
-                    app.metrics.connections_refused.inc();
-                    tracing::debug!(sandbox = %peer, "connection refused: the sandbox holds its whole budget");
-                    continue;
+                let slot = match app.conns.admit(peer) {
+                    Ok(slot) => slot,
+                    Err(why) => {
+                        app.metrics.connections_refused.with_label_values(&[why.as_str()]).inc();
+                        tracing::debug!(sandbox = %peer, reason = why.as_str(), "connection refused at accept");
+                        continue;
+                    }
                 };
                 let app = app.clone();
                 tokio::spawn(async move {

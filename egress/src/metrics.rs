@@ -1,6 +1,8 @@
 //! Prometheus metrics served at `GET /metrics` on the admin listener.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 /// Every metric the gateway exports (names prefixed `cube_egress_`).
 #[derive(Debug, Clone)]
@@ -20,15 +22,25 @@ pub struct Metrics {
     pub mint_rate_limited: IntCounter,
     /// TLS connections refused before minting (SNI denied or no policy).
     pub handshakes_refused: IntCounter,
-    /// Connections closed at accept: their sandbox held its whole connection budget (R18).
-    pub connections_refused: IntCounter,
+    /// Connections closed at accept, by `reason`: `sandbox_budget` (the sandbox held
+    /// `max_conns_per_sandbox`, R18), `node_ceiling` (its floor was used, or it has no policy,
+    /// and the shared remainder was full, R22); requests refused a second upstream socket of
+    /// their connection: `upstream_sandbox_budget`, `upstream_node_ceiling` (503, R24).
+    pub connections_refused: IntCounterVec,
+    /// Live proxy connections by `pool` (`floor`, `shared`), set when `/metrics` is read (R22).
+    pub connections: IntGaugeVec,
+    /// Audit records queued for the writer by `pool` (`floor`, `shared`), set when `/metrics`
+    /// is read (R22).
+    pub audit_queued: IntGaugeVec,
     /// Upstream failures by `kind` (`connect`, `tls`, `timeout`, `other`).
     pub upstream_errors: IntCounterVec,
     /// Audit records dropped because the writer's queue was full.
     pub audit_dropped: IntCounter,
-    /// Requests whose record could not be written before forwarding or answering (queue full or
-    /// write error, E20): allowed ones are refused with 503, denied ones still get their 403.
-    pub audit_refused: IntCounter,
+    /// Requests whose record could not be written before forwarding or answering (E20), by
+    /// `reason`: `queue_share` (no room in the sandbox's share of the queue, R22),
+    /// `write_failed`, `writer_gone`. Allowed ones are refused with 503, denied ones still get
+    /// their 403.
+    pub audit_refused: IntCounterVec,
     /// Request duration until response headers, seconds.
     pub request_seconds: Histogram,
     /// Upstream time to response headers, seconds (request − upstream ≈ added latency).
@@ -50,12 +62,20 @@ impl Metrics {
         let cert_cache_hits = c("cube_egress_cert_cache_hits_total", "Leaf certificate cache hits");
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
-        let connections_refused =
-            c("cube_egress_connections_refused_total", "Connections closed at accept: the sandbox's budget was full");
+        let vec = |n: &str, h: &str, l: &str| IntCounterVec::new(Opts::new(n, h), &[l]).expect("metric");
+        let gauges = |n: &str, h: &str| IntGaugeVec::new(Opts::new(n, h), &["pool"]).expect("metric");
+        let connections_refused = vec(
+            "cube_egress_connections_refused_total",
+            "Connections closed at accept, and requests refused an upstream socket (upstream_*), by reason",
+            "reason",
+        );
+        let connections = gauges("cube_egress_connections", "Live proxy connections by pool (floor, shared)");
+        let audit_queued = gauges("cube_egress_audit_queued_records", "Audit records queued by pool (floor, shared)");
         let audit_dropped = c("cube_egress_audit_dropped_total", "Audit records dropped (writer queue full)");
-        let audit_refused = c(
+        let audit_refused = vec(
             "cube_egress_audit_refused_total",
-            "Requests whose audit record could not be written first (allowed: 503)",
+            "Requests whose audit record could not be written first (allowed: 503), by reason",
+            "reason",
         );
         let upstream_errors =
             IntCounterVec::new(Opts::new("cube_egress_upstream_errors_total", "Upstream failures by kind"), &["kind"])
@@ -77,10 +97,14 @@ impl Metrics {
             &cert_cache_hits,
             &mint_rate_limited,
             &handshakes_refused,
-            &connections_refused,
             &audit_dropped,
-            &audit_refused,
         ] {
+            registry.register(Box::new(m.clone())).expect("register");
+        }
+        for m in [&connections_refused, &audit_refused] {
+            registry.register(Box::new(m.clone())).expect("register");
+        }
+        for m in [&connections, &audit_queued] {
             registry.register(Box::new(m.clone())).expect("register");
         }
         registry.register(Box::new(requests.clone())).expect("register");
@@ -97,6 +121,8 @@ impl Metrics {
             mint_rate_limited,
             handshakes_refused,
             connections_refused,
+            connections,
+            audit_queued,
             upstream_errors,
             audit_dropped,
             audit_refused,

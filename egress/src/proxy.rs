@@ -13,7 +13,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::{Duration, Instant},
@@ -39,6 +39,7 @@ use crate::{
     audit::{redact_query, redacted_headers},
     certs::{CertName, MintError},
     dest::Unbound,
+    floor::{Charge, Refusal},
     policy::{
         AuditLevel, Policy, RequestFacts, Scheme, SniAdmission, Verdict, normalize_request_host, normalize_request_path,
     },
@@ -104,6 +105,47 @@ struct Conn {
     client: UpstreamClient,
     conn_id: u64,
     reqs: AtomicU64,
+    /// Requests of this connection now forwarded or being forwarded (R24).
+    inflight: AtomicUsize,
+}
+
+/// Room for one forwarded request's upstream socket (decision R24). A connection's place in
+/// the pool (R22) counts two descriptors: its own and one upstream socket, enough for its
+/// first request in flight. Every further concurrent request (HTTP/2 streams; the upstream
+/// client opens one socket per concurrent HTTP/1 request) takes a place of its own in the
+/// sandbox's share; given back when the response body ends or is dropped.
+struct UpstreamPlace {
+    app: Arc<App>,
+    ctx: Arc<Conn>,
+    charge: Option<Charge>,
+}
+
+impl UpstreamPlace {
+    /// Takes the place (none for the connection's only request in flight). Errors: the
+    /// sandbox's share of the pool is used ([`Refusal`]).
+    fn take(app: &Arc<App>, ctx: &Arc<Conn>) -> Result<UpstreamPlace, Refusal> {
+        let charge = if ctx.inflight.fetch_add(1, Ordering::SeqCst) == 0 {
+            None
+        } else {
+            match app.conns.pool().take(Some(ctx.sandbox)) {
+                Ok(c) => Some(c),
+                Err(why) => {
+                    ctx.inflight.fetch_sub(1, Ordering::SeqCst);
+                    return Err(why);
+                }
+            }
+        };
+        Ok(UpstreamPlace { app: app.clone(), ctx: ctx.clone(), charge })
+    }
+}
+
+impl Drop for UpstreamPlace {
+    fn drop(&mut self) {
+        self.ctx.inflight.fetch_sub(1, Ordering::SeqCst);
+        if let Some(c) = self.charge.take() {
+            self.app.conns.pool().give_back(c);
+        }
+    }
 }
 
 fn new_client(app: &App, dst: IpAddr) -> UpstreamClient {
@@ -112,7 +154,12 @@ fn new_client(app: &App, dst: IpAddr) -> UpstreamClient {
     http.set_nodelay(true);
     http.set_connect_timeout(Some(app.connect_timeout));
     let https = hyper_rustls::HttpsConnector::from((http, app.upstream_tls.clone()));
-    Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(https)
+    // One idle upstream socket per connection: the others close when their response ends, so a
+    // connection's sockets are its requests in flight (R24) plus at most one.
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(1)
+        .build(https)
 }
 
 /// Splits an accepted socket into (sandbox IP, original destination); `None` for non-IPv4.
@@ -133,8 +180,17 @@ pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, drain:
     match scheme {
         Scheme::Http => {
             let client = new_client(&app, IpAddr::V4(*dst.ip()));
-            let ctx =
-                Arc::new(Conn { sandbox, dst, scheme, sni: None, tls: None, client, conn_id, reqs: AtomicU64::new(0) });
+            let ctx = Arc::new(Conn {
+                sandbox,
+                dst,
+                scheme,
+                sni: None,
+                tls: None,
+                client,
+                conn_id,
+                reqs: AtomicU64::new(0),
+                inflight: AtomicUsize::new(0),
+            });
             serve_http(app, ctx, TokioIo::new(stream), drain).await;
         }
         Scheme::Https => serve_tls(app, stream, sandbox, dst, conn_id, drain).await,
@@ -211,6 +267,9 @@ async fn serve_tls(
     if app.is_sandbox_addr(*dst.ip()) {
         return refuse("destination_is_sandbox".into());
     }
+    if app.is_always_denied(*dst.ip()) {
+        return refuse("destination_always_denied".into());
+    }
     let status = app.store.status();
     if !status.serving() {
         return refuse(format!("bootstrap_not_ready:{}", status.as_str()));
@@ -252,6 +311,7 @@ async fn serve_tls(
         client,
         conn_id,
         reqs: AtomicU64::new(0),
+        inflight: AtomicUsize::new(0),
     });
     serve_http(app, ctx, TokioIo::new(tls), drain).await;
 }
@@ -323,6 +383,10 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
     if app.is_sandbox_addr(*ctx.dst.ip()) {
         // One sandbox never reaches another, not even through the gateway's upstream leg (R17).
         return Ok(deny(&app, rec, "destination_is_sandbox", true, started).await);
+    }
+    if app.is_always_denied(*ctx.dst.ip()) {
+        // The node's always-denied list (cloud metadata...) beats every allow rule (R30).
+        return Ok(deny(&app, rec, "destination_always_denied", true, started).await);
     }
     // Rules see the path the server behind will resolve, not the raw one (R19).
     let Some(path) = normalize_request_path(&path) else {
@@ -431,7 +495,7 @@ async fn refuse(
         app.audit.write(ev);
     }
     if let Err(e) = app.audit.write_durable(rec.rec).await {
-        app.metrics.audit_refused.inc();
+        app.metrics.audit_refused.with_label_values(&[e.reason()]).inc();
         tracing::warn!(error = %e, "deny record not written");
     }
     app.metrics.request_seconds.observe(started.elapsed().as_secs_f64());
@@ -534,6 +598,22 @@ async fn forward(
     };
     parts.version = http::Version::HTTP_11;
     let audit_level = rule.audit;
+    // Room for the upstream socket first: a refused request writes no start record (R24).
+    let place = match UpstreamPlace::take(&app, &ctx) {
+        Ok(p) => p,
+        Err(why) => {
+            let reason = format!("upstream_{}", why.as_str());
+            app.metrics.connections_refused.with_label_values(&[reason.as_str()]).inc();
+            tracing::debug!(sandbox = %ctx.sandbox, reason, "request refused: no room for its upstream socket");
+            rec.set(&["http", "status"], json!(503));
+            rec.set(&["security", "reason"], json!(reason));
+            rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
+            if audit_level != AuditLevel::None {
+                app.audit.write(rec.rec);
+            }
+            return plain(StatusCode::SERVICE_UNAVAILABLE, "cube-egress: connection limit");
+        }
+    };
     // The world sees nothing whose record a crash could lose: `http_request_start` (everything
     // known before forwarding) is in the kernel before the request leaves; `http_request`
     // follows when the response ends (E20). No record, no request: fail closed.
@@ -542,7 +622,7 @@ async fn forward(
         start["event"] = json!("http_request_start");
         start["policy"]["duration_us"] = json!(started.elapsed().as_micros() as u64);
         if let Err(e) = app.audit.write_durable(start).await {
-            app.metrics.audit_refused.inc();
+            app.metrics.audit_refused.with_label_values(&[e.reason()]).inc();
             tracing::warn!(sandbox = %ctx.sandbox, error = %e, "request refused: audit record not written");
             rec.set(&["http", "status"], json!(503));
             rec.set(&["security", "reason"], json!("audit_unavailable"));
@@ -553,7 +633,7 @@ async fn forward(
         }
     }
     let req_bytes = Arc::new(AtomicU64::new(0));
-    let body = CountingBody { inner: body, count: req_bytes.clone(), done: None };
+    let body = CountingBody { inner: body, count: req_bytes.clone(), done: None, _place: None };
     let up_start = Instant::now();
     let res =
         tokio::time::timeout(UPSTREAM_HEADERS_TIMEOUT, ctx.client.request(Request::from_parts(parts, body))).await;
@@ -598,7 +678,7 @@ async fn forward(
     rec.set(&["http", "status"], json!(parts.status.as_u16()));
     rec.set(&["policy", "duration_us"], json!(started.elapsed().as_micros() as u64));
     let done = (audit_level != AuditLevel::None).then(|| AuditOnDrop { app: app.clone(), rec: rec.rec, req_bytes });
-    let body = CountingBody { inner: body, count: Arc::new(AtomicU64::new(0)), done };
+    let body = CountingBody { inner: body, count: Arc::new(AtomicU64::new(0)), done, _place: Some(place) };
     Response::from_parts(parts, body.boxed_unsync())
 }
 
@@ -628,6 +708,8 @@ struct CountingBody<B> {
     inner: B,
     count: Arc<AtomicU64>,
     done: Option<AuditOnDrop>,
+    /// The response's upstream place, given back with the body (R24).
+    _place: Option<UpstreamPlace>,
 }
 
 impl<B> Drop for CountingBody<B> {

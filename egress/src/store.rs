@@ -6,7 +6,10 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-use crate::policy::{Policy, RuleSpec, ValidationError};
+use crate::{
+    floor::Members,
+    policy::{Policy, RuleSpec, ValidationError},
+};
 
 /// Bootstrap state (upstream.md §4.5). Requests are served only when `Ready` or `Skipped`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,13 +51,13 @@ impl BootstrapStatus {
 /// Thread-safe policy store; readers clone an `Arc<Policy>` and never block writers for long.
 #[derive(Debug)]
 pub struct PolicyStore {
-    policies: RwLock<HashMap<Ipv4Addr, Arc<Policy>>>,
+    policies: Arc<RwLock<HashMap<Ipv4Addr, Arc<Policy>>>>,
     status: RwLock<BootstrapStatus>,
 }
 
 impl Default for PolicyStore {
     fn default() -> Self {
-        Self { policies: RwLock::new(HashMap::new()), status: RwLock::new(BootstrapStatus::Pending) }
+        Self { policies: Arc::default(), status: RwLock::new(BootstrapStatus::Pending) }
     }
 }
 
@@ -112,6 +115,11 @@ impl PolicyStore {
         self.len() == 0
     }
 
+    /// The sandboxes with a policy, as a live view for the floors of [`crate::floor`] (R22).
+    pub fn members(&self) -> Arc<dyn Members> {
+        Arc::new(Known(self.policies.clone()))
+    }
+
     /// Current bootstrap status.
     pub fn status(&self) -> BootstrapStatus {
         *self.status.read().expect("status lock")
@@ -120,5 +128,17 @@ impl PolicyStore {
     /// Sets the bootstrap status.
     pub fn set_status(&self, s: BootstrapStatus) {
         *self.status.write().expect("status lock") = s;
+    }
+}
+
+/// Live view of the sandboxes with a policy (every change of the store shows at once).
+struct Known(Arc<RwLock<HashMap<Ipv4Addr, Arc<Policy>>>>);
+
+impl Members for Known {
+    fn contains(&self, ip: Ipv4Addr) -> bool {
+        self.0.read().expect("policy lock").contains_key(&ip)
+    }
+    fn count(&self) -> usize {
+        self.0.read().expect("policy lock").len()
     }
 }

@@ -14,7 +14,7 @@ use std::net::Ipv4Addr;
 
 use cubenet_tests::{
     dns::{self, Owner, a},
-    frames::udp,
+    frames::{self, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
     rig::{Rig, SB_IFINDEX},
@@ -149,4 +149,68 @@ fn a_dns_answer_never_opens_an_always_denied_address() {
     assert_eq!(r.run(prog::FROM_CUBE, f, SB_IFINDEX).verdict, TC_ACT_REDIRECT, "the learned public address");
     let to_denied = r.maps.sessions.list().unwrap().into_iter().filter(|s| denied.contains(&s.remote_ip.octets()));
     assert_eq!(to_denied.count(), 0, "no session to an always-denied address");
+}
+
+/// The node's always-denied list (`node_deny`, decision R30) against every way a sandbox is
+/// allowed somewhere: a sandbox allowed `0.0.0.0/0` and `100.64.0.0/10` statically, and a name
+/// whose answer it controls, answers 100.100.100.200 (Alibaba Cloud's metadata address).
+/// Property: the answer is not learned (counted as `dns_not_public`), and neither the static
+/// allows nor anything else lets a new flow reach it; with the list emptied in place the very
+/// same answer is learned and the flows leave, so the list is what denied them.
+#[test]
+fn the_nodes_always_denied_list_beats_cidr_allows_and_dns_answers() {
+    if !require_root("attack_dns_testrun the_nodes_always_denied_list_beats_cidr_allows_and_dns_answers") {
+        return;
+    }
+    const METADATA: [u8; 4] = [100, 100, 100, 200];
+    let r = Rig::new();
+    r.maps.policy.replace(SB_IFINDEX, &policy()).expect("policy");
+    let list = [cubevs::Cidr::new(Ipv4Addr::from(METADATA), 32), cubevs::Cidr::new(Ipv4Addr::new(203, 0, 113, 99), 32)];
+    r.maps.node_deny.replace(&list).expect("node_deny");
+    assert_eq!(r.maps.node_deny.list(), list.to_vec());
+
+    // A DNS answer: the listed address is skipped, the public one learned.
+    let not_public0 = r.maps.counters.get(counter::DNS_RESP_NOT_PUBLIC).unwrap();
+    let snat = r.dns_query(SB_IFINDEX, 40000, 0x0b01, RESOLVER, NAME);
+    let msg = dns::response(0x0b01, NAME, &[a(Owner::Question, METADATA, 600), a(Owner::Question, ADDR1, 600)]);
+    let out = r.world(udp(r.world_mac, r.up_mac, RESOLVER, NODE_IP, 53, snat, &msg));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT, "the answer itself is delivered to the guest");
+    assert_eq!(r.learned_ips(SB_IFINDEX), [Ipv4Addr::from(ADDR1)], "only the public answer is learned");
+    assert_eq!(r.maps.counters.get(counter::DNS_RESP_NOT_PUBLIC).unwrap(), not_public0 + 1);
+    let dial = |sport: u16| {
+        let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, METADATA, sport, 80, b"GET /latest/meta-data/");
+        r.run(prog::FROM_CUBE, f, SB_IFINDEX).verdict
+    };
+    assert_eq!(dial(41000), TC_ACT_SHOT, "the metadata address through an unlearned answer");
+
+    // Static allows of every width, L7 included: still denied.
+    for allow in ["0.0.0.0/0", "100.64.0.0/10", "100.100.100.200/32"] {
+        let p = EgressPolicy { allow_internet_access: true, allow_out: vec![allow.into()], ..policy() };
+        r.maps.policy.replace(SB_IFINDEX, &p).expect("policy");
+        let deny0 = r.maps.counters.get(counter::CUBE_DENY).unwrap();
+        assert_eq!(dial(41001), TC_ACT_SHOT, "allow_out {allow} reached the always-denied address");
+        assert_eq!(r.maps.counters.get(counter::CUBE_DENY).unwrap(), deny0 + 1, "{allow}");
+        // TCP: refused like any denied SYN (the guest gets a RST), counted as a deny.
+        let syn = frames::Tcp { sport: 41002, dport: 80, seq: 1, syn: true, win: 64240, ..Default::default() };
+        r.run(prog::FROM_CUBE, frames::tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, METADATA, syn, &[]), SB_IFINDEX);
+        assert_eq!(r.maps.counters.get(counter::CUBE_DENY).unwrap(), deny0 + 2, "TCP under allow_out {allow}");
+        // A control address the same allow covers leaves.
+        if allow != "100.100.100.200/32" {
+            let f = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, [100, 100, 100, 201], 41003, 80, b"x");
+            assert_eq!(r.run(prog::FROM_CUBE, f, SB_IFINDEX).verdict, TC_ACT_REDIRECT, "control under {allow}");
+        }
+    }
+    let to_listed = r.maps.sessions.list().unwrap().into_iter().filter(|s| s.remote_ip.octets() == METADATA);
+    assert_eq!(to_listed.count(), 0, "no session to the always-denied address");
+
+    // The list emptied in place: the same allow opens it, the same answer is learned.
+    r.maps.node_deny.replace(&[]).expect("node_deny");
+    assert!(r.maps.node_deny.list().is_empty());
+    assert_eq!(dial(41004), TC_ACT_REDIRECT, "without the list allow_out 100.100.100.200/32 applies");
+    r.maps.policy.replace(SB_IFINDEX, &policy()).expect("policy");
+    let snat = r.dns_query(SB_IFINDEX, 40001, 0x0b02, RESOLVER, NAME);
+    let msg = dns::response(0x0b02, NAME, &[a(Owner::Question, METADATA, 600)]);
+    r.world(udp(r.world_mac, r.up_mac, RESOLVER, NODE_IP, 53, snat, &msg));
+    assert!(r.learned_ips(SB_IFINDEX).contains(&Ipv4Addr::from(METADATA)), "without the list it is learned");
+    assert_eq!(dial(41005), TC_ACT_REDIRECT, "the learned address without the list");
 }

@@ -15,7 +15,11 @@
 //! write (`/dev/full`): nothing may be forwarded (E20); `egress_gateway_request_confusion` sends
 //! hand-written requests naming two hosts or smuggling a second request (R14);
 //! `egress_gateway_never_dials_a_sandbox` points an allowed rule at another sandbox (R17);
-//! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18).
+//! `egress_gateway_connection_flood_starves_no_other_sandbox` holds connections open (R18);
+//! `egress_gateway_colluding_sandboxes_starve_no_other_sandbox` does it from six sandboxes at
+//! once (R22); `egress_gateway_audit_flood_starves_no_other_sandbox` fills the audit queue from
+//! one sandbox while the audit file is a FIFO nobody reads (R23);
+//! `egress_gateway_http2_streams_starve_no_other_sandbox` multiplexes 400 HTTP/2 streams (R24).
 
 use std::{
     convert::Infallible,
@@ -106,6 +110,10 @@ async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response
     let headers =
         req.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
     seen.lock().unwrap().push(Seen { path: path.clone(), version: req.version(), headers });
+    if path.starts_with("/v1/hang/") {
+        // Held past the test (the runtime is dropped at its end), within the gateway's 60 s.
+        tokio::time::sleep(Duration::from_secs(50)).await;
+    }
     if path == "/v1/slow" {
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
@@ -952,7 +960,7 @@ fn egress_gateway_fails_closed_without_audit() {
     assert_eq!(code, 403, "a request outside the rules is still denied: {}", text(&o));
     assert!(seen.lock().unwrap().is_empty(), "a request reached the world without its audit record");
     let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
-    assert!(metrics.contains("cube_egress_audit_refused_total 2"), "{metrics}");
+    assert!(metrics.contains("cube_egress_audit_refused_total{reason=\"write_failed\"} 2"), "{metrics}");
 }
 
 /// Sends `raw` from the sandbox namespace to `to` over plain TCP, half-closes, and returns
@@ -1190,6 +1198,79 @@ fn egress_gateway_never_dials_a_sandbox() {
     drop(rt);
 }
 
+/// Attack (R30): a sandbox whose gateway policy allows everything (an empty `match`, and an
+/// IPv4-literal rule naming the address) asks the gateway for Alibaba Cloud's metadata
+/// service, 100.100.100.200 (a test host in the world namespace, routed from the node).
+/// Property: with its default `always_denied_cidrs` the gateway never dials it (HTTP 403
+/// `destination_always_denied`, HTTPS refused before minting, audited); a gateway started with
+/// the list emptied serves the same request, so the list is what refused it.
+#[test]
+fn egress_gateway_never_dials_an_always_denied_address() {
+    if !require_root("egress_gateway_never_dials_an_always_denied_address") {
+        return;
+    }
+    const METADATA: &str = "100.100.100.200";
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-always-denied-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    topo.add_world_address([100, 100, 100, 200], 32);
+    let seen = world_server(&rt, world, format!("{METADATA}:80").parse().unwrap(), None);
+    let _world = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    // Control: the node itself reaches the host (the path the gateway would take).
+    let o = node.exec(
+        "curl",
+        &["-sS", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{METADATA}/control")],
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "200", "{}", text(&o));
+
+    gateway_ca(dir);
+    let ca_arg = dir.join("ca/cube-root-ca.crt").to_str().unwrap().to_string();
+    let audit = dir.join("log/access.jsonl");
+    let pol = json!({"policy_id": "allow-all", "rules": [
+        {"id": "metadata", "match": {"host": METADATA}, "action": {"allow": true}},
+        {"id": "all", "match": {}, "action": {"allow": true}}
+    ]});
+    {
+        // The default list (no flag): 100.100.100.200/32.
+        let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+        put_policy(node, SANDBOX_IP, &pol);
+        let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/ok")]);
+        assert_eq!(code, 200, "control: {}", text(&o));
+        let (code, body, o) = curl(&sb, &[&format!("http://{METADATA}/latest/meta-data/ram/security-credentials/")]);
+        assert_eq!(code, 403, "{}", text(&o));
+        assert!(body.contains("destination_always_denied"), "{body}");
+        let (code, _, o) = curl(&sb, &["--cacert", &ca_arg, &format!("https://{METADATA}/latest/meta-data/")]);
+        assert_eq!(code, 0, "TLS to an always-denied address completed: {}", text(&o));
+        let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+        assert_eq!(paths, ["/control"], "the gateway dialled the always-denied address");
+        let lines = audit_lines(&audit);
+        assert!(has_event(&lines, "security_event", "destination_always_denied"), "{lines:?}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_always_denied"),
+            "{lines:?}"
+        );
+    }
+    // The list emptied: the same request is served, so the list refused it above.
+    let _gw = start_gateway(
+        node,
+        node.command(egress_bin().to_str().unwrap()),
+        dir,
+        audit.to_str().unwrap(),
+        &["--always-denied-cidr", ""],
+    );
+    put_policy(node, SANDBOX_IP, &pol);
+    let (code, _, o) = curl(&sb, &[&format!("http://{METADATA}/reopened")]);
+    assert_eq!(code, 200, "without the list the allow-all rule applies: {}", text(&o));
+    assert!(seen.lock().unwrap().iter().any(|r| r.path == "/reopened"));
+    drop(rt);
+}
+
 /// Attack (R18): one sandbox (192.168.0.2, no policy needed) opens 300 connections to the
 /// gateway and holds them idle, in a gateway whose descriptor limit is 256 (`prlimit`; the
 /// limit is per process, the budget is derived from it). Property: another sandbox's request is
@@ -1235,9 +1316,281 @@ fn egress_gateway_connection_flood_starves_no_other_sandbox() {
     assert!(seen.lock().unwrap().iter().any(|r| r.path == "/victim"));
     // How: the attacker kept its budget (256 / 16 → the minimum, 64); the rest was closed.
     let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
-    let refused = format!("cube_egress_connections_refused_total {}", FLOOD - egress::MIN_AUTO);
+    let refused =
+        format!("cube_egress_connections_refused_total{{reason=\"sandbox_budget\"}} {}", FLOOD - egress::MIN_AUTO);
     assert!(metrics.contains(&refused), "{refused} missing:\n{metrics}");
     drop(held);
+    drop(rt);
+}
+
+/// A TCP connection from `src` (an address of the namespace the caller runs in) to `to`, held
+/// open by the caller; `None` when it cannot be made.
+fn connect_from(src: std::net::Ipv4Addr, to: SocketAddr) -> Option<std::net::TcpStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, socket};
+    let fd = socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).ok()?;
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(std::net::SocketAddrV4::new(src, 0))).ok()?;
+    let SocketAddr::V4(to) = to else { return None };
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(to)).ok()?;
+    Some(std::net::TcpStream::from(fd))
+}
+
+/// Sum of every sample of the metric family `name` in a Prometheus text exposition (0 when
+/// absent).
+fn metric_sum(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' ') || r.starts_with('{')))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// Attack (R22): six sandboxes, each within its own R18 budget (64 connections), together hold
+/// 384 idle connections, more than the gateway's 256 descriptors. Before R22 `accept(2)` failed
+/// with EMFILE and the victim sandbox (a third address, with a policy) was never served. Now
+/// every sandbox with a policy keeps a floor of connections and the flood shares only what
+/// remains under a ceiling derived from the descriptor limit.
+#[test]
+fn egress_gateway_colluding_sandboxes_starve_no_other_sandbox() {
+    if !require_root("egress_gateway_colluding_sandboxes_starve_no_other_sandbox") {
+        return;
+    }
+    const ATTACKERS: u8 = 6;
+    const EACH: usize = 64;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-collude-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let egress = egress_bin();
+    let mut cmd = node.command("prlimit");
+    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
+    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "p", "rules": [
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    // Every attacker has a policy too: each gets a floor of its own, the hardest case.
+    let attackers: Vec<std::net::Ipv4Addr> =
+        (0..ATTACKERS).map(|i| std::net::Ipv4Addr::new(192, 168, 0, 10 + i)).collect();
+    for a in &attackers {
+        sb.ip(&["addr", "add", &format!("{a}/18"), "dev", "eth0"]);
+        put_policy(node, &a.to_string(), &pol);
+    }
+    put_policy(node, UNKNOWN_IP, &pol);
+
+    let to: SocketAddr = format!("{WORLD}:80").parse().unwrap();
+    let held: Vec<std::net::TcpStream> =
+        sb.run(move || attackers.iter().flat_map(|a| (0..EACH).filter_map(move |_| connect_from(*a, to))).collect());
+    assert_eq!(held.len(), ATTACKERS as usize * EACH, "the kernel completes every handshake (backlog 4096)");
+
+    // The victim's request, queued behind the whole flood, is served.
+    let (code, _, o) = curl(&sb, &["--interface", UNKNOWN_IP, &format!("http://{WORLD}/victim")]);
+    assert_eq!(code, 200, "the victim was starved: {}", text(&o));
+    assert!(seen.lock().unwrap().iter().any(|r| r.path == "/victim"));
+    // How: capacity (256 − 64 reserved) / 2 = 96 connections; 7 sandboxes with a policy hold a
+    // floor of min(8, 96 / (2 × 7)) = 6 each (42), the shared remainder is 54. The first
+    // attacker took its floor and the whole remainder (60), the five others their floors (30):
+    // 90 admitted, 294 refused by the ceiling, none by the per-sandbox budget (64).
+    let (_, metrics) = admin_curl(node, &["http://127.0.0.1:9091/metrics"]);
+    let want = "cube_egress_connections_refused_total{reason=\"node_ceiling\"} 294";
+    assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    drop(held);
+    drop(rt);
+}
+
+/// Attack (R22): one sandbox floods allowed requests while the audit sink is stalled (a FIFO
+/// the test does not read yet), so every record it may queue is queued. Before R22 the shared
+/// queue was full and the victim's allowed request got 503 at once (fail closed, but for the
+/// flood's sake). Now each sandbox with a policy keeps a floor of the queue: the victim's
+/// `http_request_start` is queued, and once the sink drains it is served and both of its
+/// records are written.
+#[test]
+fn egress_gateway_audit_flood_starves_no_other_sandbox() {
+    if !require_root("egress_gateway_audit_flood_starves_no_other_sandbox") {
+        return;
+    }
+    const FLOOD: usize = 300;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-auditflood-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let fifo = dir.join("audit.fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let conf = dir.join("egress.toml");
+    std::fs::write(&conf, "audit_queue_capacity = 64\n").unwrap();
+    let egress = egress_bin();
+    let mut cmd = node.command("prlimit");
+    cmd.args(["--nofile=8192:8192", egress.to_str().unwrap()]);
+    let _gw = start_gateway(node, cmd, dir, fifo.to_str().unwrap(), &["--config", conf.to_str().unwrap()]);
+    let pol = json!({"policy_id": "p", "rules": [
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    put_policy(node, UNKNOWN_IP, &pol);
+    let metrics = || admin_curl(node, &["http://127.0.0.1:9091/metrics"]).1;
+
+    // The flood: FLOOD connections from the attacker, one allowed request each (long paths,
+    // so the 64 KiB pipe holds few records), never read.
+    let to: SocketAddr = format!("{WORLD}:80").parse().unwrap();
+    let attacker: std::net::Ipv4Addr = SANDBOX_IP.parse().unwrap();
+    let held: Vec<std::net::TcpStream> = sb.run(move || {
+        use std::io::Write;
+        (0..FLOOD)
+            .filter_map(|i| {
+                let mut s = connect_from(attacker, to)?;
+                let req = format!("GET /flood/{i}/{} HTTP/1.1\r\nHost: {WORLD}\r\n\r\n", "a".repeat(2000));
+                s.write_all(req.as_bytes()).ok()?;
+                Some(s)
+            })
+            .collect()
+    });
+    assert_eq!(held.len(), FLOOD);
+    wait_for("the flood to be refused for want of audit room", Duration::from_secs(20), || {
+        metric_sum(&metrics(), "cube_egress_audit_refused_total") >= 1.0
+    });
+    let queued_before = metric_sum(&metrics(), "cube_egress_audit_queued_records");
+
+    // The victim's allowed request: its start record must be queued (not refused) ...
+    let mut victim = ChildGuard::from_child(
+        sb.command("curl")
+            .args(["-sS", "--max-time", "30", "-o", "/dev/null", "-w", "%{http_code}", "--interface", UNKNOWN_IP])
+            .arg(format!("http://{WORLD}/victim"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the victim's record queued (or its answer)", Duration::from_secs(20), || {
+        metric_sum(&metrics(), "cube_egress_audit_queued_records") > queued_before
+            || victim.child().try_wait().unwrap().is_some()
+    });
+    // ... then the sink drains.
+    let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (out, stop, fifo) = (out.clone(), stop.clone(), fifo.clone());
+        std::thread::spawn(move || {
+            use std::{io::Read, os::unix::fs::OpenOptionsExt};
+            let mut f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
+            let mut buf = vec![0u8; 65536];
+            while !stop.load(Ordering::SeqCst) {
+                match f.read(&mut buf) {
+                    Ok(n) if n > 0 => out.lock().unwrap().extend_from_slice(&buf[..n]),
+                    _ => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        })
+    };
+    let status = victim.child().wait().unwrap();
+    let mut code = String::new();
+    std::io::Read::read_to_string(victim.child().stdout.as_mut().unwrap(), &mut code).unwrap();
+    assert!(status.success(), "victim curl failed: {status}");
+    assert_eq!(code, "200", "the victim was refused: the flood took its audit room");
+    assert!(seen.lock().unwrap().iter().any(|r| r.path == "/victim"));
+    let victim_records = |out: &[u8]| -> Vec<String> {
+        String::from_utf8_lossy(out)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|l| l["sandbox"]["src_ip"] == UNKNOWN_IP)
+            .map(|l| l["event"].as_str().unwrap_or("").to_string())
+            .collect()
+    };
+    wait_for("the victim's records in the audit", Duration::from_secs(20), || {
+        let ev = victim_records(&out.lock().unwrap());
+        ev.iter().any(|e| e == "http_request_start") && ev.iter().any(|e| e == "http_request")
+    });
+    // The flood was refused for its own requests only, and counted by reason.
+    let m = metrics();
+    assert!(m.contains("cube_egress_audit_refused_total{reason=\"queue_share\"}"), "{m}");
+    stop.store(true, Ordering::SeqCst);
+    reader.join().unwrap();
+    drop(held);
+    drop(rt);
+}
+
+/// Attack (R24): one sandbox's two HTTP/2 connections carry 400 concurrent requests to a
+/// plain-HTTP upstream that does not answer; each is forwarded on an upstream socket of its
+/// own, so two admitted connections held ~250 descriptors under a limit of 256 and a victim
+/// sandbox's request was starved (EMFILE). Now every concurrent request of a connection beyond
+/// its first takes a place in the sandbox's share of the connection pool (R22); the rest get
+/// 503 at once.
+#[test]
+fn egress_gateway_http2_streams_starve_no_other_sandbox() {
+    if !require_root("egress_gateway_http2_streams_starve_no_other_sandbox") {
+        return;
+    }
+    const CONNS: usize = 2;
+    const STREAMS: usize = 200;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-h2flood-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let egress = egress_bin();
+    let mut cmd = node.command("prlimit");
+    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
+    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "p", "rules": [
+        {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    put_policy(node, UNKNOWN_IP, &pol);
+
+    // The attacker (192.168.0.2, the namespace's first address): h2c with prior knowledge.
+    let to: SocketAddr = format!("{WORLD}:80").parse().unwrap();
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let a = answered.clone();
+    let attacker = sb.spawn_thread(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            for c in 0..CONNS {
+                let s = tokio::net::TcpStream::connect(to).await.expect("connect");
+                let (send, conn) =
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(s)).await.expect("h2");
+                tokio::spawn(conn);
+                for i in 0..STREAMS {
+                    let (mut send, a) = (send.clone(), a.clone());
+                    tokio::spawn(async move {
+                        let req = Request::get(format!("http://{WORLD}/v1/hang/{c}/{i}"))
+                            .body(Full::new(Bytes::new()))
+                            .unwrap();
+                        let _ = send.send_request(req).await;
+                        a.fetch_add(1, Ordering::SeqCst);
+                    });
+                }
+            }
+            let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
+        });
+    });
+    let hanging = || seen.lock().unwrap().iter().filter(|r| r.path.starts_with("/v1/hang/")).count();
+    wait_for("every attacker request forwarded or answered", Duration::from_secs(30), || {
+        answered.load(Ordering::SeqCst) + hanging() == CONNS * STREAMS
+    });
+
+    let (code, _, o) = curl(&sb, &["--interface", UNKNOWN_IP, &format!("http://{WORLD}/victim")]);
+    assert_eq!(code, 200, "the victim was starved: {}", text(&o));
+    // How: the attacker's places count against its R18 budget (64 at this limit): its two
+    // connections and 62 second-or-later requests; with the two first requests 64 are
+    // forwarded and 336 refused. (Its share of the pool, 8 + 80, is larger.)
+    let (_, metrics) = admin_curl(node, &["http://127.0.0.1:9091/metrics"]);
+    let want = "cube_egress_connections_refused_total{reason=\"upstream_sandbox_budget\"} 336";
+    assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    assert_eq!(hanging(), 64);
+    let _ = stop_tx.send(());
+    attacker.join().unwrap();
     drop(rt);
 }
 

@@ -220,3 +220,27 @@ fn a_reopened_port_gets_the_new_class() {
     assert_eq!(u16::from_be_bytes([out.data[34], out.data[35]]), snat2);
     assert_eq!(r.counter(counter::CUBE_RECLASSIFIED), 2);
 }
+
+/// Attack (R30): an L7 rule naming an address on the node's always-denied list (the static L7
+/// entry would steer its 80/443 flows to CubeEgress, which would dial it), also with
+/// `allow_out` covering it. Property: the SYNs are denied before any steering (a RST, no
+/// session, nothing marked); with the list emptied in place the same SYN is steered.
+#[test]
+fn static_l7_ip_on_the_always_denied_list_is_never_steered() {
+    if !require_root("static_l7_ip_on_the_always_denied_list_is_never_steered") {
+        return;
+    }
+    let r =
+        Rig::with_policy(&policy(true, &["203.0.113.0/24"], vec![rule(serde_json::json!({"host": "203.0.113.10"}))]));
+    r.maps.node_deny.replace(&[Cidr::new(Ipv4Addr::from(L7IP), 32)]).expect("node_deny");
+    let denied = r.counter(counter::CUBE_DENY);
+    assert_denied(&r, &syn(&r, 42000, L7IP, 443), 42000, L7IP);
+    assert_denied(&r, &syn(&r, 42001, L7IP, 80), 42001, L7IP);
+    assert_eq!(r.counter(counter::CUBE_DENY), denied + 2);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 0, "nothing steered to CubeEgress");
+    // The neighbour the same allow covers still leaves.
+    assert_snat(&r, &syn(&r, 42002, OTHER, 443), 42002);
+
+    r.maps.node_deny.replace(&[]).expect("node_deny");
+    assert_steered(&r, &syn(&r, 42003, L7IP, 443), 42003, 443, l7::MARK_HTTPS, l7::SCHEME_HTTPS);
+}

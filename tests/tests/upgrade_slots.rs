@@ -928,6 +928,37 @@ fn node_count_survives_switch_to_older_object_and_rollback() {
     assert_eq!(st.ceiling, cubevs::quota::floor_ceiling(1 << 20, 1, 64, cpus));
 }
 
+/// The node's always-denied list (`node_deny`, decision R30) across a switch to an object older
+/// than it and back: the older object loads as the standby beside the pin (it is optional) and
+/// runs without the list, as documented; the pin keeps its entries, and after the rollback the
+/// newer object denies the listed address again without anything being rewritten.
+#[test]
+fn node_deny_survives_switch_to_older_object_and_rollback() {
+    if !require_root("node_deny_survives_switch_to_older_object_and_rollback") {
+        return;
+    }
+    use cubenet_tests::topology::WORLD_IP;
+    let n = setup();
+    let pin = n.pin_dir();
+    let maps = n.dp.as_ref().unwrap().maps();
+    assert_eq!(udp_through_slot(&n, 0, 44_000, 2), 2, "control: the world is open before the list");
+    let list = [cubevs::Cidr::new(Ipv4Addr::from(WORLD_IP), 32)];
+    maps.node_deny.replace(&list).expect("node_deny");
+    assert_eq!(udp_through_slot(&n, 0, 44_100, 3), 0, "the listed address is denied");
+
+    assert_eq!(slots::load_standby(&pin, &q3_object()).expect("load the older object").slot, 1);
+    assert_eq!(slots::switch(&pin).expect("switch"), 1);
+    assert_links_on(&pin, 1);
+    assert_eq!(udp_through_slot(&n, 1, 44_200, 3), 3, "the older object has no list (documented limit)");
+    assert_eq!(maps.node_deny.list(), list.to_vec(), "the pin keeps its entries");
+
+    assert_eq!(slots::rollback(&pin).expect("rollback"), 0);
+    assert_links_on(&pin, 0);
+    assert_eq!(udp_through_slot(&n, 0, 44_300, 3), 0, "denied again after the rollback");
+    maps.node_deny.replace(&[]).expect("node_deny");
+    assert_eq!(udp_through_slot(&n, 0, 44_400, 2), 2, "emptied in place: open again");
+}
+
 /// `count` guest DNS queries for an allowed name (guest ports from `base`, ids from `base`)
 /// through slot `slot`'s pinned `from_cube` on the veth (`BPF_PROG_TEST_RUN`; the DNS tail
 /// call goes to the active slot's `dns_query`, N9); returns how many were forwarded.

@@ -143,7 +143,16 @@ pub mod map {
     ///
     /// `track_opened` / `track_closed` (decision Q6): without them an object tracks with no
     /// floor.
-    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR, TRACK_OPENED, TRACK_CLOSED];
+    ///
+    /// `node_deny` (decision R30): an object without it does not enforce the node's extra
+    /// always-denied list (only the baseline).
+    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR, TRACK_OPENED, TRACK_CLOSED, NODE_DENY];
+    /// LPM trie: key `{prefixlen: u32, addr: u32 NBO}` (8 bytes) → `u8` 1, the node's extra
+    /// always-denied destinations (agent key `always_denied_cidrs`, decision R30): checked
+    /// before every allow of every sandbox, and never learned from a DNS answer. Written by
+    /// the `cubevs` library only, replaced in place at every agent start; at most
+    /// [`super::limits::NODE_DENY`] entries.
+    pub const NODE_DENY: &str = "node_deny";
     /// Hash: [`super::QuotaKey`] → [`super::TrackCount`], tracking entries the datapath
     /// charged to a sandbox version (datapath-written only, decision Q6).
     pub const TRACK_OPENED: &str = "track_opened";
@@ -179,6 +188,7 @@ pub mod map {
         SESSION_FLOOR,
         TRACK_OPENED,
         TRACK_CLOSED,
+        NODE_DENY,
     ];
 }
 
@@ -251,6 +261,8 @@ pub mod limits {
     /// Learned (address, port) entries over all sandboxes (`dns_learned`); when full, new
     /// answers are not learned (counted), never evicting another sandbox's entries.
     pub const DNS_LEARNED: u32 = 1 << 18;
+    /// Entries of `node_deny` (the node's extra always-denied CIDRs, decision R30): 64.
+    pub const NODE_DENY: u32 = 64;
 }
 
 /// Name of the load-time global holding [`DatapathConfig`].

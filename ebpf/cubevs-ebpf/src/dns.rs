@@ -326,8 +326,9 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
     }
     let allow = tracked.allow;
     let w = dns::walk_answers::<BpfLoop>(s, len, pos, h.ancount, |addr, ttl| {
-        // A name the sandbox controls must not open what the baseline denies (R15).
-        if dns::always_denied(addr) {
+        // A name the sandbox controls must not open what the baseline denies (R15), nor the
+        // node's extra always-denied list (R30).
+        if dns::always_denied(addr) || policy::node_denied(addr) {
             count(counter::DNS_RESP_NOT_PUBLIC);
             return;
         }

@@ -80,6 +80,11 @@ pub static ALLOW_OUT: LpmTrie<PolicyLpmData, AllowValue> = LpmTrie::with_max_ent
 #[map(name = "deny_out")]
 pub static DENY_OUT: LpmTrie<PolicyLpmData, u32> = LpmTrie::with_max_entries(limits::POLICY_ENTRIES, 0);
 
+/// The node's extra always-denied destinations (`{prefixlen, addr NBO}` → 1; decision R30),
+/// written by userspace only.
+#[map(name = "node_deny")]
+pub static NODE_DENY: LpmTrie<u32, u8> = LpmTrie::with_max_entries(limits::NODE_DENY, 0);
+
 /// FQDN allow patterns per (ifindex, generation).
 #[map(name = "dns_allow")]
 /// Not preallocated: userspace sizes it like the policy tries (every sandbox, two

@@ -14,13 +14,16 @@
 //! Addresses learned from DNS answers ([`crate::dns`]) rank with `ALLOW_OUT`: a new flow
 //! that no static allow entry covers is allowed by an unexpired learned entry for its
 //! (address, port) or (address, any port) before `DENY_OUT` is consulted ([`allowed_flow`]).
+//!
+//! The node's extra always-denied list (`NODE_DENY`, decision R30) comes before all of it: an
+//! address it covers is denied whatever the sandbox's tries or learned entries say.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, maps::lpm_trie::Key};
 use cubevs_common::{POLICY_PREFIX_BITS, PolicyLpmData, allow_flag, counter};
 
 use crate::{
     dns,
-    maps::{ALLOW_OUT, DENY_OUT, POLICY_GEN, count},
+    maps::{ALLOW_OUT, DENY_OUT, NODE_DENY, POLICY_GEN, count},
 };
 
 /// Lookups against a generation that changed underneath are retried this many times.
@@ -48,6 +51,15 @@ mod v {
     pub const OPEN: u8 = 3;
     /// A static L7 entry steers this (TCP, port) to CubeEgress.
     pub const L7: u8 = 4;
+    /// The node's always-denied list covers it: deny, before any allow or learned entry.
+    pub const NODE: u8 = 5;
+}
+
+/// True when the node's extra always-denied list (`NODE_DENY`, decision R30) covers `daddr`
+/// (NBO). An empty or absent list covers nothing.
+#[inline(always)]
+pub fn node_denied(daddr: u32) -> bool {
+    NODE_DENY.get(&Key::new(32, daddr)).is_some()
 }
 
 /// The verdict of generation `generation` of `ifindex` for `daddr` (NBO); `scheme` is the
@@ -79,6 +91,9 @@ fn classify(ifindex: u32, generation: u32, daddr: u32, scheme: u8) -> u8 {
 /// The verdict of the active generation ([`v`]).
 #[inline(always)]
 fn verdict(ifindex: u32, daddr: u32, scheme: u8) -> u8 {
+    if node_denied(daddr) {
+        return v::NODE;
+    }
     let Some(mut seen) = generation(ifindex) else { return v::NONE };
     for _ in 0..ATTEMPTS {
         let verdict = classify(ifindex, seen, daddr, scheme);
@@ -120,7 +135,7 @@ pub const FLOW_L7: u8 = 2;
 pub fn flow_class(ifindex: u32, version: u32, daddr: u32, dport: u16, tcp: bool) -> u8 {
     let scheme = if tcp { cubevs_common::l7::scheme_of(dport) } else { 0 };
     let r = verdict(ifindex, daddr, scheme);
-    if r == v::NONE {
+    if r == v::NONE || r == v::NODE {
         return FLOW_DENY;
     }
     if r == v::L7 {

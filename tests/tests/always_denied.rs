@@ -1,0 +1,154 @@
+//! Attack on the node's always-denied list (`always_denied_cidrs`, decision R30) through the
+//! real agent and real packets: a test host answers at 100.100.100.200 (Alibaba Cloud's
+//! metadata address, in 100.64.0.0/10) in the world namespace the test creates. Sandboxes
+//! whose policies allow `0.0.0.0/0`, or `100.64.0.0/10` with the internet closed, send it
+//! UDP datagrams and pings. Property: with the agent's default list nothing reaches the host
+//! (each guest's control datagram to another world address does); after a restart with
+//! `always_denied_cidrs = []` the same guests on the same TAPs reach it, so it is the list
+//! (rewritten in place at start) that denied them, not the baseline or the policy. A flow
+//! opened while the list was empty dies at the restart that lists its address again.
+
+use std::{
+    net::{SocketAddr, UdpSocket},
+    time::Duration,
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_sys::tap::VNET_HDR_LEN;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    guest::TapGuest,
+    packet::{self, Transport},
+    require_root,
+    topology::WORLD_IP,
+};
+
+const METADATA: [u8; 4] = [100, 100, 100, 200];
+const PORT: u16 = 7100;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn ensure(a: &AgentUnderTest, id: &str, internet: bool, allow: &[&str]) -> pb::EnsureNetworkResponse {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest {
+            sandbox_id: id.into(),
+            cubevs_context: Some(pb::CubeVsContext {
+                allow_internet_access: Some(internet),
+                allow_out: allow.iter().map(|s| s.to_string()).collect(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("ensure")
+        .into_inner()
+    })
+}
+
+fn guest(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    g.drain();
+    g
+}
+
+/// The two listeners in the world namespace: the "metadata" host and a control address.
+struct Hosts {
+    metadata: UdpSocket,
+    control: UdpSocket,
+}
+
+impl Hosts {
+    fn new(a: &AgentUnderTest) -> Self {
+        a.topo.add_world_address(METADATA, 32);
+        let bind = |ip: [u8; 4]| {
+            a.topo.world.run(move || {
+                let s = UdpSocket::bind(SocketAddr::from((ip, PORT))).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                s
+            })
+        };
+        Self { metadata: bind(METADATA), control: bind(WORLD_IP) }
+    }
+
+    /// Sends `tag` to the metadata host, then `tag` to the control address, from `g` (UDP,
+    /// source port `sport`); waits for the control datagram. Returns whether the metadata
+    /// host got its datagram (sent first on the same path, so it arrives first if at all).
+    fn probe(&self, g: &TapGuest, sport: u16, tag: &str) -> bool {
+        g.send(&packet::udp(METADATA, sport, PORT, tag.as_bytes()));
+        g.send(&packet::udp(WORLD_IP, sport, PORT, tag.as_bytes()));
+        let mut buf = [0u8; 256];
+        let n = self.control.recv(&mut buf).unwrap_or_else(|e| panic!("control datagram {tag} lost: {e}"));
+        assert_eq!(&buf[..n], tag.as_bytes());
+        self.metadata.set_nonblocking(true).unwrap();
+        let mut got = false;
+        while let Ok(n) = self.metadata.recv(&mut buf) {
+            got |= &buf[..n] == tag.as_bytes();
+        }
+        self.metadata.set_nonblocking(false).unwrap();
+        got
+    }
+}
+
+/// Pings the metadata host from `g`: whether an echo reply comes back.
+fn ping(g: &TapGuest, seq: u16) -> bool {
+    g.send(&packet::icmp_echo_request(METADATA, 0x77, seq));
+    g.recv_matching(Duration::from_secs(2), |f| {
+        packet::parse_ipv4(f).is_some_and(|s| s.src == METADATA && s.transport == Transport::EchoReply(0x77, seq))
+    })
+    .is_some()
+}
+
+#[test]
+fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
+    if !require_root("always_denied_list_beats_every_allow_and_a_restart_without_it_reopens") {
+        return;
+    }
+    // The agent's default list (no key in the TOML): 100.100.100.200/32.
+    let mut a = AgentUnderTest::prepare("always-denied", 2, "");
+    a.start();
+    let hosts = Hosts::new(&a);
+    let ra = ensure(&a, "sb-all", true, &["0.0.0.0/0"]);
+    let rb = ensure(&a, "sb-cgnat", false, &["100.64.0.0/10", "198.51.100.1/32"]);
+    let (ga, gb) = (guest(&a, &ra), guest(&a, &rb));
+
+    assert!(!hosts.probe(&ga, 40001, "a1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    assert!(!hosts.probe(&gb, 40002, "b1"), "allow_out 100.64.0.0/10 reached the always-denied address");
+    assert!(!ping(&ga, 1), "a ping from sb-all was answered by the always-denied address");
+    assert!(!ping(&gb, 2), "a ping from sb-cgnat was answered by the always-denied address");
+    // Counted as what they are: each sandbox's datagram and ping are policy drops.
+    let counters = a.http_json("/v1/dataplane/counters");
+    for id in ["sb-all", "sb-cgnat"] {
+        let c = counters["sandboxes"].as_array().unwrap().iter().find(|s| s["sandboxID"] == id).expect(id);
+        assert_eq!(c["drops"]["policy"], 2, "{id}: {c}");
+    }
+    let log = a.log();
+    assert!(log.contains("node always-denied list written"), "{log}");
+
+    // Restart with the list emptied: the map is rewritten in place, the same sandboxes (adopted
+    // from their state, same TAPs) now reach the host.
+    a.kill(nix::sys::signal::Signal::SIGTERM);
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap() + "always_denied_cidrs = []\n";
+    std::fs::write(&cfg, toml).unwrap();
+    a.start();
+    assert!(hosts.probe(&ga, 40003, "a2"), "without the list, allow_out 0.0.0.0/0 must reach it:\n{}", a.log());
+    assert!(hosts.probe(&gb, 40004, "b2"), "without the list, allow_out 100.64.0.0/10 must reach it");
+    assert!(ping(&ga, 3), "without the list, sb-all's ping must be answered");
+
+    // And back: a restart with the entry again closes it for the running sandboxes, also the
+    // flows opened while it was open (the UDP session of `a2`, same ports, is deleted).
+    a.kill(nix::sys::signal::Signal::SIGTERM);
+    let toml = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("always_denied_cidrs = []\n", "always_denied_cidrs = [\"203.0.113.0/24\", \"100.100.100.200\"]\n");
+    std::fs::write(&cfg, toml).unwrap();
+    a.start();
+    assert!(!hosts.probe(&ga, 40003, "a3"), "a flow opened while the list was empty outlived the restart");
+    assert!(!hosts.probe(&ga, 40005, "a4"), "the list restored at restart was not enforced");
+    assert!(!hosts.probe(&gb, 40006, "b3"), "the list restored at restart was not enforced");
+}
