@@ -90,7 +90,7 @@ async fn route(
         let a = agent.clone();
         let uid = tokio::task::spawn_blocking(move || match routes {
             Routes::DumpOnly => cubenet_sys::peer_uid::owner(peer, local, |p| a.read_dataplane_file(p)),
-            Routes::All => cubenet_sys::peer_uid::owner(peer, local, |p| std::fs::read_to_string(p)),
+            Routes::All => cubenet_sys::peer_uid::owner_here(peer, local),
         })
         .await
         .ok()

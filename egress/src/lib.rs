@@ -203,7 +203,7 @@ async fn serve_admin(app: Arc<App>, s: tokio::net::TcpStream, mut drain: watch::
     // learned addresses (R43). The client socket's owner, from this namespace's socket table.
     let trusted = match (s.peer_addr(), s.local_addr()) {
         (Ok(peer), Ok(local)) => tokio::task::spawn_blocking(move || {
-            cubenet_sys::peer_uid::allowed(cubenet_sys::peer_uid::owner(peer, local, |p| std::fs::read_to_string(p)))
+            cubenet_sys::peer_uid::allowed(cubenet_sys::peer_uid::owner_here(peer, local))
         })
         .await
         .unwrap_or(false),
