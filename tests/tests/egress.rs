@@ -1751,6 +1751,9 @@ fn continuation_flood(ns: &TestNetns, to: &str, limit: usize) -> Option<usize> {
 ///    every audit line is one JSON object, the values are kept verbatim inside their fields.
 /// 7. A keep-alive connection whose second request names another allowed host: the credential
 ///    injected into the first request (plain HTTP, opted in) is not added to the second.
+/// 8. HTTP/2 rapid reset: 1,000 requests each reset right after its HEADERS; fewer than half
+///    are forwarded (h2 ends the connection after 20 streams reset before they are accepted;
+///    0 were forwarded here).
 ///
 /// Then an ordinary request is still served.
 #[test]
@@ -1840,6 +1843,21 @@ Connection: close\r\n\r\n"
 GET /ka-2 HTTP/1.1\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
     );
     assert_eq!(ka.matches("HTTP/1.1 200").count(), 2, "{ka}");
+
+    // 8. HTTP/2 rapid reset (CVE-2023-44487 class): 1,000 requests each cancelled at once.
+    let mut rr = H2_PREFACE.to_vec();
+    rr.extend(h2_frame(4, 0, 0, &[]));
+    for i in 0..1000u32 {
+        let id = 1 + 2 * i;
+        rr.extend(h2_frame(1, 0x5, id, &h2_get_block("api.example.test", &format!("/rr-{i}"))));
+        rr.extend(h2_frame(3, 0, id, &8u32.to_be_bytes())); // RST_STREAM CANCEL
+    }
+    // (Whether the GOAWAY reaches us depends on when the gateway's close turns into a RST over
+    // our unread frames; the count of forwarded requests does not.)
+    let _ = raw_http_lossy(&sb, &to, &rr);
+    let forwarded = seen.lock().unwrap().iter().filter(|r| r.path.starts_with("/rr-")).count();
+    eprintln!("rapid reset: {forwarded} of 1000 cancelled requests reached the world");
+    assert!(forwarded < 500, "{forwarded} of 1000 cancelled requests were forwarded");
 
     // Still serving.
     let ok = raw_http(&sb, &to, b"GET /still-ok HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
