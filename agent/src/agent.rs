@@ -236,6 +236,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Agent {
+    /// Reads a file on a dataplane-namespace thread ([`Host::read_netns_file`]), e.g. that
+    /// namespace's socket tables.
+    pub fn read_dataplane_file(&self, path: &std::path::Path) -> std::io::Result<String> {
+        self.host.read_netns_file(path)
+    }
+
+    /// Whether `ip` lies in the sandbox CIDR (`cidr`): a sandbox's own address, cube-dev's,
+    /// or one the pool may hand out.
+    pub fn in_sandbox_cidr(&self, ip: std::net::IpAddr) -> bool {
+        let v4 = match ip {
+            std::net::IpAddr::V4(v4) => Some(v4),
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped(),
+        };
+        v4.is_some_and(|v4| self.cfg.cidr.index_of(v4).is_some())
+    }
+
     /// An agent with an empty pool. Call [`Agent::recover`] before serving.
     pub fn new(cfg: Arc<Validated>, host: Arc<dyn Host>, dp: Arc<dyn Dataplane>, store: StateStore) -> Self {
         // Read on a dataplane-netns thread: the sysctl is per namespace (issue 10 item 14).

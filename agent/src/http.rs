@@ -6,7 +6,8 @@
 //! packets/bytes each way and drops by reason) and `GET /v1/policies/dump` (CubeEgress
 //! bootstrap, with secrets: [`crate::policy_dump`]; with `dataplane_netns` also on
 //! `egress_dump_listen` in that namespace, [`Routes::DumpOnly`]). Other methods get 405 with `Allow: GET`; non-loopback clients of the
-//! `/v1/` paths get 403.
+//! `/v1/` paths get 403; a peer inside the sandbox `cidr` gets 403 on every path (R41); a loopback
+//! client whose socket is not root's or the agent's uid gets 403 on the `/v1/` paths (R42).
 
 use std::{collections::BTreeMap, convert::Infallible, net::SocketAddr, sync::Arc};
 
@@ -58,10 +59,22 @@ pub enum Routes {
 /// A request handler run on the blocking pool.
 type Job = Box<dyn FnOnce(&Agent) -> Response<Full<Bytes>> + Send>;
 
-async fn route(agent: Arc<Agent>, routes: Routes, peer: SocketAddr, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route(
+    agent: Arc<Agent>,
+    routes: Routes,
+    peer: SocketAddr,
+    local: SocketAddr,
+    req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
     if routes == Routes::DumpOnly && path != "/v1/policies/dump" {
         return text(StatusCode::NOT_FOUND, "not found\n", "text/plain");
+    }
+    // A sandbox never reads the agent (R41): a guest reaches the node address through the
+    // datapath with its own address as the source, and `/metrics` names every other sandbox.
+    if agent.in_sandbox_cidr(peer.ip()) {
+        tracing::warn!(%peer, path, "health listener: sandbox client refused");
+        return text(StatusCode::FORBIDDEN, "not for sandboxes\n", "text/plain");
     }
     if req.method() != Method::GET {
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n", "text/plain");
@@ -70,6 +83,22 @@ async fn route(agent: Arc<Agent>, routes: Routes, peer: SocketAddr, req: Request
     }
     if path.starts_with("/v1/") && !is_loopback_peer(peer.ip()) {
         return text(StatusCode::FORBIDDEN, "loopback only\n", "text/plain");
+    }
+    if path.starts_with("/v1/") {
+        // Loopback is every local process: the dumps (secrets in `/v1/policies/dump`) go to
+        // root and our uid only, found in the listener's namespace's socket table (R42).
+        let a = agent.clone();
+        let uid = tokio::task::spawn_blocking(move || match routes {
+            Routes::DumpOnly => cubenet_sys::peer_uid::owner(peer, local, |p| a.read_dataplane_file(p)),
+            Routes::All => cubenet_sys::peer_uid::owner_here(peer, local),
+        })
+        .await
+        .ok()
+        .flatten();
+        if !cubenet_sys::peer_uid::allowed(uid) {
+            tracing::warn!(%peer, ?uid, path, "health listener: /v1/ client of another user refused");
+            return text(StatusCode::FORBIDDEN, "root only\n", "text/plain");
+        }
     }
     let a = agent.clone();
     let blocking = |f: Job| async move {
@@ -185,11 +214,12 @@ pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) -> std:
 pub async fn serve_routes(listener: tokio::net::TcpListener, agent: Arc<Agent>, routes: Routes) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
+        let Ok(local) = stream.local_addr() else { continue };
         let agent = agent.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let agent = agent.clone();
-                async move { Ok::<_, Infallible>(route(agent, routes, peer, req).await) }
+                async move { Ok::<_, Infallible>(route(agent, routes, peer, local, req).await) }
             });
             let conn = http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())

@@ -57,9 +57,15 @@ pub struct Listeners {
     pub for_handover: Vec<(ListenerKind, OwnedFd)>,
 }
 
+/// Binds a Unix listener at `p` with mode 0600 (decision R40): the parent directory must be
+/// trusted ([`crate::trusted_path`]); the socket is set to 0600 right after the bind, whatever
+/// the umask (a stranger who connects in between is still refused by [`peer_allowed`]). It is
+/// bound in place, not renamed into place: a successor checks a handed-over socket's bound
+/// name against its configuration.
 fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
     if let Some(d) = p.parent() {
-        std::fs::create_dir_all(d)?;
+        crate::trusted_path::ensure_dir(d, "socket directory")?;
     }
     // A socket file someone still accepts on belongs to a running agent: never take it away
     // (only a dead one, left by a crash, is replaced).
@@ -71,7 +77,18 @@ fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
         );
     }
     let _ = std::fs::remove_file(p);
-    std::os::unix::net::UnixListener::bind(p).with_context(|| format!("bind {}", p.display()))
+    let l = std::os::unix::net::UnixListener::bind(p).with_context(|| format!("bind {}", p.display()))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod 0600 {}", p.display()))?;
+    Ok(l)
+}
+
+/// Whether a Unix-socket peer runs as root or as the agent's effective uid (SO_PEERCRED;
+/// errors count as no). The gRPC and TAP fd sockets serve only those (decision R40), as the
+/// hand-over socket does.
+pub fn peer_allowed(conn: &tokio::net::UnixStream) -> bool {
+    let me = nix::unistd::geteuid().as_raw();
+    conn.peer_cred().is_ok_and(|c| c.uid() == me || c.uid() == 0)
 }
 
 fn unix_at(fd: OwnedFd, want: &Path, key: &str) -> anyhow::Result<std::os::unix::net::UnixListener> {

@@ -405,7 +405,16 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let grpc_task = match grpc_listener {
         GrpcListener::Unix(l) => {
             // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
-            let incoming = UnixListenerStream::new(l).map(|s| s.map(NormalizeAuthority::new));
+            // Only root or our uid is served (R40): another user's connection is dropped at accept.
+            let incoming = UnixListenerStream::new(l)
+                .filter(|s| match s {
+                    Ok(c) if !listeners::peer_allowed(c) => {
+                        tracing::warn!(peer = ?c.peer_cred().map(|c| c.uid()).ok(), "gRPC client of another user refused");
+                        false
+                    }
+                    _ => true,
+                })
+                .map(|s| s.map(NormalizeAuthority::new));
             let incoming = listeners::incoming(incoming, acceptors.token());
             tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, shutdown).await })
         }
@@ -422,6 +431,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let fd_task = tokio::spawn(until_stopped(fd_token, async move {
         loop {
             let stream = match fd_listener.accept().await {
+                Ok((s, _)) if !listeners::peer_allowed(&s) => {
+                    // Another user gets no TAP (R40): dropped unanswered.
+                    tracing::warn!(peer = ?s.peer_cred().map(|c| c.uid()).ok(), "TAP fd client of another user refused");
+                    continue;
+                }
                 Ok((s, _)) => s,
                 Err(e) => {
                     // E.g. EMFILE: back off instead of spinning.

@@ -9,6 +9,8 @@
 //! | `GET/PUT/DELETE /admin/v1/learned/<ip>` | addresses the sandbox resolved (`{names:{name:[ip]}, ttl_secs}`), fed by the agent; read / replace / forget (E14) |
 //! | `GET /metrics` | Prometheus text |
 //!
+//! Only a client whose socket is root's or this process's uid gets more than `/metrics` and
+//! `/admin/v1/health` (403 `{"error":"root only"}`, R43: loopback is every local process).
 //! Bodies are limited to 1 MiB; bad JSON or an invalid policy → 400 `{"error": "<field>: <reason>"}`;
 //! wrong method → 405 with `Allow`; unknown path → 404 `{"error":"not found"}`; a change while
 //! a swap hands the state to a successor → 503 with `Retry-After: 1` (E18).
@@ -72,9 +74,16 @@ fn mutate(app: &App, f: impl FnOnce() -> Response<Full<Bytes>>) -> Response<Full
 }
 
 /// Serves one admin request.
-pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+///
+/// `trusted`: the client's socket belongs to root or our uid (R43). Anyone else gets only
+/// `/metrics` and `/admin/v1/health`; every other path answers 403 `{"error":"root only"}`.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>, trusted: bool) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    if !trusted && path != "/metrics" && path != "/admin/v1/health" {
+        tracing::warn!(%method, path, "admin request from another user refused");
+        return error(StatusCode::FORBIDDEN, "root only");
+    }
     match path.as_str() {
         "/metrics" => match method {
             Method::GET => Response::builder()

@@ -199,9 +199,19 @@ pub(crate) async fn drain_started(drain: &mut watch::Receiver<bool>, offset: Dur
 }
 
 async fn serve_admin(app: Arc<App>, s: tokio::net::TcpStream, mut drain: watch::Receiver<bool>) {
+    // Loopback is every local process: only root and our uid may read or change policies and
+    // learned addresses (R43). The client socket's owner, from this namespace's socket table.
+    let trusted = match (s.peer_addr(), s.local_addr()) {
+        (Ok(peer), Ok(local)) => tokio::task::spawn_blocking(move || {
+            cubenet_sys::peer_uid::allowed(cubenet_sys::peer_uid::owner_here(peer, local))
+        })
+        .await
+        .unwrap_or(false),
+        _ => false,
+    };
     let svc = hyper::service::service_fn(move |req| {
         let app = app.clone();
-        async move { Ok::<_, std::convert::Infallible>(admin::handle(app, req).await) }
+        async move { Ok::<_, std::convert::Infallible>(admin::handle(app, req, trusted).await) }
     });
     let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc);
     tokio::pin!(conn);

@@ -4,7 +4,9 @@
 //!   `setns(2)`-ed into it (never on a tokio worker), the way netavark and aya's test helpers do.
 //! - [`tap`]: create and open TAP devices with `TUNSETIFF` and friends (persistent, vnet header,
 //!   offloads), which netlink cannot do.
+//! - [`peer_uid`]: the uid owning a loopback TCP client's socket (who may use a loopback API).
 pub mod netns;
+pub mod peer_uid;
 pub mod tap;
 
 /// The ifindex of the interface `name` in the calling thread's netns (`if_nametoindex(3)`).

@@ -1598,3 +1598,355 @@ mod egress {
     /// `cube_egress::conns::MIN_AUTO` (the test crate does not link the gateway).
     pub const MIN_AUTO: usize = 64;
 }
+
+/// Sends `raw` from `ns` to `to`, ignoring a failed send (the gateway may close before all of
+/// it is written), half-closes, and returns what came back until close (or 10 s).
+fn raw_http_lossy(ns: &TestNetns, to: &str, raw: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let to: SocketAddr = to.parse().unwrap();
+    let raw = raw.to_vec();
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(&raw);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    })
+}
+
+/// An HTTP/2 frame: 9-byte header (length, type, flags, stream id) and `payload`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let n = payload.len() as u32;
+    let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// HPACK integer with an `n`-bit prefix (RFC 7541 §5.1), `first` holding the pattern bits.
+fn hpack_int(first: u8, n: u32, mut v: usize, out: &mut Vec<u8>) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.push(first | v as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.push((v % 128 + 128) as u8);
+        v /= 128;
+    }
+    out.push(v as u8);
+}
+
+/// HPACK "literal header field without indexing, new name" (RFC 7541 §6.2.2).
+fn hpack_literal(name: &str, value: &str, out: &mut Vec<u8>) {
+    out.push(0);
+    hpack_int(0, 7, name.len(), out);
+    out.extend_from_slice(name.as_bytes());
+    hpack_int(0, 7, value.len(), out);
+    out.extend_from_slice(value.as_bytes());
+}
+
+/// A GET header block for `path` on `authority` (`:method GET`, `:scheme http` indexed).
+fn h2_get_block(authority: &str, path: &str) -> Vec<u8> {
+    let mut b = vec![0x82, 0x86];
+    // `:path` and `:authority` with indexed names (static table 4 and 1), not indexed.
+    b.push(0x04);
+    hpack_int(0, 7, path.len(), &mut b);
+    b.extend_from_slice(path.as_bytes());
+    b.push(0x01);
+    hpack_int(0, 7, authority.len(), &mut b);
+    b.extend_from_slice(authority.as_bytes());
+    b
+}
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// CONTINUATION flood (CVE-2024-27316 class): HEADERS without END_HEADERS, then CONTINUATION
+/// frames of valid header fields, never ending. Returns the bytes written before the gateway
+/// closed the connection or sent GOAWAY (`None` if it still read after `limit` bytes).
+fn continuation_flood(ns: &TestNetns, to: &str, limit: usize) -> Option<usize> {
+    use std::io::{Read, Write};
+    let to: SocketAddr = to.parse().unwrap();
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect");
+        s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut start = H2_PREFACE.to_vec();
+        start.extend(h2_frame(4, 0, 0, &[]));
+        start.extend(h2_frame(1, 0, 1, &h2_get_block("api.example.test", "/flood")));
+        s.write_all(&start).ok()?;
+        let mut block = Vec::new();
+        let value = "v".repeat(4000);
+        for i in 0..4 {
+            hpack_literal(&format!("x-flood-{i}"), &value, &mut block);
+        }
+        let frame = h2_frame(9, 0, 1, &block);
+        let mut sent = start.len();
+        let mut buf = [0u8; 4096];
+        // The server's frames so far; a GOAWAY (type 7) among them ends the flood's effect.
+        let mut got: Vec<u8> = Vec::new();
+        let goaway = |got: &[u8]| {
+            let mut at = 0;
+            while at + 9 <= got.len() {
+                if got[at + 3] == 7 {
+                    return true;
+                }
+                at += 9 + ((got[at] as usize) << 16 | (got[at + 1] as usize) << 8 | got[at + 2] as usize);
+            }
+            false
+        };
+        s.set_nonblocking(true).unwrap();
+        while sent < limit {
+            match s.read(&mut buf) {
+                Ok(0) => return Some(sent),
+                Ok(n) => {
+                    got.extend_from_slice(&buf[..n]);
+                    if goaway(&got) {
+                        return Some(sent);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return Some(sent),
+            }
+            let mut off = 0;
+            while off < frame.len() {
+                match s.write(&frame[off..]) {
+                    Ok(n) => off += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        // The gateway stopped reading: wait until it reads or closes.
+                        let mut fds = [nix::poll::PollFd::new(
+                            std::os::fd::AsFd::as_fd(&s),
+                            nix::poll::PollFlags::POLLOUT | nix::poll::PollFlags::POLLIN,
+                        )];
+                        let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(10_000u16));
+                        if fds[0].revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN)) {
+                            break;
+                        }
+                    }
+                    Err(_) => return Some(sent),
+                }
+            }
+            sent += off;
+        }
+        None
+    })
+}
+
+/// Attack: protocol features a sandbox can use against the gateway or to get past its
+/// per-request rules, on the plain HTTP listener (the policy allows `api.example.test` and
+/// denies its `/admin*` paths, as in `egress_gateway_request_confusion`).
+/// 1. WebSocket `Upgrade` on an allowed request, then a denied request on the same
+///    connection: the upgrade is not passed on (hop-by-hop), the second request is decided
+///    by the policy (403), the world never sees it.
+/// 2. `Upgrade: h2c` then an HTTP/2 preface and a denied request: never reaches the world.
+/// 3. `CONNECT` to the allowed host (and to the world's address), then a denied request in
+///    the would-be tunnel: no tunnel, nothing denied reaches the world.
+/// 4. HTTP/2 CONTINUATION flood (prior knowledge): the gateway ends the connection after a
+///    bounded amount (the header list limit), not after 64 MiB.
+/// 5. A 1 MiB request header: refused (431), never forwarded.
+/// 6. Audit-log injection: quotes and JSON in the `User-Agent`, CR/LF encoded in the path:
+///    every audit line is one JSON object, the values are kept verbatim inside their fields.
+/// 7. A keep-alive connection whose second request names another allowed host: the credential
+///    injected into the first request (plain HTTP, opted in) is not added to the second.
+/// 8. HTTP/2 rapid reset: 1,000 requests each reset right after its HEADERS; fewer than half
+///    are forwarded (h2 ends the connection after 20 streams reset before they are accepted;
+///    0 were forwarded here).
+///
+/// Then an ordinary request is still served.
+#[test]
+fn egress_gateway_protocol_abuse() {
+    if !require_root("egress_gateway_protocol_abuse") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-abuse-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let _dns = world_dns(world, &[("api.example.test", WORLD), ("evil.example.test", WORLD)]);
+    let audit = dir.join("log/access.jsonl");
+    let mut cmd = node.command(egress_bin().to_str().unwrap());
+    cmd.env("CUBE_EGRESS_DNS_SERVERS", format!("{WORLD}:53"));
+    let _gw = start_gateway(node, cmd, dir, audit.to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "abuse", "rules": [
+        {"id": "no-admin", "match": {"host": "api.example.test", "path": "/admin*"}, "action": {"allow": false}},
+        {"id": "web", "match": {"host": "api.example.test"},
+         "action": {"allow": true, "inject_plain_http": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}]}},
+        {"id": "evil", "match": {"host": "evil.example.test"}, "action": {"allow": true}},
+        {"id": "world-ip", "match": {"host": WORLD}, "action": {"allow": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    let to = format!("{WORLD}:80");
+
+    // 1. WebSocket upgrade, then a denied request on the same connection.
+    let ws = raw_http(
+        &sb,
+        &to,
+        b"GET /ws HTTP/1.1\r\nHost: api.example.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n\
+GET /admin/after-upgrade HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n",
+    );
+    assert!(ws.starts_with("HTTP/1.1 200"), "{ws}");
+    assert!(ws.contains("HTTP/1.1 403"), "the request after the upgrade was not decided: {ws}");
+    // 2. h2c upgrade, then an HTTP/2 request for a denied path.
+    let mut h2c = b"GET /h2c HTTP/1.1\r\nHost: api.example.test\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+        .to_vec();
+    h2c.extend_from_slice(H2_PREFACE);
+    h2c.extend(h2_frame(4, 0, 0, &[]));
+    h2c.extend(h2_frame(1, 0x5, 3, &h2_get_block("api.example.test", "/admin/h2c")));
+    let h2c_answer = raw_http_lossy(&sb, &to, &h2c);
+    assert!(h2c_answer.starts_with("HTTP/1.1 200"), "{h2c_answer}");
+    assert!(!h2c_answer.contains("101 Switching"), "{h2c_answer}");
+    // 3. CONNECT, then a denied request inside the would-be tunnel.
+    for target in ["api.example.test:80", &format!("{WORLD}:80")] {
+        let req = format!(
+            "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n\
+GET /admin/tunneled HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw_http_lossy(&sb, &to, req.as_bytes());
+        eprintln!("CONNECT {target}: {:?}", answer.lines().next());
+    }
+    // 4. CONTINUATION flood.
+    const LIMIT: usize = 64 << 20;
+    let sent = continuation_flood(&sb, &to, LIMIT).unwrap_or_else(|| panic!("still reading after {LIMIT} bytes"));
+    eprintln!("CONTINUATION flood: connection ended after {sent} bytes");
+    assert!(sent < 4 << 20, "the gateway buffered {sent} bytes of one header block");
+    // 5. One 1 MiB header.
+    let mut big = b"GET /huge-header HTTP/1.1\r\nHost: api.example.test\r\nX-Big: ".to_vec();
+    big.extend(std::iter::repeat_n(b'a', 1 << 20));
+    big.extend_from_slice(b"\r\nConnection: close\r\n\r\n");
+    let huge = raw_http_lossy(&sb, &to, &big);
+    assert!(huge.is_empty() || huge.starts_with("HTTP/1.1 431") || huge.starts_with("HTTP/1.1 400"), "{huge}");
+    // 6. Audit injection.
+    let ua = r#"ua","event":"security_event","x":{"y":"}}"#;
+    let req = format!(
+        "GET /inject%0d%0a%7B%22event%22:%22forged%22%7D HTTP/1.1\r\nHost: api.example.test\r\nUser-Agent: {ua}\r\n\
+Connection: close\r\n\r\n"
+    );
+    let inj = raw_http(&sb, &to, req.as_bytes());
+    assert!(inj.starts_with("HTTP/1.1 200"), "{inj}");
+
+    // 7. Keep-alive: an allowed request that gets the credential, then one for another
+    //    (allowed) host on the same connection: decided and injected per request.
+    let ka = raw_http(
+        &sb,
+        &to,
+        b"GET /ka-1 HTTP/1.1\r\nHost: api.example.test\r\n\r\n\
+GET /ka-2 HTTP/1.1\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(ka.matches("HTTP/1.1 200").count(), 2, "{ka}");
+
+    // 8. HTTP/2 rapid reset (CVE-2023-44487 class): 1,000 requests each cancelled at once.
+    let mut rr = H2_PREFACE.to_vec();
+    rr.extend(h2_frame(4, 0, 0, &[]));
+    for i in 0..1000u32 {
+        let id = 1 + 2 * i;
+        rr.extend(h2_frame(1, 0x5, id, &h2_get_block("api.example.test", &format!("/rr-{i}"))));
+        rr.extend(h2_frame(3, 0, id, &8u32.to_be_bytes())); // RST_STREAM CANCEL
+    }
+    // (Whether the GOAWAY reaches us depends on when the gateway's close turns into a RST over
+    // our unread frames; the count of forwarded requests does not.)
+    let _ = raw_http_lossy(&sb, &to, &rr);
+    let forwarded = seen.lock().unwrap().iter().filter(|r| r.path.starts_with("/rr-")).count();
+    eprintln!("rapid reset: {forwarded} of 1000 cancelled requests reached the world");
+    assert!(forwarded < 500, "{forwarded} of 1000 cancelled requests were forwarded");
+
+    // Still serving.
+    let ok = raw_http(&sb, &to, b"GET /still-ok HTTP/1.1\r\nHost: api.example.test\r\nConnection: close\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+
+    let s = seen.lock().unwrap().clone();
+    let listing: Vec<String> = s.iter().map(|r| format!("{} {:?}", r.path, r.header("host"))).collect();
+    assert!(!s.iter().any(|r| r.path.contains("admin")), "a denied path reached the world: {listing:?}");
+    assert!(!s.iter().any(|r| r.path.contains("flood") || r.path.contains("huge")), "{listing:?}");
+    for path in ["/ws", "/h2c"] {
+        let r = s.iter().find(|r| r.path == path).unwrap_or_else(|| panic!("world never saw {path}: {listing:?}"));
+        assert!(r.header("upgrade").is_empty() && r.header("http2-settings").is_empty(), "{path}: {r:?}");
+    }
+    let ka1 = s.iter().find(|r| r.path == "/ka-1").expect("world saw /ka-1");
+    assert_eq!(ka1.header("x-api-key"), vec![SECRET], "{ka1:?}");
+    let ka2 = s.iter().find(|r| r.path == "/ka-2").expect("world saw /ka-2");
+    assert!(ka2.header("x-api-key").is_empty(), "the credential followed the connection to another Host: {ka2:?}");
+    assert_eq!(ka2.header("host"), vec!["evil.example.test"]);
+    let lines = audit_lines(&audit);
+    assert!(lines.iter().all(|l| l["event"] != "forged"), "{lines:?}");
+    let rec = lines
+        .iter()
+        .find(|l| l["event"] == "http_request" && l["http"]["path"].as_str().is_some_and(|p| p.starts_with("/inject")))
+        .unwrap_or_else(|| panic!("no record of /inject: {lines:?}"));
+    assert_eq!(rec["http"]["user_agent"], ua, "{rec}");
+    assert_eq!(rec["http"]["path"], "/inject%0d%0a%7B%22event%22:%22forged%22%7D", "{rec}");
+    drop(rt);
+}
+
+/// `curl` in `ns` as uid 65534 (`setpriv`), with `args`: (status, body).
+fn curl_as_nobody(ns: &TestNetns, args: &[&str]) -> (u16, String) {
+    let o = ns
+        .command("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "curl", "-s", "-m", "10", "-w", "\n%{http_code}"])
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("setpriv curl");
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Attack (R43): another user on the node talks to the admin API on loopback. The old gateway
+/// let uid 65534 replace a sandbox's policy (drop its deny rules), bind a name to an address of
+/// its choosing in the learned table (the destination check then lets a Host with an injected
+/// credential go there), or delete the policy. Now every path but `/metrics` and
+/// `/admin/v1/health` answers it 403 and nothing changes; root (the agent's push) is served.
+#[test]
+fn egress_admin_serves_no_other_local_user() {
+    if !require_root("egress_admin_serves_no_other_local_user") {
+        return;
+    }
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-adminuser-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let node = &topo.node;
+    gateway_ca(dir);
+    let audit = dir.join("log/access.jsonl");
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+    put_policy(node, SANDBOX_IP, &policy());
+    let base = "http://127.0.0.1:9091";
+    let before = admin_curl(node, &[&format!("{base}/admin/v1/policies/{SANDBOX_IP}")]);
+    assert_eq!(before.0, 200, "{}", before.1);
+    let open =
+        json!({"policy_id": "pwned", "rules": [{"id": "all", "match": {}, "action": {"allow": true}}]}).to_string();
+    let learned = json!({"names": {"api.example.test": ["203.0.113.66"]}}).to_string();
+    let policy_url = format!("{base}/admin/v1/policies/{SANDBOX_IP}");
+    let learned_url = format!("{base}/admin/v1/learned/{SANDBOX_IP}");
+    let attempts: Vec<(&str, Vec<&str>)> = vec![
+        ("PUT policy", vec!["-X", "PUT", "--data", &open, &policy_url]),
+        (
+            "PATCH rule",
+            vec!["-X", "PATCH", "--data", r#"{"id":"all","match":{},"action":{"allow":true}}"#, &policy_url],
+        ),
+        ("PUT learned", vec!["-X", "PUT", "--data", &learned, &learned_url]),
+        ("DELETE policy", vec!["-X", "DELETE", &policy_url]),
+        ("GET policy", vec![&policy_url]),
+        ("GET dump", vec!["http://127.0.0.1:9091/admin/v1/dump"]),
+    ];
+    for (what, args) in &attempts {
+        let (code, body) = curl_as_nobody(node, args);
+        assert_eq!(code, 403, "{what} by uid 65534: {body}");
+    }
+    assert_eq!(admin_curl(node, &[&policy_url]), before, "uid 65534 changed the policy");
+    let (code, body) = admin_curl(node, &[&learned_url]);
+    assert!(!body.contains("203.0.113.66"), "uid 65534 bound a name: {code} {body}");
+    for open_path in ["/metrics", "/admin/v1/health"] {
+        assert_eq!(curl_as_nobody(node, &[&format!("{base}{open_path}")]).0, 200, "{open_path}");
+    }
+}

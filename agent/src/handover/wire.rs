@@ -19,7 +19,9 @@ use super::{MAX_FDS_PER_MESSAGE, MAX_MANIFEST, Manifest, PROTOCOL_VERSION, proto
 pub fn bind(path: &Path) -> io::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
+        // The directory must be one no other user controls (R40).
+        crate::trusted_path::ensure_dir(d, "handover_socket directory")
+            .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, format!("{e:#}")))?;
     }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp-{}", std::process::id()));
