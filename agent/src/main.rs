@@ -510,8 +510,10 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                     _ => return,
                 };
             }
-            // A pass no call woke (idle for an interval) also trims the pool's surplus (F10).
-            let mut idle = true;
+            // A pass no call woke (idle for an interval) also trims the pool's surplus (F10);
+            // a pass between filter conversions is not idle (the surplus a burst handed back
+            // would be deleted under the next burst, F15).
+            let mut idle = false;
             if !converting {
                 idle = tokio::time::timeout(interval, m_agent.kick.notified()).await.is_err();
             }

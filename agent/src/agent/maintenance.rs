@@ -244,8 +244,9 @@ impl Agent {
     /// RCU grace period under RTNL. Returns whether any is left. Runs between maintenance
     /// passes on the same task, so a trim never races a conversion of the TAP it deletes.
     pub fn convert_filters(&self, max: usize) -> bool {
-        for _ in 0..max {
-            if self.calls.busy() {
+        for i in 0..max {
+            // At least one per turn, so a steady stream of calls cannot stall the conversions.
+            if i > 0 && self.calls.busy() {
                 break;
             }
             match self.dp.convert_next_filter() {
