@@ -40,6 +40,7 @@ mod cleanup;
 mod locks;
 mod maintenance;
 pub mod pool;
+mod quiet;
 mod recovery;
 mod service;
 mod transfer;
@@ -47,6 +48,7 @@ mod transfer;
 use locks::SandboxLocks;
 pub use pool::TapState;
 use pool::{Pool, PoolError, TapEntry, Transition};
+pub use quiet::QUIET;
 pub use recovery::RecoverySummary;
 
 /// Errors of the service, mapped to gRPC codes by the front end.
@@ -221,6 +223,8 @@ pub struct Agent {
     started: AtomicBool,
     /// Wakes the maintenance loop (after Ensure: refill; after Release: trim).
     pub kick: tokio::sync::Notify,
+    /// Ensure/Release calls in flight, for the upkeep's wait (F15).
+    calls: quiet::CallTracker,
     /// CubeEgress push client, when `cube_egress_admin_url` is set ([`Agent::set_egress_sync`]).
     egress: std::sync::OnceLock<Arc<crate::egress_sync::EgressSync>>,
 }
@@ -280,6 +284,7 @@ impl Agent {
             warmed: AtomicBool::new(false),
             started: AtomicBool::new(false),
             kick: tokio::sync::Notify::new(),
+            calls: quiet::CallTracker::default(),
             egress: std::sync::OnceLock::new(),
         }
     }

@@ -84,6 +84,21 @@ struct Args {
 /// Release's maintenance pass waits at most ~0.15 s behind a turn.
 const FILTERS_PER_TURN: usize = 8;
 
+/// Holds back a maintenance step while Ensure/Release calls are in flight or ended less than
+/// [`network_agent::agent::QUIET`] ago (decision F15), for at most `max`. With `pool_matters`
+/// a pool below its low watermark ends the wait at once.
+async fn yield_to_calls(agent: &Agent, pool_matters: bool, max: Duration) {
+    let deadline = tokio::time::Instant::now() + max;
+    while let Some(wait) = agent.upkeep_wait(pool_matters) {
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return;
+        }
+        // A call that takes the pool below the watermark kicks: re-check then.
+        let _ = tokio::time::timeout(wait.min(deadline - now), agent.kick.notified()).await;
+    }
+}
+
 fn apply(mut c: Config, a: &Args) -> Config {
     macro_rules! o {
         ($($f:ident),*) => { $( if let Some(v) = &a.$f { c.$f = v.clone(); } )* };
@@ -503,6 +518,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         let mut converting = true;
         loop {
             if converting {
+                // A conversion holds RTNL over a grace period: not while calls are in flight.
+                yield_to_calls(&m_agent, false, interval).await;
                 let a = m_agent.clone();
                 converting = match m_gate.enter().await {
                     Entry::Here(_g) => {
@@ -511,10 +528,16 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
                     _ => return,
                 };
             }
-            // A pass no call woke (idle for an interval) also trims the pool's surplus (F10).
-            let mut idle = true;
+            // A pass no call woke (idle for an interval) also trims the pool's surplus (F10);
+            // a pass between filter conversions is not idle (the surplus a burst handed back
+            // would be deleted under the next burst, F15).
+            let mut idle = false;
             if !converting {
                 idle = tokio::time::timeout(interval, m_agent.kick.notified()).await.is_err();
+            }
+            // A pass a call kicked waits for the burst to end, unless the pool runs low (F15).
+            if !idle {
+                yield_to_calls(&m_agent, true, interval).await;
             }
             let a = m_agent.clone();
             match m_gate.enter().await {

@@ -112,6 +112,10 @@ impl Agent {
             for _ in 0..parallelism.max(1) {
                 s.spawn(|| {
                     loop {
+                        // A refill above the low watermark yields to calls in flight (F15).
+                        if self.upkeep_should_yield() {
+                            return;
+                        }
                         {
                             let ready = self.pool_counts()[&TapState::Ready];
                             let mut r = lock(&reserved);
@@ -240,7 +244,11 @@ impl Agent {
     /// RCU grace period under RTNL. Returns whether any is left. Runs between maintenance
     /// passes on the same task, so a trim never races a conversion of the TAP it deletes.
     pub fn convert_filters(&self, max: usize) -> bool {
-        for _ in 0..max {
+        for i in 0..max {
+            // At least one per turn, so a steady stream of calls cannot stall the conversions.
+            if i > 0 && self.calls.busy() {
+                break;
+            }
             match self.dp.convert_next_filter() {
                 Ok(Some(_)) => {}
                 Ok(None) => break,
@@ -262,6 +270,8 @@ impl Agent {
                 .cloned()
                 .collect()
         };
-        cleaning.into_iter().filter(|n| self.cleanup_tap(n)).count()
+        // Stops early for a call in flight while the pool is above its low watermark (F15);
+        // the call's kick brings the loop back for the rest.
+        cleaning.into_iter().take_while(|_| !self.upkeep_should_yield()).filter(|n| self.cleanup_tap(n)).count()
     }
 }

@@ -24,7 +24,9 @@ impl Agent {
     pub fn ensure(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
         let t0 = Instant::now();
         let id = req.sandbox_id.clone();
+        let call = self.calls.begin();
         let r = self.ensure_inner(req);
+        drop(call);
         self.kick.notify_one();
         self.metrics.ensure_seconds.observe(t0.elapsed().as_secs_f64());
         self.metrics.ensure.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
@@ -184,7 +186,9 @@ impl Agent {
     /// Logs `network released` (info) or `release failed` (warn) with `sandbox_id`.
     pub fn release(&self, sandbox_id: &str) -> Result<bool, AgentError> {
         let t0 = Instant::now();
+        let call = self.calls.begin();
         let r = self.release_inner(sandbox_id);
+        drop(call);
         self.kick.notify_one();
         self.metrics.release_seconds.observe(t0.elapsed().as_secs_f64());
         self.metrics.release.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();

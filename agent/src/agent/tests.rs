@@ -425,3 +425,43 @@ fn a_trimmed_tap_stays_listed_until_it_is_deleted() {
     assert_eq!(names, node);
     assert_eq!(names.len(), 2);
 }
+
+#[test]
+fn upkeep_yields_to_calls_only_above_the_low_watermark() {
+    let f = fixture("yield");
+    f.agent.recover().unwrap();
+    assert_eq!(f.agent.warm(2, 2), 2);
+    assert_eq!(f.agent.low_watermark(), 1, "a quarter of tap_init_num = 2, at least 1");
+    f.agent.ensure(req("sb-a")).unwrap();
+    assert!(f.agent.release("sb-a").unwrap());
+    let counts = |a: &Agent| (a.pool_counts()[&TapState::Ready], a.pool_counts()[&TapState::Cleaning]);
+    assert_eq!(counts(&f.agent), (1, 1));
+    let taps_on_node = || f.host.taps.lock().unwrap().len();
+    assert_eq!(taps_on_node(), 2);
+
+    // A call in flight, the pool at its watermark: the pass holds back and does nothing.
+    let call = f.agent.calls.begin();
+    assert!(f.agent.upkeep_wait(true).is_some());
+    assert_eq!(f.agent.finish_cleanups(), 0, "the free check waits for the call");
+    assert_eq!(f.agent.warm(2, 2), 0, "the refill waits for the call");
+    assert_eq!(counts(&f.agent), (1, 1));
+
+    // The pool below its watermark: the same pass runs at once, call or not.
+    f.agent.ensure(req("sb-b")).unwrap();
+    assert_eq!(counts(&f.agent), (0, 1));
+    assert_eq!(f.agent.upkeep_wait(true), None);
+    assert_eq!(f.agent.finish_cleanups(), 1, "the released TAP's free check runs");
+    assert_eq!(counts(&f.agent), (1, 0));
+    // Back at the watermark with the call still in flight: the refill stops again.
+    assert_eq!(f.agent.warm(2, 2), 0);
+    assert_eq!(taps_on_node(), 2);
+
+    // The call ended: the loop waits for the quiet period, then the refill runs.
+    drop(call);
+    assert!(f.agent.upkeep_wait(true).is_some(), "ended less than QUIET ago");
+    assert!(f.agent.upkeep_wait(false).is_some());
+    assert!(!f.agent.upkeep_should_yield());
+    assert_eq!(f.agent.warm(2, 2), 1);
+    assert_eq!(counts(&f.agent), (2, 0));
+    assert_eq!(taps_on_node(), 3);
+}
