@@ -288,6 +288,24 @@ fn start_gateway<'a>(
     gw
 }
 
+/// The tokio runtime (2 workers) and a fresh scratch directory
+/// `$TMPDIR/cube-egress-<tag>-<pid>` with the `ca/` subdirectory the gateway tests start from;
+/// the directory is removed when the [`TmpDir`] drops.
+fn scratch(tag: &str) -> (tokio::runtime::Runtime, TmpDir) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-{tag}-{}", std::process::id())));
+    std::fs::create_dir_all(tmp.0.join("ca")).unwrap();
+    (rt, tmp)
+}
+
+/// `cube-egress` under `prlimit --nofile=<nofile>:<nofile>` in `node`: the descriptor limit
+/// the connection budgets (R18, R22) derive from.
+fn egress_with_nofile(node: &TestNetns, nofile: u32) -> std::process::Command {
+    let mut cmd = node.command("prlimit");
+    cmd.args([format!("--nofile={nofile}:{nofile}").as_str(), egress_bin().to_str().unwrap()]);
+    cmd
+}
+
 /// PUTs `policy` for the sandbox at `ip` through the admin API; asserts 200.
 fn put_policy(node: &TestNetns, ip: &str, policy: &Value) {
     let url = format!("http://127.0.0.1:9091/admin/v1/policies/{ip}");
@@ -355,10 +373,8 @@ fn egress_gateway_end_to_end() {
     if !require_root("egress_gateway_end_to_end") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-e2e-{}", std::process::id())));
+    let (rt, tmp) = scratch("e2e");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
 
     // Namespaces: node + world from the harness, plus the sandbox client on cube-dev.
     let topo = Topology::new();
@@ -723,10 +739,8 @@ fn egress_gateway_holes() {
     if !require_root("egress_gateway_holes") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-holes-{}", std::process::id())));
+    let (rt, tmp) = scratch("holes");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
@@ -937,10 +951,8 @@ fn egress_gateway_fails_closed_without_audit() {
     if !require_root("egress_gateway_fails_closed_without_audit") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-noaudit-{}", std::process::id())));
+    let (rt, tmp) = scratch("noaudit");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
@@ -996,10 +1008,8 @@ fn egress_gateway_request_confusion() {
     if !require_root("egress_gateway_request_confusion") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-confusion-{}", std::process::id())));
+    let (rt, tmp) = scratch("confusion");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
@@ -1142,10 +1152,8 @@ fn egress_gateway_never_dials_a_sandbox() {
         return;
     }
     const VICTIM: &str = "192.168.0.4";
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-sandbox-dst-{}", std::process::id())));
+    let (rt, tmp) = scratch("sandbox-dst");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
@@ -1210,10 +1218,8 @@ fn egress_gateway_never_dials_an_always_denied_address() {
         return;
     }
     const METADATA: &str = "100.100.100.200";
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-always-denied-{}", std::process::id())));
+    let (rt, tmp) = scratch("always-denied");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
@@ -1281,19 +1287,15 @@ fn egress_gateway_connection_flood_starves_no_other_sandbox() {
         return;
     }
     const FLOOD: usize = 300;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-connflood-{}", std::process::id())));
+    let (rt, tmp) = scratch("connflood");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
     gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
-    let egress = egress_bin();
-    let mut cmd = node.command("prlimit");
-    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
-    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let _gw =
+        start_gateway(node, egress_with_nofile(node, 256), dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
     let admin = |args: &[&str]| admin_curl(node, args);
     let pol = json!({"policy_id": "victim", "rules": [
         {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
@@ -1356,19 +1358,15 @@ fn egress_gateway_colluding_sandboxes_starve_no_other_sandbox() {
     }
     const ATTACKERS: u8 = 6;
     const EACH: usize = 64;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-collude-{}", std::process::id())));
+    let (rt, tmp) = scratch("collude");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
     gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
-    let egress = egress_bin();
-    let mut cmd = node.command("prlimit");
-    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
-    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let _gw =
+        start_gateway(node, egress_with_nofile(node, 256), dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
     let pol = json!({"policy_id": "p", "rules": [
         {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
     ]});
@@ -1413,10 +1411,8 @@ fn egress_gateway_audit_flood_starves_no_other_sandbox() {
         return;
     }
     const FLOOD: usize = 300;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-auditflood-{}", std::process::id())));
+    let (rt, tmp) = scratch("auditflood");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
@@ -1426,10 +1422,13 @@ fn egress_gateway_audit_flood_starves_no_other_sandbox() {
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let conf = dir.join("egress.toml");
     std::fs::write(&conf, "audit_queue_capacity = 64\n").unwrap();
-    let egress = egress_bin();
-    let mut cmd = node.command("prlimit");
-    cmd.args(["--nofile=8192:8192", egress.to_str().unwrap()]);
-    let _gw = start_gateway(node, cmd, dir, fifo.to_str().unwrap(), &["--config", conf.to_str().unwrap()]);
+    let _gw = start_gateway(
+        node,
+        egress_with_nofile(node, 8192),
+        dir,
+        fifo.to_str().unwrap(),
+        &["--config", conf.to_str().unwrap()],
+    );
     let pol = json!({"policy_id": "p", "rules": [
         {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
     ]});
@@ -1529,19 +1528,15 @@ fn egress_gateway_http2_streams_starve_no_other_sandbox() {
     }
     const CONNS: usize = 2;
     const STREAMS: usize = 200;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-h2flood-{}", std::process::id())));
+    let (rt, tmp) = scratch("h2flood");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
     gateway_ca(dir);
     let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
-    let egress = egress_bin();
-    let mut cmd = node.command("prlimit");
-    cmd.args(["--nofile=256:256", egress.to_str().unwrap()]);
-    let _gw = start_gateway(node, cmd, dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
+    let _gw =
+        start_gateway(node, egress_with_nofile(node, 256), dir, dir.join("log/access.jsonl").to_str().unwrap(), &[]);
     let pol = json!({"policy_id": "p", "rules": [
         {"id": "world", "match": {"host": WORLD, "scheme": "http"}, "action": {"allow": true}}
     ]});
@@ -1761,10 +1756,8 @@ fn egress_gateway_protocol_abuse() {
     if !require_root("egress_gateway_protocol_abuse") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-abuse-{}", std::process::id())));
+    let (rt, tmp) = scratch("abuse");
     let dir = &tmp.0;
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
     let topo = Topology::new();
     let (node, world) = (&topo.node, &topo.world);
     let sb = sandbox_net(&topo);
