@@ -182,6 +182,19 @@ impl ChildGuard {
     pub fn child(&mut self) -> &mut Child {
         self.0.as_mut().expect("child")
     }
+
+    /// The child's exit status if it exits within `limit` (polled every 50 ms), else `None`
+    /// (the child keeps running; the guard still kills it on drop).
+    pub fn exit_within(&mut self, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let t = std::time::Instant::now();
+        while t.elapsed() < limit {
+            if let Some(st) = self.child().try_wait().unwrap() {
+                return Some(st);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        None
+    }
 }
 
 impl Drop for ChildGuard {

@@ -3,25 +3,13 @@
 
 use std::{
     fs::File,
-    process::{ExitStatus, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{agent::AgentUnderTest, netns::ChildGuard, require_root};
 use tonic::Code;
-
-/// Waits up to `limit` for the child to exit.
-fn exit_within(c: &mut ChildGuard, limit: Duration) -> Option<ExitStatus> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if let Some(st) = c.child().try_wait().unwrap() {
-            return Some(st);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
-}
 
 /// Logging to stderr only (no log file, no log directory): the script waits for nothing and
 /// the agent is ready at once, creating its own socket and state directories. The old script
@@ -101,7 +89,7 @@ fn cidr_whose_tap_names_do_not_fit_is_refused_at_start() {
     let mut cmd = a.script_command();
     cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     let mut c = ChildGuard::from_child(cmd.spawn().unwrap());
-    let st = exit_within(&mut c, Duration::from_secs(15)).expect("the agent started with an unusable CIDR");
+    let st = c.exit_within(Duration::from_secs(15)).expect("the agent started with an unusable CIDR");
     assert!(!st.success());
     let mut err = String::new();
     std::io::Read::read_to_string(c.child().stderr.as_mut().unwrap(), &mut err).unwrap();

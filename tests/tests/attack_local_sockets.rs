@@ -17,7 +17,7 @@ use std::{
         process::CommandExt,
     },
     path::Path,
-    process::{ExitStatus, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
@@ -128,24 +128,12 @@ fn agent_sockets_serve_no_other_user_whatever_the_umask() {
     assert!(fd.is_some());
 }
 
-/// Waits up to `limit` for the child to exit.
-fn exit_within(c: &mut ChildGuard, limit: Duration) -> Option<ExitStatus> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if let Some(st) = c.child().try_wait().unwrap() {
-            return Some(st);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
-}
-
 /// Starts the agent and expects it to refuse to start with `want` in its log.
 fn refuses(a: &AgentUnderTest, case: &str, want: &str) {
     let mut cmd = a.script_command();
     cmd.stdout(Stdio::null()).stderr(Stdio::null());
     let mut c = ChildGuard::from_child(cmd.spawn().unwrap());
-    let st = exit_within(&mut c, Duration::from_secs(20));
+    let st = c.exit_within(Duration::from_secs(20));
     let log = a.log();
     let st = st.unwrap_or_else(|| panic!("{case}: the agent started:\n{log}"));
     assert!(!st.success(), "{case}: {st}\n{log}");
