@@ -18,5 +18,4 @@ pub mod metrics;
 pub mod policy_dump;
 pub mod ports;
 pub mod state;
-pub mod trusted_path;
 pub mod uds_authority;

@@ -58,14 +58,14 @@ pub struct Listeners {
 }
 
 /// Binds a Unix listener at `p` with mode 0600 (decision R40): the parent directory must be
-/// trusted ([`crate::trusted_path`]); the socket is set to 0600 right after the bind, whatever
+/// trusted ([`cubenet_sys::trusted_path`]); the socket is set to 0600 right after the bind, whatever
 /// the umask (a stranger who connects in between is still refused by [`peer_allowed`]). It is
 /// bound in place, not renamed into place: a successor checks a handed-over socket's bound
 /// name against its configuration.
 fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(d) = p.parent() {
-        crate::trusted_path::ensure_dir(d, "socket directory")?;
+        cubenet_sys::trusted_path::ensure_dir(d, "socket directory")?;
     }
     // A socket file someone still accepts on belongs to a running agent: never take it away
     // (only a dead one, left by a crash, is replaced).

@@ -111,12 +111,12 @@ pub struct StateStore {
 
 impl StateStore {
     /// Opens (creating, mode 0700) the directory. Errors: also `PermissionDenied` when a
-    /// directory on its path is another user's or writable by others ([`crate::trusted_path`]).
+    /// directory on its path is another user's or writable by others ([`cubenet_sys::trusted_path`]).
     pub fn open(dir: &Path) -> std::io::Result<Self> {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
         fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
         // No other user may swap the directory for one holding forged records (R40).
-        crate::trusted_path::check(dir, "state_dir")
+        cubenet_sys::trusted_path::check(dir, "state_dir")
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{e:#}")))?;
         let tmpfs = nix::sys::statfs::statfs(dir)
             .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)

@@ -145,12 +145,20 @@ pub struct AuditLog {
 impl AuditLog {
     /// Opens (creating parents and the file, append mode) and starts the writer thread with a
     /// queue of `capacity` records shared by `share`; drops are counted in `dropped`. Errors:
-    /// the directory or file cannot be created.
+    /// the directory or file cannot be created; a directory on the path another user controls
+    /// ([`cubenet_sys::trusted_path`]); the file is a symlink (`ELOOP`). Both would let a local
+    /// user point the gateway's root appends at any file on the node (decision R44).
     pub fn open(path: &Path, capacity: usize, share: QueueShare, dropped: IntCounter) -> anyhow::Result<AuditLog> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            cubenet_sys::trusted_path::ensure_dir(dir, "audit_file directory")?;
         }
-        let mut file = std::fs::OpenOptions::new().create(true).append(true).read(true).open(path)?;
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)?;
         // A predecessor killed mid-record (kill -9, OOM) leaves a line without its newline;
         // end it, so our first record stays a line of its own (decision R8).
         let len = file.metadata()?.len();

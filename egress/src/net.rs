@@ -39,8 +39,13 @@ pub fn bind(addr: SocketAddr, transparent: bool) -> anyhow::Result<TcpListener> 
 /// Binds the handoff Unix socket (replacing a stale file) with mode 0600: it is bound under a
 /// temporary name, restricted, then renamed into place, so the path never exists with a wider
 /// mode. Connections are still checked with [`peer_allowed`] (a file mode is not an identity).
+/// Errors: also a directory on the path another user controls (decision R44: that user could
+/// swap the socket for theirs, and a successor would hand its listeners to them).
 pub fn handoff_listener(path: &Path) -> anyhow::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        cubenet_sys::trusted_path::ensure_dir(dir, "handoff_socket directory")?;
+    }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp-{}", std::process::id()));
     let tmp = std::path::PathBuf::from(tmp);

@@ -5,9 +5,11 @@
 //! - [`tap`]: create and open TAP devices with `TUNSETIFF` and friends (persistent, vnet header,
 //!   offloads), which netlink cannot do.
 //! - [`peer_uid`]: the uid owning a loopback TCP client's socket (who may use a loopback API).
+//! - [`trusted_path`]: directories no other user controls (OpenSSH `StrictModes` walk).
 pub mod netns;
 pub mod peer_uid;
 pub mod tap;
+pub mod trusted_path;
 
 /// The ifindex of the interface `name` in the calling thread's netns (`if_nametoindex(3)`).
 ///

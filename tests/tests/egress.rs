@@ -1943,3 +1943,83 @@ fn egress_admin_serves_no_other_local_user() {
         assert_eq!(curl_as_nobody(node, &[&format!("{base}{open_path}")]).0, 200, "{open_path}");
     }
 }
+
+/// Starts `cube-egress` in `ns` with `audit` and the extra `args`, expects it to exit within
+/// 20 s without serving, and returns its stderr.
+fn gateway_refuses(ns: &TestNetns, dir: &Path, audit: &Path, args: &[&str]) -> String {
+    let out = ns
+        .command(egress_bin().to_str().unwrap())
+        .stdin(std::process::Stdio::null())
+        .args(["--sandbox-cidr", "192.168.0.0/18", "--ca-dir", dir.join("ca").to_str().unwrap()])
+        .args(["--audit-file", audit.to_str().unwrap(), "--bootstrap-url", ""])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut guard = ChildGuard::from_child(out);
+    let st = guard.exit_within(Duration::from_secs(20)).expect("cube-egress kept running");
+    assert!(!st.success(), "cube-egress started: {st}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(guard.child().stderr.as_mut().unwrap(), &mut err).unwrap();
+    err
+}
+
+/// Attack (R44): a local user (uid 65534) who controls the audit log's directory (as one who
+/// created it first, or a symlink they own on the way) can point the gateway's root appends
+/// at any file on the node: the audit file as a symlink to a victim file took the records
+/// (and the start-up's newline repair) before. A handoff socket directory of theirs lets them
+/// swap the socket a successor hands its listeners to. Property: the gateway refuses to start
+/// naming the path, the victim file is untouched, and starts once everything is root's.
+#[test]
+fn egress_gateway_refuses_paths_another_user_controls() {
+    if !require_root("egress_gateway_refuses_paths_another_user_controls") {
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let chown = |p: &Path, uid: u32| std::os::unix::fs::lchown(p, Some(uid), Some(uid)).unwrap();
+    let (_rt, tmp) = scratch("untrusted");
+    let dir = &tmp.0;
+    gateway_ca(dir);
+    let topo = Topology::new();
+    let ns = &topo.node;
+    let log = dir.join("log");
+    std::fs::create_dir(&log).unwrap();
+    let audit = log.join("access.jsonl");
+
+    // The audit directory of another user.
+    chown(&log, NOBODY);
+    let err = gateway_refuses(ns, dir, &audit, &[]);
+    assert!(err.contains(&format!("audit_file directory {}", log.display())) && err.contains("uid 65534"), "{err}");
+    chown(&log, 0);
+
+    // The audit file a symlink to a victim file (no trailing newline: the start-up's repair
+    // would append one): refused, the victim keeps its bytes.
+    let victim = dir.join("victim.conf");
+    std::fs::write(&victim, "root-only = true").unwrap();
+    std::os::unix::fs::symlink(&victim, &audit).unwrap();
+    let err = gateway_refuses(ns, dir, &audit, &[]);
+    assert!(err.contains("symbolic links") || err.contains("os error 40"), "{err}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root-only = true");
+    std::fs::remove_file(&audit).unwrap();
+
+    // The handoff socket's directory of another user.
+    let ho = dir.join("ho");
+    std::fs::create_dir(&ho).unwrap();
+    chown(&ho, NOBODY);
+    let sock = ho.join("handoff.sock");
+    let err = gateway_refuses(ns, dir, &audit, &["--handoff-socket", sock.to_str().unwrap()]);
+    assert!(err.contains(&format!("handoff_socket directory {}", ho.display())), "{err}");
+    assert!(!sock.exists(), "bound in a directory of uid 65534");
+    chown(&ho, 0);
+
+    // Everything root's: the gateway serves (admin health) with the same arguments.
+    let _gw = start_gateway(
+        ns,
+        ns.command(egress_bin().to_str().unwrap()),
+        dir,
+        audit.to_str().unwrap(),
+        &["--handoff-socket", sock.to_str().unwrap()],
+    );
+    assert!(sock.exists());
+}

@@ -20,7 +20,7 @@ pub fn bind(path: &Path) -> io::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(d) = path.parent() {
         // The directory must be one no other user controls (R40).
-        crate::trusted_path::ensure_dir(d, "handover_socket directory")
+        cubenet_sys::trusted_path::ensure_dir(d, "handover_socket directory")
             .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, format!("{e:#}")))?;
     }
     let mut tmp = path.as_os_str().to_owned();

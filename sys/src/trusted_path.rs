@@ -1,6 +1,7 @@
-//! Directories the agent trusts with its control plane (the socket directories of
-//! `grpc_listen`, `tap_fd_listen` and `handover_socket`, and `state_dir`): no other user may
-//! be able to rename, replace or redirect anything on the way to them (decision R40).
+//! Directories a CubeNet process trusts with its control plane: no other user may be able to
+//! rename, replace or redirect anything on the way to them. The agent checks the socket
+//! directories of `grpc_listen`, `tap_fd_listen` and `handover_socket`, and `state_dir`
+//! (decision R40); CubeEgress the directories of `audit_file` and `handoff_socket` (R44).
 //!
 //! The defaults live under world-writable sticky directories (`/tmp/cube`, `/dev/shm/cube`):
 //! a local user who creates `/tmp/cube` (or a symlink of that name) before the agent starts
@@ -18,7 +19,21 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, bail};
+/// A directory on the checked path that another user could control, or one that cannot be
+/// inspected; the message names `what` (the config key), the directory and the offending path.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Untrusted(String);
+
+type Result<T> = std::result::Result<T, Untrusted>;
+
+macro_rules! bail {
+    ($($t:tt)*) => { return Err(Untrusted(format!($($t)*))) };
+}
+
+fn io<T>(r: std::io::Result<T>, ctx: impl FnOnce() -> String) -> Result<T> {
+    r.map_err(|e| Untrusted(format!("{}: {e}", ctx())))
+}
 
 /// Mode bits: writable by group or others.
 const GO_WRITE: u32 = 0o022;
@@ -36,12 +51,12 @@ fn prefixes(p: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn check_component(p: &Path, last: bool, what: &str, dir: &Path) -> anyhow::Result<()> {
-    let md = fs::symlink_metadata(p).with_context(|| format!("{what} {}: lstat {}", dir.display(), p.display()))?;
+fn check_component(p: &Path, last: bool, what: &str, dir: &Path) -> Result<()> {
+    let md = io(fs::symlink_metadata(p), || format!("{what} {}: lstat {}", dir.display(), p.display()))?;
     let who = || format!("{what} {}: {}", dir.display(), p.display());
     if !owner_ok(md.uid()) {
         bail!(
-            "{} is owned by uid {} (neither root nor this agent's uid {}): that user could replace what the \
+            "{} is owned by uid {} (neither root nor this process's uid {}): that user could replace what the \
              agent puts there; remove it or use a directory only root owns",
             who(),
             md.uid(),
@@ -68,15 +83,15 @@ fn check_component(p: &Path, last: bool, what: &str, dir: &Path) -> anyhow::Resu
 
 /// Checks that `dir` (which exists) is trusted, see the module docs. Errors name the offending
 /// path, its owner or mode.
-pub fn check(dir: &Path, what: &str) -> anyhow::Result<()> {
-    let abs = std::path::absolute(dir).with_context(|| format!("{what} {}", dir.display()))?;
+pub fn check(dir: &Path, what: &str) -> Result<()> {
+    let abs = io(std::path::absolute(dir), || format!("{what} {}", dir.display()))?;
     // As written: symlinks and the directories holding them.
     let lexical = prefixes(&abs);
     for (i, p) in lexical.iter().enumerate() {
         check_component(p, i + 1 == lexical.len() && !is_symlink(p), what, dir)?;
     }
     // Resolved: the directories actually used.
-    let real = fs::canonicalize(&abs).with_context(|| format!("{what} {}: resolve", dir.display()))?;
+    let real = io(fs::canonicalize(&abs), || format!("{what} {}: resolve", dir.display()))?;
     let resolved = prefixes(&real);
     for (i, p) in resolved.iter().enumerate() {
         check_component(p, i + 1 == resolved.len(), what, dir)?;
@@ -89,8 +104,8 @@ fn is_symlink(p: &Path) -> bool {
 }
 
 /// Creates `dir` if missing (as `create_dir_all`, mode 0755 before the umask) and [`check`]s it.
-pub fn ensure_dir(dir: &Path, what: &str) -> anyhow::Result<()> {
-    fs::create_dir_all(dir).with_context(|| format!("{what}: create {}", dir.display()))?;
+pub fn ensure_dir(dir: &Path, what: &str) -> Result<()> {
+    io(fs::create_dir_all(dir), || format!("{what}: create {}", dir.display()))?;
     check(dir, what)
 }
 
