@@ -229,6 +229,20 @@ fn audit_lines(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// The audit log's records once `done` holds for them (the writer is asynchronous: a record
+/// may land after the response that caused it), waiting up to 10 s; panics with the records.
+fn audit_when(path: &Path, mut done: impl FnMut(&[Value]) -> bool) -> Vec<Value> {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines = audit_lines(path);
+        if done(&lines) {
+            return lines;
+        }
+        assert!(Instant::now() < end, "the audit records never matched: {lines:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn has_event(lines: &[Value], event: &str, reason: &str) -> bool {
     lines.iter().any(|l| l["event"] == event && l["security"]["reason"].as_str().is_some_and(|r| r.starts_with(reason)))
 }
@@ -1131,7 +1145,11 @@ fn egress_gateway_request_confusion() {
     let r = s.iter().find(|r| r.path == "/smuggle").expect("world saw /smuggle");
     assert!(r.header("content-length").is_empty(), "{r:?}");
     assert!(abs.starts_with("HTTP/1.1 400"), "{abs}");
-    let lines = audit_lines(&audit);
+    let refused_of = |lines: &[Value]| {
+        lines.iter().filter(|l| l["event"] == "http_request" && l["security"]["reason"] == "ambiguous_host").count()
+    };
+    let lines =
+        audit_when(&audit, |lines| refused_of(lines) >= 2 && has_event(lines, "security_event", "ambiguous_host"));
     let refused: Vec<&Value> =
         lines.iter().filter(|l| l["event"] == "http_request" && l["security"]["reason"] == "ambiguous_host").collect();
     assert_eq!(refused.len(), 2, "one record per refused request: {lines:?}");
@@ -1197,12 +1215,12 @@ fn egress_gateway_never_dials_a_sandbox() {
     assert_eq!(code, 0, "TLS to a sandbox address completed: {}", text(&o));
     let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
     assert_eq!(paths, ["/control"], "the gateway dialled the victim");
-    let lines = audit_lines(&audit);
-    assert!(has_event(&lines, "security_event", "destination_is_sandbox"), "{lines:?}");
-    assert!(
-        lines.iter().any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_is_sandbox"),
-        "{lines:?}"
-    );
+    audit_when(&audit, |lines| {
+        has_event(lines, "security_event", "destination_is_sandbox")
+            && lines
+                .iter()
+                .any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_is_sandbox")
+    });
     drop(rt);
 }
 
@@ -1253,14 +1271,12 @@ fn egress_gateway_never_dials_an_always_denied_address() {
         assert_eq!(code, 0, "TLS to an always-denied address completed: {}", text(&o));
         let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
         assert_eq!(paths, ["/control"], "the gateway dialled the always-denied address");
-        let lines = audit_lines(&audit);
-        assert!(has_event(&lines, "security_event", "destination_always_denied"), "{lines:?}");
-        assert!(
-            lines
-                .iter()
-                .any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_always_denied"),
-            "{lines:?}"
-        );
+        audit_when(&audit, |lines| {
+            has_event(lines, "security_event", "destination_always_denied")
+                && lines
+                    .iter()
+                    .any(|l| l["event"] == "tls_handshake" && l["security"]["reason"] == "destination_always_denied")
+        });
     }
     // The list emptied: the same request is served, so the list refused it above.
     let _gw = start_gateway(
@@ -1869,7 +1885,11 @@ GET /ka-2 HTTP/1.1\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
     let ka2 = s.iter().find(|r| r.path == "/ka-2").expect("world saw /ka-2");
     assert!(ka2.header("x-api-key").is_empty(), "the credential followed the connection to another Host: {ka2:?}");
     assert_eq!(ka2.header("host"), vec!["evil.example.test"]);
-    let lines = audit_lines(&audit);
+    let lines = audit_when(&audit, |lines| {
+        lines.iter().any(|l| {
+            l["event"] == "http_request" && l["http"]["path"].as_str().is_some_and(|p| p.starts_with("/inject"))
+        })
+    });
     assert!(lines.iter().all(|l| l["event"] != "forged"), "{lines:?}");
     let rec = lines
         .iter()
