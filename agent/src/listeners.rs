@@ -87,8 +87,7 @@ fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
 /// errors count as no). The gRPC and TAP fd sockets serve only those (decision R40), as the
 /// hand-over socket does.
 pub fn peer_allowed(conn: &tokio::net::UnixStream) -> bool {
-    let me = nix::unistd::geteuid().as_raw();
-    conn.peer_cred().is_ok_and(|c| c.uid() == me || c.uid() == 0)
+    cubenet_sys::peer_uid::unix_peer_allowed(conn)
 }
 
 fn unix_at(fd: OwnedFd, want: &Path, key: &str) -> anyhow::Result<std::os::unix::net::UnixListener> {

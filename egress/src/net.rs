@@ -63,13 +63,11 @@ pub fn handoff_listener(path: &Path) -> anyhow::Result<UnixListener> {
 
 /// The uid of the process at the other end of a Unix socket (SO_PEERCRED).
 pub fn peer_uid(conn: &UnixStream) -> anyhow::Result<u32> {
-    let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials).context("SO_PEERCRED")?;
-    Ok(cred.uid())
+    cubenet_sys::peer_uid::unix_peer_uid(conn).context("SO_PEERCRED")
 }
 
 /// Whether a handoff peer may receive or give listeners: it runs as our effective uid or as
 /// root. Errors reading the credentials count as "no".
 pub fn peer_allowed(conn: &UnixStream) -> bool {
-    let me = nix::unistd::geteuid().as_raw();
-    peer_uid(conn).is_ok_and(|uid| uid == me || uid == 0)
+    cubenet_sys::peer_uid::unix_peer_allowed(conn)
 }

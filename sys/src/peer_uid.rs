@@ -144,6 +144,18 @@ pub fn allowed(uid: Option<u32>) -> bool {
     uid.is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw())
 }
 
+/// The uid of the process at the other end of a Unix stream socket (SO_PEERCRED).
+pub fn unix_peer_uid(conn: &impl std::os::fd::AsFd) -> nix::Result<u32> {
+    nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials).map(|c| c.uid())
+}
+
+/// Whether the peer of a Unix stream socket is trusted ([`allowed`]); an error reading its
+/// credentials counts as no. The agent's gRPC, TAP fd and hand-over sockets (R40, H-series)
+/// and CubeEgress's handoff socket (E16) serve only such peers.
+pub fn unix_peer_allowed(conn: &impl std::os::fd::AsFd) -> bool {
+    allowed(unix_peer_uid(conn).ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

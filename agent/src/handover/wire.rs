@@ -39,9 +39,7 @@ pub fn bind(path: &Path) -> io::Result<UnixListener> {
 
 /// Whether the peer runs as our effective uid or as root (SO_PEERCRED; errors count as no).
 pub fn peer_allowed(conn: &UnixStream) -> bool {
-    let me = nix::unistd::geteuid().as_raw();
-    nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials)
-        .is_ok_and(|c| c.uid() == me || c.uid() == 0)
+    cubenet_sys::peer_uid::unix_peer_allowed(conn)
 }
 
 /// Reads one `\n`-terminated line of at most 256 bytes (byte by byte: nothing after the line,
