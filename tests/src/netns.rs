@@ -149,6 +149,23 @@ impl TestNetns {
         self.command(prog).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("spawn {prog}: {e}"))
     }
 
+    /// `curl -s -m 10 args` inside the namespace as `uid` (and gid `uid`, no supplementary
+    /// groups; `setpriv`), as another local user would: (HTTP status, 0 when none; body).
+    pub fn curl_as(&self, uid: u32, args: &[&str]) -> (u16, String) {
+        let id = [format!("--reuid={uid}"), format!("--regid={uid}")];
+        let o = self
+            .command("setpriv")
+            .args(&id)
+            .args(["--clear-groups", "curl", "-s", "-m", "10", "-w", "\n%{http_code}"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("setpriv curl");
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
     /// Spawns `prog args` inside the namespace; the [`ChildGuard`] kills it on drop.
     pub fn spawn(&self, prog: &str, args: &[&str]) -> ChildGuard {
         let child =

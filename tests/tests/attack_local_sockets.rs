@@ -270,18 +270,6 @@ fn tap_fd_socket_gives_nothing_foreign_and_leaks_nothing() {
 
 const SECRET: &str = "sk-live-R42-0123456789";
 
-/// `curl` in `ns` as `uid` (root or 65534): (status, body).
-fn curl_as(ns: &cubenet_tests::netns::TestNetns, uid: u32, url: &str) -> (u16, String) {
-    let mut cmd = ns.command("setpriv");
-    cmd.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups", "curl", "-s", "-m", "10"])
-        .args(["-w", "\n%{http_code}", url])
-        .stdin(Stdio::null());
-    let o = cmd.output().expect("setpriv curl");
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
 /// Loopback is every local process, not only root: uid 65534 on the node asks the agent's
 /// health listener and its CubeEgress bootstrap listener (in the dataplane namespace) for
 /// the policy dump, which holds every sandbox's injection secret. The old agent served it
@@ -320,14 +308,14 @@ fn agent_dumps_serve_no_other_local_user() {
         (a.agent_ns(), "http://127.0.0.1:19090/v1/network/taps"),
     ];
     for (ns, url) in listeners {
-        let (code, body) = curl_as(ns, NOBODY, url);
+        let (code, body) = ns.curl_as(NOBODY, &[url]);
         assert!(!body.contains(SECRET), "uid 65534 read the secret from {url}");
         assert_eq!(code, 403, "{url}: {body}");
-        let (code, body) = curl_as(ns, 0, url);
+        let (code, body) = ns.curl_as(0, &[url]);
         assert_eq!(code, 200, "root, {url}: {body}");
     }
-    let (_, dump) = curl_as(a.agent_ns(), 0, "http://127.0.0.1:19090/v1/policies/dump");
+    let (_, dump) = a.agent_ns().curl_as(0, &["http://127.0.0.1:19090/v1/policies/dump"]);
     assert!(dump.contains(SECRET), "the bootstrap dump carries the secret: {dump}");
-    assert_eq!(curl_as(a.agent_ns(), NOBODY, "http://127.0.0.1:19090/metrics").0, 200);
+    assert_eq!(a.agent_ns().curl_as(NOBODY, &["http://127.0.0.1:19090/metrics"]).0, 200);
     assert!(a.log().contains("/v1/ client of another user refused"), "{}", a.log());
 }

@@ -1900,20 +1900,6 @@ GET /ka-2 HTTP/1.1\r\nHost: evil.example.test\r\nConnection: close\r\n\r\n",
     drop(rt);
 }
 
-/// `curl` in `ns` as uid 65534 (`setpriv`), with `args`: (status, body).
-fn curl_as_nobody(ns: &TestNetns, args: &[&str]) -> (u16, String) {
-    let o = ns
-        .command("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "curl", "-s", "-m", "10", "-w", "\n%{http_code}"])
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("setpriv curl");
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
 /// Attack (R43): another user on the node talks to the admin API on loopback. The old gateway
 /// let uid 65534 replace a sandbox's policy (drop its deny rules), bind a name to an address of
 /// its choosing in the learned table (the destination check then lets a Host with an injected
@@ -1953,14 +1939,14 @@ fn egress_admin_serves_no_other_local_user() {
         ("GET dump", vec!["http://127.0.0.1:9091/admin/v1/dump"]),
     ];
     for (what, args) in &attempts {
-        let (code, body) = curl_as_nobody(node, args);
+        let (code, body) = node.curl_as(65534, args);
         assert_eq!(code, 403, "{what} by uid 65534: {body}");
     }
     assert_eq!(admin_curl(node, &[&policy_url]), before, "uid 65534 changed the policy");
     let (code, body) = admin_curl(node, &[&learned_url]);
     assert!(!body.contains("203.0.113.66"), "uid 65534 bound a name: {code} {body}");
     for open_path in ["/metrics", "/admin/v1/health"] {
-        assert_eq!(curl_as_nobody(node, &[&format!("{base}{open_path}")]).0, 200, "{open_path}");
+        assert_eq!(node.curl_as(65534, &[&format!("{base}{open_path}")]).0, 200, "{open_path}");
     }
 }
 
