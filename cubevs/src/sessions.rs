@@ -272,9 +272,14 @@ impl Sessions {
             list.iter().any(|c| host & c.mask() == c.first())
         };
         let mut g = self.inner.lock().expect("sessions lock");
-        let all: Vec<(SessionKey, NatSession)> = crate::batch::lookup_all(g.egress.map().fd().as_fd(), 4096)
-            .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
-        let victims: Vec<_> = all.into_iter().filter(|(k, _)| covered(k.dst_ip)).collect();
+        // Streamed: only the victims are kept (a full table is 1M sessions, ~60 MB as a Vec).
+        let mut victims: Vec<(SessionKey, NatSession)> = Vec::new();
+        crate::batch::for_each(g.egress.map().fd().as_fd(), 4096, |k: &SessionKey, v: &NatSession| {
+            if covered(k.dst_ip) {
+                victims.push((*k, *v));
+            }
+        })
+        .map_err(|source| Error::MapSyscall { map: map::EGRESS_SESSIONS, op: "batch lookup", source })?;
         delete_batch_locked(&mut g, &victims, 4096)
     }
 }
