@@ -65,6 +65,8 @@ const NOCOOKIE: u32 = !0;
 /// states u32, then `inet_diag_sockid`: sport/dport big-endian u16, src/dst as 4 big-endian
 /// u32 words, ifindex u32, cookie 2×u32 = `INET_DIAG_NOCOOKIE`). Reply: `inet_diag_msg`, whose
 /// `idiag_uid` is at offset 64 (4 + 48-byte sockid + expires, rqueue, wqueue).
+// Built by hand rather than with netlink-packet-sock-diag: one fixed 72-byte request and one u32
+// read from the reply, in a crate that otherwise depends only on libc/nix.
 pub fn owner_by_diag(peer: SocketAddr, local: SocketAddr) -> std::io::Result<Option<u32>> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let (peer, local) = (
