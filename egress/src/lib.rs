@@ -136,18 +136,19 @@ impl App {
         })
     }
 
-    /// True when `ip` is in the sandbox CIDR: a sandbox (or cube-dev) address, which the
-    /// gateway never dials, whatever a rule or a learned name says (decision R17).
-    pub fn is_sandbox_addr(&self, ip: Ipv4Addr) -> bool {
-        let (net, mask) = self.sandbox_net;
-        u32::from(ip) & mask == u32::from(net)
-    }
-
-    /// True when `ip` is in `always_denied_cidrs`, the node's always-denied list (cloud
-    /// metadata and the like), which the gateway never dials, whatever a rule or a learned
-    /// name says (decision R30).
-    pub fn is_always_denied(&self, ip: Ipv4Addr) -> bool {
-        self.always_denied.iter().any(|&(net, mask)| u32::from(ip) & mask == u32::from(net))
+    /// Why the gateway never dials `ip`, whatever a rule or a learned name says, as the audit
+    /// `security.reason`: `destination_is_sandbox` for the sandbox CIDR (a sandbox or cube-dev
+    /// address, decision R17), `destination_always_denied` for `always_denied_cidrs` (the
+    /// node's list, cloud metadata and the like, R31); `None` when it may be dialled.
+    pub fn never_dialled(&self, ip: Ipv4Addr) -> Option<&'static str> {
+        let covers = |&(net, mask): &(Ipv4Addr, u32)| u32::from(ip) & mask == u32::from(net);
+        if covers(&self.sandbox_net) {
+            Some("destination_is_sandbox")
+        } else if self.always_denied.iter().any(covers) {
+            Some("destination_always_denied")
+        } else {
+            None
+        }
     }
 
     /// A process-unique id (connection ids in audit `request_id`s).

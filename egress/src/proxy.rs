@@ -264,11 +264,8 @@ async fn serve_tls(
             "security": {"reason": reason},
         }));
     };
-    if app.is_sandbox_addr(*dst.ip()) {
-        return refuse("destination_is_sandbox".into());
-    }
-    if app.is_always_denied(*dst.ip()) {
-        return refuse("destination_always_denied".into());
+    if let Some(reason) = app.never_dialled(*dst.ip()) {
+        return refuse(reason.into());
     }
     let status = app.store.status();
     if !status.serving() {
@@ -380,13 +377,10 @@ async fn handle(app: Arc<App>, ctx: Arc<Conn>, req: Request<Incoming>) -> Result
         // (RFC 9112 §3.2: 400), so neither the decision nor a credential follows it (R14).
         return Ok(refuse(&app, rec, StatusCode::BAD_REQUEST, "ambiguous_host", true, started).await);
     }
-    if app.is_sandbox_addr(*ctx.dst.ip()) {
-        // One sandbox never reaches another, not even through the gateway's upstream leg (R17).
-        return Ok(deny(&app, rec, "destination_is_sandbox", true, started).await);
-    }
-    if app.is_always_denied(*ctx.dst.ip()) {
-        // The node's always-denied list (cloud metadata...) beats every allow rule (R30).
-        return Ok(deny(&app, rec, "destination_always_denied", true, started).await);
+    if let Some(reason) = app.never_dialled(*ctx.dst.ip()) {
+        // One sandbox never reaches another, not even through the gateway's upstream leg (R17),
+        // and the node's always-denied list beats every allow rule (R31).
+        return Ok(deny(&app, rec, reason, true, started).await);
     }
     // Rules see the path the server behind will resolve, not the raw one (R19).
     let Some(path) = normalize_request_path(&path) else {
