@@ -54,14 +54,18 @@ try:\n    s.sendall(b'PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n' + bytes([0,0,0,4
 except OSError as e:\n    print('closed', e.errno)\n";
 
 fn as_nobody(script: &str, args: &[&str]) -> String {
+    as_uid(NOBODY, script, args)
+}
+
+fn as_uid(uid: u32, script: &str, args: &[&str]) -> String {
     let out = std::process::Command::new("/usr/bin/python3")
         .args(["-c", script])
         .args(args)
-        .uid(NOBODY)
-        .gid(NOBODY)
+        .uid(uid)
+        .gid(uid)
         .stdin(Stdio::null())
         .output()
-        .expect("python3 as nobody");
+        .expect("python3 as another uid");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
@@ -124,6 +128,57 @@ fn agent_sockets_serve_no_other_user_whatever_the_umask() {
 
     // Root (cubelet) is served as before.
     let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-victim");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    assert!(fd.is_some());
+}
+
+/// `allowed_peer_uids` (decision R50): a cubelet/VMM running as uid 65534 is served on both
+/// sockets (TAP fd received, gRPC answered); uid 65533, not listed, is still refused on both,
+/// by the file ACL and, with the mode widened by hand, at accept; the listed uid still gets
+/// 403 from the `/v1/` dumps (R42 unchanged) and `/metrics` as before.
+#[test]
+fn allowed_peer_uids_are_served_and_no_other_user_is() {
+    if !require_root("allowed_peer_uids_are_served_and_no_other_user_is") {
+        return;
+    }
+    const LISTED: u32 = NOBODY;
+    const STRANGER: u32 = 65533;
+    let mut a = AgentUnderTest::prepare("peeruids", 1, "allowed_peer_uids = [65534]\n");
+    a.start();
+    let tap = ensure(&a, "sb-vmm");
+    let grpc_sock = a.dir.join("cube/grpc.sock");
+    let tap_sock = a.tap_socket();
+    let (tap_sock_s, grpc_sock_s) = (tap_sock.to_str().unwrap(), grpc_sock.to_str().unwrap());
+
+    // The listed uid: the TAP queue fd, and the server's HTTP/2 SETTINGS frame.
+    let got = as_uid(LISTED, FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got.starts_with("reply {") && got.contains("\"errCode\":\"0\"") && got.ends_with("fds 1"), "{got}");
+    let got = as_uid(LISTED, GRPC_AS_NOBODY, &[grpc_sock_s]);
+    let n: usize = got.strip_prefix("received ").and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(n > 0, "the listed uid got no gRPC answer: {got}");
+
+    // Another uid: refused by the socket file (owner root, 0600 plus the ACL of uid 65534).
+    let eacces = format!("connect-errno {}", libc::EACCES);
+    assert_eq!(as_uid(STRANGER, FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]), eacces, "uid 65533 asked for the TAP");
+    assert_eq!(as_uid(STRANGER, GRPC_AS_NOBODY, &[grpc_sock_s]), eacces, "uid 65533 spoke gRPC");
+    // Widened by hand: still dropped at accept (SO_PEERCRED against the list).
+    for s in [&grpc_sock, &tap_sock] {
+        std::fs::set_permissions(s, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let got = as_uid(STRANGER, FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got == "reply - fds 0" || got.starts_with("closed "), "an unlisted uid got an answer: {got}");
+    let got = as_uid(STRANGER, GRPC_AS_NOBODY, &[grpc_sock_s]);
+    assert!(got == "received 0" || got.starts_with("closed "), "an unlisted uid was served gRPC: {got}");
+    let log = a.log();
+    assert!(log.contains("TAP fd client of another user refused"), "{log}");
+    assert!(log.contains("gRPC client of another user refused"), "{log}");
+
+    // The HTTP listener's rules are unchanged: the dumps are root's and ours only.
+    let (code, body) = a.agent_ns().curl_as(LISTED, &["http://127.0.0.1:19090/v1/policies/dump"]);
+    assert_eq!(code, 403, "a listed uid read the dump: {body}");
+    assert_eq!(a.agent_ns().curl_as(LISTED, &["http://127.0.0.1:19090/metrics"]).0, 200);
+    // Root is served as before.
+    let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-vmm");
     assert_eq!(reply["errCode"], "0", "{reply}");
     assert!(fd.is_some());
 }
