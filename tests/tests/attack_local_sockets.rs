@@ -10,6 +10,9 @@
 //!    swap a socket for their own and receive cubelet's EnsureNetwork requests, secrets
 //!    included, and answer its TAP fd requests) and kept its state there (swappable for forged
 //!    records the next start adopts). Now the agent refuses to start and names the path.
+//! 3. `allowed_peer_uids` (R50): a listed uid is served on both sockets, any other is still
+//!    refused by the file and at accept, the dumps stay root's; a successor adopting the
+//!    sockets applies its own list to them.
 
 use std::{
     os::unix::{
@@ -178,6 +181,44 @@ fn allowed_peer_uids_are_served_and_no_other_user_is() {
     assert_eq!(code, 403, "a listed uid read the dump: {body}");
     assert_eq!(a.agent_ns().curl_as(LISTED, &["http://127.0.0.1:19090/metrics"]).0, 200);
     // Root is served as before.
+    let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-vmm");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    assert!(fd.is_some());
+}
+
+/// R50 across a live upgrade: the sockets a successor adopts follow the successor's
+/// `allowed_peer_uids`, not the list of the agent that bound them. Listed by the old agent, uid
+/// 65534 gets its TAP; dropped from the successor's configuration, it is refused again, by the
+/// socket file and at accept.
+#[test]
+fn a_successor_applies_its_own_allowed_peer_uids_to_adopted_sockets() {
+    if !require_root("a_successor_applies_its_own_allowed_peer_uids_to_adopted_sockets") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("peeruids-ho", 1, "allowed_peer_uids = [65534]\n");
+    cubenet_tests::agent_upgrade::start(&mut a);
+    let tap = ensure(&a, "sb-vmm");
+    let tap_sock = a.tap_socket();
+    let tap_sock_s = tap_sock.to_str().unwrap();
+    let got = as_nobody(FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got.ends_with("fds 1"), "the listed uid got no TAP from the old agent: {got}");
+
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap().replace("allowed_peer_uids = [65534]\n", "");
+    std::fs::write(&cfg, toml).unwrap();
+    cubenet_tests::agent_upgrade::upgrade(&mut a).unwrap_or_else(|e| panic!("{e}:\n{}", a.log()));
+    a.wait_ready(Duration::from_secs(30));
+    assert!(a.log().contains("hand-over complete"), "{}", a.log());
+    let eacces = format!("connect-errno {}", libc::EACCES);
+    assert_eq!(as_nobody(FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]), eacces, "the adopted socket kept the old ACL");
+    let grpc_sock = a.dir.join("cube/grpc.sock");
+    assert_eq!(as_nobody(GRPC_AS_NOBODY, &[grpc_sock.to_str().unwrap()]), eacces);
+    for s in [&grpc_sock, &tap_sock] {
+        assert_eq!(std::fs::metadata(s).unwrap().mode() & 0o777, 0o600, "{}", s.display());
+        std::fs::set_permissions(s, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let got = as_nobody(FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got == "reply - fds 0" || got.starts_with("closed "), "the successor served the dropped uid: {got}");
     let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-vmm");
     assert_eq!(reply["errCode"], "0", "{reply}");
     assert!(fd.is_some());
