@@ -162,7 +162,8 @@ pub struct Config {
     /// ranges (`cubevs::policy::BASELINE_DENY`): IPv4 addresses (/32) or CIDRs (host bits
     /// must be zero), at most 64 (`cubevs_common::limits::NODE_DENY`). Checked before any allow (`allow_out`,
     /// learned FQDN addresses, static L7 entries) and never learned from a DNS answer; written
-    /// to the pinned `node_deny` map at every start, replacing what a previous run wrote.
+    /// to the pinned `node_deny` map at every start, replacing what a previous run wrote, and
+    /// again on SIGHUP from the re-read file (the one key a reload applies, decision R51).
     /// Default `["100.100.100.200/32"]` (Alibaba Cloud's metadata service, decision R30);
     /// `[]` = baseline only. CubeEgress has its own key of the same name: keep them equal.
     pub always_denied_cidrs: Vec<String>,

@@ -74,7 +74,8 @@ pub struct Config {
     /// Destinations the gateway never dials, whatever a rule or a learned name says: IPv4
     /// addresses (/32) or CIDRs (host bits zero), at most 64. The same list as the agent's
     /// `always_denied_cidrs` (decision R30): keep them equal. Default
-    /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none.
+    /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none. The one key
+    /// a SIGHUP re-reads (R51).
     pub always_denied_cidrs: Vec<String>,
     /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
     /// hold (decision R22; default 8). All sandboxes together hold at most (soft descriptor
