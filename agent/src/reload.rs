@@ -39,7 +39,7 @@ pub enum Outcome {
     /// The state was handed to a successor: the node's list is the successor's to write.
     HandedOver,
     /// `always_denied_cidrs` was written (whether or not it changed); `sessions_deleted`
-    /// sessions toward listed addresses were cut; `restart_keys` changed but are not applied.
+    /// sessions toward newly listed entries were cut; `restart_keys` changed but are not applied.
     Applied {
         /// The list now in `node_deny`, as written in the file.
         list: Vec<String>,
@@ -69,8 +69,8 @@ pub struct Reloader {
 
 impl Reloader {
     /// One reload: load, validate, diff, then (under the mutation gate, on a blocking thread)
-    /// [`CubeVsDataplane::set_always_denied`]: insert the new entries, delete the old ones,
-    /// delete sessions toward listed destinations. Logs and counts the outcome.
+    /// [`CubeVsDataplane::update_always_denied`]: insert the new entries, delete the old ones,
+    /// delete sessions toward the newly listed entries. Logs and counts the outcome.
     pub async fn reload(&self) -> Outcome {
         let out = self.reload_inner().await;
         let result = match &out {
@@ -114,7 +114,7 @@ impl Reloader {
             _ => return Outcome::HandedOver,
         };
         let (dp, list) = (self.dp.clone(), new.always_denied.clone());
-        match tokio::task::spawn_blocking(move || dp.set_always_denied(&list)).await {
+        match tokio::task::spawn_blocking(move || dp.update_always_denied(&list)).await {
             Ok(Ok(sessions_deleted)) => {
                 Outcome::Applied { list: new.raw.always_denied_cidrs, sessions_deleted, restart_keys }
             }

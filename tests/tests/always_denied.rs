@@ -195,6 +195,15 @@ fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
     assert!(!ping(&g, 1), "a ping reached the address listed by the reload");
     let log = a.log();
     assert!(log.contains("needs a restart") && log.contains("maintenance_interval_secs"), "{log}");
+    // Exactly the one UDP session toward the newly listed address was cut (not the control's).
+    let line = log.lines().find(|l| l.contains(RELOADED)).unwrap();
+    // Without the colour codes (`ESC [ … m`) the text log puts around field names.
+    let plain: String = line
+        .split('\x1b')
+        .enumerate()
+        .map(|(i, p)| if i == 0 { p } else { p.split_once('m').map_or(p, |(_, rest)| rest) })
+        .collect();
+    assert!(plain.contains("sessions_deleted=1"), "{plain}");
     assert_eq!(reloads(&a, "applied"), 1);
 
     // A bad file: logged, the list in force stays.
