@@ -522,6 +522,17 @@ mod tests {
     /// quarter of the window (a uniform 1/16 would be 62.5 ms; Fibonacci hashing keeps every
     /// hole within a small factor of that).
     #[test]
+    fn only_other_changed_keys_need_a_restart() {
+        let old = Config::default();
+        let mut new = Config { always_denied_cidrs: vec!["10.0.0.0/8".into()], ..Config::default() };
+        assert!(restart_keys(&old, &new).is_empty(), "the list is applied, not a restart key");
+        new.mint_burst = 1;
+        new.listen_ip = Some(Ipv4Addr::new(10, 0, 0, 1));
+        new.allowed_peer_uids = vec![1001];
+        assert_eq!(restart_keys(&old, &new), ["allowed_peer_uids", "listen_ip", "mint_burst"]);
+    }
+
+    #[test]
     fn drain_offsets_cover_the_window() {
         for base in [0u64, 1, 1_733_000_000_000_000, u64::MAX - 20] {
             let mut v: Vec<Duration> = (0..16).map(|i| drain_offset(base.wrapping_add(i))).collect();
