@@ -4,6 +4,8 @@
 //! other user out before the server's SO_PEERCRED check ([`crate::peer_uid`]) even sees them
 //! (decisions R40, R50).
 
+// Own 8-byte-entry encoding rather than the `posix-acl` crate: that links libacl (C) for one
+// fixed-format xattr written once per socket.
 use std::{ffi::CString, io, os::unix::ffi::OsStrExt, path::Path};
 
 /// `system.posix_acl_access`: the access ACL extended attribute.
