@@ -333,6 +333,55 @@ fn stale_version_replies_never_reach_the_next_owner_via_xdp() {
     assert_eq!(r.maps.counters.get(counter::WORLD_DROP_STALE_VERSION).unwrap(), 2 * 4 + 4);
 }
 
+/// Attack (decision R45): a sandbox's mvm IP is node-local, `from_world` drops every frame the
+/// uplink receives for one (R10). An L7 flow keeps the sandbox's own address, so its reserved
+/// reverse key is {server, mvm IP, server port, guest port}: a world host that names the mvm IP
+/// (a router that knows the sandbox CIDR, any host on the uplink's segment) and guesses the
+/// guest port matched that key on the XDP path, which skipped the R10 check, and its forged
+/// SYN-ACK, data and RST reached the guest and moved the L7 session's state. Both hooks must
+/// drop every frame to an mvm IP alike: same verdict, same counter, no session touched.
+#[test]
+fn frames_to_a_sandbox_address_never_take_the_xdp_path() {
+    if !require_root("frames_to_a_sandbox_address_never_take_the_xdp_path") {
+        return;
+    }
+    let server = [203, 0, 113, 10];
+    let rule: egress_policy::RuleSpec = serde_json::from_value(
+        serde_json::json!({"id": "r", "match": {"host": "203.0.113.10"}, "action": {"allow": true}}),
+    )
+    .unwrap();
+    let r = Rig::with_policy(&cubevs::EgressPolicy { rules: vec![rule], ..Default::default() });
+    let up = r.uplink_ifindex;
+    // The guest opens an L7 flow (steered to cube-dev, no SNAT: the session keeps SB_IP).
+    let syn = T { sport: GSPORT, dport: 443, seq: 100, syn: true, win: 1000, ..Default::default() };
+    let out = r.cube(tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, server, syn, b""));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 1, "an L7 session");
+    let state = |r: &Rig| r.maps.sessions.list().unwrap()[0].state;
+    assert_eq!(state(&r), "syn_sent");
+    let to_sb = |t: T, p: &[u8]| tcp(r.world_mac, r.up_mac, server, SB_IP, T { sport: 443, dport: GSPORT, ..t }, p);
+    let attacks = [
+        ("forged syn-ack", to_sb(T { seq: 500, ack: Some(101), syn: true, win: 1000, ..Default::default() }, b"")),
+        ("forged data", to_sb(T { seq: 501, ack: Some(101), win: 1000, ..Default::default() }, b"<script>")),
+        ("forged rst", to_sb(T { seq: 501, rst: true, ..Default::default() }, b"")),
+        ("udp to the mvm ip", udp(r.world_mac, r.up_mac, WORLD_IP, SB_IP, 4000, 8080, b"x")),
+    ];
+    for (case, f) in attacks {
+        let e = both(&r, case, f, up, Expect::Same("drop"));
+        assert_eq!(
+            e.counters.iter().map(|c| (c.reason, c.packets)).collect::<Vec<_>>(),
+            [("drop_to_sandbox", 1)],
+            "{case}"
+        );
+        assert_eq!(state(&r), "syn_sent", "{case}: the L7 session's state moved");
+    }
+    // XDP alone (no TC run after it): nothing is redirected, the session never moves.
+    let out = r.xdp(to_sb(T { seq: 500, ack: Some(101), syn: true, win: 1000, ..Default::default() }, b""));
+    assert_eq!(out.verdict, XDP_DROP);
+    assert_eq!(state(&r), "syn_sent");
+    assert_eq!(r.maps.counters.get(counter::XDP_REDIRECT).unwrap(), 0, "xdp_world redirected a frame");
+}
+
 #[test]
 fn xdp_world_stays_within_the_verifier_budget() {
     if !require_root("xdp_world_stays_within_the_verifier_budget") {
