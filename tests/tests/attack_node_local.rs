@@ -3,7 +3,8 @@
 //! another node interface), with the most permissive policy a caller can give it. The node
 //! leaves IPv4 forwarding off (as the agent does), so every SNATed packet takes the
 //! `bpf_redirect_neigh` fallback, which routes it. Property: nothing a guest sends is delivered
-//! to the node's own sockets except through the node address (upstream's host service access).
+//! to the node's own sockets except through the node address (upstream's host service access),
+//! and nothing broadcast or multicast leaves on the node's wire.
 
 use std::{
     net::{Ipv4Addr, UdpSocket},
@@ -18,7 +19,7 @@ use cubenet_tests::{
     guest::VethGuest,
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology},
+    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
 };
 use cubevs::{Datapath, EgressPolicy, LoadOptions, SandboxEntry, SnatAddr};
 
@@ -88,25 +89,32 @@ fn guest_frames_never_reach_node_sockets(forwarding: bool) {
         u.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         u
     });
-    let attempts: Vec<(&str, [u8; 4])> = vec![
-        ("0.0.0.0", [0, 0, 0, 0]),
-        ("0.1.2.3", [0, 1, 2, 3]),
-        ("loopback", [127, 0, 0, 1]),
-        ("another node address", OTHER_NODE_ADDR),
-        ("cube-dev address", CUBE_DEV_IP),
-        ("limited broadcast", [255, 255, 255, 255]),
-        ("uplink subnet broadcast", [198, 51, 100, 255]),
-        ("all-hosts multicast", [224, 0, 0, 1]),
-        ("multicast", [239, 1, 2, 3]),
-        ("class E", [240, 0, 0, 1]),
+    // (name, destination, may leave on the node's wire as a unicast frame to the router)
+    let attempts: Vec<(&str, [u8; 4], bool)> = vec![
+        ("0.0.0.0", [0, 0, 0, 0], false),
+        ("0.1.2.3", [0, 1, 2, 3], false),
+        ("loopback", [127, 0, 0, 1], false),
+        ("another node address", OTHER_NODE_ADDR, true),
+        ("cube-dev address", CUBE_DEV_IP, true),
+        ("limited broadcast", [255, 255, 255, 255], false),
+        ("uplink subnet broadcast", [198, 51, 100, 255], false),
+        ("all-hosts multicast", [224, 0, 0, 1], false),
+        ("RIP routers multicast", [224, 0, 0, 9], false),
+        ("multicast", [239, 1, 2, 3], false),
+        ("class E", [240, 0, 0, 1], true),
     ];
     let mut frames: Vec<Vec<u8>> = attempts
         .iter()
         .enumerate()
-        .map(|(i, (_, dst))| udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, *dst, 5000, PORT, format!("attack-{i}").as_bytes()))
+        .map(|(i, (_, dst, _))| {
+            udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, *dst, 5000, PORT, format!("attack-{i}").as_bytes())
+        })
         .collect();
-    // The control: the node address, upstream's host service access (delivered on purpose).
+    // The controls: the node address, upstream's host service access (delivered on purpose),
+    // and a world host, whose datagram closes the capture of the node's wire.
     frames.push(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, NODE_IP, 5000, PORT, b"control"));
+    frames.push(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, PORT, b"wire-control"));
+    let wire = n.topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("world ifindex")));
     n.topo.guest_ns(&n.a).run(move || {
         let wire = Capture::open(cubenet_sys::ifindex("eth0").expect("guest eth0"));
         for f in &frames {
@@ -134,10 +142,26 @@ fn guest_frames_never_reach_node_sockets(forwarding: bool) {
         .map(|i| attempts[i].0)
         .collect();
     assert_eq!(reached, Vec::<&str>::new(), "the guest reached the node's own sockets");
+    // Nothing broadcast, multicast or never valid off a host left on the node's wire: a
+    // sandbox never speaks to the node's LAN or router as the node (DHCP, RIP, mDNS, SSDP).
+    let seen = wire.read_until(Duration::from_secs(5), |c| c.data.ends_with(b"wire-control"));
+    assert!(seen.last().is_some_and(|c| c.data.ends_with(b"wire-control")), "the world control never left");
+    let left: Vec<&str> = attempts
+        .iter()
+        .enumerate()
+        .filter(|(i, (_, _, unicast_ok))| {
+            let marker = format!("attack-{i}");
+            seen.iter().any(|c| c.data.ends_with(marker.as_bytes()) && (!unicast_ok || c.data[0] & 1 == 1))
+        })
+        .map(|(_, (name, _, _))| *name)
+        .collect();
+    assert_eq!(left, Vec::<&str>::new(), "left on the node's wire");
     // Every attempt left A's interface through the datapath (none was lost in a guest stack:
     // the frames were written raw), so the datapath, not the guest, decided.
     let a = n.dp.as_ref().unwrap().maps().sandbox_stats.get(n.a.node_ifindex).unwrap().unwrap();
     assert!(a.out_packets + a.drops.values().sum::<u64>() > attempts.len() as u64, "{a:?}");
+    // Those no flow may have are dropped by the datapath itself, whatever the policy (R47).
+    assert_eq!(a.drops["protocol"], 7, "{a:?}");
 }
 
 /// IPv4 forwarding off in the node namespace (the agent's default): every SNATed packet is
