@@ -328,6 +328,31 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Attack: the state directory's path is swapped for another directory after the store
+    /// opened (and checked) it. No record goes into the swapped-in directory: every operation
+    /// is relative to the directory opened (F18).
+    #[test]
+    fn records_stay_in_the_directory_opened() {
+        let base = std::env::temp_dir().join(format!("cubenet-state-swap-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        fs::create_dir_all(&base).unwrap();
+        let dir = base.join("state");
+        let s = StateStore::open(&dir).unwrap();
+        s.write(&rec("sb-1"), Phase::Creating).unwrap();
+        let moved = base.join("moved");
+        fs::rename(&dir, &moved).unwrap();
+        fs::create_dir(&dir).unwrap();
+        s.advance("sb-1", Phase::Creating, Phase::Success).unwrap();
+        s.write(&rec("sb-2"), Phase::Creating).unwrap();
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "a record went into the swapped-in directory");
+        assert!(moved.join("sb-1.success.json").exists());
+        assert!(moved.join("sb-2.creating.json").exists());
+        s.remove("sb-1").unwrap();
+        s.remove("sb-2").unwrap();
+        assert_eq!(fs::read_dir(&moved).unwrap().count(), 0);
+        fs::remove_dir_all(&base).unwrap();
+    }
+
     #[test]
     fn sandbox_id_rules() {
         assert!(validate_sandbox_id("abc-123_x.y:z").is_ok());
