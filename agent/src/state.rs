@@ -1,14 +1,27 @@
 //! Durable per-sandbox state (`reference/upstream.md §2.7`): one JSON file per sandbox named
 //! `<state_dir>/<sandbox_id>.<phase>.json`, phase `creating` → `success` → `deleting`,
 //! advanced by rename. Writes go to `<id>.tmp.json`, are fsynced, renamed, and the directory is
-//! fsynced (no fsync on tmpfs, the default location). Directory 0700, files 0600.
+//! fsynced (no fsync on tmpfs, the default location). Directory 0700, files 0600. Every
+//! open, rename and unlink of a record is relative to one descriptor of the directory, opened
+//! with the store (decision F18): no path walk from `/` per call, and the records stay in the
+//! directory that was checked at open even if its path is later replaced.
 
 use std::{
-    fs::{self, File, OpenOptions},
+    fs::{self, File},
     io::Write,
     net::Ipv4Addr,
-    os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt},
+    os::{
+        fd::OwnedFd,
+        unix::fs::{DirBuilderExt, PermissionsExt},
+    },
     path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use nix::{
+    fcntl::{OFlag, openat, renameat},
+    sys::stat::Mode,
+    unistd::{UnlinkatFlags, fsync, unlinkat},
 };
 
 use serde::{Deserialize, Serialize};
@@ -104,6 +117,8 @@ pub type Scan = (Vec<(Phase, SandboxRecord)>, Vec<(PathBuf, String)>);
 #[derive(Debug, Clone)]
 pub struct StateStore {
     dir: PathBuf,
+    /// The directory, opened read-only: every record operation is relative to it.
+    dirfd: Arc<OwnedFd>,
     /// fsync makes no sense on tmpfs (its contents die with the machine either way);
     /// upstream skips it there too (`reference/upstream.md §2.7`).
     durable: bool,
@@ -121,7 +136,8 @@ impl StateStore {
         let tmpfs = nix::sys::statfs::statfs(dir)
             .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
             .unwrap_or(false);
-        Ok(Self { dir: dir.to_path_buf(), durable: !tmpfs })
+        let dirfd = Arc::new(OwnedFd::from(File::open(dir)?));
+        Ok(Self { dir: dir.to_path_buf(), dirfd, durable: !tmpfs })
     }
 
     /// The directory.
@@ -129,23 +145,33 @@ impl StateStore {
         &self.dir
     }
 
-    fn path(&self, id: &str, phase: &str) -> PathBuf {
-        self.dir.join(format!("{id}.{phase}.json"))
+    /// The file name (in the directory) of `id`'s record in `phase`.
+    fn name(id: &str, phase: &str) -> String {
+        format!("{id}.{phase}.json")
+    }
+
+    fn unlink(&self, name: &str) -> std::io::Result<()> {
+        Ok(unlinkat(&*self.dirfd, name, UnlinkatFlags::NoRemoveDir)?)
+    }
+
+    fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        Ok(renameat(&*self.dirfd, from, &*self.dirfd, to)?)
     }
 
     fn sync_dir(&self) -> std::io::Result<()> {
         if !self.durable {
             return Ok(());
         }
-        File::open(&self.dir)?.sync_all()
+        Ok(fsync(&*self.dirfd)?)
     }
 
     /// Writes `rec` as phase `phase` atomically, removing any other phase of the same id.
     /// On failure the previous file (if any) is untouched and the temporary file is removed.
     pub fn write(&self, rec: &SandboxRecord, phase: Phase) -> std::io::Result<()> {
-        let tmp = self.path(&rec.sandbox_id, "tmp");
+        let tmp = Self::name(&rec.sandbox_id, "tmp");
         let written = (|| {
-            let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC | OFlag::O_CLOEXEC;
+            let mut f = File::from(openat(&*self.dirfd, tmp.as_str(), flags, Mode::from_bits_truncate(0o600))?);
             fault::check("write")?;
             f.write_all(&serde_json::to_vec(rec).map_err(std::io::Error::other)?)?;
             fault::check("fsync")?;
@@ -153,16 +179,16 @@ impl StateStore {
                 f.sync_all()?;
             }
             fault::check("rename")?;
-            fs::rename(&tmp, self.path(&rec.sandbox_id, phase.as_str()))
+            self.rename(&tmp, &Self::name(&rec.sandbox_id, phase.as_str()))
         })();
         if let Err(e) = written {
             // A full disk must not also keep a stray file per failed call.
-            let _ = fs::remove_file(&tmp);
+            let _ = self.unlink(&tmp);
             return Err(e);
         }
         for other in [Phase::Creating, Phase::Success, Phase::Deleting] {
             if other != phase {
-                let _ = fs::remove_file(self.path(&rec.sandbox_id, other.as_str()));
+                let _ = self.unlink(&Self::name(&rec.sandbox_id, other.as_str()));
             }
         }
         self.sync_dir()
@@ -171,7 +197,7 @@ impl StateStore {
     /// Moves the record of `id` from `from` to `to` (rename).
     pub fn advance(&self, id: &str, from: Phase, to: Phase) -> std::io::Result<()> {
         fault::check("rename")?;
-        fs::rename(self.path(id, from.as_str()), self.path(id, to.as_str()))?;
+        self.rename(&Self::name(id, from.as_str()), &Self::name(id, to.as_str()))?;
         self.sync_dir()
     }
 
@@ -179,7 +205,7 @@ impl StateStore {
     pub fn remove(&self, id: &str) -> std::io::Result<()> {
         fault::check("unlink")?;
         for p in ["tmp", "creating", "success", "deleting"] {
-            match fs::remove_file(self.path(id, p)) {
+            match self.unlink(&Self::name(id, p)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e),
@@ -300,6 +326,31 @@ mod tests {
         fs::remove_file(dir.join("sb-3.success.json")).unwrap();
         assert_eq!(s.count(), 0);
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Attack: the state directory's path is swapped for another directory after the store
+    /// opened (and checked) it. No record goes into the swapped-in directory: every operation
+    /// is relative to the directory opened (F18).
+    #[test]
+    fn records_stay_in_the_directory_opened() {
+        let base = std::env::temp_dir().join(format!("cubenet-state-swap-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        fs::create_dir_all(&base).unwrap();
+        let dir = base.join("state");
+        let s = StateStore::open(&dir).unwrap();
+        s.write(&rec("sb-1"), Phase::Creating).unwrap();
+        let moved = base.join("moved");
+        fs::rename(&dir, &moved).unwrap();
+        fs::create_dir(&dir).unwrap();
+        s.advance("sb-1", Phase::Creating, Phase::Success).unwrap();
+        s.write(&rec("sb-2"), Phase::Creating).unwrap();
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "a record went into the swapped-in directory");
+        assert!(moved.join("sb-1.success.json").exists());
+        assert!(moved.join("sb-2.creating.json").exists());
+        s.remove("sb-1").unwrap();
+        s.remove("sb-2").unwrap();
+        assert_eq!(fs::read_dir(&moved).unwrap().count(), 0);
+        fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]

@@ -22,8 +22,9 @@
 //! frames go through byte for byte and so does everything after them: the server's HPACK
 //! decoder then sees exactly what the client's encoder wrote, and nothing on the connection is
 //! decoded here again. The check walks the block's field representations only up to the
-//! `:authority` field and Huffman-decodes that one value (`loona-hpack` builds a decoder table
-//! per Huffman string, ~10 % of the agent's CPU per Ensure+fd when every block was decoded).
+//! `:authority` field and Huffman-decodes that one value with the thread's one Huffman decoder
+//! (`loona-hpack` builds a decoder table per Huffman string: ~10 % of the agent's CPU per
+//! Ensure+fd when every block was decoded, ~5 % when built once per connection; F17).
 //! When the first block needs a rewrite, or refers to entries the walk cannot see (dynamic
 //! table references), every block of the connection is decoded and re-encoded as above.
 //!
@@ -333,13 +334,22 @@ fn hpack_integer(b: &[u8], n: u8) -> Option<(usize, usize)> {
     None
 }
 
+thread_local! {
+    /// One Huffman decoder per thread, built on first use: `HuffmanDecoder::new` builds a
+    /// two-level `HashMap` of the 257 codes (RFC 7541 Appendix B), which cost ~5 % of the
+    /// agent's CPU per Ensure+fd when built for every connection's `:authority` (decision F17).
+    /// `decode` keeps no state between calls (it only reads the table).
+    static HUFFMAN: std::cell::RefCell<loona_hpack::huffman::HuffmanDecoder> =
+        std::cell::RefCell::new(loona_hpack::huffman::HuffmanDecoder::new());
+}
+
 /// An HPACK string literal at the start of `b` (RFC 7541 §5.2), Huffman-decoded when so coded:
 /// (octets, bytes used).
 fn hpack_literal(b: &[u8]) -> Option<(std::borrow::Cow<'_, [u8]>, usize)> {
     let (len, n) = hpack_integer(b, 7)?;
     let raw = b.get(n..n.checked_add(len)?)?;
     let s = if b[0] & 0x80 != 0 {
-        std::borrow::Cow::Owned(loona_hpack::huffman::HuffmanDecoder::new().decode(raw).ok()?)
+        std::borrow::Cow::Owned(HUFFMAN.with_borrow_mut(|d| d.decode(raw)).ok()?)
     } else {
         std::borrow::Cow::Borrowed(raw)
     };
