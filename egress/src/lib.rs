@@ -458,8 +458,8 @@ async fn offer(app: &Arc<App>, l: &Arc<Listeners>, s: std::os::unix::net::UnixSt
 /// When this process started `main` (set by the binary; [`Phases`] counts from it).
 pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
-/// Start-up phases of one process, logged once as `startup phases` with one `<phase>_ms`
-/// field per phase (milliseconds it took, in order) and `total_ms` from [`PROCESS_START`]:
+/// Start-up phases of one process, logged once as `startup phases` with a `phases` field
+/// `<phase>=<ms> ...` (milliseconds each took, in order) and `total_ms` from [`PROCESS_START`]:
 /// `main` (runtime and config), `app` (CA load, audit open, trust store), and for a successor
 /// `take` (connect, receive listeners, state and extras), `install` (policies, learned
 /// table), `extras` (ticket keys, leaves), `premint` (names not handed over), `ready`.
@@ -487,13 +487,9 @@ impl Phases {
     }
 
     fn log(&self) {
-        let v: serde_json::Map<String, serde_json::Value> = self
-            .done
-            .iter()
-            .map(|(p, ms)| (format!("{p}_ms"), serde_json::json!((ms * 1000.0).round() / 1000.0)))
-            .collect();
+        let phases: Vec<String> = self.done.iter().map(|(p, ms)| format!("{p}={ms:.1}")).collect();
         tracing::info!(
-            phases = %serde_json::Value::Object(v),
+            phases = %phases.join(" "),
             total_ms = (self.last - self.start).as_secs_f64() * 1e3,
             "startup phases"
         );
