@@ -575,6 +575,48 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Extras that must not be served are skipped and the swap goes on: leaves from another CA
+    /// (a CA rotated with the upgrade), a leaf whose key is not its certificate's (another
+    /// leaf's key), a name that is no host name; ticket keys of the wrong size leave the
+    /// successor's own keys in place.
+    #[test]
+    fn extras_that_do_not_fit_are_skipped() {
+        let dir = std::env::temp_dir().join(format!("cube-egress-badextras-{}", std::process::id()));
+        let (old, other_ca) = (app(&dir.join("old")), app(&dir.join("other")));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let sb = "192.168.0.2".parse().unwrap();
+        for n in ["a.example.test", "b.example.test"] {
+            rt.block_on(old.certs.server_config(sb, crate::certs::CertName::Dns(n.into()))).unwrap();
+        }
+        // Keys exist once a ticket was issued.
+        assert!(HandoffExtras::capture(&old).ticket_keys.is_empty());
+        rustls::server::ProducesTickets::encrypt(old.certs.tickets(), b"session").unwrap();
+        let good = HandoffExtras::capture(&old);
+        assert_eq!((good.ticket_keys.len(), good.leaves.len()), (1, 2));
+        // Another CA: nothing installed, nothing fails.
+        assert_eq!(good.install(&other_ca), ExtrasInstalled { ticket_keys: 1, leaves: 0 });
+        // Same CA, but keys swapped between the two leaves, a bogus name and broken ticket keys.
+        let same_ca = {
+            let cfg = crate::config::Config {
+                ca_dir: dir.join("old/ca"),
+                audit_file: dir.join("old/audit2.jsonl"),
+                dns_servers: vec!["127.0.0.1:9".parse().unwrap()],
+                ..Default::default()
+            };
+            App::new(&cfg).unwrap()
+        };
+        let mut bad = good.clone();
+        bad.leaves[0].key = good.leaves[1].key.clone();
+        bad.leaves[1].name = "not a name/../x".into();
+        bad.ticket_keys[0].key.truncate(10);
+        let before = same_ca.certs.tickets().export();
+        assert_eq!(bad.install(&same_ca), ExtrasInstalled { ticket_keys: 0, leaves: 0 });
+        assert!(same_ca.certs.is_empty(), "no leaf served with a key that is not its own");
+        assert_eq!(same_ca.certs.tickets().export().len(), before.len());
+        assert_eq!(good.install(&same_ca), ExtrasInstalled { ticket_keys: 1, leaves: 2 });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The pre-E23 predecessor's side of version 2, as it was: listeners, state, then exactly
     /// [`READY`] or an error.
     fn old_offer(conn: &UnixStream, l: &Listeners, state: &HandoffState) -> anyhow::Result<()> {
