@@ -217,7 +217,7 @@ pub enum MintError {
     Failed(String),
 }
 
-/// A minted (or handed-over) leaf: its server config and what built it (for a successor, E23).
+/// A minted (or handed-over) leaf: its server config and what built it (for a successor, E25).
 struct Minted {
     cfg: Arc<ServerConfig>,
     leaf: CertificateDer<'static>,
@@ -229,7 +229,7 @@ struct Slot {
     created: Instant,
 }
 
-/// One cached leaf as handed to a successor (E23): cache key, leaf certificate and its PKCS#8
+/// One cached leaf as handed to a successor (E25): cache key, leaf certificate and its PKCS#8
 /// key (DER, lower-case hex), age. `Debug` omits the key.
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub struct LeafMaterial {
@@ -402,7 +402,7 @@ impl CertCache {
     }
 
     /// The (at most `max`) most recently minted fresh leaves with their keys, newest first, for
-    /// a successor (E23).
+    /// a successor (E25).
     pub fn export_leaves(&self, max: usize) -> Vec<LeafMaterial> {
         let slots = self.slots.lock().expect("cache lock");
         let mut v: Vec<(&String, &Slot, &Arc<Minted>)> = slots
@@ -422,7 +422,7 @@ impl CertCache {
             .collect()
     }
 
-    /// Installs leaves handed over by a predecessor (E23), at most the cache's capacity: each
+    /// Installs leaves handed over by a predecessor (E25), at most the cache's capacity: each
     /// served with this process's CA as its chain and the shared ticket keys. Skipped (logged
     /// by name only): a name already cached, a leaf past [`LEAF_CACHE_TTL`], malformed hex, a
     /// key that does not match its certificate. Returns how many were installed.

@@ -11,12 +11,12 @@
 //!    status), at most [`MAX_STATE_BYTES`];
 //! 3. successor → predecessor: [`READY`] once the state is installed, before it accepts.
 //!
-//! Extension (E23), asked for by the successor and optional both ways: instead of [`READY`] the
+//! Extension (E24), asked for by the successor and optional both ways: instead of [`READY`] the
 //! successor may answer [`MORE`]; the predecessor then sends a big-endian `u32` byte length and
 //! that many bytes of JSON [`HandoffExtras`] (TLS session-ticket keys and the minted leaves with
 //! their keys, at most [`MAX_EXTRAS_BYTES`]) and waits for [`READY`] as before. A predecessor
-//! built before E23 refuses [`MORE`] (closes, keeps serving, audits `handoff_aborted` once);
-//! the successor then connects again and does plain version 2. A successor built before E23
+//! built before E24 refuses [`MORE`] (closes, keeps serving, audits `handoff_aborted` once);
+//! the successor then connects again and does plain version 2. A successor built before E24
 //! never asks. Extras that do not install (another CA, a bad key) are logged and skipped: the
 //! swap goes on, clients then do full handshakes as before. Key material travels only over
 //! this peer-checked socket, is never written to disk, and `Debug` of the extras omits it.
@@ -61,7 +61,7 @@ pub const HANDOFF_MAGIC_V2: &[u8] = b"cube-egress-handoff v2\n";
 /// The successor's answer once its state is installed.
 pub const READY: &[u8] = b"ready\n";
 /// The successor's request for [`HandoffExtras`] version 1 (as long as [`READY`], so a
-/// predecessor built before E23 reads it whole and refuses it cleanly).
+/// predecessor built before E24 reads it whole and refuses it cleanly).
 pub const MORE: &[u8] = b"more1\n";
 /// Largest accepted extras document, bytes (256 leaves of ~1.3 KiB hex each, two keys).
 pub const MAX_EXTRAS_BYTES: u32 = 16 << 20;
@@ -118,7 +118,7 @@ impl HandoffState {
     }
 }
 
-/// What a successor may take besides the state, to cut what clients notice (E23): TLS
+/// What a successor may take besides the state, to cut what clients notice (E23-E25): TLS
 /// session-ticket keys (clients resume instead of a full handshake) and the minted leaves with
 /// their keys (no minting before READY). Unknown fields are ignored (a newer predecessor may
 /// add some); every field may be missing.
@@ -220,7 +220,7 @@ pub struct Taken {
     pub listeners: Listeners,
     /// The predecessor's state (version 2).
     pub state: Option<HandoffState>,
-    /// The predecessor's extras (E23; `None` from a predecessor built before E23).
+    /// The predecessor's extras (E24; `None` from a predecessor built before E24).
     pub extras: Option<HandoffExtras>,
     /// Tells the predecessor to stop accepting.
     pub ready: ReadySignal,
@@ -246,7 +246,7 @@ impl ReadySignal {
     }
 }
 
-/// The predecessor closed the connection when asked for [`MORE`] (built before E23).
+/// The predecessor closed the connection when asked for [`MORE`] (built before E24).
 #[derive(Debug)]
 struct ExtrasRefused;
 
@@ -267,7 +267,7 @@ impl std::error::Error for ExtrasRefused {}
 pub fn take(path: &Path, optional: bool) -> anyhow::Result<Option<Taken>> {
     match take_once(path, optional, true) {
         Err(e) if e.is::<ExtrasRefused>() => {
-            tracing::info!("predecessor predates hand-over extras (E23); taking over without them");
+            tracing::info!("predecessor predates hand-over extras (E24); taking over without them");
             take_once(path, optional, false)
         }
         r => r,
@@ -559,7 +559,7 @@ mod tests {
             rustls::HandshakeKind::Resumed,
             "a session from A resumes with B"
         );
-        // A successor without the keys (e.g. a pre-E23 build) makes the same client do a full
+        // A successor without the keys (e.g. a pre-E24 build) makes the same client do a full
         // handshake: what the extras save.
         let lone = {
             let cfg = crate::config::Config {
@@ -617,7 +617,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// The pre-E23 predecessor's side of version 2, as it was: listeners, state, then exactly
+    /// The pre-E24 predecessor's side of version 2, as it was: listeners, state, then exactly
     /// [`READY`] or an error.
     fn old_offer(conn: &UnixStream, l: &Listeners, state: &HandoffState) -> anyhow::Result<()> {
         let fds: [RawFd; 3] = [l.http.as_raw_fd(), l.https.as_raw_fd(), l.admin.as_raw_fd()];
@@ -636,7 +636,7 @@ mod tests {
         Ok(())
     }
 
-    /// Fallback: a predecessor built before E23 refuses [`MORE`] and closes; the successor
+    /// Fallback: a predecessor built before E24 refuses [`MORE`] and closes; the successor
     /// asks again without extras and takes over with the state alone.
     #[test]
     fn older_predecessor_still_hands_over() {
@@ -663,7 +663,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A successor built before E23 answers [`READY`] straight after the state: the new
+    /// A successor built before E24 answers [`READY`] straight after the state: the new
     /// predecessor completes the swap and never captures its extras.
     #[test]
     fn older_successor_still_takes_over() {
