@@ -161,7 +161,8 @@ const FIGURES: usize = 5;
 /// `max gap` (the longest interval without a completed request while the load ran, ms),
 /// `max gap, swap window` (the same from the successor's spawn to the predecessor's exit) and
 /// `full handshakes after swap` (connects from the successor's spawn to the load's end whose
-/// TLS handshake did not resume a session: the clients share rustls' default session store),
+/// TLS handshake did not resume a session: each client has its own rustls default session
+/// store),
 /// each as (swap, the same figure of the no-swap load; for the window and the handshakes:
 /// the same offsets of that load).
 fn figures(s: &Swapped, idle: &LoadReport) -> [(f64, f64); FIGURES] {

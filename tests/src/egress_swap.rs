@@ -423,8 +423,8 @@ pub struct LoadReport {
     /// from the start.
     pub connects: Vec<(Duration, Duration)>,
     /// When each successful connect that did a full TLS handshake began (the others resumed
-    /// a session with a ticket from an earlier connection: the clients share rustls' default
-    /// in-memory session store), from the start, sorted.
+    /// a session with a ticket from the same worker's earlier connection: each worker has its
+    /// own rustls default in-memory session store), from the start, sorted.
     pub full_handshakes: Vec<Duration>,
 }
 
@@ -544,13 +544,17 @@ static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, dur: Duration) -> LoadReport {
     let run = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tls = tokio_rustls::TlsConnector::from(tls);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let deadline = tokio::time::Instant::now() + dur;
     let (started, started_wall) = (Instant::now(), std::time::SystemTime::now());
     let mut tasks = Vec::new();
     for w in 0..keepalive + fresh {
-        let (tls, tally) = (tls.clone(), tally.clone());
+        // Each worker is its own client, as each sandbox process is: its own session store
+        // (rustls' default in-memory one), so a reconnect resumes only with a ticket this
+        // worker got.
+        let mut own = (*tls).clone();
+        own.resumption = rustls::client::Resumption::default();
+        let (tls, tally) = (tokio_rustls::TlsConnector::from(Arc::new(own)), tally.clone());
         let keep = w < keepalive;
         tasks.push(tokio::spawn(async move {
             let mut sender: Option<Sender> = None;

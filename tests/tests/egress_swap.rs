@@ -174,3 +174,52 @@ fn egress_gateway_swap_under_load() {
         }
     }
 }
+
+/// E24 with real binaries: a pre-E24 build (`CUBENET_BASELINE_EGRESS`, e.g. main's
+/// `cube-egress`; skipped without it) hands over to this build, which hands back to the
+/// pre-E24 build (a rollback). Each swap completes (predecessor exits 0 after READY), the
+/// policy survives both, requests are answered after each; this build logs that its
+/// predecessor predates the extras, and the pre-E24 predecessor audits the refused request
+/// once (`handoff_aborted`).
+#[test]
+fn egress_swap_with_a_pre_e24_build() {
+    if !require_root("egress_swap_with_a_pre_e24_build") {
+        return;
+    }
+    let Some(old) = std::env::var_os("CUBENET_BASELINE_EGRESS").map(std::path::PathBuf::from) else {
+        eprintln!("SKIP egress_swap_with_a_pre_e24_build: set CUBENET_BASELINE_EGRESS to a pre-E24 cube-egress");
+        return;
+    };
+    let rig = SwapRig::new();
+    let sock = rig.handoff_socket();
+    let take = ["--takeover-socket", sock.to_str().unwrap()];
+    let mut a = rig.spawn_gateway_logged(&old, "old1", &[]);
+    rig.configure();
+    let sess = rig.dir.join("ossl.sess");
+    let out = rig.openssl_get("/ossl/o1", &sess, false);
+    assert!(out.contains("ok /ossl/o1"), "{out}");
+
+    // Upgrade: pre-E24 A → this build.
+    let mut b = rig.spawn_gateway_logged(&egress_bin(), "new1", &take);
+    let status = wait_exit(&mut a, Duration::from_secs(25)).expect("pre-E24 predecessor exits after the swap");
+    assert!(status.success(), "pre-E24 predecessor exit: {status}");
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let blog = std::fs::read_to_string(rig.dir.join("new1.log")).unwrap();
+    assert!(blog.contains("predates hand-over extras"), "fallback logged: {blog}");
+    let out = rig.openssl_get("/ossl/o2", &sess, true);
+    assert!(out.contains("ok /ossl/o2"), "{out}");
+
+    // Rollback: this build → pre-E24 C (never asks for extras).
+    let mut c = rig.spawn_gateway_logged(&old, "old2", &take);
+    let status = wait_exit(&mut b, Duration::from_secs(25)).expect("this build exits after handing back");
+    assert!(status.success(), "exit: {status}");
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let out = rig.openssl_get("/ossl/o3", &sess, true);
+    assert!(out.contains("ok /ossl/o3"), "{out}");
+    sigterm(&c);
+    assert!(wait_exit(&mut c, Duration::from_secs(25)).is_some_and(|s| s.success()));
+    let aborted = rig.audit_lines().iter().filter(|l| l["security"]["reason"] == "handoff_aborted").count();
+    assert_eq!(aborted, 1, "the pre-E24 predecessor refused the extras request once");
+}
