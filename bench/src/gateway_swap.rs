@@ -106,8 +106,10 @@ fn explain(rig: &SwapRig, label: &str, s: &Swapped, idle: &LoadReport) {
     };
     let ((rc, rf), (ic, if_)) = (after(r), after(idle));
     eprintln!(
-        "{label}: connects from the successor's spawn on: {rc}, {rf} full TLS handshakes (no-swap load, same \
-         offsets: {ic} connects, {if_} full)"
+        "{label}: connects from the successor's spawn on: {rc}, {rf} full TLS handshakes, each client's first \
+         connect {:.2} ms (median; no-swap load, same offsets: {ic} connects, {if_} full, first connect {:.2} ms)",
+        first_connect(r, wf),
+        first_connect(idle, wf)
     );
     let log = std::fs::read_to_string(rig.dir.join(format!("{}.log", s.succ))).unwrap_or_default();
     for l in log.lines().filter(|l| {
@@ -155,7 +157,7 @@ fn window(s: &Swapped) -> (Duration, Duration) {
 }
 
 /// Figures per round (see [`CASES`]).
-const FIGURES: usize = 5;
+const FIGURES: usize = 6;
 
 /// The figures of one round: `resets`, `failed connects` (TCP connects or TLS handshakes),
 /// `max gap` (the longest interval without a completed request while the load ran, ms),
@@ -163,8 +165,10 @@ const FIGURES: usize = 5;
 /// `full handshakes after swap` (connects from the successor's spawn to the load's end whose
 /// TLS handshake did not resume a session: each client has its own rustls default session
 /// store),
-/// each as (swap, the same figure of the no-swap load; for the window and the handshakes:
-/// the same offsets of that load).
+/// and `first connect after swap` (the median over the clients of each one's first connect
+/// from the successor's spawn on: TCP connect + TLS handshake + HTTP/1 handshake, ms, what a
+/// client waits before its first request reaches the successor), each as (swap, the same figure of the no-swap load; for the window,
+/// the handshakes and the connects: the same offsets of that load).
 fn figures(s: &Swapped, idle: &LoadReport) -> [(f64, f64); FIGURES] {
     let (r, ms) = (&s.load, |d: Duration| d.as_secs_f64() * 1e3);
     let (from, to) = window(s);
@@ -175,7 +179,24 @@ fn figures(s: &Swapped, idle: &LoadReport) -> [(f64, f64); FIGURES] {
         (ms(r.max_gap), ms(idle.max_gap)),
         (ms(r.max_gap_in(from, to).0), ms(idle.max_gap_in(from, to).0)),
         (full(r), full(idle)),
+        (first_connect(r, from), first_connect(idle, from)),
     ]
+}
+
+/// The median over the clients of each one's first connect time (ms) that began at `from` or
+/// later (0 when none did).
+fn first_connect(l: &LoadReport, from: Duration) -> f64 {
+    let mut v: Vec<f64> = l
+        .worker_connects
+        .iter()
+        .filter_map(|w| w.iter().find(|(a, _)| *a >= from))
+        .map(|(a, b)| (*b - *a).as_secs_f64() * 1e3)
+        .collect();
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Row cases of [`figures`], in order: (case, unit, target).
@@ -185,6 +206,7 @@ const CASES: [(&str, &str, Option<&str>); FIGURES] = [
     ("max gap", "ms", Some("<= 1 ms")),
     ("max gap, swap window", "ms", None),
     ("full handshakes after swap", "count", None),
+    ("first connect after swap", "ms", None),
 ];
 
 /// The rows of `label` from its rounds' figures: median and p10..p90 of the swaps beside the

@@ -426,6 +426,9 @@ pub struct LoadReport {
     /// a session with a ticket from the same worker's earlier connection: each worker has its
     /// own rustls default in-memory session store), from the start, sorted.
     pub full_handshakes: Vec<Duration>,
+    /// Successful connects per worker (each its own client): `[worker]` = (began, ready) in
+    /// order, from the start.
+    pub worker_connects: Vec<Vec<(Duration, Duration)>>,
 }
 
 impl LoadReport {
@@ -481,6 +484,7 @@ struct Tally {
     done: Vec<Instant>,
     close_at: Vec<Instant>,
     connects: Vec<(Instant, Instant)>,
+    per_worker: Vec<Vec<(Instant, Instant)>>,
     full: Vec<Instant>,
 }
 
@@ -572,7 +576,12 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
                     None => match (Instant::now(), connect(&tls).await) {
                         (began, Ok((s, resumed))) => {
                             let mut t = tally.lock().expect("tally");
-                            t.connects.push((began, Instant::now()));
+                            let ready = Instant::now();
+                            t.connects.push((began, ready));
+                            if t.per_worker.len() <= w {
+                                t.per_worker.resize(w + 1, Vec::new());
+                            }
+                            t.per_worker[w].push((began, ready));
                             if !resumed {
                                 t.full.push(began);
                             }
@@ -622,6 +631,8 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
     t.r.close_at.sort();
     t.r.connects = t.connects.iter().map(|(a, b)| (*a - started, *b - started)).collect();
     t.r.connects.sort();
+    t.r.worker_connects =
+        t.per_worker.iter().map(|v| v.iter().map(|(a, b)| (*a - started, *b - started)).collect()).collect();
     t.r.full_handshakes = t.full.iter().map(|a| *a - started).collect();
     t.r.full_handshakes.sort();
     t.r
