@@ -162,10 +162,19 @@ pub struct Config {
     /// ranges (`cubevs::policy::BASELINE_DENY`): IPv4 addresses (/32) or CIDRs (host bits
     /// must be zero), at most 64 (`cubevs_common::limits::NODE_DENY`). Checked before any allow (`allow_out`,
     /// learned FQDN addresses, static L7 entries) and never learned from a DNS answer; written
-    /// to the pinned `node_deny` map at every start, replacing what a previous run wrote.
+    /// to the pinned `node_deny` map at every start, replacing what a previous run wrote, and
+    /// again on SIGHUP from the re-read file (the one key a reload applies, decision R51).
     /// Default `["100.100.100.200/32"]` (Alibaba Cloud's metadata service, decision R30);
     /// `[]` = baseline only. CubeEgress has its own key of the same name: keep them equal.
     pub always_denied_cidrs: Vec<String>,
+    /// Uids besides root and the agent's own that may use the gRPC socket (`grpc_listen` as
+    /// `unix://`) and the TAP fd socket (`tap_fd_listen`): a cubelet or VMM running as another
+    /// non-root user (decision R50). Default `[]`. At most 64, no duplicates, not 4294967295.
+    /// Each socket file then carries a POSIX ACL granting these uids read/write (mode 0600
+    /// otherwise; 0666 on a filesystem without ACLs, logged) and every connection is checked
+    /// with SO_PEERCRED; the socket directories must be searchable by them. The hand-over
+    /// socket and the `/v1/` dumps of the HTTP listeners stay root and the agent's uid only.
+    pub allowed_peer_uids: Vec<u32>,
 }
 
 /// The `after_handover` key.
@@ -219,12 +228,16 @@ impl Default for Config {
             after_handover: AfterHandover::Exit,
             xdp_mode: "off".into(),
             always_denied_cidrs: DEFAULT_ALWAYS_DENIED.iter().map(|s| s.to_string()).collect(),
+            allowed_peer_uids: Vec::new(),
         }
     }
 }
 
 /// Default `always_denied_cidrs`: Alibaba Cloud's instance metadata service (decision R30).
 pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32"];
+
+/// Most `allowed_peer_uids` entries.
+pub const MAX_ALLOWED_PEER_UIDS: usize = 64;
 
 /// An IPv4 network.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -505,6 +518,20 @@ impl Config {
             }
             always_denied.push(c);
         }
+        if self.allowed_peer_uids.len() > MAX_ALLOWED_PEER_UIDS {
+            return Err(invalid(
+                "allowed_peer_uids",
+                format!("{} entries exceed the limit of {MAX_ALLOWED_PEER_UIDS}", self.allowed_peer_uids.len()),
+            ));
+        }
+        for (i, u) in self.allowed_peer_uids.iter().enumerate() {
+            if *u == u32::MAX {
+                return Err(invalid("allowed_peer_uids", format!("[{i}] 4294967295 is not a uid (it means none)")));
+            }
+            if self.allowed_peer_uids[..i].contains(u) {
+                return Err(invalid("allowed_peer_uids", format!("[{i}] {u} is listed twice")));
+            }
+        }
         Ok(Validated { raw: self, cidr, mvm_mac, gw_mac, port_range, xdp_mode, always_denied })
     }
 }
@@ -549,6 +576,28 @@ mod tests {
         }
         let many: Vec<String> = (0..65).map(|i| format!("\"203.0.113.{i}\"")).collect();
         let e = Config::parse(&format!("always_denied_cidrs = [{}]", many.join(", ")))
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("65 entries exceed the limit of 64"), "{e}");
+    }
+
+    #[test]
+    fn allowed_peer_uids_are_checked() {
+        assert!(Config::default().allowed_peer_uids.is_empty());
+        let v = Config::parse("allowed_peer_uids = [1001, 65534]").unwrap().validate().unwrap();
+        assert_eq!(v.raw.allowed_peer_uids, [1001, 65534]);
+        for (bad, want) in
+            [("[1001, 1001]", "[1] 1001 is listed twice"), ("[4294967295]", "[0] 4294967295 is not a uid")]
+        {
+            let e = Config::parse(&format!("allowed_peer_uids = {bad}")).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains("`allowed_peer_uids`") && e.contains(want), "{e}");
+        }
+        let e = Config::parse("allowed_peer_uids = [-1]").unwrap_err();
+        assert!(e.contains("allowed_peer_uids"), "{e}");
+        let many: Vec<String> = (1000..1065).map(|u| u.to_string()).collect();
+        let e = Config::parse(&format!("allowed_peer_uids = [{}]", many.join(", ")))
             .unwrap()
             .validate()
             .unwrap_err()

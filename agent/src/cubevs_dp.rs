@@ -108,6 +108,19 @@ impl CubeVsDataplane {
         self.maps.sessions.delete_to(list).map_err(err)
     }
 
+    /// A running agent's change of the list (SIGHUP, decision R51): makes `node_deny` hold
+    /// exactly `list` as [`CubeVsDataplane::set_always_denied`] does (new entries inserted before
+    /// dropped ones are deleted), then deletes the sessions toward the entries that were not in
+    /// the map before only; sessions that exist toward an entry listed before (paths without a
+    /// policy check, such as TCP host-port replies) are not cut by a reload that keeps it.
+    /// Returns how many sessions were deleted. Errors as `set_always_denied`.
+    pub fn update_always_denied(&self, list: &[cubevs::Cidr]) -> Result<usize, DataplaneError> {
+        let before: std::collections::BTreeSet<cubevs::Cidr> = self.maps.node_deny.list().into_iter().collect();
+        self.maps.node_deny.replace(list).map_err(err)?;
+        let added: Vec<cubevs::Cidr> = list.iter().filter(|c| !before.contains(c)).copied().collect();
+        self.maps.sessions.delete_to(&added).map_err(err)
+    }
+
     /// Removes link pins of interfaces that no longer exist (deleted TAPs).
     pub fn gc_link_pins(&self) -> Result<Vec<String>, DataplaneError> {
         self.on_thread(|dp| dp.gc_link_pins())

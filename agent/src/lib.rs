@@ -17,5 +17,6 @@ pub mod listeners;
 pub mod metrics;
 pub mod policy_dump;
 pub mod ports;
+pub mod reload;
 pub mod state;
 pub mod uds_authority;

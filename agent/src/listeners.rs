@@ -57,13 +57,13 @@ pub struct Listeners {
     pub for_handover: Vec<(ListenerKind, OwnedFd)>,
 }
 
-/// Binds a Unix listener at `p` with mode 0600 (decision R40): the parent directory must be
-/// trusted ([`cubenet_sys::trusted_path`]); the socket is set to 0600 right after the bind, whatever
-/// the umask (a stranger who connects in between is still refused by [`peer_allowed`]). It is
+/// Binds a Unix listener at `p` with mode 0600 (decision R40), plus an ACL for the
+/// `allowed_peer_uids` ([`restrict`], R50): the parent directory must be trusted
+/// ([`cubenet_sys::trusted_path`]); the socket is restricted right after the bind, whatever the
+/// umask (a stranger who connects in between is still refused by [`peer_allowed`]). It is
 /// bound in place, not renamed into place: a successor checks a handed-over socket's bound
 /// name against its configuration.
-fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
+fn bind_unix(p: &Path, uids: &[u32]) -> anyhow::Result<std::os::unix::net::UnixListener> {
     if let Some(d) = p.parent() {
         cubenet_sys::trusted_path::ensure_dir(d, "socket directory")?;
     }
@@ -78,16 +78,32 @@ fn bind_unix(p: &Path) -> anyhow::Result<std::os::unix::net::UnixListener> {
     }
     let _ = std::fs::remove_file(p);
     let l = std::os::unix::net::UnixListener::bind(p).with_context(|| format!("bind {}", p.display()))?;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("chmod 0600 {}", p.display()))?;
+    restrict(p, uids)?;
     Ok(l)
 }
 
-/// Whether a Unix-socket peer runs as root or as the agent's effective uid (SO_PEERCRED;
-/// errors count as no). The gRPC and TAP fd sockets serve only those (decision R40), as the
-/// hand-over socket does.
-pub fn peer_allowed(conn: &tokio::net::UnixStream) -> bool {
-    cubenet_sys::peer_uid::unix_peer_allowed(conn)
+/// Makes the socket file `p` connectable by its owner and `uids` only: mode 0600, plus a POSIX
+/// ACL granting `uids` read/write when the list is not empty (removed when it is, so a socket
+/// adopted from a predecessor follows this configuration). A filesystem without ACLs leaves the
+/// file 0666 (logged): SO_PEERCRED ([`peer_allowed`]) is then the only check.
+pub fn restrict(p: &Path, uids: &[u32]) -> anyhow::Result<()> {
+    use cubenet_sys::socket_acl::Access;
+    match cubenet_sys::socket_acl::restrict(p, uids).with_context(|| format!("restrict access to {}", p.display()))? {
+        Access::WorldConnectable => tracing::warn!(
+            socket = %p.display(),
+            "no POSIX ACLs on this filesystem: socket is 0666 so allowed_peer_uids can connect; other users are refused at accept"
+        ),
+        Access::Acl => tracing::info!(socket = %p.display(), uids = ?uids, "socket open to allowed_peer_uids"),
+        Access::OwnerOnly => {}
+    }
+    Ok(())
+}
+
+/// Whether a Unix-socket peer runs as root, as the agent's effective uid or as one of `uids`
+/// (`allowed_peer_uids`; SO_PEERCRED, errors count as no). The gRPC and TAP fd sockets serve
+/// only those (decisions R40, R50); the hand-over socket only root and our uid.
+pub fn peer_allowed(conn: &tokio::net::UnixStream, uids: &[u32]) -> bool {
+    cubenet_sys::peer_uid::unix_peer_allowed_with(conn, uids)
 }
 
 fn unix_at(fd: OwnedFd, want: &Path, key: &str) -> anyhow::Result<std::os::unix::net::UnixListener> {
@@ -116,10 +132,10 @@ impl Listeners {
         let health = std::net::TcpListener::bind(&raw.health_listen)
             .with_context(|| format!("bind health_listen {}", raw.health_listen))?;
         let grpc = match parse_endpoint(&raw.grpc_listen)? {
-            Endpoint::Unix(p) => Either::Unix(bind_unix(&p)?),
+            Endpoint::Unix(p) => Either::Unix(bind_unix(&p, &raw.allowed_peer_uids)?),
             Endpoint::Tcp(a) => Either::Tcp(std::net::TcpListener::bind(&a).with_context(|| format!("bind {a}"))?),
         };
-        let tap_fd = bind_unix(&raw.tap_fd_listen)?;
+        let tap_fd = bind_unix(&raw.tap_fd_listen, &raw.allowed_peer_uids)?;
         Self::finish(grpc, tap_fd, health)
     }
 
@@ -131,13 +147,17 @@ impl Listeners {
         for (kind, fd) in fds {
             match (kind, &endpoint) {
                 (ListenerKind::GrpcUnix, Endpoint::Unix(p)) if grpc.is_none() => {
-                    grpc = Some(Either::Unix(unix_at(fd, p, "grpc_listen")?))
+                    let l = unix_at(fd, p, "grpc_listen")?;
+                    restrict(p, &raw.allowed_peer_uids)?;
+                    grpc = Some(Either::Unix(l))
                 }
                 (ListenerKind::GrpcTcp, Endpoint::Tcp(a)) if grpc.is_none() => {
                     grpc = Some(Either::Tcp(tcp_at(fd, a, "grpc_listen")?))
                 }
                 (ListenerKind::TapFd, _) if tap_fd.is_none() => {
-                    tap_fd = Some(unix_at(fd, &raw.tap_fd_listen, "tap_fd_listen")?)
+                    let l = unix_at(fd, &raw.tap_fd_listen, "tap_fd_listen")?;
+                    restrict(&raw.tap_fd_listen, &raw.allowed_peer_uids)?;
+                    tap_fd = Some(l)
                 }
                 (ListenerKind::Health, _) if health.is_none() => {
                     health = Some(tcp_at(fd, &raw.health_listen, "health_listen")?)

@@ -203,14 +203,25 @@ fn main() {
         println!("configuration ok");
         return;
     }
+    // SIGHUP re-reads the same file with the same flags over it (reload.rs, decision R51).
+    let load: Option<Loader> = args
+        .config
+        .clone()
+        .map(|p| Box::new(move || Config::load(&p).map(|c| apply(c, &args)).map_err(|e| e.to_string())) as Loader);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-    if let Err(e) = rt.block_on(run(cfg)) {
+    if let Err(e) = rt.block_on(run(cfg, load)) {
         eprintln!("network-agent: {e:#}");
         std::process::exit(1);
     }
 }
 
-async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
+/// Reads the configuration file with the command-line flags over it.
+type Loader = Box<dyn Fn() -> Result<Config, String> + Send + Sync>;
+
+async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -> anyhow::Result<()> {
+    // Installed first: SIGHUP's default action would end the agent (a SIGHUP during the start
+    // is applied once the loop below runs).
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let raw = &cfg.raw;
     let t_all = Instant::now();
     tracing::info!(dataplane_netns = %raw.dataplane_netns, bpffs_dir = %raw.bpffs_dir.display(), "starting");
@@ -420,10 +431,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let grpc_task = match grpc_listener {
         GrpcListener::Unix(l) => {
             // Standard clients send the socket path as `:authority`: normalise it (uds_authority.rs).
-            // Only root or our uid is served (R40): another user's connection is dropped at accept.
+            // Only root, our uid or `allowed_peer_uids` is served (R40, R50): any other user's
+            // connection is dropped at accept.
+            let uids = raw.allowed_peer_uids.clone();
             let incoming = UnixListenerStream::new(l)
-                .filter(|s| match s {
-                    Ok(c) if !listeners::peer_allowed(c) => {
+                .filter(move |s| match s {
+                    Ok(c) if !listeners::peer_allowed(c, &uids) => {
                         tracing::warn!(peer = ?c.peer_cred().map(|c| c.uid()).ok(), "gRPC client of another user refused");
                         false
                     }
@@ -443,10 +456,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
     let fd_inflight = InFlight::default();
     let fd_token_src = fd_inflight.token_source();
     let fd_token = acceptors.token();
+    let fd_uids = raw.allowed_peer_uids.clone();
     let fd_task = tokio::spawn(until_stopped(fd_token, async move {
         loop {
             let stream = match fd_listener.accept().await {
-                Ok((s, _)) if !listeners::peer_allowed(&s) => {
+                Ok((s, _)) if !listeners::peer_allowed(&s, &fd_uids) => {
                     // Another user gets no TAP (R40): dropped unanswered.
                     tracing::warn!(peer = ?s.peer_cred().map(|c| c.uid()).ok(), "TAP fd client of another user refused");
                     continue;
@@ -496,6 +510,20 @@ async fn run(cfg: Arc<network_agent::config::Validated>) -> anyhow::Result<()> {
         drop(for_handover);
         std::mem::forget(handed_tx);
     }
+
+    // SIGHUP: `always_denied_cidrs` from the file, applied in place (reload.rs, R51).
+    let reloader = network_agent::reload::Reloader {
+        load,
+        running: cfg.clone(),
+        dp: dp.clone(),
+        gate: gate.clone(),
+        metrics: agent.metrics.clone(),
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            reloader.reload().await;
+        }
+    });
 
     // 6. Pool warm-up and maintenance, off the async workers; each pass enters the mutation
     //    gate, and none runs once the state was handed to a successor.

@@ -64,6 +64,9 @@ pub struct Metrics {
     /// filter, waiting for the maintenance loop to move them to their tcx link (F5); read
     /// from the datapath at scrape time.
     pub warmup_filters: IntGauge,
+    /// `cubenet_config_reloads_total{result}`: SIGHUPs by outcome (`applied`, `invalid`,
+    /// `failed`, `no_file`, `handed_over`; decision R51).
+    pub config_reloads: IntCounterVec,
 }
 
 impl Metrics {
@@ -131,8 +134,14 @@ impl Metrics {
         let warmup_filters =
             IntGauge::new("cubenet_tap_warmup_filters", "TAPs on a warm-up tc filter, waiting for their tcx link")
                 .unwrap();
+        let config_reloads = IntCounterVec::new(
+            Opts::new("cubenet_config_reloads_total", "SIGHUP configuration reloads by outcome"),
+            &["result"],
+        )
+        .unwrap();
         for c in [
             Box::new(warmup_filters.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(config_reloads.clone()),
             Box::new(pool.clone()),
             Box::new(egress_push.clone()),
             Box::new(egress_learned_push.clone()),
@@ -173,6 +182,7 @@ impl Metrics {
             egress_pending,
             egress_up,
             warmup_filters,
+            config_reloads,
         }
     }
 

@@ -332,6 +332,7 @@ impl Datapath {
             (map::ALLOW_OUT, policy_entries),
             (map::DENY_OUT, policy_entries),
             (map::DNS_ALLOW, l.dns_allow_entries()?),
+            (map::DNS_ALLOW_NAMES, l.dns_allow_entries()?),
             (map::SESSION_OPENED, l.session_quota_keys()?),
             (map::SESSION_CLOSED, l.session_quota_keys()?),
             (map::SESSION_FLOOR, limits::SESSION_FLOOR_KEYS),
@@ -885,6 +886,8 @@ fn policy_table(
     }
     let dns = crate::policy::dns::DnsMaps {
         allow: take(ebpf, map::DNS_ALLOW)?,
+        // Optional (an object older than R48 has none): patterns then match by hash alone.
+        names: ebpf.take_map(map::DNS_ALLOW_NAMES).and_then(|m| m.try_into().ok()),
         learned: take(ebpf, map::DNS_LEARNED)?,
         queries: take(ebpf, map::DNS_QUERY_TRACK)?,
         track: Some(track),

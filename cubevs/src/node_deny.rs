@@ -1,8 +1,8 @@
 //! The node's extra always-denied destinations (`node_deny`, decision R30): CIDRs every
 //! sandbox is denied before any allow (`allow_out`, a learned FQDN address, a static L7
 //! entry), and that the DNS learner never learns. The agent writes its `always_denied_cidrs`
-//! here at every start; the list is replaced in place, so a restart with a changed list
-//! changes what every running sandbox may reach.
+//! here at every start and on SIGHUP (R51); the list is replaced in place, so a restart or a
+//! reload with a changed list changes what every running sandbox may reach.
 
 use std::{collections::BTreeSet, net::Ipv4Addr, sync::Mutex};
 

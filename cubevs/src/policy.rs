@@ -219,6 +219,9 @@ impl Tries {
             }
             for (k, _) in &w.fqdn {
                 absent_ok(self.dns.allow.remove(k)).map_err(Error::map(map::DNS_ALLOW, "delete"))?;
+                if let Some(names) = self.dns.names.as_mut() {
+                    absent_ok(names.remove(k)).map_err(Error::map(map::DNS_ALLOW_NAMES, "delete"))?;
+                }
             }
             self.forget(ifindex, g);
         }
@@ -251,7 +254,11 @@ impl Tries {
         for d in &c.deny {
             self.deny.insert(&key(ifindex, generation, *d), 1, 0).map_err(Error::map(map::DENY_OUT, "insert"))?;
         }
-        for (k, v) in &fqdn {
+        for ((k, v), p) in fqdn.iter().zip(&c.fqdn) {
+            // The name first: the datapath never sees a pattern without it (decision R48).
+            if let (Some(names), Some(n)) = (self.dns.names.as_mut(), cubevs_common::dns::DnsAllowName::of(&p.name)) {
+                names.insert(k, n, 0).map_err(Error::map(map::DNS_ALLOW_NAMES, "insert"))?;
+            }
             self.dns.allow.insert(k, v, 0).map_err(Error::map(map::DNS_ALLOW, "insert"))?;
         }
         Ok(())

@@ -47,7 +47,7 @@ SEED_AGENT_MOUNTS = {"/tmp/cube", "/dev/net/tun", "/sys/fs/bpf", "/var/lib/cuben
 
 VARIANTS = {
     "underlay-selfsigned": {"mode": "underlay"},
-    "overlay-selfsigned": {"mode": "overlay"},
+    "overlay-selfsigned": {"mode": "overlay", "allowedPeerUids": [1001, 65534]},
     "underlay-existing-secret": {"mode": "underlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}}},
     "overlay-existing-secret": {"mode": "overlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}}},
     "underlay-named-netns-no-egress": {"mode": "underlay", "underlay": {"netnsPath": "/run/netns/node0"}, "egress": {"enabled": False}},
@@ -62,6 +62,7 @@ REFUSED = {
     "drain-vs-grace": ({"egress": {"drainTimeoutSecs": 40}}, "drainTimeoutSecs"),
     "agent-log-format": ({"agent": {"logFormat": "xml"}}, "agent.logFormat must be json or text"),
     "egress-log-format": ({"egress": {"logFormat": "logfmt"}}, "egress.logFormat must be json or text"),
+    "peer-uid-name": ({"allowedPeerUids": ["cubelet"]}, "allowedPeerUids must hold numeric uids"),
 }
 
 
@@ -89,6 +90,7 @@ MUTATIONS = {
     "unknown config key": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"] + 'log_level = "x"\n'}), "does not read: ['log_level']"),
     "health on loopback": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("0.0.0.0:", "127.0.0.1:")}), "could never pass"),
     "hostPID + shareProcessNamespace": (lambda o: _ds(o)["spec"]["template"]["spec"].update(shareProcessNamespace=True), "hostPID and shareProcessNamespace"),
+    "allowed_peer_uids dropped": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("allowed_peer_uids = []", "")}), "allowed_peer_uids None"),
     "egress log format dropped": (lambda o: [c.update(env=[e for e in c["env"] if e["name"] != "CUBE_EGRESS_LOG_FORMAT"]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress-standby"], "CUBE_EGRESS_LOG_FORMAT is None"),
 }
 
@@ -265,6 +267,9 @@ class Checker:
             self.fail(f"config.toml keys the agent does not read: {sorted(unknown)}")
         if cfg["cidr"] != values["cidr"]:
             self.fail(f"agent cidr {cfg['cidr']} != values cidr {values['cidr']}")
+        want_uids = [int(u) for u in values.get("allowedPeerUids") or []]
+        if cfg.get("allowed_peer_uids") != want_uids:
+            self.fail(f"agent allowed_peer_uids {cfg.get('allowed_peer_uids')} != values allowedPeerUids {want_uids}")
         port = int(cfg["health_listen"].rsplit(":", 1)[1])
         if not cfg["health_listen"].startswith("0.0.0.0:"):
             self.fail("health_listen on loopback: kubelet's httpGet probes (pod IP) could never pass")
@@ -293,6 +298,8 @@ class Checker:
                 self.fail(f"egress.toml keys cube-egress does not read: {sorted(unknown)}")
             if ecfg["sandbox_cidr"] != values["cidr"]:
                 self.fail("egress sandbox_cidr differs from cidr")
+            if ecfg.get("allowed_peer_uids") != cfg.get("allowed_peer_uids"):
+                self.fail(f"egress allowed_peer_uids {ecfg.get('allowed_peer_uids')} != the agent's {cfg.get('allowed_peer_uids')}")
             for c in containers:
                 if c["name"].startswith("cube-egress") or c["name"] == "preflight":
                     e = {x["name"]: x.get("value") for x in c.get("env", [])}

@@ -8,14 +8,14 @@ use std::{
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Upstream's default bootstrap URL (the agent's policy dump; upstream.md §4.5).
 pub const DEFAULT_BOOTSTRAP_URL: &str = "http://127.0.0.1:9998/v1/policies/dump";
 
 /// Effective configuration of one `cube-egress` process. Every field is also a TOML key of the
 /// same name.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Sandbox (mvm IP) CIDR; the listeners bind its network address + 1. Default `192.168.0.0/18`.
@@ -74,7 +74,8 @@ pub struct Config {
     /// Destinations the gateway never dials, whatever a rule or a learned name says: IPv4
     /// addresses (/32) or CIDRs (host bits zero), at most 64. The same list as the agent's
     /// `always_denied_cidrs` (decision R30): keep them equal. Default
-    /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none.
+    /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none. The one key
+    /// a SIGHUP re-reads (R51).
     pub always_denied_cidrs: Vec<String>,
     /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
     /// hold (decision R22; default 8). All sandboxes together hold at most (soft descriptor
@@ -86,10 +87,18 @@ pub struct Config {
     /// `audit_queue_capacity` / (2 × sandboxes with a policy)), at least 1 while there are no
     /// more sandboxes than records.
     pub audit_floor_per_sandbox: usize,
+    /// Uids besides root and the gateway's own whose loopback clients the admin API serves
+    /// (decision R50; default `[]`, at most 64, no duplicates): an agent or operator tool
+    /// running as another non-root user. `/metrics` and `/admin/v1/health` stay open to every
+    /// local client; the handoff socket stays root and our uid only.
+    pub allowed_peer_uids: Vec<u32>,
 }
 
 /// Default `always_denied_cidrs`, the agent's default too (decision R30).
 pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32"];
+
+/// Most `allowed_peer_uids` entries.
+pub const MAX_ALLOWED_PEER_UIDS: usize = 64;
 
 /// Most `always_denied_cidrs` entries (the agent's `node_deny` map holds 64).
 pub const MAX_ALWAYS_DENIED: usize = 64;
@@ -123,12 +132,13 @@ impl Default for Config {
             always_denied_cidrs: DEFAULT_ALWAYS_DENIED.iter().map(|s| s.to_string()).collect(),
             conn_floor_per_sandbox: crate::conns::DEFAULT_FLOOR,
             audit_floor_per_sandbox: 8,
+            allowed_peer_uids: Vec::new(),
         }
     }
 }
 
 /// Command line; each flag also reads the `CUBE_EGRESS_<NAME>` environment variable.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(name = "cube-egress", version, about = "CubeEgress L7 egress gateway")]
 pub struct Cli {
     /// TOML configuration file (keys = `Config` field names).
@@ -192,6 +202,10 @@ pub struct Cli {
     /// `always_denied_cidrs`; an empty value = none).
     #[arg(long = "always-denied-cidr", env = "CUBE_EGRESS_ALWAYS_DENIED_CIDRS", value_delimiter = ',')]
     pub always_denied_cidrs: Option<Vec<String>>,
+    /// Uids besides root and ours the admin API serves (comma-separated or repeated; replaces
+    /// `allowed_peer_uids`).
+    #[arg(long = "allowed-peer-uid", env = "CUBE_EGRESS_ALLOWED_PEER_UIDS", value_delimiter = ',')]
+    pub allowed_peer_uids: Option<Vec<u32>>,
 }
 
 impl Config {
@@ -208,6 +222,9 @@ impl Config {
         over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs, dns_servers);
         if let Some(v) = cli.always_denied_cidrs {
             c.always_denied_cidrs = v.into_iter().filter(|s| !s.is_empty()).collect();
+        }
+        if let Some(v) = cli.allowed_peer_uids {
+            c.allowed_peer_uids = v;
         }
         if cli.listen_ip.is_some() {
             c.listen_ip = cli.listen_ip;
@@ -248,6 +265,20 @@ impl Config {
             bail!("admin_addr {}: must be a loopback address (127.0.0.0/8 or ::1)", self.admin_addr);
         }
         self.always_denied()?;
+        if self.allowed_peer_uids.len() > MAX_ALLOWED_PEER_UIDS {
+            bail!(
+                "allowed_peer_uids: {} entries exceed the limit of {MAX_ALLOWED_PEER_UIDS}",
+                self.allowed_peer_uids.len()
+            );
+        }
+        for (i, u) in self.allowed_peer_uids.iter().enumerate() {
+            if *u == u32::MAX {
+                bail!("allowed_peer_uids[{i}]: 4294967295 is not a uid (it means none)");
+            }
+            if self.allowed_peer_uids[..i].contains(u) {
+                bail!("allowed_peer_uids[{i}]: {u} is listed twice");
+            }
+        }
         if self.dns_timeout_ms == 0 || self.audit_queue_capacity == 0 {
             bail!("dns_timeout_ms and audit_queue_capacity must be positive");
         }
@@ -365,6 +396,12 @@ mod tests {
         let cli = Cli::parse_from(["cube-egress", "--always-denied-cidr", "1.1.1.1,100.100.100.200/10"]);
         let e = Config::load(cli).unwrap_err().to_string();
         assert!(e.contains("always_denied_cidrs[1]") && e.contains("host bits"), "{e}");
+        std::fs::write(&f, "allowed_peer_uids = [1001, 65534]\n").unwrap();
+        let c = Config::load(Cli::parse_from(["cube-egress", "--config", f.to_str().unwrap()])).unwrap();
+        assert_eq!(c.allowed_peer_uids, [1001, 65534]);
+        let cli = Cli::parse_from(["cube-egress", "--allowed-peer-uid", "7,7"]);
+        let e = Config::load(cli).unwrap_err().to_string();
+        assert!(e.contains("allowed_peer_uids[1]") && e.contains("twice"), "{e}");
         std::fs::write(&f, "htp_port = 1\n").unwrap();
         assert!(Config::from_toml_file(&f).is_err());
         std::fs::remove_dir_all(&dir).unwrap();

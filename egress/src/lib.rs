@@ -76,7 +76,10 @@ pub struct App {
     /// The sandbox CIDR (network, mask; host order): never dialled upstream (R17).
     sandbox_net: (Ipv4Addr, u32),
     /// The node's always-denied destinations (network, mask; host order): never dialled (R30).
-    always_denied: Vec<(Ipv4Addr, u32)>,
+    /// Replaced as a whole by a SIGHUP reload (R51); live connections watch it.
+    always_denied: watch::Sender<Arc<Vec<(Ipv4Addr, u32)>>>,
+    /// Uids besides root and ours whose loopback clients the admin API serves (R50).
+    allowed_peer_uids: Vec<u32>,
     /// Live proxy connections per sandbox, bounded by budget (R18), floor and ceiling (R22).
     pub conns: Arc<conns::ConnBudget>,
     /// When the drain started (set once, just before `drain` turns `true`).
@@ -134,7 +137,8 @@ impl App {
             admin_frozen: RwLock::new(false),
             drain: watch::channel(false).0,
             sandbox_net: config::network_of(&cfg.sandbox_cidr)?,
-            always_denied: cfg.always_denied()?,
+            always_denied: watch::channel(Arc::new(cfg.always_denied()?)).0,
+            allowed_peer_uids: cfg.allowed_peer_uids.clone(),
             conns,
             drain_at: std::sync::OnceLock::new(),
             ids: AtomicU64::new(
@@ -152,10 +156,32 @@ impl App {
         let covers = |&(net, mask): &(Ipv4Addr, u32)| u32::from(ip) & mask == u32::from(net);
         if covers(&self.sandbox_net) {
             Some("destination_is_sandbox")
-        } else if self.always_denied.iter().any(covers) {
+        } else if self.always_denied.borrow().iter().any(covers) {
             Some("destination_always_denied")
         } else {
             None
+        }
+    }
+
+    /// Replaces the always-denied list in one step (R51): every check after this call sees
+    /// the new list, and every live connection re-checks its original destination
+    /// ([`App::until_denied`]).
+    pub fn set_always_denied(&self, list: Vec<(Ipv4Addr, u32)>) {
+        self.always_denied.send_replace(Arc::new(list));
+    }
+
+    /// Resolves once a replaced always-denied list covers `ip` (never while none does). A
+    /// connection to `ip` that awaits this closes when its destination becomes listed.
+    pub async fn until_denied(&self, ip: Ipv4Addr) {
+        let mut rx = self.always_denied.subscribe();
+        rx.mark_unchanged();
+        loop {
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            if self.never_dialled(ip) == Some("destination_always_denied") {
+                return;
+            }
         }
     }
 
@@ -208,11 +234,13 @@ pub(crate) async fn drain_started(drain: &mut watch::Receiver<bool>, offset: Dur
 }
 
 async fn serve_admin(app: Arc<App>, s: tokio::net::TcpStream, mut drain: watch::Receiver<bool>) {
-    // Loopback is every local process: only root and our uid may read or change policies and
-    // learned addresses (R43). The client socket's owner, from this namespace's socket table.
+    // Loopback is every local process: only root, our uid and `allowed_peer_uids` may read or
+    // change policies and learned addresses (R43, R50). The client socket's owner, from this
+    // namespace's socket table.
+    let uids = app.allowed_peer_uids.clone();
     let trusted = match (s.peer_addr(), s.local_addr()) {
         (Ok(peer), Ok(local)) => tokio::task::spawn_blocking(move || {
-            cubenet_sys::peer_uid::allowed(cubenet_sys::peer_uid::owner_here(peer, local))
+            cubenet_sys::peer_uid::allowed_with(cubenet_sys::peer_uid::owner_here(peer, local), &uids)
         })
         .await
         .unwrap_or(false),
@@ -350,7 +378,18 @@ async fn listeners(
 /// (bad state, handoff socket not bindable) exits without serving and leaves the predecessor
 /// serving.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
+    run_reloadable(cfg, None).await
+}
+
+/// Reads the configuration again (the file, with the environment and flags over it).
+pub type Loader = Box<dyn Fn() -> anyhow::Result<Config> + Send + Sync>;
+
+/// [`run`], with SIGHUP re-reading the configuration through `load` (`None`: no file, a
+/// SIGHUP is logged and ignored) and applying its `always_denied_cidrs` ([`reload`], R51).
+pub async fn run_reloadable(cfg: Config, load: Option<Loader>) -> anyhow::Result<()> {
     let mut phases = Phases::new();
+    // Installed first: SIGHUP's default action would end the gateway.
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let app = Arc::new(App::new(&cfg)?);
     phases.mark("app");
     let (listeners, ready) = listeners(&app, &cfg, &mut phases).await?;
@@ -389,6 +428,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         tokio::select! {
             _ = term.recv() => break "SIGTERM",
             _ = int.recv() => break "SIGINT",
+            _ = hup.recv() => reload(&app, &cfg, load.as_deref()),
             r = async { match &handoff { Some((h, _, _)) => h.accept().await, None => std::future::pending().await } } => {
                 match r.and_then(|(s, _)| s.into_std()) {
                     Ok(s) if !net::peer_allowed(&s) => {
@@ -434,6 +474,49 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         tracing::warn!("audit log not flushed in 5 s");
     }
     Ok(())
+}
+
+/// Keys whose value differs between `old` and `new`, `always_denied_cidrs` excluded (the
+/// one key a reload applies), sorted.
+pub fn restart_keys(old: &Config, new: &Config) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) =
+        (serde_json::to_value(old), serde_json::to_value(new))
+    else {
+        return Vec::new();
+    };
+    let mut keys: Vec<String> = a
+        .iter()
+        .filter(|(k, v)| *k != "always_denied_cidrs" && b.get(*k) != Some(*v))
+        .map(|(k, _)| k.clone())
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// One SIGHUP (R51): re-reads the configuration; a valid one's `always_denied_cidrs` replaces
+/// the list at once (live connections to a newly listed address close, [`App::until_denied`]);
+/// any other changed key is logged as needing a restart; an invalid one changes nothing.
+pub fn reload(app: &App, running: &Config, load: Option<&(dyn Fn() -> anyhow::Result<Config> + Send + Sync)>) {
+    let Some(load) = load else {
+        tracing::warn!("SIGHUP: no --config file, nothing to reload");
+        app.metrics.config_reloads.with_label_values(&["no_file"]).inc();
+        return;
+    };
+    let new = match load().and_then(|c| Ok((c.always_denied()?, c))) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "SIGHUP: configuration invalid; always_denied_cidrs unchanged");
+            app.metrics.config_reloads.with_label_values(&["invalid"]).inc();
+            return;
+        }
+    };
+    let (list, c) = new;
+    for k in restart_keys(running, &c) {
+        tracing::warn!(key = %k, "SIGHUP: config key changed, needs a restart (not applied)");
+    }
+    app.set_always_denied(list);
+    tracing::info!(always_denied = ?c.always_denied_cidrs, "SIGHUP: always-denied list reloaded");
+    app.metrics.config_reloads.with_label_values(&["applied"]).inc();
 }
 
 /// Offers listeners and a frozen snapshot of the state to a connected successor; unfreezes
@@ -510,6 +593,17 @@ mod tests {
     /// window, never beyond it: 16 successive ids from any start leave no hole wider than a
     /// quarter of the window (a uniform 1/16 would be 62.5 ms; Fibonacci hashing keeps every
     /// hole within a small factor of that).
+    #[test]
+    fn only_other_changed_keys_need_a_restart() {
+        let old = Config::default();
+        let mut new = Config { always_denied_cidrs: vec!["10.0.0.0/8".into()], ..Config::default() };
+        assert!(restart_keys(&old, &new).is_empty(), "the list is applied, not a restart key");
+        new.mint_burst = 1;
+        new.listen_ip = Some(Ipv4Addr::new(10, 0, 0, 1));
+        new.allowed_peer_uids = vec![1001];
+        assert_eq!(restart_keys(&old, &new), ["allowed_peer_uids", "listen_ip", "mint_burst"]);
+    }
+
     #[test]
     fn drain_offsets_cover_the_window() {
         for base in [0u64, 1, 1_733_000_000_000_000, u64::MAX - 20] {

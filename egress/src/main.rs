@@ -30,7 +30,13 @@ fn main() -> std::process::ExitCode {
         eprintln!("cube-egress: {e}");
         return std::process::ExitCode::from(2);
     }
-    let cfg = match Config::load(Cli::parse()) {
+    let cli = Cli::parse();
+    // SIGHUP re-reads the file with the same environment and flags over it (R51).
+    let load: Option<cube_egress::Loader> = cli.config.is_some().then(|| {
+        let cli = cli.clone();
+        Box::new(move || Config::load(cli.clone())) as cube_egress::Loader
+    });
+    let cfg = match Config::load(cli) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("cube-egress: config: {e:#}");
@@ -44,7 +50,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match rt.block_on(cube_egress::run(cfg)) {
+    match rt.block_on(cube_egress::run_reloadable(cfg, load)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("cube-egress: {e:#}");

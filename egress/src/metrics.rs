@@ -48,6 +48,11 @@ pub struct Metrics {
     pub request_seconds: Histogram,
     /// Upstream time to response headers, seconds (request − upstream ≈ added latency).
     pub upstream_seconds: Histogram,
+    /// SIGHUP configuration reloads by `result` (`applied`, `invalid`, `no_file`; R51).
+    pub config_reloads: IntCounterVec,
+    /// Live proxy connections closed because a reload listed their original destination in
+    /// `always_denied_cidrs` (R51).
+    pub connections_closed_always_denied: IntCounter,
 }
 
 impl Metrics {
@@ -93,7 +98,14 @@ impl Metrics {
                 .buckets(buckets),
         )
         .expect("metric");
+        let config_reloads =
+            vec("cube_egress_config_reloads_total", "SIGHUP configuration reloads by result", "result");
+        let connections_closed_always_denied = c(
+            "cube_egress_connections_closed_always_denied_total",
+            "Live connections closed because a reload listed their destination as always denied",
+        );
         for m in [
+            &connections_closed_always_denied,
             &injections,
             &injections_dropped,
             &mints,
@@ -106,7 +118,7 @@ impl Metrics {
         }
         let tls_handshakes =
             vec("cube_egress_tls_handshakes_total", "Completed client TLS handshakes by kind (full, resumed)", "kind");
-        for m in [&connections_refused, &audit_refused, &tls_handshakes] {
+        for m in [&connections_refused, &audit_refused, &config_reloads, &tls_handshakes] {
             registry.register(Box::new(m.clone())).expect("register");
         }
         for m in [&connections, &audit_queued] {
@@ -134,6 +146,8 @@ impl Metrics {
             audit_refused,
             request_seconds,
             upstream_seconds,
+            config_reloads,
+            connections_closed_always_denied,
         }
     }
 

@@ -202,6 +202,7 @@ where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let conn_id = ctx.conn_id;
+    let (denied, dst_ip) = (app.clone(), *ctx.dst.ip());
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let (app, ctx) = (app.clone(), ctx.clone());
         async move {
@@ -230,6 +231,13 @@ where
         () = crate::drain_started(&mut drain, crate::drain_offset(conn_id)) => {
             conn.as_mut().graceful_shutdown();
             conn.as_mut().await
+        }
+        // A reload listed the original destination (R51): closed at once, requests and
+        // upstream sockets in flight included (dropping `conn` drops them).
+        () = denied.until_denied(dst_ip) => {
+            denied.metrics.connections_closed_always_denied.inc();
+            tracing::info!(conn_id, dst = %dst_ip, "connection closed: destination now always denied");
+            return;
         }
     };
     if let Err(e) = res {

@@ -6,8 +6,10 @@
 //!   offloads), which netlink cannot do.
 //! - [`peer_uid`]: the uid owning a loopback TCP client's socket (who may use a loopback API).
 //! - [`trusted_path`]: directories no other user controls (OpenSSH `StrictModes` walk).
+//! - [`socket_acl`]: which uids may connect to a Unix socket file (mode 0600 plus an ACL).
 pub mod netns;
 pub mod peer_uid;
+pub mod socket_acl;
 pub mod tap;
 pub mod trusted_path;
 

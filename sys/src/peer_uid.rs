@@ -143,7 +143,13 @@ pub fn owner_here(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
 
 /// Whether `uid` is trusted: root or this process's effective uid.
 pub fn allowed(uid: Option<u32>) -> bool {
-    uid.is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw())
+    allowed_with(uid, &[])
+}
+
+/// Whether `uid` is root, this process's effective uid, or one of `extra` (an operator's
+/// `allowed_peer_uids`, decision R50).
+pub fn allowed_with(uid: Option<u32>, extra: &[u32]) -> bool {
+    uid.is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw() || extra.contains(&u))
 }
 
 /// The uid of the process at the other end of a Unix stream socket (SO_PEERCRED).
@@ -156,6 +162,12 @@ pub fn unix_peer_uid(conn: &impl std::os::fd::AsFd) -> nix::Result<u32> {
 /// and CubeEgress's handoff socket (E16) serve only such peers.
 pub fn unix_peer_allowed(conn: &impl std::os::fd::AsFd) -> bool {
     allowed(unix_peer_uid(conn).ok())
+}
+
+/// [`unix_peer_allowed`], also admitting the uids of `extra` ([`allowed_with`]): the agent's
+/// gRPC and TAP fd sockets with `allowed_peer_uids` (R50).
+pub fn unix_peer_allowed_with(conn: &impl std::os::fd::AsFd, extra: &[u32]) -> bool {
+    allowed_with(unix_peer_uid(conn).ok(), extra)
 }
 
 #[cfg(test)]
@@ -181,6 +193,8 @@ mod tests {
         assert_eq!(find_uid(TCP, mapped, agent6), Some(65534));
         assert_eq!(find_uid(TCP, "127.0.0.1:50001".parse().unwrap(), agent), None);
         assert!(!allowed(Some(65534)) && allowed(Some(0)) && !allowed(None));
+        assert!(allowed_with(Some(65534), &[1001, 65534]) && !allowed_with(Some(65533), &[65534]));
+        assert!(allowed_with(Some(0), &[]) && !allowed_with(None, &[65534]));
     }
 
     #[test]

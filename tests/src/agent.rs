@@ -225,6 +225,26 @@ impl AgentUnderTest {
             .collect()
     }
 
+    /// Sends `signal` to the running agent (it keeps running: SIGHUP reloads).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let c = self.child.as_ref().expect("agent running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), signal).expect("signal agent");
+    }
+
+    /// Waits until the log holds more than `before` lines containing `what` (panics with the
+    /// log after `timeout`); returns the new count.
+    pub fn wait_log_count(&self, what: &str, before: usize, timeout: Duration) -> usize {
+        let t = Instant::now();
+        loop {
+            let n = self.log().matches(what).count();
+            if n > before {
+                return n;
+            }
+            assert!(t.elapsed() < timeout, "no new {what:?} in the log after {timeout:?}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Kills the agent process with `signal` and reaps it.
     pub fn kill(&mut self, signal: nix::sys::signal::Signal) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("agent running");

@@ -56,6 +56,14 @@ impl Capture {
         Self { fd }
     }
 
+    /// Sends `frame` (Ethernet header first, VLAN tags in-band) out of the interface the
+    /// capture is bound to, as a wire would deliver it to the peer; panics on failure.
+    pub fn send(&self, frame: &[u8]) {
+        // SAFETY: the buffer is live for the call; the socket is bound to one interface.
+        let n = unsafe { libc::send(self.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
+        assert_eq!(n, frame.len() as isize, "AF_PACKET send: {}", std::io::Error::last_os_error());
+    }
+
     /// Reads frames until `until` returns true for one of them (that frame included) or
     /// nothing arrives for `idle`; returns every frame read.
     pub fn read_until(&self, idle: Duration, mut until: impl FnMut(&Captured) -> bool) -> Vec<Captured> {

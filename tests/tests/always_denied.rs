@@ -7,6 +7,11 @@
 //! `always_denied_cidrs = []` the same guests on the same TAPs reach it, so it is the list
 //! (rewritten in place at start) that denied them, not the baseline or the policy. A flow
 //! opened while the list was empty dies at the restart that lists its address again.
+//!
+//! SIGHUP (decision R51): the running agent re-reads `always_denied_cidrs` from its file; a
+//! flow opened while the address was unlisted is cut at the reload that lists it, the address
+//! reopens at the reload that unlists it, a bad file keeps the list in force, and any other
+//! changed key is only logged as needing a restart.
 
 use std::{
     net::{SocketAddr, UdpSocket},
@@ -151,4 +156,73 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
     assert!(!hosts.probe(&ga, 40003, "a3"), "a flow opened while the list was empty outlived the restart");
     assert!(!hosts.probe(&ga, 40005, "a4"), "the list restored at restart was not enforced");
     assert!(!hosts.probe(&gb, 40006, "b3"), "the list restored at restart was not enforced");
+}
+
+/// The `result` series of `cubenet_config_reloads_total` on `/metrics` (0 when absent).
+fn reloads(a: &AgentUnderTest, result: &str) -> u64 {
+    let (_, m) = a.http("/metrics").expect("metrics");
+    let want = format!("cubenet_config_reloads_total{{result=\"{result}\"}} ");
+    m.lines().find_map(|l| l.strip_prefix(&want)).map_or(0, |v| v.trim().parse().unwrap())
+}
+
+#[test]
+fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
+    if !require_root("sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses") {
+        return;
+    }
+    const RELOADED: &str = "SIGHUP: node always-denied list reloaded";
+    const INVALID: &str = "SIGHUP: configuration invalid";
+    let mut a = AgentUnderTest::prepare("always-denied-hup", 2, "always_denied_cidrs = []\n");
+    a.start();
+    let cfg = a.dir.join("agent.toml");
+    let original = std::fs::read_to_string(&cfg).unwrap();
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-hup", true, &["0.0.0.0/0"]);
+    let g = guest(&a, &r);
+    // Unlisted: the flow (UDP, guest port 41001) reaches the host.
+    assert!(hosts.probe(&g, 41001, "h1"), "unlisted, the address must be reachable:\n{}", a.log());
+
+    // Listed in the file, plus a key that is read only at start.
+    let listed = original
+        .replace("always_denied_cidrs = []\n", "always_denied_cidrs = [\"203.0.113.0/24\", \"100.100.100.200\"]\n")
+        .replace("maintenance_interval_secs = 1\n", "maintenance_interval_secs = 2\n");
+    std::fs::write(&cfg, &listed).unwrap();
+    a.signal(nix::sys::signal::Signal::SIGHUP);
+    let n = a.wait_log_count(RELOADED, 0, Duration::from_secs(20));
+    // The running flow (same ports: its session existed) is cut, and a new one is refused.
+    assert!(!hosts.probe(&g, 41001, "h2"), "the flow opened while unlisted outlived the reload");
+    assert!(!hosts.probe(&g, 41002, "h3"), "a new flow reached the address listed by the reload");
+    assert!(!ping(&g, 1), "a ping reached the address listed by the reload");
+    let log = a.log();
+    assert!(log.contains("needs a restart") && log.contains("maintenance_interval_secs"), "{log}");
+    // Exactly the one UDP session toward the newly listed address was cut (not the control's).
+    let line = log.lines().find(|l| l.contains(RELOADED)).unwrap();
+    // Without the colour codes (`ESC [ … m`) the text log puts around field names.
+    let plain: String = line
+        .split('\x1b')
+        .enumerate()
+        .map(|(i, p)| if i == 0 { p } else { p.split_once('m').map_or(p, |(_, rest)| rest) })
+        .collect();
+    assert!(plain.contains("sessions_deleted=1"), "{plain}");
+    assert_eq!(reloads(&a, "applied"), 1);
+
+    // A bad file: logged, the list in force stays.
+    std::fs::write(
+        &cfg,
+        original.replace("always_denied_cidrs = []\n", "always_denied_cidrs = [\"100.100.100.200/10\"]\n"),
+    )
+    .unwrap();
+    a.signal(nix::sys::signal::Signal::SIGHUP);
+    a.wait_log_count(INVALID, 0, Duration::from_secs(20));
+    assert!(a.log().contains("always_denied_cidrs"), "the error names the key:\n{}", a.log());
+    assert!(!hosts.probe(&g, 41003, "h4"), "a bad file opened the listed address");
+    assert_eq!(reloads(&a, "invalid"), 1);
+
+    // Unlisted again: the same guest reaches the address, on the port that was cut too.
+    std::fs::write(&cfg, &original).unwrap();
+    a.signal(nix::sys::signal::Signal::SIGHUP);
+    a.wait_log_count(RELOADED, n, Duration::from_secs(20));
+    assert!(hosts.probe(&g, 41001, "h5"), "the address stayed closed after the reload that unlisted it");
+    assert!(ping(&g, 2), "the ping stayed refused after the reload that unlisted it");
+    assert_eq!(reloads(&a, "applied"), 2);
 }

@@ -10,6 +10,9 @@
 //!    swap a socket for their own and receive cubelet's EnsureNetwork requests, secrets
 //!    included, and answer its TAP fd requests) and kept its state there (swappable for forged
 //!    records the next start adopts). Now the agent refuses to start and names the path.
+//! 3. `allowed_peer_uids` (R50): a listed uid is served on both sockets, any other is still
+//!    refused by the file and at accept, the dumps stay root's; a successor adopting the
+//!    sockets applies its own list to them.
 
 use std::{
     os::unix::{
@@ -54,14 +57,18 @@ try:\n    s.sendall(b'PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n' + bytes([0,0,0,4
 except OSError as e:\n    print('closed', e.errno)\n";
 
 fn as_nobody(script: &str, args: &[&str]) -> String {
+    as_uid(NOBODY, script, args)
+}
+
+fn as_uid(uid: u32, script: &str, args: &[&str]) -> String {
     let out = std::process::Command::new("/usr/bin/python3")
         .args(["-c", script])
         .args(args)
-        .uid(NOBODY)
-        .gid(NOBODY)
+        .uid(uid)
+        .gid(uid)
         .stdin(Stdio::null())
         .output()
-        .expect("python3 as nobody");
+        .expect("python3 as another uid");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
@@ -124,6 +131,95 @@ fn agent_sockets_serve_no_other_user_whatever_the_umask() {
 
     // Root (cubelet) is served as before.
     let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-victim");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    assert!(fd.is_some());
+}
+
+/// `allowed_peer_uids` (decision R50): a cubelet/VMM running as uid 65534 is served on both
+/// sockets (TAP fd received, gRPC answered); uid 65533, not listed, is still refused on both,
+/// by the file ACL and, with the mode widened by hand, at accept; the listed uid still gets
+/// 403 from the `/v1/` dumps (R42 unchanged) and `/metrics` as before.
+#[test]
+fn allowed_peer_uids_are_served_and_no_other_user_is() {
+    if !require_root("allowed_peer_uids_are_served_and_no_other_user_is") {
+        return;
+    }
+    const LISTED: u32 = NOBODY;
+    const STRANGER: u32 = 65533;
+    let mut a = AgentUnderTest::prepare("peeruids", 1, "allowed_peer_uids = [65534]\n");
+    a.start();
+    let tap = ensure(&a, "sb-vmm");
+    let grpc_sock = a.dir.join("cube/grpc.sock");
+    let tap_sock = a.tap_socket();
+    let (tap_sock_s, grpc_sock_s) = (tap_sock.to_str().unwrap(), grpc_sock.to_str().unwrap());
+
+    // The listed uid: the TAP queue fd, and the server's HTTP/2 SETTINGS frame.
+    let got = as_uid(LISTED, FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got.starts_with("reply {") && got.contains("\"errCode\":\"0\"") && got.ends_with("fds 1"), "{got}");
+    let got = as_uid(LISTED, GRPC_AS_NOBODY, &[grpc_sock_s]);
+    let n: usize = got.strip_prefix("received ").and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(n > 0, "the listed uid got no gRPC answer: {got}");
+
+    // Another uid: refused by the socket file (owner root, 0600 plus the ACL of uid 65534).
+    let eacces = format!("connect-errno {}", libc::EACCES);
+    assert_eq!(as_uid(STRANGER, FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]), eacces, "uid 65533 asked for the TAP");
+    assert_eq!(as_uid(STRANGER, GRPC_AS_NOBODY, &[grpc_sock_s]), eacces, "uid 65533 spoke gRPC");
+    // Widened by hand: still dropped at accept (SO_PEERCRED against the list).
+    for s in [&grpc_sock, &tap_sock] {
+        std::fs::set_permissions(s, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let got = as_uid(STRANGER, FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got == "reply - fds 0" || got.starts_with("closed "), "an unlisted uid got an answer: {got}");
+    let got = as_uid(STRANGER, GRPC_AS_NOBODY, &[grpc_sock_s]);
+    assert!(got == "received 0" || got.starts_with("closed "), "an unlisted uid was served gRPC: {got}");
+    let log = a.log();
+    assert!(log.contains("TAP fd client of another user refused"), "{log}");
+    assert!(log.contains("gRPC client of another user refused"), "{log}");
+
+    // The HTTP listener's rules are unchanged: the dumps are root's and ours only.
+    let (code, body) = a.agent_ns().curl_as(LISTED, &["http://127.0.0.1:19090/v1/policies/dump"]);
+    assert_eq!(code, 403, "a listed uid read the dump: {body}");
+    assert_eq!(a.agent_ns().curl_as(LISTED, &["http://127.0.0.1:19090/metrics"]).0, 200);
+    // Root is served as before.
+    let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-vmm");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    assert!(fd.is_some());
+}
+
+/// R50 across a live upgrade: the sockets a successor adopts follow the successor's
+/// `allowed_peer_uids`, not the list of the agent that bound them. Listed by the old agent, uid
+/// 65534 gets its TAP; dropped from the successor's configuration, it is refused again, by the
+/// socket file and at accept.
+#[test]
+fn a_successor_applies_its_own_allowed_peer_uids_to_adopted_sockets() {
+    if !require_root("a_successor_applies_its_own_allowed_peer_uids_to_adopted_sockets") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("peeruids-ho", 1, "allowed_peer_uids = [65534]\n");
+    cubenet_tests::agent_upgrade::start(&mut a);
+    let tap = ensure(&a, "sb-vmm");
+    let tap_sock = a.tap_socket();
+    let tap_sock_s = tap_sock.to_str().unwrap();
+    let got = as_nobody(FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got.ends_with("fds 1"), "the listed uid got no TAP from the old agent: {got}");
+
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap().replace("allowed_peer_uids = [65534]\n", "");
+    std::fs::write(&cfg, toml).unwrap();
+    cubenet_tests::agent_upgrade::upgrade(&mut a).unwrap_or_else(|e| panic!("{e}:\n{}", a.log()));
+    a.wait_ready(Duration::from_secs(30));
+    assert!(a.log().contains("hand-over complete"), "{}", a.log());
+    let eacces = format!("connect-errno {}", libc::EACCES);
+    assert_eq!(as_nobody(FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]), eacces, "the adopted socket kept the old ACL");
+    let grpc_sock = a.dir.join("cube/grpc.sock");
+    assert_eq!(as_nobody(GRPC_AS_NOBODY, &[grpc_sock.to_str().unwrap()]), eacces);
+    for s in [&grpc_sock, &tap_sock] {
+        assert_eq!(std::fs::metadata(s).unwrap().mode() & 0o777, 0o600, "{}", s.display());
+        std::fs::set_permissions(s, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let got = as_nobody(FD_AS_NOBODY, &[tap_sock_s, &tap, "sb-vmm"]);
+    assert!(got == "reply - fds 0" || got.starts_with("closed "), "the successor served the dropped uid: {got}");
+    let (reply, fd) = tap_fd(&tap_sock, &tap, "sb-vmm");
     assert_eq!(reply["errCode"], "0", "{reply}");
     assert!(fd.is_some());
 }

@@ -2029,3 +2029,166 @@ fn egress_gateway_refuses_paths_another_user_controls() {
     );
     assert!(sock.exists());
 }
+
+/// R50: `allowed_peer_uids` admits one more local user to the admin API (an agent or tool not
+/// running as root); any uid not listed is still refused on every path but `/metrics` and
+/// health, and changes nothing.
+#[test]
+fn egress_admin_serves_listed_peer_uids_only() {
+    if !require_root("egress_admin_serves_listed_peer_uids_only") {
+        return;
+    }
+    let tmp = TmpDir(std::env::temp_dir().join(format!("cube-egress-peeruids-{}", std::process::id())));
+    let dir = &tmp.0;
+    std::fs::create_dir_all(dir.join("ca")).unwrap();
+    let topo = Topology::new();
+    let node = &topo.node;
+    gateway_ca(dir);
+    let audit = dir.join("log/access.jsonl");
+    let cmd = node.command(egress_bin().to_str().unwrap());
+    let _gw = start_gateway(node, cmd, dir, audit.to_str().unwrap(), &["--allowed-peer-uid", "65534"]);
+    let policy_url = format!("http://127.0.0.1:9091/admin/v1/policies/{SANDBOX_IP}");
+    let listed =
+        json!({"policy_id": "by-65534", "rules": [{"id": "w", "match": {"host": WORLD}, "action": {"allow": true}}]});
+    let (code, body) = node.curl_as(65534, &["-X", "PUT", "--data", &listed.to_string(), &policy_url]);
+    assert_eq!(code, 200, "the listed uid was refused: {body}");
+    let (code, body) = node.curl_as(65534, &[&policy_url]);
+    assert!(code == 200 && body.contains("by-65534"), "{code} {body}");
+    let open = json!({"policy_id": "pwned", "rules": [{"id": "all", "match": {}, "action": {"allow": true}}]});
+    for (what, args) in [
+        ("PUT policy", vec!["-X", "PUT", "--data", &open.to_string(), &policy_url]),
+        ("DELETE policy", vec!["-X", "DELETE", &policy_url]),
+        ("GET policy", vec![&policy_url]),
+    ] {
+        let (code, body) = node.curl_as(65533, &args);
+        assert_eq!(code, 403, "{what} by unlisted uid 65533: {body}");
+    }
+    let (_, body) = admin_curl(node, &[&policy_url]);
+    assert!(body.contains("by-65534") && !body.contains("pwned"), "uid 65533 changed the policy: {body}");
+    for open_path in ["/metrics", "/admin/v1/health"] {
+        assert_eq!(node.curl_as(65533, &[&format!("http://127.0.0.1:9091{open_path}")]).0, 200, "{open_path}");
+    }
+}
+
+/// One HTTP/1.1 GET on the open connection `s`; returns the status line and body (read by its
+/// Content-Length).
+fn keepalive_get(s: &mut std::net::TcpStream, host: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").expect("send");
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let (head, len) = loop {
+        let n = s.read(&mut chunk).expect("read response");
+        assert!(n > 0, "connection closed before a response to {path}");
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..at]).into_owned();
+            let len = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                .unwrap_or(0usize);
+            buf.drain(..at + 4);
+            break (head, len);
+        }
+    };
+    while buf.len() < len {
+        let n = s.read(&mut chunk).expect("read body");
+        assert!(n > 0, "connection closed inside the body of {path}");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    (head.lines().next().unwrap_or_default().to_string(), String::from_utf8_lossy(&buf[..len]).into_owned())
+}
+
+/// Whether the peer closed `s` (EOF or reset) before the read timeout.
+fn closed_by_peer(s: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    match s.read(&mut [0u8; 64]) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+    }
+}
+
+/// R51: SIGHUP re-reads `always_denied_cidrs` from the gateway's `--config` file. A sandbox
+/// holds a keep-alive connection to 100.100.100.200 (a test host, allowed by its policy and
+/// not listed) and another to a world address; the reload that lists the first closes that
+/// connection (not the other) and refuses new requests to it (403); a bad file keeps the list
+/// in force; the reload that unlists it serves it again. Another changed key is only logged.
+#[test]
+fn egress_gateway_sighup_reloads_the_always_denied_list() {
+    if !require_root("egress_gateway_sighup_reloads_the_always_denied_list") {
+        return;
+    }
+    const METADATA: &str = "100.100.100.200";
+    let (rt, tmp) = scratch("always-denied-hup");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    topo.add_world_address([100, 100, 100, 200], 32);
+    let seen = world_server(&rt, world, format!("{METADATA}:80").parse().unwrap(), None);
+    let _world = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    gateway_ca(dir);
+    let audit = dir.join("log/access.jsonl");
+    let cfg = dir.join("egress.toml");
+    let unlisted = "always_denied_cidrs = []\nmint_burst = 20\n";
+    std::fs::write(&cfg, unlisted).unwrap();
+    let log_path = dir.join("gateway.log");
+    let mut cmd = node.command(egress_bin().to_str().unwrap());
+    cmd.stderr(std::fs::File::create(&log_path).unwrap());
+    let gw = start_gateway(node, cmd, dir, audit.to_str().unwrap(), &["--config", cfg.to_str().unwrap()]);
+    let gw_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let hup =
+        || nix::sys::signal::kill(nix::unistd::Pid::from_raw(gw._child.id() as i32), nix::sys::signal::SIGHUP).unwrap();
+    let wait_log = |what: &str, before: usize| {
+        wait_for(what, Duration::from_secs(20), || gw_log().matches(what).count() > before);
+    };
+    let pol = json!({"policy_id": "allow-all", "rules": [{"id": "all", "match": {}, "action": {"allow": true}}]});
+    put_policy(node, SANDBOX_IP, &pol);
+    let connect = |to: &str| {
+        let to: SocketAddr = format!("{to}:80").parse().unwrap();
+        let s = sb.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5))).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    };
+    let (mut held, mut control) = (connect(METADATA), connect(WORLD));
+    let (status, body) = keepalive_get(&mut held, METADATA, "/before");
+    assert!(status.contains(" 200 "), "unlisted, the address is served: {status} {body}");
+    assert!(keepalive_get(&mut control, WORLD, "/c1").0.contains(" 200 "));
+
+    // Listed by a reload (plus a key read only at start).
+    std::fs::write(&cfg, "always_denied_cidrs = [\"100.100.100.200/32\"]\nmint_burst = 21\n").unwrap();
+    hup();
+    wait_log("SIGHUP: always-denied list reloaded", 0);
+    assert!(closed_by_peer(&mut held), "the connection to the newly listed address stayed open");
+    let (status, _) = keepalive_get(&mut control, WORLD, "/c2");
+    assert!(status.contains(" 200 "), "the reload closed a connection to an unlisted address: {status}");
+    let (code, body, o) = curl(&sb, &[&format!("http://{METADATA}/after")]);
+    assert_eq!(code, 403, "{}", text(&o));
+    assert!(body.contains("destination_always_denied"), "{body}");
+    let log = gw_log();
+    assert!(log.contains("needs a restart") && log.contains("mint_burst"), "{log}");
+    assert!(log.contains("destination now always denied"), "{log}");
+
+    // A bad file: logged, the list stays.
+    std::fs::write(&cfg, "always_denied_cidrs = [\"100.100.100.200/10\"]\n").unwrap();
+    hup();
+    wait_log("SIGHUP: configuration invalid", 0);
+    let (code, _, o) = curl(&sb, &[&format!("http://{METADATA}/bad-file")]);
+    assert_eq!(code, 403, "a bad file opened the listed address: {}", text(&o));
+
+    // Unlisted again: served.
+    std::fs::write(&cfg, unlisted).unwrap();
+    hup();
+    wait_log("SIGHUP: always-denied list reloaded", 1);
+    let (code, _, o) = curl(&sb, &[&format!("http://{METADATA}/reopened")]);
+    assert_eq!(code, 200, "the reload that unlisted the address did not reopen it: {}", text(&o));
+    let paths: Vec<String> = seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(paths, ["/before", "/reopened"], "the gateway dialled the address while it was listed");
+    let (_, metrics) = admin_curl(node, &["http://127.0.0.1:9091/metrics"]);
+    assert_eq!(metric_sum(&metrics, "cube_egress_connections_closed_always_denied_total"), 1.0, "{metrics}");
+    assert!(metrics.contains("cube_egress_config_reloads_total{result=\"applied\"} 2"), "{metrics}");
+    assert!(metrics.contains("cube_egress_config_reloads_total{result=\"invalid\"} 1"), "{metrics}");
+    drop(gw);
+    drop(rt);
+}

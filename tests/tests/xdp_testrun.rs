@@ -333,6 +333,117 @@ fn stale_version_replies_never_reach_the_next_owner_via_xdp() {
     assert_eq!(r.maps.counters.get(counter::WORLD_DROP_STALE_VERSION).unwrap(), 2 * 4 + 4);
 }
 
+/// Attack (decision R45): a sandbox's mvm IP is node-local, `from_world` drops every frame the
+/// uplink receives for one (R10). An L7 flow keeps the sandbox's own address, so its reserved
+/// reverse key is {server, mvm IP, server port, guest port}: a world host that names the mvm IP
+/// (a router that knows the sandbox CIDR, any host on the uplink's segment) and guesses the
+/// guest port matched that key on the XDP path, which skipped the R10 check, and its forged
+/// SYN-ACK, data and RST reached the guest and moved the L7 session's state. Both hooks must
+/// drop every frame to an mvm IP alike: same verdict, same counter, no session touched.
+#[test]
+fn frames_to_a_sandbox_address_never_take_the_xdp_path() {
+    if !require_root("frames_to_a_sandbox_address_never_take_the_xdp_path") {
+        return;
+    }
+    let server = [203, 0, 113, 10];
+    let rule: egress_policy::RuleSpec = serde_json::from_value(
+        serde_json::json!({"id": "r", "match": {"host": "203.0.113.10"}, "action": {"allow": true}}),
+    )
+    .unwrap();
+    let r = Rig::with_policy(&cubevs::EgressPolicy { rules: vec![rule], ..Default::default() });
+    let up = r.uplink_ifindex;
+    // The guest opens an L7 flow (steered to cube-dev, no SNAT: the session keeps SB_IP).
+    let syn = T { sport: GSPORT, dport: 443, seq: 100, syn: true, win: 1000, ..Default::default() };
+    let out = r.cube(tcp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, server, syn, b""));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.counter(counter::CUBE_L7_NEW), 1, "an L7 session");
+    let state = |r: &Rig| r.maps.sessions.list().unwrap()[0].state;
+    assert_eq!(state(&r), "syn_sent");
+    let to_sb = |t: T, p: &[u8]| tcp(r.world_mac, r.up_mac, server, SB_IP, T { sport: 443, dport: GSPORT, ..t }, p);
+    let attacks = [
+        ("forged syn-ack", to_sb(T { seq: 500, ack: Some(101), syn: true, win: 1000, ..Default::default() }, b"")),
+        ("forged data", to_sb(T { seq: 501, ack: Some(101), win: 1000, ..Default::default() }, b"<script>")),
+        ("forged rst", to_sb(T { seq: 501, rst: true, ..Default::default() }, b"")),
+        ("udp to the mvm ip", udp(r.world_mac, r.up_mac, WORLD_IP, SB_IP, 4000, 8080, b"x")),
+    ];
+    for (case, f) in attacks {
+        let e = both(&r, case, f, up, Expect::Same("drop"));
+        assert_eq!(
+            e.counters.iter().map(|c| (c.reason, c.packets)).collect::<Vec<_>>(),
+            [("drop_to_sandbox", 1)],
+            "{case}"
+        );
+        assert_eq!(state(&r), "syn_sent", "{case}: the L7 session's state moved");
+    }
+    // XDP alone (no TC run after it): nothing is redirected, the session never moves.
+    let out = r.xdp(to_sb(T { seq: 500, ack: Some(101), syn: true, win: 1000, ..Default::default() }, b""));
+    assert_eq!(out.verdict, XDP_DROP);
+    assert_eq!(state(&r), "syn_sent");
+    assert_eq!(r.maps.counters.get(counter::XDP_REDIRECT).unwrap(), 0, "xdp_world redirected a frame");
+}
+
+/// Crafted world frames for live sessions: IP options, a total length past the frame, link-layer
+/// padding, a wrong IP header checksum, a TCP data offset below 5. Whatever `from_world` decides
+/// (redirect for what a guest's own stack then judges, pass for what names no flow), `xdp_world`
+/// must decide the same, byte for byte, or pass the frame untouched.
+#[test]
+fn crafted_world_frames_get_the_same_verdict_on_both_hooks() {
+    if !require_root("crafted_world_frames_get_the_same_verdict_on_both_hooks") {
+        return;
+    }
+    let r = Rig::new();
+    let up = r.uplink_ifindex;
+    assert_eq!(r.cube(udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, WORLD_IP, 5000, 4000, b"q")).verdict, TC_ACT_REDIRECT);
+    assert_eq!(r.cube(guest_tcp(T { seq: 100, syn: true, ..Default::default() })).verdict, TC_ACT_REDIRECT);
+    let (uport, tport) = (snat_port(&r, "udp"), snat_port(&r, "tcp"));
+    let reply = udp(r.world_mac, r.up_mac, WORLD_IP, NODE_IP, 4000, uport, b"answer");
+    // IP options (NOP NOP NOP EOL): header length 24; the L4 checksum does not cover them.
+    let mut options = reply[..34].to_vec();
+    options.extend_from_slice(&[1, 1, 1, 0]);
+    options.extend_from_slice(&reply[34..]);
+    options[14] = 0x46;
+    let tot = u16::from_be_bytes([options[16], options[17]]) + 4;
+    options[16..18].copy_from_slice(&tot.to_be_bytes());
+    fix_ip_csum(&mut options);
+    let mut long = reply.clone();
+    let tot = u16::from_be_bytes([long[16], long[17]]) + 100;
+    long[16..18].copy_from_slice(&tot.to_be_bytes());
+    fix_ip_csum(&mut long);
+    let mut padded = reply.clone();
+    padded.extend_from_slice(&[0xee; 10]);
+    let mut bad_csum = reply.clone();
+    bad_csum[24] ^= 0xff;
+    let mut doff = tcp(
+        r.world_mac,
+        r.up_mac,
+        WORLD_IP,
+        NODE_IP,
+        T { sport: 80, dport: tport, seq: 500, ack: Some(101), syn: true, win: 1000, ..Default::default() },
+        b"",
+    );
+    doff[46] = 0x40;
+    let cases = [
+        ("udp reply with ip options", options),
+        ("udp reply, total length past the frame", long),
+        ("udp reply with link-layer padding", padded),
+        ("udp reply, wrong ip checksum", bad_csum),
+        ("tcp syn-ack, data offset 4", doff),
+    ];
+    for (case, f) in cases {
+        // What the TC path alone does decides the expectation; both hooks must then agree.
+        let snap = r.maps.sessions.entries().unwrap();
+        let tc = r.run(cubevs::prog::FROM_WORLD, f.clone(), up).verdict;
+        r.maps.sessions.insert_batch(&snap).unwrap();
+        let expect = match tc {
+            TC_ACT_REDIRECT => Expect::Same("redirect"),
+            TC_ACT_SHOT => Expect::Same("drop"),
+            _ => Expect::Pass,
+        };
+        eprintln!("{case}: from_world {tc}");
+        both(&r, case, f, up, expect);
+    }
+}
+
 #[test]
 fn xdp_world_stays_within_the_verifier_budget() {
     if !require_root("xdp_world_stays_within_the_verifier_budget") {

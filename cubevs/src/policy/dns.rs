@@ -11,7 +11,10 @@ use std::net::Ipv4Addr;
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{
-    dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, MAX_PORTS, name_hash},
+    dns::{
+        DnsAllowKey, DnsAllowName, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, MAX_PORTS,
+        name_hash,
+    },
     map,
 };
 
@@ -88,6 +91,9 @@ pub struct DnsReap {
 /// The kernel-written DNS maps.
 pub(crate) struct DnsMaps {
     pub(crate) allow: HashMap<MapData, DnsAllowKey, DnsAllowValue>,
+    /// Each pattern's name under its `dns_allow` key (decision R48); `None` with an object
+    /// older than R48.
+    pub(crate) names: Option<HashMap<MapData, DnsAllowKey, DnsAllowName>>,
     pub(crate) learned: HashMap<MapData, LearnedKey, LearnedValue>,
     pub(crate) queries: HashMap<MapData, DnsQueryKey, DnsQueryValue>,
     /// Where the charged queries this side deletes are counted (decision Q6).

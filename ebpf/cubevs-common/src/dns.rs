@@ -114,6 +114,42 @@ pub struct DnsAllowValue {
 }
 const _: () = assert!(core::mem::size_of::<DnsAllowValue>() == 20);
 
+/// `dns_allow_names` value (256 bytes), under the same key as `dns_allow`: the pattern's name
+/// (for `*.example.com`: `example.com`) in lower-case wire format without the terminating
+/// zero (`07 example 03 com`). A 64-bit FNV hash is not collision-resistant: the datapath
+/// tracks a query only when the suffix whose hash matched is this name byte for byte
+/// (decision R48). Entries written before R48 have none: the hash alone decides for them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DnsAllowName {
+    /// Bytes of `wire` in use (at most [`MAX_NAME_WIRE`]).
+    pub len: u8,
+    /// The wire-format name, zero-filled past `len`.
+    pub wire: [u8; 255],
+}
+const _: () = assert!(core::mem::size_of::<DnsAllowName>() == 256);
+
+impl DnsAllowName {
+    /// The entry of dotted `name` (no trailing dot, labels 1-63 bytes, as callers validate);
+    /// `None` when its wire format is longer than [`MAX_NAME_WIRE`].
+    pub fn of(name: &str) -> Option<Self> {
+        let mut v = Self { len: 0, wire: [0; 255] };
+        let mut n = 0usize;
+        for label in name.split('.') {
+            if label.is_empty() || label.len() > 63 || n + 1 + label.len() > MAX_NAME_WIRE {
+                return None;
+            }
+            v.wire[n] = label.len() as u8;
+            for (i, b) in label.bytes().enumerate() {
+                v.wire[n + 1 + i] = lower(b);
+            }
+            n += 1 + label.len();
+        }
+        v.len = n as u8;
+        Some(v)
+    }
+}
+
 /// `dns_query_track` key (16 bytes): a guest query waiting for its response. The server
 /// port is always [`SERVER_PORT`] (only UDP/53 is tracked), so it is not stored.
 #[repr(C)]
@@ -352,16 +388,16 @@ pub fn walk_name<L: Loop>(s: &mut Scratch, len: usize, off: usize) -> Result<(us
 }
 
 /// The [`name_hash`] of the name [`walk_name`] found at `off` (`wire` bytes, `labels`
-/// labels). `on_suffix(hash, subdomain)` is called for every suffix starting at a label,
+/// labels). `on_suffix(hash, subdomain, at)` is called for every suffix starting at a label,
 /// shortest first: `subdomain` is true for proper suffixes (candidates for `*.` patterns)
-/// and false for the whole name (exact patterns).
+/// and false for the whole name (exact patterns); `at` is the suffix's offset in the name.
 #[inline(always)]
 pub fn hash_name<L: Loop>(
     s: &Scratch,
     off: usize,
     wire: usize,
     labels: usize,
-    mut on_suffix: impl FnMut(u64, bool),
+    mut on_suffix: impl FnMut(u64, bool, usize),
 ) -> u64 {
     if labels == 0 || wire == 0 {
         return FNV_BASIS;
@@ -376,7 +412,7 @@ pub fn hash_name<L: Loop>(
         let i = wire - 1 - k;
         st.0 = fnv(st.0, lower(byte(s, off + i)));
         if i == st.2 {
-            on_suffix(st.0, i != 0);
+            on_suffix(st.0, i != 0, i);
             if st.1 == 0 {
                 return false;
             }
@@ -395,13 +431,19 @@ pub struct Query {
     pub id: u16,
     /// [`name_hash`] of the question name.
     pub name_hash: u64,
+    /// Wire length of the question name (at offset 12) without its terminating zero.
+    pub wire: usize,
 }
 
 /// Parses a `len`-byte guest query: QR 0, opcode 0, exactly one question, no answers, the
 /// question IN A with an uncompressed name. `on_suffix` sees every suffix hash (see
 /// [`hash_name`]).
 #[inline(always)]
-pub fn parse_query<L: Loop>(s: &mut Scratch, len: usize, on_suffix: impl FnMut(u64, bool)) -> Result<Query, Reject> {
+pub fn parse_query<L: Loop>(
+    s: &mut Scratch,
+    len: usize,
+    on_suffix: impl FnMut(u64, bool, usize),
+) -> Result<Query, Reject> {
     let h = header(s, len)?;
     if h.flags & (flags::QR | flags::OPCODE) != 0 || h.qdcount != 1 || h.ancount != 0 {
         return Err(Reject::NotStandard);
@@ -415,7 +457,32 @@ pub fn parse_query<L: Loop>(s: &mut Scratch, len: usize, on_suffix: impl FnMut(u
         return Err(Reject::NotStandard);
     }
     let name_hash = hash_name::<L>(s, 12, wire, labels, on_suffix);
-    Ok(Query { id: h.id, name_hash })
+    Ok(Query { id: h.id, name_hash, wire })
+}
+
+/// True when the query name at offset 12 (`wire` bytes), from its label at `at` to its end,
+/// is `name` byte for byte, letters compared in lower case (decision R48).
+#[inline(always)]
+pub fn suffix_is<L: Loop>(s: &Scratch, wire: usize, at: usize, name: &DnsAllowName) -> bool {
+    let n = name.len as usize;
+    if at > wire || wire - at != n || n > MAX_NAME_WIRE {
+        return false;
+    }
+    // (bytes compared, all equal so far)
+    let mut st = (0usize, true);
+    L::run(MAX_NAME_WIRE as u32, |k| {
+        let k = k as usize;
+        if k >= n || k >= 255 {
+            return false;
+        }
+        st.0 = k + 1;
+        if lower(byte(s, 12 + at + k)) != name.wire[k] {
+            st.1 = false;
+            return false;
+        }
+        true
+    });
+    st.1 && st.0 == n
 }
 
 /// What a response walk found.
@@ -446,7 +513,7 @@ pub fn response_question<L: Loop>(s: &mut Scratch, len: usize) -> Result<(Header
     if be16(s, q) != TYPE_A || be16(s, q + 2) != CLASS_IN {
         return Err(Reject::NotStandard);
     }
-    Ok((h, hash_name::<L>(s, 12, wire, labels, |_, _| {}), q + 4))
+    Ok((h, hash_name::<L>(s, 12, wire, labels, |_, _, _| {}), q + 4))
 }
 
 /// Steps [`walk_answers`] may take: one per label of an owner name plus one per record.
@@ -616,7 +683,7 @@ mod tests {
     fn suffix_hashes_match_pattern_hashes() {
         let (mut s, len) = msg(0x0100, 0, "Api.Example.COM", &[]);
         let mut seen = Vec::new();
-        let q = parse_query::<PlainLoop>(&mut s, len, |h, sub| seen.push((h, sub))).unwrap();
+        let q = parse_query::<PlainLoop>(&mut s, len, |h, sub, _| seen.push((h, sub))).unwrap();
         assert_eq!(q.id, 0x1234);
         assert_eq!(q.name_hash, name_hash("api.example.com"));
         assert_eq!(
@@ -625,17 +692,37 @@ mod tests {
         );
     }
 
+    /// R48: the matched suffix is compared with the pattern's name, case-insensitively, at
+    /// the label the hash matched at; a name of another length or content is refused.
+    #[test]
+    fn suffix_is_compares_the_matched_suffix_byte_for_byte() {
+        let (mut s, len) = msg(0x0100, 0, "Api.Example.COM", &[]);
+        let mut at = Vec::new();
+        let q = parse_query::<PlainLoop>(&mut s, len, |_, _, i| at.push(i)).unwrap();
+        assert_eq!((q.wire, at.as_slice()), (16, [12usize, 4, 0].as_slice()));
+        let example = DnsAllowName::of("example.com").unwrap();
+        assert_eq!(&example.wire[..example.len as usize], b"\x07example\x03com");
+        assert!(suffix_is::<PlainLoop>(&s, q.wire, 4, &example));
+        assert!(suffix_is::<PlainLoop>(&s, q.wire, 0, &DnsAllowName::of("API.example.com").unwrap()));
+        assert!(!suffix_is::<PlainLoop>(&s, q.wire, 0, &example), "whole name vs suffix");
+        assert!(!suffix_is::<PlainLoop>(&s, q.wire, 4, &DnsAllowName::of("examplf.com").unwrap()));
+        assert!(!suffix_is::<PlainLoop>(&s, q.wire, 12, &example), "shorter suffix");
+        assert!(!suffix_is::<PlainLoop>(&s, q.wire, 20, &example), "past the name");
+        assert_eq!(DnsAllowName::of(&"a.".repeat(127)[..253]).map(|n| n.len), Some(254));
+        assert!(DnsAllowName::of(&"ab.".repeat(85)[..254]).is_none(), "255 wire bytes");
+    }
+
     #[test]
     fn rejects_non_a_and_responses_as_queries() {
         let (mut s, len) = msg(0x8180, 0, "a.com", &[]);
-        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _| {}), Err(Reject::NotStandard));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _, _| {}), Err(Reject::NotStandard));
         let (mut s, len) = msg(0x0100, 0, "a.com", &[]);
         s.msg[len - 3] = 28; // AAAA
-        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _| {}), Err(Reject::NotStandard));
-        assert_eq!(parse_query::<PlainLoop>(&mut s, 11, |_, _| {}), Err(Reject::Malformed));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _, _| {}), Err(Reject::NotStandard));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, 11, |_, _, _| {}), Err(Reject::Malformed));
         let (mut s, len) = msg(0x0100, 0, "a.com", &[]);
         s.msg[12] = 0xc0; // pointer in the question
-        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _| {}), Err(Reject::Malformed));
+        assert_eq!(parse_query::<PlainLoop>(&mut s, len, |_, _, _| {}), Err(Reject::Malformed));
     }
 
     #[test]

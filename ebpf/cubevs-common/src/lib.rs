@@ -29,7 +29,15 @@ pub mod stats;
 pub use stats::SandboxStats;
 pub mod dns;
 
-pod!(dns::DnsAllowKey, dns::DnsAllowValue, dns::DnsQueryKey, dns::DnsQueryValue, dns::LearnedKey, dns::LearnedValue);
+pod!(
+    dns::DnsAllowKey,
+    dns::DnsAllowValue,
+    dns::DnsAllowName,
+    dns::DnsQueryKey,
+    dns::DnsQueryValue,
+    dns::LearnedKey,
+    dns::LearnedValue
+);
 
 /// Name of the eBPF object file produced by `cargo xtask build-ebpf`.
 pub const OBJECT_FILE_NAME: &str = "cubevs.bpf.o";
@@ -87,6 +95,8 @@ pub mod map {
     /// Hash: [`super::dns::DnsAllowKey`] → [`super::dns::DnsAllowValue`], FQDN allow patterns
     /// per (ifindex, generation).
     pub const DNS_ALLOW: &str = "dns_allow";
+    /// FQDN pattern names under `dns_allow`'s keys (decision R48; absent in older objects).
+    pub const DNS_ALLOW_NAMES: &str = "dns_allow_names";
     /// Hash (not LRU): [`super::dns::DnsQueryKey`] → [`super::dns::DnsQueryValue`], guest
     /// queries for allowed names waiting for their response; each sandbox inserts at most
     /// [`super::limits::DNS_QUERIES_PER_SANDBOX`] per window ([`super::budget`]), expired
@@ -146,7 +156,10 @@ pub mod map {
     ///
     /// `node_deny` (decision R30): an object without it does not enforce the node's extra
     /// always-denied list (only the baseline).
-    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR, TRACK_OPENED, TRACK_CLOSED, NODE_DENY];
+    ///
+    /// `dns_allow_names` (decision R48): an object without it matches FQDN patterns by hash
+    /// alone.
+    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR, TRACK_OPENED, TRACK_CLOSED, NODE_DENY, DNS_ALLOW_NAMES];
     /// LPM trie: key `{prefixlen: u32, addr: u32 NBO}` (8 bytes) → `u8` 1, the node's extra
     /// always-denied destinations (agent key `always_denied_cidrs`, decision R30): checked
     /// before every allow of every sandbox, and never learned from a DNS answer. Written by
@@ -189,6 +202,7 @@ pub mod map {
         TRACK_OPENED,
         TRACK_CLOSED,
         NODE_DENY,
+        DNS_ALLOW_NAMES,
     ];
 }
 

@@ -42,8 +42,8 @@ use cubevs_common::{
 use crate::{
     budget,
     maps::{
-        DNS_ALLOW, DNS_LEARNED, DNS_PROGS, DNS_QUERY_TRACK, DNS_SCRATCH, EGRESS_SESSIONS, IFINDEX_TO_MVMMETA,
-        INGRESS_SESSIONS, count,
+        DNS_ALLOW, DNS_ALLOW_NAMES, DNS_LEARNED, DNS_PROGS, DNS_QUERY_TRACK, DNS_SCRATCH, EGRESS_SESSIONS,
+        IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, count,
     },
     packet::{self, Ipv4},
     policy, track_floor,
@@ -207,12 +207,15 @@ pub fn on_query(ctx: &TcContext, ip: &Ipv4, ifindex: u32, version: u32, guest_po
     // SAFETY: valid per-CPU map value; nothing else on this CPU touches it meanwhile.
     let s = unsafe { &mut *s };
     let mut found: Option<DnsAllowValue> = None;
-    let q = dns::parse_query::<BpfLoop>(s, len, |hash, subdomains| {
+    // The matched pattern's key hash and flag, and the suffix's offset in the name.
+    let mut matched = (0u64, 0u8, 0usize);
+    let q = dns::parse_query::<BpfLoop>(s, len, |hash, subdomains, at| {
         let key = DnsAllowKey { ifindex, generation, name_hash: hash, subdomains: subdomains as u8, _pad: [0; 7] };
         // SAFETY: plain map lookup; the value is copied out.
         if let Some(v) = unsafe { DNS_ALLOW.get(&key) } {
             // Longer suffixes come later: the most specific pattern wins.
             found = Some(*v);
+            matched = (hash, subdomains as u8, at);
         }
     });
     let q = match q {
@@ -226,6 +229,17 @@ pub fn on_query(ctx: &TcContext, ip: &Ipv4, ifindex: u32, version: u32, guest_po
         count(counter::DNS_QUERY_NOT_ALLOWED);
         return;
     };
+    // A 64-bit FNV hash is no proof of the name: a crafted name can hash like an allowed one.
+    // The suffix must be the pattern's name byte for byte (decision R48); an entry written
+    // before R48 has no name and keeps the hash-only match.
+    let nkey = DnsAllowKey { ifindex, generation, name_hash: matched.0, subdomains: matched.1, _pad: [0; 7] };
+    if let Some(name) = DNS_ALLOW_NAMES.get_ptr(&nkey) {
+        // SAFETY: valid map value pointer, read for the comparison only.
+        if !dns::suffix_is::<BpfLoop>(s, q.wire, matched.2, unsafe { &*name }) {
+            count(counter::DNS_QUERY_NOT_ALLOWED);
+            return;
+        }
+    }
     let key = DnsQueryKey { ifindex, server_ip: ip.dst, guest_port, id: q.id, version };
     let mut v = DnsQueryValue {
         // SAFETY: helper without arguments.

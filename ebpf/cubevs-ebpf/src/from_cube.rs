@@ -12,7 +12,8 @@
 //!    opened to that host port (`portmap_sessions`, same sandbox version) are SNATed to the node
 //!    address and host port (TCP fast path; UDP checks policy first); other TCP is dropped,
 //!    other UDP classified like any new flow (decision D20).
-//! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop.
+//! 6. Fragments and protocols other than TCP, UDP, ICMP echo → drop; so is every destination
+//!    in 0.0.0.0/8, 127.0.0.0/8, 224.0.0.0/4 or 255.255.255.255, whatever the policy (R47).
 //! 7. To the node address: policy, then delivered to the host through cube-dev.
 //! 8. Sessions: established flows follow their session; new flows are classified once
 //!    (ALLOW_OUT > learned DNS answers > DENY_OUT > allow), SNATed and tracked; denied TCP
@@ -126,6 +127,9 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
         return drop(ifindex, counter::CUBE_DROP_SPOOF);
     }
     if ip.fragment || !matches!(ip.proto, proto::TCP | proto::UDP | proto::ICMP) {
+        return drop(ifindex, counter::CUBE_DROP_PROTO);
+    }
+    if never_a_flow(ip.dst) {
         return drop(ifindex, counter::CUBE_DROP_PROTO);
     }
     let Some(l4) = packet::l4(ctx, &ip) else { return drop(ifindex, counter::CUBE_DROP_MALFORMED) };
@@ -304,6 +308,17 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     };
     count(counter::CUBE_NEW_SESSION);
     snat_out(ctx, ifindex, &ip, &l4, guest_ip, &sess)
+}
+
+/// True for a destination (NBO) no sandbox flow may have, whatever its policy allows (decision
+/// R47): "this network" 0.0.0.0/8 and loopback 127.0.0.0/8 (never valid off a host, RFC 1122),
+/// multicast 224.0.0.0/4 and the limited broadcast 255.255.255.255. With IPv4 forwarding on,
+/// `bpf_fib_lookup` resolves multicast and the limited broadcast by the default route, so they
+/// left the uplink to the node's router as the node (RIP to 224.0.0.9, DHCP to the broadcast).
+#[inline(always)]
+fn never_a_flow(dst: u32) -> bool {
+    let first = dst.to_ne_bytes()[0];
+    first == 0 || first == 127 || (224..=239).contains(&first) || dst == u32::MAX
 }
 
 /// UDP to port 53 (not to the gateway or the node): a DNS query for the learning hook.

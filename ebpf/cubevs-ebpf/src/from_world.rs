@@ -12,7 +12,8 @@
 //! as `in` (`sandbox_stats`), an RST outside the window as its `rst_window` drop; a stale
 //! version's drops are never charged to the interface's current owner.
 //! UDP from port 53 is offered to the DNS learning hook first (tail call, `crate::dns`).
-//! Anything addressed to a registered sandbox's mvm IP is dropped first (decision R10).
+//! Anything addressed to a registered sandbox's mvm IP is dropped first (decision R10); then a
+//! frame that carried a VLAN tag with a non-zero VID is passed on untouched (decision R46).
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -49,6 +50,16 @@ pub fn from_world(ctx: TcContext) -> i32 {
     if MVMIP_TO_IFINDEX.get_ptr(&ip.dst).is_some() {
         count(counter::WORLD_DROP_TO_SANDBOX);
         return TC_ACT_SHOT;
+    }
+    // A frame of a VLAN (non-zero VID) whose tag the kernel took off before tc: the uplink is
+    // not on that VLAN, so the kernel drops it (`PACKET_OTHERHOST`) or hands it to a VLAN
+    // device on top. Taken in here, a host on another VLAN of the wire would reach host ports
+    // and answer sessions (decision R46, the world-side twin of R9). A priority tag (VID 0) is
+    // untagged traffic to the kernel and stays ours.
+    // SAFETY: `skb` is the context pointer the kernel passed in.
+    let (vlan_present, vlan_tci) = unsafe { ((*ctx.skb.skb).vlan_present, (*ctx.skb.skb).vlan_tci) };
+    if vlan_present != 0 && vlan_tci & 0x0fff != 0 {
+        return pass();
     }
     let cfg = config::get();
     if ip.later_fragment {

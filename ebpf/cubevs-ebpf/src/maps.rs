@@ -10,7 +10,7 @@ use aya_ebpf::{
 use cubevs_common::{
     AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig,
     PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp, TrackCount,
-    dns::{DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
+    dns::{DnsAllowKey, DnsAllowName, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
 };
 
@@ -90,6 +90,13 @@ pub static NODE_DENY: LpmTrie<u32, u8> = LpmTrie::with_max_entries(limits::NODE_
 /// Not preallocated: userspace sizes it like the policy tries (every sandbox, two
 /// generations, at its limit), so the size costs memory only when used.
 pub static DNS_ALLOW: HashMap<DnsAllowKey, DnsAllowValue> =
+    HashMap::with_max_entries(limits::DNS_ALLOW, BPF_F_NO_PREALLOC);
+
+/// The name of each `dns_allow` pattern under the same key: a query is tracked only when the
+/// suffix whose hash matched is that name byte for byte (decision R48). Not preallocated,
+/// sized like `dns_allow` by userspace.
+#[map(name = "dns_allow_names")]
+pub static DNS_ALLOW_NAMES: HashMap<DnsAllowKey, DnsAllowName> =
     HashMap::with_max_entries(limits::DNS_ALLOW, BPF_F_NO_PREALLOC);
 
 /// Guest queries for allowed names waiting for their response. Not an LRU: nothing is

@@ -8,7 +8,9 @@
 //! (tcx ingress, which runs next) handles it exactly as without XDP: non-IPv4, fragments
 //! (first fragments must fill `frag_sessions_v2` on the TC path), ICMP (echo replies and errors),
 //! frames without a mapping or session, host-port frames from another device, and sessions
-//! whose egress half is gone. Drops are the TC path's drops.
+//! whose egress half is gone. Drops are the TC path's drops, the first of them `from_world`'s:
+//! anything addressed to a registered sandbox's mvm IP is dropped before any lookup (R10, R45:
+//! an L7 session's reverse key names the mvm IP, and only that check keeps the world out of it).
 
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS},
@@ -20,7 +22,7 @@ use cubevs_common::{counter, ether, proto};
 
 use crate::{
     config,
-    maps::count,
+    maps::{MVMIP_TO_IFINDEX, count},
     packet,
     world::{self, Outcome},
 };
@@ -31,6 +33,13 @@ pub fn xdp_world(ctx: XdpContext) -> u32 {
         return XDP_PASS;
     }
     let Some(ip) = packet::ipv4(&ctx) else { return XDP_PASS };
+    // As `from_world` does first (decision R10): a sandbox's mvm IP is never reached from the
+    // uplink. Without it an L7 session's reverse key {server, mvm IP, server port, guest port}
+    // took a world frame that names the mvm IP straight into the guest (decision R45).
+    if MVMIP_TO_IFINDEX.get_ptr(&ip.dst).is_some() {
+        count(counter::WORLD_DROP_TO_SANDBOX);
+        return XDP_DROP;
+    }
     if ip.fragment || (ip.proto != proto::TCP && ip.proto != proto::UDP) {
         return XDP_PASS;
     }
