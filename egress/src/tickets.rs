@@ -114,9 +114,12 @@ impl TicketKeys {
         TicketKeys { keys: RwLock::new(Keys { current: None, previous: None }), rng: SystemRandom::new() }
     }
 
-    /// Keys still able to decrypt, newest first, for a successor (at most [`MAX_KEYS`]).
+    /// Keys still able to decrypt, newest first, for a successor (at most [`MAX_KEYS`]). A
+    /// current key is created first when there is none or it is due for rotation, so the
+    /// predecessor (still draining) and its successor issue tickets under the same key.
     pub fn export(&self) -> Vec<TicketKeyMaterial> {
         let now = now_unix();
+        self.ensure_current(now);
         let k = self.keys.read().unwrap_or_else(|e| e.into_inner());
         [&k.current, &k.previous]
             .into_iter()
@@ -154,6 +157,16 @@ impl TicketKeys {
         let mut k = self.keys.write().unwrap_or_else(|e| e.into_inner());
         *k = Keys { current: it.next(), previous: it.next() };
         Ok(n)
+    }
+
+    /// Rotates when the current key is missing or older than [`ROTATE`].
+    fn ensure_current(&self, now: u64) {
+        let mut k = self.keys.write().unwrap_or_else(|e| e.into_inner());
+        if k.current.as_ref().is_none_or(|c| c.age(now) >= ROTATE.as_secs())
+            && let Some(fresh) = Key::generate(&self.rng, now)
+        {
+            k.previous = k.current.replace(fresh);
+        }
     }
 
     fn seal(&self, key: &Key, plain: &[u8]) -> Option<Vec<u8>> {
@@ -194,12 +207,9 @@ impl ProducesTickets for TicketKeys {
                 return self.seal(cur, plain);
             }
         }
-        let mut k = self.keys.write().unwrap_or_else(|e| e.into_inner());
-        // Another issuer may have rotated meanwhile.
-        if k.current.as_ref().is_none_or(|c| c.age(now) >= ROTATE.as_secs()) {
-            let fresh = Key::generate(&self.rng, now)?;
-            k.previous = k.current.replace(fresh);
-        }
+        // Another issuer may have rotated meanwhile: `ensure_current` checks again.
+        self.ensure_current(now);
+        let k = self.keys.read().unwrap_or_else(|e| e.into_inner());
         self.seal(k.current.as_ref()?, plain)
     }
 
