@@ -100,6 +100,23 @@ fn explain(rig: &SwapRig, label: &str, s: &Swapped, idle: &LoadReport) {
     let connects: Vec<_> = r.connects.iter().filter(|(a, b)| *b >= from && *a <= to).collect();
     let slowest = r.connects.iter().map(|(a, b)| *b - *a).max().unwrap_or_default();
     let closes = (r.close_at.first().copied().unwrap_or_default(), r.close_at.last().copied().unwrap_or_default());
+    let after = |l: &LoadReport| {
+        let c = l.connects.iter().filter(|(a, _)| *a >= wf).count();
+        (c, l.full_handshakes.iter().filter(|t| **t >= wf).count())
+    };
+    let ((rc, rf), (ic, if_)) = (after(r), after(idle));
+    eprintln!(
+        "{label}: connects from the successor's spawn on: {rc}, {rf} full TLS handshakes, each client's first \
+         connect {:.2} ms (median; no-swap load, same offsets: {ic} connects, {if_} full, first connect {:.2} ms)",
+        first_connect(r, wf),
+        first_connect(idle, wf)
+    );
+    let log = std::fs::read_to_string(rig.dir.join(format!("{}.log", s.succ))).unwrap_or_default();
+    for l in log.lines().filter(|l| {
+        ["gateway state built", "state taken over", "startup phases"].iter().any(|m| l.contains(&format!("\"{m}\"")))
+    }) {
+        eprintln!("{label}: successor {l}");
+    }
     eprintln!(
         "{label}: {} ok ({} reconnects asked, between {:.1} and {:.1} ms), {} failed requests, {} failed connects, \
          old slot exit {:?}; first errors: {:?}\n  timeline (ms from the load's start):\n  {}\n  \
@@ -139,32 +156,63 @@ fn window(s: &Swapped) -> (Duration, Duration) {
     (at(s.load.instant_ms(s.spawned)), at(s.load.instant_ms(s.gone)))
 }
 
-/// The four figures of one round: `resets`, `failed connects` (TCP connects or TLS
-/// handshakes), `max gap` (the longest interval without a completed request while the load
-/// ran, ms) and `max gap, swap window` (the same from the successor's spawn to the
-/// predecessor's exit), each as (swap, the same figure of the no-swap load; for the window:
-/// the same offsets of that load).
-fn figures(s: &Swapped, idle: &LoadReport) -> [(f64, f64); 4] {
+/// Figures per round (see [`CASES`]).
+const FIGURES: usize = 6;
+
+/// The figures of one round: `resets`, `failed connects` (TCP connects or TLS handshakes),
+/// `max gap` (the longest interval without a completed request while the load ran, ms),
+/// `max gap, swap window` (the same from the successor's spawn to the predecessor's exit) and
+/// `full handshakes after swap` (connects from the successor's spawn to the load's end whose
+/// TLS handshake did not resume a session: each client has its own rustls default session
+/// store),
+/// and `first connect after swap` (the median over the clients of each one's first connect
+/// from the successor's spawn on: TCP connect + TLS handshake + HTTP/1 handshake, ms, what a
+/// client waits before its first request reaches the successor), each as (swap, the same figure of the no-swap load; for the window,
+/// the handshakes and the connects: the same offsets of that load).
+fn figures(s: &Swapped, idle: &LoadReport) -> [(f64, f64); FIGURES] {
     let (r, ms) = (&s.load, |d: Duration| d.as_secs_f64() * 1e3);
     let (from, to) = window(s);
+    let full = |l: &LoadReport| l.full_handshakes.iter().filter(|t| **t >= from).count() as f64;
     [
         (r.resets as f64, idle.resets as f64),
         (r.failed_connects as f64, idle.failed_connects as f64),
         (ms(r.max_gap), ms(idle.max_gap)),
         (ms(r.max_gap_in(from, to).0), ms(idle.max_gap_in(from, to).0)),
+        (full(r), full(idle)),
+        (first_connect(r, from), first_connect(idle, from)),
     ]
 }
 
+/// The median over the clients of each one's first connect time (ms) that began at `from` or
+/// later (0 when none did).
+fn first_connect(l: &LoadReport, from: Duration) -> f64 {
+    let mut v: Vec<f64> = l
+        .worker_connects
+        .iter()
+        .filter_map(|w| w.iter().find(|(a, _)| *a >= from))
+        .map(|(a, b)| (*b - *a).as_secs_f64() * 1e3)
+        .collect();
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Row cases of [`figures`], in order: (case, unit, target).
+const CASES: [(&str, &str, Option<&str>); FIGURES] = [
+    ("resets", "count", Some("0")),
+    ("failed connects", "count", Some("0")),
+    ("max gap", "ms", Some("<= 1 ms")),
+    ("max gap, swap window", "ms", None),
+    ("full handshakes after swap", "count", None),
+    ("first connect after swap", "ms", None),
+];
+
 /// The rows of `label` from its rounds' figures: median and p10..p90 of the swaps beside the
 /// median of the no-swap loads.
-fn rows(label: &str, rounds: &[[(f64, f64); 4]]) -> Vec<Row> {
-    let cases = [
-        ("resets", "count", Some("0")),
-        ("failed connects", "count", Some("0")),
-        ("max gap", "ms", Some("<= 1 ms")),
-        ("max gap, swap window", "ms", None),
-    ];
-    cases
+fn rows(label: &str, rounds: &[[(f64, f64); FIGURES]]) -> Vec<Row> {
+    CASES
         .iter()
         .enumerate()
         .map(|(i, (case, unit, target))| {
@@ -179,7 +227,7 @@ fn rows(label: &str, rounds: &[[(f64, f64); 4]]) -> Vec<Row> {
 
 /// One round on `bin`: the no-swap load on the serving gateway, then a swap to a fresh gateway
 /// of `bin` under the same load.
-fn round(rig: &SwapRig, cur: &mut Slot, bin: &Path, label: &str, n: &mut u32) -> [(f64, f64); 4] {
+fn round(rig: &SwapRig, cur: &mut Slot, bin: &Path, label: &str, n: &mut u32) -> [(f64, f64); FIGURES] {
     let idle = rig.start_load(KEEPALIVE, FRESH, LOAD).join().expect("no-swap load");
     *n += 1;
     let s = swap(rig, cur, bin, &format!("g{n}"), true);

@@ -19,7 +19,7 @@ use rcgen::{
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
 
-use crate::metrics::Metrics;
+use crate::{metrics::Metrics, tickets::TicketKeys};
 
 /// CA certificate file name inside the CA directory.
 pub const CA_CERT_FILE: &str = "cube-root-ca.crt";
@@ -198,6 +198,14 @@ impl CertName {
     }
 }
 
+/// The name of a cache key (`ip:<addr>` or a host name); `None` for anything else.
+fn name_of_key(k: &str) -> Option<CertName> {
+    match k.strip_prefix("ip:") {
+        Some(ip) => ip.parse().ok().map(CertName::Ip),
+        None => crate::dest::normalize_dns_name(k).map(CertName::Dns),
+    }
+}
+
 /// Why no certificate could be produced.
 #[derive(Debug, thiserror::Error)]
 pub enum MintError {
@@ -209,9 +217,67 @@ pub enum MintError {
     Failed(String),
 }
 
+/// A minted (or handed-over) leaf: its server config and what built it (for a successor, E25).
+struct Minted {
+    cfg: Arc<ServerConfig>,
+    leaf: CertificateDer<'static>,
+    key: PrivatePkcs8KeyDer<'static>,
+}
+
 struct Slot {
-    cell: Arc<tokio::sync::OnceCell<Arc<ServerConfig>>>,
+    cell: Arc<tokio::sync::OnceCell<Arc<Minted>>>,
     created: Instant,
+}
+
+/// One cached leaf as handed to a successor (E25): cache key, leaf certificate and its PKCS#8
+/// key (DER, lower-case hex), age. `Debug` omits the key.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+pub struct LeafMaterial {
+    /// Cache key: the SNI name or `ip:<addr>`.
+    pub name: String,
+    /// Leaf certificate, DER as hex (the chain's CA is the successor's own).
+    pub cert: String,
+    /// Leaf private key, PKCS#8 DER as hex.
+    pub key: String,
+    /// Seconds since the predecessor minted it.
+    pub age_secs: u64,
+}
+
+impl std::fmt::Debug for LeafMaterial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeafMaterial")
+            .field("name", &self.name)
+            .field("age_secs", &self.age_secs)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Lower-case hex of `b`.
+pub(crate) fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Bytes from hex (`None` for odd length or a non-hex digit).
+pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
+}
+
+/// The leaf server config: `chain` and `key`, ALPN `h2`, `http/1.1`, the shared ticket keys.
+fn leaf_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    tickets: Arc<TicketKeys>,
+) -> anyhow::Result<ServerConfig> {
+    let mut cfg = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    cfg.ticketer = tickets;
+    Ok(cfg)
 }
 
 /// Token bucket per sandbox IP (our own: a dozen lines, no crate needed).
@@ -252,6 +318,7 @@ pub struct CertCache {
     capacity: usize,
     limiter: RateLimiter,
     metrics: Metrics,
+    tickets: Arc<TicketKeys>,
 }
 
 impl CertCache {
@@ -264,7 +331,13 @@ impl CertCache {
             capacity: capacity.max(1),
             limiter: RateLimiter::new(rate, burst),
             metrics,
+            tickets: Arc::new(TicketKeys::new()),
         }
+    }
+
+    /// The session-ticket keys every leaf config of this cache uses (E23).
+    pub fn tickets(&self) -> &TicketKeys {
+        &self.tickets
     }
 
     /// The server config for `name`, minting it if needed (charged to `sandbox`).
@@ -290,9 +363,9 @@ impl CertCache {
             }
             slots.get(&key).expect("slot just ensured").cell.clone()
         };
-        if let Some(cfg) = cell.get() {
+        if let Some(m) = cell.get() {
             self.metrics.cert_cache_hits.inc();
-            return Ok(cfg.clone());
+            return Ok(m.cfg.clone());
         }
         cell.get_or_try_init(|| async {
             if !self.limiter.take(sandbox) {
@@ -302,25 +375,91 @@ impl CertCache {
             self.mint_config(name.clone()).await
         })
         .await
-        .cloned()
+        .map(|m| m.cfg.clone())
     }
 
-    async fn mint_config(&self, name: CertName) -> Result<Arc<ServerConfig>, MintError> {
+    async fn mint_config(&self, name: CertName) -> Result<Arc<Minted>, MintError> {
         let ca = self.ca.clone();
-        let cfg = tokio::task::spawn_blocking(move || -> anyhow::Result<ServerConfig> {
+        let tickets = self.tickets.clone();
+        let m = tokio::task::spawn_blocking(move || -> anyhow::Result<Minted> {
             let (chain, key) = ca.mint(&name)?;
-            let mut cfg = ServerConfig::builder_with_provider(provider())
-                .with_safe_default_protocol_versions()?
-                .with_no_client_auth()
-                .with_single_cert(chain, key)?;
-            cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-            Ok(cfg)
+            let PrivateKeyDer::Pkcs8(pk) = &key else { bail!("minted key is not PKCS#8") };
+            let (leaf, pk) = (chain[0].clone(), pk.clone_key());
+            Ok(Minted { cfg: Arc::new(leaf_config(chain, key, tickets)?), leaf, key: pk })
         })
         .await
         .map_err(|e| MintError::Failed(e.to_string()))?
         .map_err(|e| MintError::Failed(e.to_string()))?;
         self.metrics.mints.inc();
-        Ok(Arc::new(cfg))
+        Ok(Arc::new(m))
+    }
+
+    /// SHA-256 of the CA certificate (hex): a successor installs handed-over leaves only when
+    /// its CA is the same.
+    pub fn ca_sha256(&self) -> String {
+        use sha2::Digest;
+        hex(&sha2::Sha256::digest(self.ca.cert_der()))
+    }
+
+    /// The (at most `max`) most recently minted fresh leaves with their keys, newest first, for
+    /// a successor (E25).
+    pub fn export_leaves(&self, max: usize) -> Vec<LeafMaterial> {
+        let slots = self.slots.lock().expect("cache lock");
+        let mut v: Vec<(&String, &Slot, &Arc<Minted>)> = slots
+            .iter()
+            .filter(|(_, s)| s.created.elapsed() < LEAF_CACHE_TTL)
+            .filter_map(|(k, s)| s.cell.get().map(|m| (k, s, m)))
+            .collect();
+        v.sort_by_key(|e| std::cmp::Reverse(e.1.created));
+        v.into_iter()
+            .take(max)
+            .map(|(k, s, m)| LeafMaterial {
+                name: k.clone(),
+                cert: hex(&m.leaf),
+                key: hex(m.key.secret_pkcs8_der()),
+                age_secs: s.created.elapsed().as_secs(),
+            })
+            .collect()
+    }
+
+    /// Installs leaves handed over by a predecessor (E25), at most the cache's capacity: each
+    /// served with this process's CA as its chain and the shared ticket keys. Skipped (logged
+    /// by name only): a name already cached, a leaf past [`LEAF_CACHE_TTL`], malformed hex, a
+    /// key that does not match its certificate. Returns how many were installed.
+    pub fn install_leaves(&self, leaves: &[LeafMaterial]) -> usize {
+        let mut n = 0;
+        for l in leaves {
+            let Some(key_name) = name_of_key(&l.name).map(|n| n.cache_key()) else { continue };
+            let age = Duration::from_secs(l.age_secs);
+            let Some(created) = (age < LEAF_CACHE_TTL).then(|| Instant::now().checked_sub(age)).flatten() else {
+                continue;
+            };
+            let (Some(cert), Some(key)) = (unhex(&l.cert), unhex(&l.key)) else {
+                tracing::warn!(name = %l.name, "handed-over leaf is not hex; minting it instead");
+                continue;
+            };
+            let leaf = CertificateDer::from(cert);
+            let pk = PrivatePkcs8KeyDer::from(key);
+            let chain = vec![leaf.clone(), self.ca.cert_der().clone()];
+            let cfg = match leaf_config(chain, PrivateKeyDer::Pkcs8(pk.clone_key()), self.tickets.clone()) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(name = %l.name, error = %e, "handed-over leaf refused; minting it instead");
+                    continue;
+                }
+            };
+            let m = Arc::new(Minted { cfg: Arc::new(cfg), leaf, key: pk });
+            let mut slots = self.slots.lock().expect("cache lock");
+            if slots.len() >= self.capacity {
+                break;
+            }
+            if slots.contains_key(&key_name) {
+                continue;
+            }
+            slots.insert(key_name, Slot { cell: Arc::new(tokio::sync::OnceCell::new_with(Some(m))), created });
+            n += 1;
+        }
+        n
     }
 
     /// Cache keys of the (at most `max`) most recently minted fresh leaves, newest first: what a
@@ -342,16 +481,7 @@ impl CertCache {
     pub async fn premint(&self, keys: &[String]) -> usize {
         let mut n = 0;
         for k in keys {
-            let name = match k.strip_prefix("ip:") {
-                Some(ip) => match ip.parse() {
-                    Ok(ip) => CertName::Ip(ip),
-                    Err(_) => continue,
-                },
-                None => match crate::dest::normalize_dns_name(k) {
-                    Some(d) => CertName::Dns(d),
-                    None => continue,
-                },
-            };
+            let Some(name) = name_of_key(k) else { continue };
             let cell = {
                 let mut slots = self.slots.lock().expect("cache lock");
                 if slots.len() >= self.capacity {

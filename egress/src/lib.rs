@@ -28,6 +28,7 @@ pub mod net;
 pub use egress_policy as policy;
 pub mod proxy;
 pub mod store;
+pub mod tickets;
 
 use std::{
     net::Ipv4Addr,
@@ -90,12 +91,17 @@ impl App {
     /// Builds the shared state: loads the CA (errors: see [`Ca::load`]), opens the audit log,
     /// builds the upstream trust store.
     pub fn new(cfg: &Config) -> anyhow::Result<App> {
+        let t0 = std::time::Instant::now();
+        let ms = |from: std::time::Instant| from.elapsed().as_secs_f64() * 1e3;
         let metrics = Metrics::new();
         let ca = Arc::new(Ca::load(&cfg.ca_dir)?);
+        let ca_ms = ms(t0);
+        let t1 = std::time::Instant::now();
         let store = PolicyStore::default();
         let share = audit::QueueShare { floor: cfg.audit_floor_per_sandbox, members: store.members() };
         let audit = AuditLog::open(&cfg.audit_file, cfg.audit_queue_capacity, share, metrics.audit_dropped.clone())
             .with_context(|| format!("open audit {}", cfg.audit_file.display()))?;
+        let audit_ms = ms(t1);
         // The descriptor limit in force after raising it bounds every sandbox's connections
         // together (R22) and, by default, each one's (R18).
         let nofile = conns::raise_nofile();
@@ -116,8 +122,10 @@ impl App {
             per_sandbox,
             "connection budget"
         );
+        let t2 = std::time::Instant::now();
         let mut tls = certs::upstream_client_config(cfg.upstream_extra_ca.as_deref())?;
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        tracing::info!(ca_ms, audit_ms, trust_store_ms = ms(t2), total_ms = ms(t0), "gateway state built");
         Ok(App {
             store,
             certs: CertCache::new(ca, cfg.cert_cache_size, cfg.mint_rate_per_sec, cfg.mint_burst, metrics.clone()),
@@ -296,7 +304,11 @@ async fn accept_loop(app: Arc<App>, l: TcpListener, scheme: Option<Scheme>, mut 
 }
 
 /// The listeners of this process: taken from a predecessor (with its state installed) or bound.
-async fn listeners(app: &Arc<App>, cfg: &Config) -> anyhow::Result<(Listeners, Option<handoff::ReadySignal>)> {
+async fn listeners(
+    app: &Arc<App>,
+    cfg: &Config,
+    phases: &mut Phases,
+) -> anyhow::Result<(Listeners, Option<handoff::ReadySignal>)> {
     let taken = match cfg.takeover_socket.clone() {
         Some(p) => {
             let optional = cfg.takeover_optional;
@@ -322,14 +334,27 @@ async fn listeners(app: &Arc<App>, cfg: &Config) -> anyhow::Result<(Listeners, O
         };
         return Ok((l, None));
     };
-    let handoff::Taken { listeners, state, ready } = t;
+    phases.mark("take");
+    let handoff::Taken { listeners, state, extras, ready } = t;
     match state {
         Some(st) => {
             let (policies, learned) = (st.policies.len(), st.learned.len());
             let leaves = st.leaf_names.clone();
             let status = st.install(app).context("install the predecessor's state")?;
+            phases.mark("install");
+            let got = extras.map(|x| x.install(app)).unwrap_or_default();
+            phases.mark("extras");
             let minted = app.certs.premint(&leaves).await;
-            tracing::info!(policies, learned, minted, predecessor_status = status.as_str(), "state taken over");
+            phases.mark("premint");
+            tracing::info!(
+                policies,
+                learned,
+                ticket_keys = got.ticket_keys,
+                leaves_taken = got.leaves,
+                minted = minted.saturating_sub(got.leaves),
+                predecessor_status = status.as_str(),
+                "state taken over"
+            );
             if status.serving() {
                 app.store.set_status(status);
             } else {
@@ -362,10 +387,12 @@ pub type Loader = Box<dyn Fn() -> anyhow::Result<Config> + Send + Sync>;
 /// [`run`], with SIGHUP re-reading the configuration through `load` (`None`: no file, a
 /// SIGHUP is logged and ignored) and applying its `always_denied_cidrs` ([`reload`], R51).
 pub async fn run_reloadable(cfg: Config, load: Option<Loader>) -> anyhow::Result<()> {
+    let mut phases = Phases::new();
     // Installed first: SIGHUP's default action would end the gateway.
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let app = Arc::new(App::new(&cfg)?);
-    let (listeners, ready) = listeners(&app, &cfg).await?;
+    phases.mark("app");
+    let (listeners, ready) = listeners(&app, &cfg, &mut phases).await?;
     let handoff = match &cfg.handoff_socket {
         Some(p) => {
             let l = net::handoff_listener(p)?;
@@ -376,8 +403,10 @@ pub async fn run_reloadable(cfg: Config, load: Option<Loader>) -> anyhow::Result
     };
     if let Some(r) = ready {
         r.send().context("tell the predecessor we are ready")?;
+        phases.mark("ready");
         tracing::info!(socket = ?cfg.takeover_socket, "took over listeners and state from predecessor");
     }
+    phases.log();
     tracing::info!(
         http = %listeners.http.local_addr()?, https = %listeners.https.local_addr()?,
         admin = %listeners.admin.local_addr()?, ca_expires_in_days = app.certs_ca_days(), "cube-egress listening"
@@ -498,13 +527,56 @@ async fn offer(app: &Arc<App>, l: &Arc<Listeners>, s: std::os::unix::net::UnixSt
         *frozen = true;
         handoff::HandoffState::capture(app)
     };
-    let l = l.clone();
-    let res = tokio::task::spawn_blocking(move || handoff::offer(&s, &l, &state)).await.map_err(anyhow::Error::from);
+    let (l, a) = (l.clone(), app.clone());
+    let extras = move || handoff::HandoffExtras::capture(&a);
+    let res =
+        tokio::task::spawn_blocking(move || handoff::offer(&s, &l, &state, extras)).await.map_err(anyhow::Error::from);
     let res = res.and_then(|r| r);
     if res.is_err() {
         *app.admin_frozen.write().unwrap_or_else(|e| e.into_inner()) = false;
     }
     res
+}
+
+/// When this process started `main` (set by the binary; [`Phases`] counts from it).
+pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Start-up phases of one process, logged once as `startup phases` with a `phases` field
+/// `<phase>=<ms> ...` (milliseconds each took, in order) and `total_ms` from [`PROCESS_START`]:
+/// `main` (runtime and config), `app` (CA load, audit open, trust store), and for a successor
+/// `take` (connect, receive listeners, state and extras), `install` (policies, learned
+/// table), `extras` (ticket keys, leaves), `premint` (names not handed over), `ready`.
+pub struct Phases {
+    start: std::time::Instant,
+    last: std::time::Instant,
+    done: Vec<(&'static str, f64)>,
+}
+
+impl Phases {
+    fn new() -> Phases {
+        let now = std::time::Instant::now();
+        let start = *PROCESS_START.get().unwrap_or(&now);
+        let mut p = Phases { start, last: start, done: Vec::new() };
+        if PROCESS_START.get().is_some() {
+            p.mark("main");
+        }
+        p
+    }
+
+    fn mark(&mut self, phase: &'static str) {
+        let now = std::time::Instant::now();
+        self.done.push((phase, (now - self.last).as_secs_f64() * 1e3));
+        self.last = now;
+    }
+
+    fn log(&self) {
+        let phases: Vec<String> = self.done.iter().map(|(p, ms)| format!("{p}={ms:.1}")).collect();
+        tracing::info!(
+            phases = %phases.join(" "),
+            total_ms = (self.last - self.start).as_secs_f64() * 1e3,
+            "startup phases"
+        );
+    }
 }
 
 impl App {

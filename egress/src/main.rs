@@ -25,6 +25,7 @@ fn init_logging() -> Result<(), String> {
 }
 
 fn main() -> std::process::ExitCode {
+    let _ = cube_egress::PROCESS_START.set(std::time::Instant::now());
     if let Err(e) = init_logging() {
         eprintln!("cube-egress: {e}");
         return std::process::ExitCode::from(2);

@@ -22,6 +22,9 @@ pub struct Metrics {
     pub mint_rate_limited: IntCounter,
     /// TLS connections refused before minting (SNI denied or no policy).
     pub handshakes_refused: IntCounter,
+    /// Completed client TLS handshakes by `kind`: `full` or `resumed` (a session ticket, also
+    /// one a predecessor issued, E23).
+    pub tls_handshakes: IntCounterVec,
     /// Connections closed at accept, by `reason`: `sandbox_budget` (the sandbox held
     /// `max_conns_per_sandbox`, R18), `node_ceiling` (its floor was used, or it has no policy,
     /// and the shared remainder was full, R22); requests refused a second upstream socket of
@@ -113,7 +116,9 @@ impl Metrics {
         ] {
             registry.register(Box::new(m.clone())).expect("register");
         }
-        for m in [&connections_refused, &audit_refused, &config_reloads] {
+        let tls_handshakes =
+            vec("cube_egress_tls_handshakes_total", "Completed client TLS handshakes by kind (full, resumed)", "kind");
+        for m in [&connections_refused, &audit_refused, &config_reloads, &tls_handshakes] {
             registry.register(Box::new(m.clone())).expect("register");
         }
         for m in [&connections, &audit_queued] {
@@ -132,6 +137,7 @@ impl Metrics {
             cert_cache_hits,
             mint_rate_limited,
             handshakes_refused,
+            tls_handshakes,
             connections_refused,
             connections,
             audit_queued,

@@ -301,6 +301,11 @@ async fn serve_tls(
         Err(_) => return,
     };
     let (_, server) = tls.get_ref();
+    let kind = match server.handshake_kind() {
+        Some(rustls::HandshakeKind::Resumed) => "resumed",
+        _ => "full",
+    };
+    app.metrics.tls_handshakes.with_label_values(&[kind]).inc();
     let info = TlsInfo {
         version: server.protocol_version().and_then(|v| v.as_str().map(str::to_string)),
         cipher: server.negotiated_cipher_suite().and_then(|c| c.suite().as_str().map(str::to_string)),

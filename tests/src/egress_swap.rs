@@ -266,6 +266,48 @@ impl SwapRig {
         assert_eq!(code, 200, "PUT learned: {body}");
     }
 
+    /// One `GET path` through the gateway with `openssl s_client` at its defaults (TLS 1.3,
+    /// tickets on) from the sandbox, trusting the gateway CA: the session is saved to `sess`
+    /// (`-sess_out`) and, when `resume`, first offered from it (`-sess_in`). Returns stdout
+    /// and stderr together (`New, TLSv1.3` or `Reused, TLSv1.3`, then the response).
+    pub fn openssl_get(&self, path: &str, sess: &Path, resume: bool) -> String {
+        let (ca, sess) = (self.dir.join("ca/cube-root-ca.crt"), sess.to_string_lossy().into_owned());
+        let ca = ca.to_string_lossy().into_owned();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {NAME}\r\nConnection: close\r\n\r\n");
+        let mut args = vec![
+            "s_client",
+            "-connect",
+            "198.51.100.1:443",
+            "-servername",
+            NAME,
+            "-CAfile",
+            &ca,
+            "-verify_return_error",
+            "-ign_eof",
+            "-sess_out",
+            &sess,
+        ];
+        if resume {
+            args.extend(["-sess_in", &sess]);
+        }
+        let mut child = self
+            .sb
+            .command("openssl")
+            .args(&args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn openssl");
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().expect("stdin");
+            stdin.write_all(req.as_bytes()).expect("write request");
+        }
+        let o = child.wait_with_output().expect("openssl");
+        text(&o)
+    }
+
     /// Every audit line (each must be JSON).
     pub fn audit_lines(&self) -> Vec<Value> {
         std::fs::read_to_string(self.audit_file())
@@ -380,6 +422,13 @@ pub struct LoadReport {
     /// Successful connects (TCP connect, TLS handshake, HTTP/1 handshake): (began, ready),
     /// from the start.
     pub connects: Vec<(Duration, Duration)>,
+    /// When each successful connect that did a full TLS handshake began (the others resumed
+    /// a session with a ticket from the same worker's earlier connection: each worker has its
+    /// own rustls default in-memory session store), from the start, sorted.
+    pub full_handshakes: Vec<Duration>,
+    /// Successful connects per worker (each its own client): `[worker]` = (began, ready) in
+    /// order, from the start.
+    pub worker_connects: Vec<Vec<(Duration, Duration)>>,
 }
 
 impl LoadReport {
@@ -435,6 +484,8 @@ struct Tally {
     done: Vec<Instant>,
     close_at: Vec<Instant>,
     connects: Vec<(Instant, Instant)>,
+    per_worker: Vec<Vec<(Instant, Instant)>>,
+    full: Vec<Instant>,
 }
 
 impl Tally {
@@ -462,7 +513,8 @@ impl Tally {
 
 type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
 
-async fn connect(tls: &tokio_rustls::TlsConnector) -> Result<Sender, Box<dyn std::error::Error + Send + Sync>> {
+/// A new connection and whether its TLS handshake resumed a session.
+async fn connect(tls: &tokio_rustls::TlsConnector) -> Result<(Sender, bool), Box<dyn std::error::Error + Send + Sync>> {
     let tcp = tokio::time::timeout(Duration::from_secs(10), tokio::net::TcpStream::connect(format!("{WORLD}:443")))
         .await
         .map_err(|_| "connect timeout")??;
@@ -470,9 +522,10 @@ async fn connect(tls: &tokio_rustls::TlsConnector) -> Result<Sender, Box<dyn std
     let name = rustls::pki_types::ServerName::try_from(NAME)?.to_owned();
     let t =
         tokio::time::timeout(Duration::from_secs(10), tls.connect(name, tcp)).await.map_err(|_| "TLS timeout")??;
+    let resumed = t.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
     let (s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(t)).await?;
     tokio::spawn(conn);
-    Ok(s)
+    Ok((s, resumed))
 }
 
 /// One request on `s`: `Ok(close)` when answered 200 with its path (close = the server asked
@@ -495,13 +548,17 @@ static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, dur: Duration) -> LoadReport {
     let run = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tls = tokio_rustls::TlsConnector::from(tls);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let deadline = tokio::time::Instant::now() + dur;
     let (started, started_wall) = (Instant::now(), std::time::SystemTime::now());
     let mut tasks = Vec::new();
     for w in 0..keepalive + fresh {
-        let (tls, tally) = (tls.clone(), tally.clone());
+        // Each worker is its own client, as each sandbox process is: its own session store
+        // (rustls' default in-memory one), so a reconnect resumes only with a ticket this
+        // worker got.
+        let mut own = (*tls).clone();
+        own.resumption = rustls::client::Resumption::default();
+        let (tls, tally) = (tokio_rustls::TlsConnector::from(Arc::new(own)), tally.clone());
         let keep = w < keepalive;
         tasks.push(tokio::spawn(async move {
             let mut sender: Option<Sender> = None;
@@ -517,8 +574,17 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
                 let mut s = match sender.take() {
                     Some(s) => s,
                     None => match (Instant::now(), connect(&tls).await) {
-                        (began, Ok(s)) => {
-                            tally.lock().expect("tally").connects.push((began, Instant::now()));
+                        (began, Ok((s, resumed))) => {
+                            let mut t = tally.lock().expect("tally");
+                            let ready = Instant::now();
+                            t.connects.push((began, ready));
+                            if t.per_worker.len() <= w {
+                                t.per_worker.resize(w + 1, Vec::new());
+                            }
+                            t.per_worker[w].push((began, ready));
+                            if !resumed {
+                                t.full.push(began);
+                            }
                             s
                         }
                         (_, Err(e)) => {
@@ -565,6 +631,10 @@ async fn load(tls: Arc<rustls::ClientConfig>, keepalive: usize, fresh: usize, du
     t.r.close_at.sort();
     t.r.connects = t.connects.iter().map(|(a, b)| (*a - started, *b - started)).collect();
     t.r.connects.sort();
+    t.r.worker_connects =
+        t.per_worker.iter().map(|v| v.iter().map(|(a, b)| (*a - started, *b - started)).collect()).collect();
+    t.r.full_handshakes = t.full.iter().map(|a| *a - started).collect();
+    t.r.full_handshakes.sort();
     t.r
 }
 

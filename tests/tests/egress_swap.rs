@@ -8,6 +8,12 @@
 //! 0 failed handshakes, 0 failed requests, every request answered once and seen once by the
 //! world, the credential injected on every request (the learned address moved with the policy),
 //! one complete audit record per request, the old gateway exits 0 after draining.
+//!
+//! Resumption across the swap (E23): an `openssl s_client` session saved against slot A
+//! resumes against slot B (`Reused`, same answer); the load's clients (rustls defaults, shared
+//! session store) do no full handshake after B was spawned. The dying successor of step 2
+//! asks for the extras (ticket keys, leaf keys) the way a real one does; none of those key
+//! bytes appears in either gateway's log or in the audit file.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -19,6 +25,7 @@ use cubenet_tests::{
     egress_swap::{ADMIN, NAME, SANDBOX_IP, SwapRig, egress_bin, sigterm, text, wait_exit},
     require_root, wait_for,
 };
+use serde_json::Value;
 
 #[test]
 fn egress_gateway_swap_under_load() {
@@ -26,8 +33,12 @@ fn egress_gateway_swap_under_load() {
         return;
     }
     let rig = SwapRig::new();
-    let mut a = rig.spawn_gateway(&[]);
+    let mut a = rig.spawn_gateway_logged(&egress_bin(), "a", &[]);
     rig.configure();
+    // A TLS session of a real client at its defaults, made with slot A.
+    let sess = rig.dir.join("ossl.sess");
+    let first = rig.openssl_get("/ossl/1", &sess, false);
+    assert!(first.contains("New, TLSv1.3") && first.contains("ok /ossl/1"), "{first}");
     // Warm the leaf cache so the first handshakes do not race the per-sandbox mint budget.
     let warm = rig.start_load(1, 0, Duration::from_millis(300)).join().unwrap();
     assert!(warm.ok > 0 && warm.failed_requests + warm.failed_connects == 0, "warm-up: {warm:?}");
@@ -44,13 +55,31 @@ fn egress_gateway_swap_under_load() {
     assert_eq!(o.status.code(), Some(2), "bad config must fail: {}", text(&o));
     assert!(a.child().try_wait().unwrap().is_none(), "the running gateway must survive a failed successor");
 
-    // 2. A successor that takes the sockets and the state, then dies before READY.
+    // 2. A successor that takes the sockets, the state and the extras, then dies before READY.
     let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut first = [0u8; 23];
     c.read_exact(&mut first).unwrap();
     assert_eq!(&first, b"cube-egress-handoff v2\n");
+    let doc = |c: &mut std::os::unix::net::UnixStream| -> Value {
+        let mut len = [0u8; 4];
+        c.read_exact(&mut len).unwrap();
+        let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+        c.read_exact(&mut body).unwrap();
+        serde_json::from_slice(&body).unwrap()
+    };
+    let _state = doc(&mut c);
+    std::io::Write::write_all(&mut c, b"more1\n").unwrap();
+    let extras = doc(&mut c);
     drop(c);
+    let mut secrets: Vec<String> = Vec::new();
+    for k in extras["ticket_keys"].as_array().expect("ticket keys handed over") {
+        secrets.push(k["key"].as_str().unwrap().to_string());
+    }
+    for l in extras["leaves"].as_array().expect("leaves handed over") {
+        secrets.push(l["key"].as_str().unwrap().to_string());
+    }
+    assert!(secrets.len() >= 2, "a ticket key and the leaf of {NAME}: {}", secrets.len());
     let learned = serde_json::json!({"names": {NAME: ["198.51.100.1"]}, "ttl_secs": 600}).to_string();
     let put_learned = || rig.admin(&["-X", "PUT", "--data", &learned, &format!("{ADMIN}/learned/{SANDBOX_IP}")]);
     wait_for("admin unfrozen after the aborted hand-over", Duration::from_secs(12), || put_learned().0 == 200);
@@ -58,7 +87,8 @@ fn egress_gateway_swap_under_load() {
     std::thread::sleep(Duration::from_millis(1000));
 
     // 3. The swap: slot B takes the listeners and the state; slot A drains and exits.
-    let mut b = rig.spawn_gateway(&["--takeover-socket", sock.to_str().unwrap()]);
+    let spawned = std::time::Instant::now();
+    let mut b = rig.spawn_gateway_logged(&egress_bin(), "b", &["--takeover-socket", sock.to_str().unwrap()]);
     let status = wait_exit(&mut a, Duration::from_secs(25)).expect("old gateway exits after draining");
     assert!(status.success(), "old gateway exit: {status}");
     assert!(b.child().try_wait().unwrap().is_none(), "successor running");
@@ -75,6 +105,27 @@ fn egress_gateway_swap_under_load() {
     );
     assert!(report.ok > 100, "too little load to prove anything: {report:?}");
     assert!(report.closes > 0, "keep-alive clients were asked to reconnect by the draining gateway");
+    let from = Duration::from_secs_f64(report.instant_ms(spawned).max(0.0) / 1e3);
+    let after: Vec<_> = report.full_handshakes.iter().filter(|t| **t >= from).collect();
+    let reconnects = report.connects.iter().filter(|(t, _)| *t >= from).count();
+    eprintln!("connects after B was spawned: {reconnects}, full handshakes among them: {}", after.len());
+    assert!(reconnects > 0, "clients reconnected to the successor");
+    assert!(after.is_empty(), "full handshakes after the swap (sessions should resume): {after:?}");
+    let blog = std::fs::read_to_string(rig.dir.join("b.log")).unwrap();
+    let phases: Vec<&str> = blog
+        .lines()
+        .filter(|l| l.contains("startup phases") || l.contains("state taken over") || l.contains("gateway state built"))
+        .collect();
+    eprintln!("successor start-up:\n{}", phases.join("\n"));
+    assert!(blog.contains("\"ticket_keys\":1") || blog.contains("\"ticket_keys\":2"), "ticket keys taken: {blog}");
+
+    // The session made with A resumes with B and gets the same answer.
+    let again = rig.openssl_get("/ossl/2", &sess, true);
+    assert!(again.contains("Reused, TLSv1.3") && again.contains("ok /ossl/2"), "{again}");
+    let (code, metrics) = rig.admin(&["http://127.0.0.1:9091/metrics"]);
+    assert_eq!(code, 200);
+    let resumed = metrics.lines().find(|l| l.starts_with("cube_egress_tls_handshakes_total{kind=\"resumed\"}"));
+    assert!(resumed.is_some_and(|l| !l.ends_with(" 0")), "B counts resumed handshakes: {metrics}");
 
     // The successor has the policy and the learned table (moved, not re-learned).
     let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
@@ -113,4 +164,62 @@ fn egress_gateway_swap_under_load() {
         assert_eq!(per_path.get(p.as_str()).copied(), Some(1), "audit records of {p}");
     }
     assert!(lines.iter().any(|l| l["security"]["reason"] == "handoff_aborted"), "the aborted hand-over is audited");
+
+    // No key material handed over appears in either log or in the audit file.
+    let logs = ["a.log", "b.log"].map(|n| std::fs::read_to_string(rig.dir.join(n)).unwrap());
+    let audit = std::fs::read_to_string(rig.audit_file()).unwrap();
+    for k in &secrets {
+        for (what, t) in [("a.log", &logs[0]), ("b.log", &logs[1]), ("audit", &audit)] {
+            assert!(!t.to_ascii_lowercase().contains(k.as_str()), "key material in {what}");
+        }
+    }
+}
+
+/// E24 with real binaries: a pre-E24 build (`CUBENET_BASELINE_EGRESS`, e.g. main's
+/// `cube-egress`; skipped without it) hands over to this build, which hands back to the
+/// pre-E24 build (a rollback). Each swap completes (predecessor exits 0 after READY), the
+/// policy survives both, requests are answered after each; this build logs that its
+/// predecessor predates the extras, and the pre-E24 predecessor audits the refused request
+/// once (`handoff_aborted`).
+#[test]
+fn egress_swap_with_a_pre_e24_build() {
+    if !require_root("egress_swap_with_a_pre_e24_build") {
+        return;
+    }
+    let Some(old) = std::env::var_os("CUBENET_BASELINE_EGRESS").map(std::path::PathBuf::from) else {
+        eprintln!("SKIP egress_swap_with_a_pre_e24_build: set CUBENET_BASELINE_EGRESS to a pre-E24 cube-egress");
+        return;
+    };
+    let rig = SwapRig::new();
+    let sock = rig.handoff_socket();
+    let take = ["--takeover-socket", sock.to_str().unwrap()];
+    let mut a = rig.spawn_gateway_logged(&old, "old1", &[]);
+    rig.configure();
+    let sess = rig.dir.join("ossl.sess");
+    let out = rig.openssl_get("/ossl/o1", &sess, false);
+    assert!(out.contains("ok /ossl/o1"), "{out}");
+
+    // Upgrade: pre-E24 A → this build.
+    let mut b = rig.spawn_gateway_logged(&egress_bin(), "new1", &take);
+    let status = wait_exit(&mut a, Duration::from_secs(25)).expect("pre-E24 predecessor exits after the swap");
+    assert!(status.success(), "pre-E24 predecessor exit: {status}");
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let blog = std::fs::read_to_string(rig.dir.join("new1.log")).unwrap();
+    assert!(blog.contains("predates hand-over extras"), "fallback logged: {blog}");
+    let out = rig.openssl_get("/ossl/o2", &sess, true);
+    assert!(out.contains("ok /ossl/o2"), "{out}");
+
+    // Rollback: this build → pre-E24 C (never asks for extras).
+    let mut c = rig.spawn_gateway_logged(&old, "old2", &take);
+    let status = wait_exit(&mut b, Duration::from_secs(25)).expect("this build exits after handing back");
+    assert!(status.success(), "exit: {status}");
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let out = rig.openssl_get("/ossl/o3", &sess, true);
+    assert!(out.contains("ok /ossl/o3"), "{out}");
+    sigterm(&c);
+    assert!(wait_exit(&mut c, Duration::from_secs(25)).is_some_and(|s| s.success()));
+    let aborted = rig.audit_lines().iter().filter(|l| l["security"]["reason"] == "handoff_aborted").count();
+    assert_eq!(aborted, 1, "the pre-E24 predecessor refused the extras request once");
 }
