@@ -45,6 +45,23 @@ fi
 step "build binaries (the agent tests start target/debug/network-agent)"
 cargo build --workspace --exclude cubevs-ebpf --bins --locked
 
+# egress_swap_with_a_pre_e24_build upgrades from, and rolls back to, a real CubeEgress from
+# before the hand-over extras (E24): 7c0ffea's, built from git history into its own target
+# directory once (a few minutes cold). Without the history the test reports itself skipped.
+pre_e24=7c0ffea219008aa9fc575390c661a63fb6018c52
+if [[ -z "${CUBENET_BASELINE_EGRESS:-}" ]] && git cat-file -e "${pre_e24}^{commit}" 2>/dev/null; then
+  step "pre-E24 cube-egress (${pre_e24:0:7}) for the swap rollback test"
+  pre_dir="$PWD/target/pre-e24"
+  if [[ ! -x "$pre_dir/target/debug/cube-egress" ]]; then
+    rm -rf "$pre_dir/src"
+    mkdir -p "$pre_dir/src"
+    git archive "$pre_e24" | tar -x -C "$pre_dir/src"
+    cargo build --locked --manifest-path "$pre_dir/src/Cargo.toml" -p cube-egress \
+      --target-dir "$pre_dir/target"
+  fi
+  export CUBENET_BASELINE_EGRESS="$pre_dir/target/debug/cube-egress"
+fi
+
 step "tests"
 if [[ $(id -u) -ne 0 ]]; then
   echo "!!! not root: root-only tests will be reported as skipped !!!"

@@ -127,7 +127,10 @@ impl SwapRig {
     /// Root only.
     pub fn new() -> SwapRig {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
-        let dir = std::env::temp_dir().join(format!("cube-egress-swap-{}", std::process::id()));
+        // One directory per rig: the tests of one binary run in parallel in one process.
+        static RIGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = RIGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("cube-egress-swap-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("ca")).expect("tmp dir");
         let topo = Topology::new();

@@ -175,8 +175,8 @@ fn egress_gateway_swap_under_load() {
     }
 }
 
-/// E24 with real binaries: a pre-E24 build (`CUBENET_BASELINE_EGRESS`, e.g. main's
-/// `cube-egress`; skipped without it) hands over to this build, which hands back to the
+/// E24 with real binaries: a pre-E24 build (`CUBENET_BASELINE_EGRESS`; `scripts/test.sh`
+/// builds 7c0ffea's `cube-egress`; reported skipped without it) hands over to this build, which hands back to the
 /// pre-E24 build (a rollback). Each swap completes (predecessor exits 0 after READY), the
 /// policy survives both, requests are answered after each; this build logs that its
 /// predecessor predates the extras, and the pre-E24 predecessor audits the refused request
@@ -187,7 +187,10 @@ fn egress_swap_with_a_pre_e24_build() {
         return;
     }
     let Some(old) = std::env::var_os("CUBENET_BASELINE_EGRESS").map(std::path::PathBuf::from) else {
-        eprintln!("SKIP egress_swap_with_a_pre_e24_build: set CUBENET_BASELINE_EGRESS to a pre-E24 cube-egress");
+        cubenet_tests::skip(
+            "egress_swap_with_a_pre_e24_build",
+            "CUBENET_BASELINE_EGRESS names no pre-E24 cube-egress (scripts/test.sh builds one from git history)",
+        );
         return;
     };
     let rig = SwapRig::new();
