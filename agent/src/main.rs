@@ -139,7 +139,8 @@ fn step<R>(name: &str, f: impl FnOnce() -> anyhow::Result<R>) -> anyhow::Result<
 /// Log setup: filter from `RUST_LOG` (default `info`), to stderr. `NETWORK_AGENT_LOG_FORMAT=json`
 /// writes one JSON object per line (`timestamp`, `level`, `target`, the event's fields flattened
 /// — e.g. `sandbox_id` on the Ensure, Release and TAP fd events — and the current span's fields under `span`), for log collectors on
-/// Kubernetes; `text` (the default) is the human format. An unknown value exits with status 2.
+/// Kubernetes; `text` (the default) is the human format, coloured only when stderr is a terminal. An
+/// unknown value exits with status 2.
 fn init_logging() {
     let filter = || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     match std::env::var("NETWORK_AGENT_LOG_FORMAT").as_deref() {
@@ -152,7 +153,13 @@ fn init_logging() {
             .with_writer(std::io::stderr)
             .init(),
         Ok("text") | Ok("") | Err(_) => {
-            tracing_subscriber::fmt().with_env_filter(filter()).with_writer(std::io::stderr).init()
+            // Colour only on a terminal: a log file or a collector must get plain
+            // `key=value` text that grep finds (decision O2).
+            tracing_subscriber::fmt()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_env_filter(filter())
+                .with_writer(std::io::stderr)
+                .init()
         }
         Ok(other) => {
             eprintln!("network-agent: NETWORK_AGENT_LOG_FORMAT: unknown format {other:?} (json or text)");
