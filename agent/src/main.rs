@@ -218,8 +218,36 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     if let Err(e) = rt.block_on(run(cfg, load)) {
         eprintln!("network-agent: {e:#}");
+        if let Some(hint) = privilege_hint(&e) {
+            eprintln!("network-agent: {hint}");
+        }
         std::process::exit(1);
     }
+}
+
+/// What to do when a start failed on a permission error and the agent is not root: it
+/// creates TAPs and cube-dev, loads and pins eBPF and enters `dataplane_netns`, which needs
+/// root (decision O3). `None` for any other failure.
+fn privilege_hint(e: &anyhow::Error) -> Option<String> {
+    let uid = nix::unistd::geteuid();
+    if uid.is_root() {
+        return None;
+    }
+    let denied = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+            || c.downcast_ref::<nix::errno::Errno>()
+                .is_some_and(|n| matches!(n, nix::errno::Errno::EPERM | nix::errno::Errno::EACCES))
+    }) || {
+        let text = format!("{e:#}");
+        text.contains("EPERM") || text.contains("EACCES") || text.contains("ermission denied")
+    };
+    denied.then(|| {
+        format!(
+            "running as uid {uid}: the agent must run as root (it enters dataplane_netns, creates TAPs and \
+             cube-dev and loads eBPF into bpffs); start it as root, e.g. `sudo scripts/start-network-agent.sh`, \
+             or in a privileged container as the Helm chart does"
+        )
+    })
 }
 
 /// Reads the configuration file with the command-line flags over it.

@@ -96,6 +96,39 @@ fn cidr_whose_tap_names_do_not_fit_is_refused_at_start() {
     assert!(err.contains("config key `cidr`") && err.contains("\"z192.168.100.254\" (16 bytes)"), "{err}");
 }
 
+/// Started without root (uid 65534, as a newcomer running it from a shell might), the agent
+/// exits 1 naming the step that was refused and saying it must run as root, before it
+/// changes anything (decision O3).
+#[test]
+fn agent_started_without_root_says_it_needs_root() {
+    if !require_root("agent_started_without_root_says_it_needs_root") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("nonroot", 1, "");
+    let out = a
+        .agent_ns()
+        .command("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(cubenet_tests::agent::workspace_bin("network-agent"))
+        .arg("--config")
+        .arg(a.dir.join("agent.toml"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("startup step `enter dataplane netns`"), "{err}");
+    assert!(
+        err.contains("network-agent: running as uid 65534: the agent must run as root")
+            && err.contains("sudo scripts/start-network-agent.sh"),
+        "{err}"
+    );
+    // Nothing was made: no cube-dev in the dataplane namespace, no pins.
+    let links = a.topo.node.exec("ip", &["-o", "link", "show"]);
+    assert!(!String::from_utf8_lossy(&links.stdout).contains("cube-dev"));
+    assert!(!a.bpffs.path().join("cubevs").exists());
+}
+
 /// `ip_local_reserved_ports` is a per-namespace sysctl: the agent (in its own namespace) must
 /// honour the dataplane namespace's list when it picks host ports.
 #[test]
