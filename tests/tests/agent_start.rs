@@ -129,6 +129,27 @@ fn agent_started_without_root_says_it_needs_root() {
     assert!(!a.bpffs.path().join("cubevs").exists());
 }
 
+/// A health address no interface of the agent's namespace has (as 127.0.0.1 is while a new
+/// namespace's loopback is down): the start fails naming the key and saying what to do.
+#[test]
+fn unbindable_health_address_says_what_to_do() {
+    if !require_root("unbindable_health_address_says_what_to_do") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("noaddr", 1, "");
+    let mut cmd = a.script_command();
+    cmd.env("NETWORK_AGENT_ARGS", "--health-listen 192.0.2.77:19090").stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut c = ChildGuard::from_child(cmd.spawn().unwrap());
+    let st = c.exit_within(Duration::from_secs(30)).expect("the agent started without its health address");
+    assert_eq!(st.code(), Some(1));
+    let log = a.log();
+    assert!(
+        log.contains("bind health_listen 192.0.2.77:19090: Cannot assign requested address")
+            && log.contains("bring loopback up first: `ip link set lo up`"),
+        "{log}"
+    );
+}
+
 /// `ip_local_reserved_ports` is a per-namespace sysctl: the agent (in its own namespace) must
 /// honour the dataplane namespace's list when it picks host ports.
 #[test]
