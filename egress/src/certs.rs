@@ -78,8 +78,21 @@ impl Ca {
         if expires_in_secs < CA_WARN_BEFORE.as_secs() as i64 {
             tracing::warn!(days = expires_in_secs / 86400, "CA certificate expires soon");
         }
+        let subject = x509.subject().to_string();
+        let not_after = x509.validity().not_after.to_string();
         let issuer = Issuer::from_ca_cert_der(&cert_der, key).context("use CA certificate as issuer")?;
-        Ok(Ca { issuer, cert_der, expires_in_secs })
+        let ca = Ca { issuer, cert_der, expires_in_secs };
+        // Which CA this process signs with: compare with `openssl x509 -noout -fingerprint
+        // -sha256 -in cube-root-ca.crt` after a rotation (decision O8).
+        tracing::info!(sha256 = %ca.fingerprint_sha256(), %subject, %not_after, path = %cert_path.display(), "CA loaded");
+        Ok(ca)
+    }
+
+    /// SHA-256 of the CA certificate's DER as `openssl x509 -fingerprint -sha256` prints it:
+    /// upper-case hex bytes joined by `:`.
+    pub fn fingerprint_sha256(&self) -> String {
+        use sha2::Digest;
+        sha2::Sha256::digest(self.cert_der.as_ref()).iter().map(|b| format!("{b:02X}")).collect::<Vec<_>>().join(":")
     }
 
     /// The CA certificate (DER).

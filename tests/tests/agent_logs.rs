@@ -230,6 +230,14 @@ fn cube_egress_text_log_has_no_colour_codes() {
         assert!(!l.contains('\x1b'), "terminal escape codes: {l:?}");
     }
     assert!(listening.contains(" INFO ") && listening.contains("http=127.0.0.1:"), "{listening:?}");
+    // Which CA it signs with, as openssl prints the certificate's fingerprint (O8).
+    let fp = Command::new("openssl")
+        .args(["x509", "-noout", "-fingerprint", "-sha256", "-in"])
+        .arg(dir.join("cube-root-ca.crt"))
+        .output()
+        .unwrap();
+    let fp = String::from_utf8_lossy(&fp.stdout).trim().rsplit_once('=').map(|(_, f)| f.to_string()).unwrap();
+    assert!(seen.iter().any(|l| l.contains("CA loaded") && l.contains(&format!("sha256={fp}"))), "{fp}: {seen:?}");
     drop(child);
     let _ = std::fs::remove_dir_all(&dir);
 }
