@@ -58,6 +58,15 @@ impl Ca {
     pub fn load(dir: &Path) -> anyhow::Result<Ca> {
         let cert_path = dir.join(CA_CERT_FILE);
         let key_path = dir.join(CA_KEY_FILE);
+        // A missing CA is the first thing a new operator hits: say what belongs there (O9).
+        const WHAT: &str = "ca_dir (--ca-dir, CUBE_EGRESS_CA_DIR) must hold the interception CA as \
+                            cube-root-ca.crt + cube-root-ca.key (PEM; README CubeEgress \"TLS\")";
+        if !cert_path.exists() {
+            bail!("CA certificate {} not found: {WHAT}", cert_path.display());
+        }
+        if !key_path.exists() {
+            bail!("CA key {} not found: {WHAT}", key_path.display());
+        }
         let cert_der = CertificateDer::from_pem_file(&cert_path)
             .with_context(|| format!("read CA certificate {}", cert_path.display()))?;
         let key_pem = std::fs::read(&key_path).with_context(|| format!("read CA key {}", key_path.display()))?;
