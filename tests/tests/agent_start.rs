@@ -78,6 +78,31 @@ fn start_script_fails_clearly_when_the_log_directory_is_missing() {
     );
 }
 
+/// `start-network-agent.sh --help` prints its usage and `--config x` is refused, instead of
+/// starting the agent with the defaults (whose `dataplane_netns` is the node's namespace). The
+/// binary is a path that does not exist, so a regression fails here without starting anything.
+#[test]
+fn start_script_takes_no_arguments_and_has_help() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/start-network-agent.sh");
+    let run = |arg: &str| {
+        std::process::Command::new("bash")
+            .arg(&script)
+            .arg(arg)
+            .env("NETWORK_AGENT_BIN", "/nonexistent/network-agent")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let help = run("--help");
+    let out = String::from_utf8_lossy(&help.stdout);
+    assert_eq!(help.status.code(), Some(0), "{help:?}");
+    assert!(out.starts_with("Starts the CubeNet network-agent") && out.contains("NETWORK_AGENT_CONFIG"), "{out}");
+    let bad = run("--config");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(err.contains("no arguments taken (got '--config')") && err.contains("NETWORK_AGENT_ARGS"), "{err}");
+}
+
 /// A CIDR whose TAP names `z<ip>` exceed 15 bytes is refused at start with the key named;
 /// the old agent started and failed later, per TAP, from 192.168.100.100 on.
 #[test]
