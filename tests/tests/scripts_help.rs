@@ -1,5 +1,5 @@
-//! The README's two commands answer `--help` without installing, building or testing anything,
-//! and `scripts/test.sh` refuses an argument it does not know instead of running everything.
+//! The README's two commands and `k8s-demo.sh` answer `--help` without installing, building or testing anything,
+//! and `test.sh` / `k8s-demo.sh` refuse an argument it does not know instead of running everything.
 //! Run with `PATH` pointing nowhere, so a regression fails at once (no `bash scripts/setup.sh`,
 //! no `cargo`) instead of starting a build (no root needed).
 
@@ -26,6 +26,10 @@ fn demo_and_test_scripts_print_help_without_building() {
     let out = String::from_utf8_lossy(&test.stdout);
     assert_eq!(test.status.code(), Some(0), "{test:?}");
     assert!(out.contains("--tests-only [ARGS...]"), "{out}");
+    let k8s = script("k8s-demo.sh", "--help");
+    assert_eq!(k8s.status.code(), Some(0), "{k8s:?}");
+    assert!(String::from_utf8_lossy(&k8s.stdout).contains("podman kube play"), "{k8s:?}");
+    assert_eq!(script("k8s-demo.sh", "--keep").status.code(), Some(2));
     let bad = script("test.sh", "--release");
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown argument --release"), "{bad:?}");
