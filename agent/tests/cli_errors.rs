@@ -16,10 +16,17 @@ fn cli_without_an_agent_names_the_socket() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("connect unix:///nonexistent/cubenet-test/grpc.sock: No such file or directory")
+        err.starts_with("cubenet-cli: connect unix:///nonexistent/cubenet-test/grpc.sock: No such file or directory")
             && err.contains("CUBENET_GRPC"),
         "{err}"
     );
+    // One line, no backtrace even when the shell asks for them.
+    let again = Command::new(env!("CARGO_BIN_EXE_cubenet-cli"))
+        .args(["--grpc", "unix:///nonexistent/cubenet-test/grpc.sock", "list"])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&again.stderr).lines().count(), 1, "{again:?}");
 }
 
 /// A typo'd key in the agent's file: exit 2, the file, the line and the intended key (O1).

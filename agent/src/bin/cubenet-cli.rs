@@ -166,9 +166,24 @@ fn http_json(addr: &str, path: &str) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::from_str(&body)?)
 }
 
+/// Errors go to stderr as one line, `cubenet-cli: …` (a gRPC error as `gRPC <code>: <message>`,
+/// e.g. `gRPC InvalidArgument: invalid cubevs_context.allow_out[0]: …`), with exit status 1 and
+/// no backtrace whatever `RUST_BACKTRACE` says.
 #[tokio::main(flavor = "current_thread")]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    match run(Cli::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            match e.downcast_ref::<tonic::Status>() {
+                Some(st) => eprintln!("cubenet-cli: gRPC {:?}: {}", st.code(), st.message()),
+                None => eprintln!("cubenet-cli: {e:#}"),
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Datapath { bpffs_dir, cmd } => datapath::run(&bpffs_dir, cmd, cli.json)?,
         Cmd::Bundle(args) => {
