@@ -64,6 +64,9 @@ REFUSED = {
     "agent-log-format": ({"agent": {"logFormat": "xml"}}, "agent.logFormat must be json or text"),
     "egress-log-format": ({"egress": {"logFormat": "logfmt"}}, "egress.logFormat must be json or text"),
     "peer-uid-name": ({"allowedPeerUids": ["cubelet"]}, "allowedPeerUids must hold numeric uids"),
+    # values.schema.json: a typo'd value is refused, not silently ignored (O13).
+    "typo-value": ({"agent": {"tapInitNm": 5}}, "additional properties 'tapInitNm' not allowed"),
+    "typo-top-level": ({"alwaysDeniedCidr": ["10.0.0.5"]}, "additional properties 'alwaysDeniedCidr' not allowed"),
 }
 
 
