@@ -225,6 +225,31 @@ fn main() {
     }
 }
 
+/// `bpffs_dir` (or, while it does not exist yet, its nearest existing parent) must be on a bpf
+/// filesystem; else pinning fails deep in the loader with `map … requested pinning. pinning
+/// failed`, naming neither the key nor the fix (decision O14).
+fn check_bpffs(dir: &std::path::Path) -> anyhow::Result<()> {
+    let mut at = dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    let st = nix::sys::statfs::statfs(at)
+        .with_context(|| format!("bpffs_dir {}: statfs {}", dir.display(), at.display()))?;
+    if st.filesystem_type() != nix::sys::statfs::BPF_FS_MAGIC {
+        bail!(
+            "bpffs_dir {} is not on a bpf filesystem ({} is not bpffs): mount one there (`mount -t bpf bpf \
+             /sys/fs/bpf`) or set bpffs_dir inside one; scripts/start-network-agent.sh mounts /sys/fs/bpf \
+             when it is missing",
+            dir.display(),
+            at.display()
+        );
+    }
+    Ok(())
+}
+
 /// What to do when a start failed on a permission error and the agent is not root: it
 /// creates TAPs and cube-dev, loads and pins eBPF and enters `dataplane_netns`, which needs
 /// root (decision O3). `None` for any other failure.
@@ -270,6 +295,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
 
     // 1. Datapath: load the programs; pinned links are adopted by the attaches below.
     let dp = step("load datapath", || {
+        check_bpffs(&raw.bpffs_dir)?;
         let dcfg = DatapathConfig {
             mvm_inner_ip: u32::from_ne_bytes(raw.mvm_inner_ip.octets()),
             mvm_gateway_ip: u32::from_ne_bytes(raw.mvm_gw_dest_ip.octets()),

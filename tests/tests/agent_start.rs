@@ -175,6 +175,41 @@ fn unbindable_health_address_says_what_to_do() {
     );
 }
 
+/// `bpffs_dir` outside any bpf filesystem, the agent started directly (the script would refuse
+/// first): the start fails naming the key and how to mount one, before anything is created
+/// (it failed deep in the loader with `map … requested pinning. pinning failed`; O14).
+#[test]
+fn bpffs_dir_not_on_bpffs_is_refused_clearly() {
+    if !require_root("bpffs_dir_not_on_bpffs_is_refused_clearly") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("notbpffs", 1, "");
+    let pins = a.dir.join("not-bpffs/cubevs");
+    let out = a
+        .agent_ns()
+        .command(cubenet_tests::agent::workspace_bin("network-agent").to_str().unwrap())
+        .arg("--config")
+        .arg(a.dir.join("agent.toml"))
+        .arg("--bpffs-dir")
+        .arg(&pins)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "bpffs_dir {} is not on a bpf filesystem ({} is not bpffs)",
+            pins.display(),
+            a.dir.display()
+        )) && err.contains("mount -t bpf bpf"),
+        "{err}"
+    );
+    assert!(!a.dir.join("not-bpffs").exists(), "the agent created pin directories off bpffs");
+    let links = a.topo.node.exec("ip", &["-o", "link", "show"]);
+    assert!(!String::from_utf8_lossy(&links.stdout).contains("cube-dev"));
+}
+
 /// `ip_local_reserved_ports` is a per-namespace sysctl: the agent (in its own namespace) must
 /// honour the dataplane namespace's list when it picks host ports.
 #[test]
