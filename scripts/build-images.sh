@@ -16,7 +16,7 @@
 # the Rust binaries stay the ordinary glibc build (bookworm's glibc = the build host's).
 # docs/decisions.md K1.
 #
-# Usage: scripts/build-images.sh [--profile release|debug] [--tag TAG] [--no-save] [--no-build]
+# Usage: scripts/build-images.sh [--profile release|debug] [--tag TAG] [--no-save] [--build]
 #   --profile   which cargo build to package (default release); the binaries must exist
 #               unless --build is given, which runs the cargo/xtask builds first
 #   --tag       image tag (default: the workspace version, e.g. 0.1.0)

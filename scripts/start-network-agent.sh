@@ -33,10 +33,30 @@
 #   NETWORK_AGENT_WAIT_SECS  bound of the wait (default 60)
 #   NETWORK_AGENT_BPFFS_ROOT where bpffs is mounted when missing (default /sys/fs/bpf)
 #   NETWORK_AGENT_MOUNT_BPFFS  1 (default): mount bpffs there if missing; 0: fail instead
+#
+# Arguments: none (-h/--help prints this). Anything else is refused with status 2: the agent
+# would otherwise start with the defaults, whose dataplane_netns is the node's namespace.
 set -euo pipefail
 
 log() { printf '[start-network-agent] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
+
+case "${1:-}" in
+  -h | --help)
+    while IFS= read -r line; do
+      [[ "$line" == "#!"* ]] && continue
+      [[ "$line" == "#"* ]] || break
+      line="${line#\#}"
+      printf '%s\n' "${line# }"
+    done <"$0"
+    exit 0
+    ;;
+  "") ;;
+  *)
+    log "error: no arguments taken (got '$1'); set NETWORK_AGENT_CONFIG and NETWORK_AGENT_ARGS (see --help)"
+    exit 2
+    ;;
+esac
 
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="${NETWORK_AGENT_BIN:-}"

@@ -8,7 +8,23 @@
 #   bash scripts/test.sh                          everything
 #   bash scripts/test.sh --tests-only [ARGS...]   only the binaries build and `cargo test ARGS`
 #                                                 (default: the whole workspace), same summary
+#   bash scripts/test.sh --help                   this text; any other argument exits 2
 set -euo pipefail
+
+# -h/--help: this header, before anything is installed or built (builtins only).
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  while IFS= read -r line; do
+    [[ "$line" == "#!"* ]] && continue
+    [[ "$line" == "#"* ]] || break
+    line="${line#\#}"
+    printf '%s\n' "${line# }"
+  done <"$0"
+  exit 0
+fi
+if [[ $# -gt 0 && "$1" != "--tests-only" ]]; then
+  printf 'test.sh: unknown argument %s (see --help)\n' "$1" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 
 step() { printf '\n=== %s\n' "$*"; }

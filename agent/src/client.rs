@@ -7,8 +7,17 @@ use cubenet_proto::v1::network_agent_client::NetworkAgentClient;
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint};
 
-/// Connects to `unix://PATH`, `tcp://HOST:PORT` or `HOST:PORT`.
+/// Connects to `unix://PATH`, `tcp://HOST:PORT` or `HOST:PORT`. The error names the endpoint
+/// and the root cause (e.g. `connect unix:///tmp/cube/network-agent-grpc.sock: No such file or
+/// directory (os error 2)`).
 pub async fn connect(endpoint: &str) -> anyhow::Result<NetworkAgentClient<Channel>> {
+    connect_inner(endpoint).await.map_err(|e| {
+        let root = e.chain().last().map(|c| c.to_string()).unwrap_or_default();
+        anyhow::anyhow!("connect {endpoint}: {root} (is the agent running there? set --grpc or CUBENET_GRPC)")
+    })
+}
+
+async fn connect_inner(endpoint: &str) -> anyhow::Result<NetworkAgentClient<Channel>> {
     let ch = if let Some(path) = endpoint.strip_prefix("unix://") {
         let path = path.to_string();
         Endpoint::try_from("http://agent.invalid")?

@@ -38,6 +38,50 @@ fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key, reason: reason.into() }
 }
 
+/// Every key of [`Config`] (the TOML keys), sorted.
+pub fn known_keys() -> Vec<String> {
+    match toml::Table::try_from(Config::default()) {
+        Ok(t) => t.keys().cloned().collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The known key closest to `key` (normalised Damerau-Levenshtein similarity ≥ 0.7: a few
+/// letters off), if any: the likely intended spelling.
+fn closest_key(key: &str) -> Option<String> {
+    known_keys()
+        .into_iter()
+        .map(|k| (strsim::normalized_damerau_levenshtein(key, &k), k))
+        .filter(|(score, _)| *score >= 0.7)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
+}
+
+/// A TOML error as one line naming the line, its text and the reason; an unknown key gets
+/// a "did you mean" instead of toml's list of every key.
+fn parse_error(text: &str, e: &toml::de::Error) -> String {
+    let msg = e.message().trim();
+    let at = e.span().map(|s| {
+        let line_no = text[..s.start.min(text.len())].matches('\n').count() + 1;
+        let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+        format!("line {line_no} ({line}): ")
+    });
+    let at = at.unwrap_or_default();
+    if let Some(rest) = msg.strip_prefix("unknown field `")
+        && let Some((key, _)) = rest.split_once('`')
+    {
+        let hint = match closest_key(key) {
+            Some(k) => format!("did you mean `{k}`? "),
+            None => String::new(),
+        };
+        return format!(
+            "{at}unknown key `{key}` ({hint}every key is in the README's Configuration table; \
+             `network-agent --print-config` prints them with their values)"
+        );
+    }
+    format!("{at}{}", msg.replace('\n', " "))
+}
+
 /// The agent configuration. Field names are the TOML keys.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -354,9 +398,11 @@ impl Config {
         Self::parse(&text).map_err(|msg| ConfigError::Parse { path: path.to_path_buf(), msg })
     }
 
-    /// Parses TOML text.
+    /// Parses TOML text. The error is one line: `line N (KEY = VALUE): reason`, and for a key
+    /// the agent does not know `unknown key `K``, with the closest known key as a suggestion
+    /// (decision O1).
     pub fn parse(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.to_string().trim().replace('\n', " "))
+        toml::from_str(text).map_err(|e| parse_error(text, &e))
     }
 
     /// Checks every key; the error names the first bad key.
@@ -626,6 +672,27 @@ mod tests {
         assert!(e.contains("bogus"), "{e}");
         let e = Config::parse("mtu = \"x\"").unwrap_err();
         assert!(e.contains("mtu"), "{e}");
+    }
+
+    /// O1: a typo'd key is refused with its line and the key it was probably meant to be, in
+    /// one line; a wrong type names the line and its key; an unrelated word gets no guess.
+    #[test]
+    fn unknown_keys_are_refused_with_a_suggestion() {
+        let e = Config::parse("cidr = \"10.9.0.0/24\"\ntap_init_nm = 5\n").unwrap_err();
+        assert_eq!(
+            e,
+            "line 2 (tap_init_nm = 5): unknown key `tap_init_nm` (did you mean `tap_init_num`? every key is in \
+             the README's Configuration table; `network-agent --print-config` prints them with their values)"
+        );
+        let e = Config::parse("always_denied_cidr = []").unwrap_err();
+        assert!(e.contains("did you mean `always_denied_cidrs`?"), "{e}");
+        let e = Config::parse("[egress]\nfoo = 1").unwrap_err();
+        assert!(e.starts_with("line 1 ([egress]): unknown key `egress` (every key"), "{e}");
+        let e = Config::parse("mtu = 1500\ntap_init_num = \"5\"").unwrap_err();
+        assert!(e.starts_with("line 2 (tap_init_num = \"5\"): invalid type"), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        let keys = known_keys();
+        assert!(keys.iter().any(|k| k == "always_denied_cidrs") && keys.iter().any(|k| k == "handover_socket"));
     }
 
     #[test]

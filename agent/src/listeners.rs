@@ -115,6 +115,19 @@ fn unix_at(fd: OwnedFd, want: &Path, key: &str) -> anyhow::Result<std::os::unix:
     Ok(l)
 }
 
+/// What to do when a TCP listen address cannot be bound: `EADDRNOTAVAIL` means no interface of
+/// the agent's namespace has the address — typically loopback still down in a new namespace.
+fn addr_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::AddrNotAvailable => {
+            " (no interface in the agent's network namespace has this address; in a new namespace \
+             bring loopback up first: `ip link set lo up`)"
+        }
+        std::io::ErrorKind::AddrInUse => " (another process listens there: stop it or choose another port)",
+        _ => "",
+    }
+}
+
 fn tcp_at(fd: OwnedFd, want: &str, key: &str) -> anyhow::Result<std::net::TcpListener> {
     let l = std::net::TcpListener::from(fd);
     let at = l.local_addr().with_context(|| format!("handed-over {key} socket"))?;
@@ -130,10 +143,13 @@ impl Listeners {
     /// in use, a Unix socket a running process accepts on.
     pub fn bind(raw: &Config) -> anyhow::Result<Self> {
         let health = std::net::TcpListener::bind(&raw.health_listen)
-            .with_context(|| format!("bind health_listen {}", raw.health_listen))?;
+            .map_err(|e| anyhow::anyhow!("bind health_listen {}: {e}{}", raw.health_listen, addr_hint(&e)))?;
         let grpc = match parse_endpoint(&raw.grpc_listen)? {
             Endpoint::Unix(p) => Either::Unix(bind_unix(&p, &raw.allowed_peer_uids)?),
-            Endpoint::Tcp(a) => Either::Tcp(std::net::TcpListener::bind(&a).with_context(|| format!("bind {a}"))?),
+            Endpoint::Tcp(a) => Either::Tcp(
+                std::net::TcpListener::bind(&a)
+                    .map_err(|e| anyhow::anyhow!("bind grpc_listen {a}: {e}{}", addr_hint(&e)))?,
+            ),
         };
         let tap_fd = bind_unix(&raw.tap_fd_listen, &raw.allowed_peer_uids)?;
         Self::finish(grpc, tap_fd, health)

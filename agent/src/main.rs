@@ -139,7 +139,8 @@ fn step<R>(name: &str, f: impl FnOnce() -> anyhow::Result<R>) -> anyhow::Result<
 /// Log setup: filter from `RUST_LOG` (default `info`), to stderr. `NETWORK_AGENT_LOG_FORMAT=json`
 /// writes one JSON object per line (`timestamp`, `level`, `target`, the event's fields flattened
 /// — e.g. `sandbox_id` on the Ensure, Release and TAP fd events — and the current span's fields under `span`), for log collectors on
-/// Kubernetes; `text` (the default) is the human format. An unknown value exits with status 2.
+/// Kubernetes; `text` (the default) is the human format, coloured only when stderr is a terminal. An
+/// unknown value exits with status 2.
 fn init_logging() {
     let filter = || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     match std::env::var("NETWORK_AGENT_LOG_FORMAT").as_deref() {
@@ -152,7 +153,13 @@ fn init_logging() {
             .with_writer(std::io::stderr)
             .init(),
         Ok("text") | Ok("") | Err(_) => {
-            tracing_subscriber::fmt().with_env_filter(filter()).with_writer(std::io::stderr).init()
+            // Colour only on a terminal: a log file or a collector must get plain
+            // `key=value` text that grep finds (decision O2).
+            tracing_subscriber::fmt()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_env_filter(filter())
+                .with_writer(std::io::stderr)
+                .init()
         }
         Ok(other) => {
             eprintln!("network-agent: NETWORK_AGENT_LOG_FORMAT: unknown format {other:?} (json or text)");
@@ -211,8 +218,61 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     if let Err(e) = rt.block_on(run(cfg, load)) {
         eprintln!("network-agent: {e:#}");
+        if let Some(hint) = privilege_hint(&e) {
+            eprintln!("network-agent: {hint}");
+        }
         std::process::exit(1);
     }
+}
+
+/// `bpffs_dir` (or, while it does not exist yet, its nearest existing parent) must be on a bpf
+/// filesystem; else pinning fails deep in the loader with `map … requested pinning. pinning
+/// failed`, naming neither the key nor the fix (decision O14).
+fn check_bpffs(dir: &std::path::Path) -> anyhow::Result<()> {
+    let mut at = dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    let st = nix::sys::statfs::statfs(at)
+        .with_context(|| format!("bpffs_dir {}: statfs {}", dir.display(), at.display()))?;
+    if st.filesystem_type() != nix::sys::statfs::BPF_FS_MAGIC {
+        bail!(
+            "bpffs_dir {} is not on a bpf filesystem ({} is not bpffs): mount one there (`mount -t bpf bpf \
+             /sys/fs/bpf`) or set bpffs_dir inside one; scripts/start-network-agent.sh mounts /sys/fs/bpf \
+             when it is missing",
+            dir.display(),
+            at.display()
+        );
+    }
+    Ok(())
+}
+
+/// What to do when a start failed on a permission error and the agent is not root: it
+/// creates TAPs and cube-dev, loads and pins eBPF and enters `dataplane_netns`, which needs
+/// root (decision O3). `None` for any other failure.
+fn privilege_hint(e: &anyhow::Error) -> Option<String> {
+    let uid = nix::unistd::geteuid();
+    if uid.is_root() {
+        return None;
+    }
+    let denied = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+            || c.downcast_ref::<nix::errno::Errno>()
+                .is_some_and(|n| matches!(n, nix::errno::Errno::EPERM | nix::errno::Errno::EACCES))
+    }) || {
+        let text = format!("{e:#}");
+        text.contains("EPERM") || text.contains("EACCES") || text.contains("ermission denied")
+    };
+    denied.then(|| {
+        format!(
+            "running as uid {uid}: the agent must run as root (it enters dataplane_netns, creates TAPs and \
+             cube-dev and loads eBPF into bpffs); start it as root, e.g. `sudo scripts/start-network-agent.sh`, \
+             or in a privileged container as the Helm chart does"
+        )
+    })
 }
 
 /// Reads the configuration file with the command-line flags over it.
@@ -235,6 +295,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
 
     // 1. Datapath: load the programs; pinned links are adopted by the attaches below.
     let dp = step("load datapath", || {
+        check_bpffs(&raw.bpffs_dir)?;
         let dcfg = DatapathConfig {
             mvm_inner_ip: u32::from_ne_bytes(raw.mvm_inner_ip.octets()),
             mvm_gateway_ip: u32::from_ne_bytes(raw.mvm_gw_dest_ip.octets()),

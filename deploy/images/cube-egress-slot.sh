@@ -7,9 +7,14 @@
 # therefore never leaves the node without a gateway for longer than a restart of the other:
 # update the standby first, then the active one (README "Upgrades"). Two slots that start at
 # the same moment may both try to bind; the loser exits, is restarted and parks.
+#
+# The CA is read (and converted) when the slot starts its gateway, not when the script starts:
+# a standby parked since before a CA rotation takes over with the Secret's current CA.
+# CUBENET_IMAGE_BIN (default /usr/local/bin) is where the image's programs live (tests).
 set -euo pipefail
 admin=${CUBE_EGRESS_ADMIN_ADDR:-127.0.0.1:9091}
-run() { /usr/local/bin/cubenet-netns-exec.sh "$@"; }
+bindir=${CUBENET_IMAGE_BIN:-/usr/local/bin}
+run() { "$bindir/cubenet-netns-exec.sh" "$@"; }
 log() { printf '[cube-egress-slot %s] %s\n' "${CUBE_EGRESS_SLOT:-?}" "$*" >&2; }
 # busybox wget's -T segfaults in bookworm's static build: bound it with coreutils timeout.
 alive() { run timeout 3 wget -q -O /dev/null "http://$admin/admin/v1/health" 2>/dev/null; }
@@ -17,18 +22,20 @@ alive() { run timeout 3 wget -q -O /dev/null "http://$admin/admin/v1/health" 2>/
 # CA key format: Helm's genPrivateKey (selfSigned mode) and most tooling write SEC1
 # ("EC PRIVATE KEY") or PKCS#1 ("RSA PRIVATE KEY"); cube-egress loads PKCS#8. Convert into the
 # slot's memory-backed run directory and point CUBE_EGRESS_CA_DIR there (the Secret stays as is).
-ca=${CUBE_EGRESS_CA_DIR:-/etc/cube/ca}
-if [[ -r "$ca/cube-root-ca.key" ]]; then
-  first=$(head -n 1 "$ca/cube-root-ca.key")
-  if [[ "$first" == *"EC PRIVATE KEY"* || "$first" == *"RSA PRIVATE KEY"* ]]; then
-    conv="${CUBE_EGRESS_RUN_DIR:-/run/cube-egress}/${CUBE_EGRESS_SLOT:-a}/ca"
-    mkdir -p "$conv"; chmod 700 "$conv"
-    (umask 077; openssl pkcs8 -topk8 -nocrypt -in "$ca/cube-root-ca.key" -out "$conv/cube-root-ca.key")
-    cp "$ca/cube-root-ca.crt" "$conv/cube-root-ca.crt"
-    export CUBE_EGRESS_CA_DIR="$conv"
-    log "CA key converted to PKCS#8 in $conv"
+convert_ca() {
+  local ca=${CUBE_EGRESS_CA_DIR:-/etc/cube/ca} first conv
+  if [[ -r "$ca/cube-root-ca.key" ]]; then
+    first=$(head -n 1 "$ca/cube-root-ca.key")
+    if [[ "$first" == *"EC PRIVATE KEY"* || "$first" == *"RSA PRIVATE KEY"* ]]; then
+      conv="${CUBE_EGRESS_RUN_DIR:-/run/cube-egress}/${CUBE_EGRESS_SLOT:-a}/ca"
+      mkdir -p "$conv"; chmod 700 "$conv"
+      (umask 077; openssl pkcs8 -topk8 -nocrypt -in "$ca/cube-root-ca.key" -out "$conv/cube-root-ca.key")
+      cp "$ca/cube-root-ca.crt" "$conv/cube-root-ca.crt"
+      export CUBE_EGRESS_CA_DIR="$conv"
+      log "CA key converted to PKCS#8 in $conv"
+    fi
   fi
-fi
+}
 
 trap 'exit 0' TERM INT
 if alive; then
@@ -36,4 +43,5 @@ if alive; then
   while alive; do sleep 1 & wait $!; done
   log "the active gateway stopped answering: taking over"
 fi
-exec /usr/local/bin/cubenet-netns-exec.sh /usr/local/bin/cube-egress "$@"
+convert_ca
+exec "$bindir/cubenet-netns-exec.sh" "$bindir/cube-egress" "$@"

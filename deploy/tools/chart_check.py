@@ -49,7 +49,8 @@ VARIANTS = {
     "underlay-selfsigned": {"mode": "underlay"},
     "overlay-selfsigned": {"mode": "overlay", "allowedPeerUids": [1001, 65534]},
     "underlay-existing-secret": {"mode": "underlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}}},
-    "overlay-existing-secret": {"mode": "overlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}}},
+    "overlay-existing-secret": {"mode": "overlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}},
+                                "agent": {"healthPort": 19190}, "hostPaths": {"bpffsSubdir": "cubevs-b"}},
     "underlay-named-netns-no-egress": {"mode": "underlay", "underlay": {"netnsPath": "/run/netns/node0"}, "egress": {"enabled": False}},
 }
 # Values the chart must refuse, with a fragment of the expected message.
@@ -63,6 +64,9 @@ REFUSED = {
     "agent-log-format": ({"agent": {"logFormat": "xml"}}, "agent.logFormat must be json or text"),
     "egress-log-format": ({"egress": {"logFormat": "logfmt"}}, "egress.logFormat must be json or text"),
     "peer-uid-name": ({"allowedPeerUids": ["cubelet"]}, "allowedPeerUids must hold numeric uids"),
+    # values.schema.json: a typo'd value is refused, not silently ignored (O13).
+    "typo-value": ({"agent": {"tapInitNm": 5}}, "additional properties 'tapInitNm' not allowed"),
+    "typo-top-level": ({"alwaysDeniedCidr": ["10.0.0.5"]}, "additional properties 'alwaysDeniedCidr' not allowed"),
 }
 
 
@@ -91,6 +95,7 @@ MUTATIONS = {
     "health on loopback": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("0.0.0.0:", "127.0.0.1:")}), "could never pass"),
     "hostPID + shareProcessNamespace": (lambda o: _ds(o)["spec"]["template"]["spec"].update(shareProcessNamespace=True), "hostPID and shareProcessNamespace"),
     "allowed_peer_uids dropped": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("allowed_peer_uids = []", "")}), "allowed_peer_uids None"),
+    "cli endpoint not wired": (lambda o: _agent(o).update(env=[e for e in _agent(o)["env"] if e["name"] != "CUBENET_HTTP"]), "CUBENET_HTTP is None"),
     "egress log format dropped": (lambda o: [c.update(env=[e for e in c["env"] if e["name"] != "CUBE_EGRESS_LOG_FORMAT"]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress-standby"], "CUBE_EGRESS_LOG_FORMAT is None"),
 }
 
@@ -282,6 +287,15 @@ class Checker:
             self.fail("bpffs_dir not on the bpffs mount")
         if cfg["state_dir"] not in mounts:
             self.fail(f"state_dir {cfg['state_dir']} is not a mounted volume (state would die with the container)")
+        # `kubectl exec -c network-agent -- cubenet-cli …` must reach this agent and its pins.
+        want_cli = {
+            "CUBENET_GRPC": cfg["grpc_listen"],
+            "CUBENET_HTTP": f"127.0.0.1:{port}",
+            "CUBENET_BPFFS_DIR": cfg["bpffs_dir"],
+        }
+        for var, want in want_cli.items():
+            if env.get(var) != want:
+                self.fail(f"network-agent: {var} is {env.get(var)!r}, cubenet-cli needs {want!r}")
         if "preStop" not in agent.get("lifecycle", {}):
             self.fail("network-agent has no preStop")
         if want_ns.startswith("/proc/") and not pod.get("hostPID"):

@@ -58,6 +58,15 @@ impl Ca {
     pub fn load(dir: &Path) -> anyhow::Result<Ca> {
         let cert_path = dir.join(CA_CERT_FILE);
         let key_path = dir.join(CA_KEY_FILE);
+        // A missing CA is the first thing a new operator hits: say what belongs there (O9).
+        const WHAT: &str = "ca_dir (--ca-dir, CUBE_EGRESS_CA_DIR) must hold the interception CA as \
+                            cube-root-ca.crt + cube-root-ca.key (PEM; README CubeEgress \"TLS\")";
+        if !cert_path.exists() {
+            bail!("CA certificate {} not found: {WHAT}", cert_path.display());
+        }
+        if !key_path.exists() {
+            bail!("CA key {} not found: {WHAT}", key_path.display());
+        }
         let cert_der = CertificateDer::from_pem_file(&cert_path)
             .with_context(|| format!("read CA certificate {}", cert_path.display()))?;
         let key_pem = std::fs::read(&key_path).with_context(|| format!("read CA key {}", key_path.display()))?;
@@ -78,8 +87,21 @@ impl Ca {
         if expires_in_secs < CA_WARN_BEFORE.as_secs() as i64 {
             tracing::warn!(days = expires_in_secs / 86400, "CA certificate expires soon");
         }
+        let subject = x509.subject().to_string();
+        let not_after = x509.validity().not_after.to_string();
         let issuer = Issuer::from_ca_cert_der(&cert_der, key).context("use CA certificate as issuer")?;
-        Ok(Ca { issuer, cert_der, expires_in_secs })
+        let ca = Ca { issuer, cert_der, expires_in_secs };
+        // Which CA this process signs with: compare with `openssl x509 -noout -fingerprint
+        // -sha256 -in cube-root-ca.crt` after a rotation (decision O8).
+        tracing::info!(sha256 = %ca.fingerprint_sha256(), %subject, %not_after, path = %cert_path.display(), "CA loaded");
+        Ok(ca)
+    }
+
+    /// SHA-256 of the CA certificate's DER as `openssl x509 -fingerprint -sha256` prints it:
+    /// upper-case hex bytes joined by `:`.
+    pub fn fingerprint_sha256(&self) -> String {
+        use sha2::Digest;
+        sha2::Sha256::digest(self.cert_der.as_ref()).iter().map(|b| format!("{b:02X}")).collect::<Vec<_>>().join(":")
     }
 
     /// The CA certificate (DER).

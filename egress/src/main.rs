@@ -6,7 +6,8 @@ use cube_egress::config::{Cli, Config};
 /// Log setup: filter from `CUBE_EGRESS_LOG` (default `info`), to stderr.
 /// `CUBE_EGRESS_LOG_FORMAT=json` writes one JSON object per line (`timestamp`, `level`,
 /// `target`, the event's fields flattened), as the Helm chart sets it; `text` (the default) is
-/// the human format. An unknown value exits with status 2.
+/// the human format, coloured only when stderr is a terminal. An unknown value exits with
+/// status 2.
 fn init_logging() -> Result<(), String> {
     let filter = || tracing_subscriber::EnvFilter::try_from_env("CUBE_EGRESS_LOG").unwrap_or_else(|_| "info".into());
     match std::env::var("CUBE_EGRESS_LOG_FORMAT").as_deref() {
@@ -17,7 +18,13 @@ fn init_logging() -> Result<(), String> {
             .with_writer(std::io::stderr)
             .init(),
         Ok("text") | Ok("") | Err(_) => {
-            tracing_subscriber::fmt().with_env_filter(filter()).with_writer(std::io::stderr).init()
+            // Colour only on a terminal: a log file or a collector must get plain
+            // `key=value` text that grep finds (decision O2).
+            tracing_subscriber::fmt()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_env_filter(filter())
+                .with_writer(std::io::stderr)
+                .init()
         }
         Ok(other) => return Err(format!("CUBE_EGRESS_LOG_FORMAT: unknown format {other:?} (json or text)")),
     }

@@ -52,6 +52,14 @@ fn accepts_openssl_key_formats() {
             ],
         );
         let ca = Ca::load(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        // The fingerprint the gateway logs at start is openssl's (O8).
+        let fp = Command::new("openssl")
+            .current_dir(&dir)
+            .args(["x509", "-noout", "-fingerprint", "-sha256", "-in", CA_CERT_FILE])
+            .output()
+            .unwrap();
+        let fp = String::from_utf8_lossy(&fp.stdout);
+        assert_eq!(fp.trim().rsplit_once('=').map(|(_, f)| f), Some(ca.fingerprint_sha256().as_str()), "{name}");
         let (chain, _) = ca.mint(&CertName::Dns("api.example.test".into())).unwrap();
         std::fs::write(dir.join("leaf.der"), chain[0].as_ref()).unwrap();
         openssl(&dir, &["x509", "-inform", "DER", "-in", "leaf.der", "-out", "leaf.pem"]);

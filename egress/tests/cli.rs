@@ -56,5 +56,12 @@ fn refuses_bad_ca_and_bad_config() {
     let (code, err) = run(&base.join("missing"), &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("cube-root-ca.crt"), "{err}");
+    // It says what belongs there and which key sets the directory (O9).
+    let missing = base.join("missing").join("cube-root-ca.crt");
+    assert!(
+        err.contains(&format!("CA certificate {} not found: ca_dir (--ca-dir, CUBE_EGRESS_CA_DIR)", missing.display()))
+            && err.contains("cube-root-ca.key"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&base).unwrap();
 }

@@ -138,3 +138,106 @@ fn cube_egress_json_log_lines() {
     drop(child);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The default text format, as `NETWORK_AGENT_LOG_FILE` (and any redirect or collector) gets
+/// it: no terminal colour codes, so `grep 'sandbox_id=sb-text'` finds the sandbox's events and
+/// a refused Ensure's field (decision O2).
+#[test]
+fn text_log_file_is_plain_and_greppable_by_sandbox_id() {
+    const T: &str = "text_log_file_is_plain_and_greppable_by_sandbox_id";
+    if !require_root(T) {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("textlog", 1, "");
+    let child = a.script_command().env_remove("NETWORK_AGENT_LOG_FORMAT").spawn().expect("spawn start script");
+    a.child = Some(ChildGuard::from_child(child));
+    a.wait_ready(std::time::Duration::from_secs(30));
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: "sb-text".into(), ..Default::default() })
+            .await
+            .expect("ensure");
+        let bad = c
+            .ensure_network(pb::EnsureNetworkRequest {
+                sandbox_id: "sb-text-bad".into(),
+                cubevs_context: Some(pb::CubeVsContext {
+                    allow_out: vec!["10.0.0.300/8".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect_err("a bad allow_out is refused");
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    });
+    let log = a.log();
+    assert!(!log.contains('\x1b'), "terminal escape codes in the log file:\n{log:?}");
+    let line = |needle: &str| {
+        log.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?}:\n{log}"))
+            .to_string()
+    };
+    assert!(line("sandbox_id=sb-text ").contains("network ensured"), "{log}");
+    let failed = line("sandbox_id=sb-text-bad ");
+    assert!(failed.contains("WARN") && failed.contains("ensure failed"), "{failed}");
+    assert!(failed.contains("error=invalid cubevs_context.allow_out[0]"), "{failed}");
+}
+
+/// CubeEgress's default text format on a pipe: plain text, no colour codes (O2).
+#[test]
+fn cube_egress_text_log_has_no_colour_codes() {
+    use std::{
+        io::{BufRead, BufReader},
+        process::{Command, Stdio},
+    };
+    const T: &str = "cube_egress_text_log_has_no_colour_codes";
+    if !require_root(T) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("cubenet-egress-textlog-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = cubenet_tests::tls::make_ca("text log test CA");
+    std::fs::write(dir.join("cube-root-ca.crt"), &ca.pem).unwrap();
+    std::fs::write(dir.join("cube-root-ca.key"), &ca.key_pem).unwrap();
+    let mut child = ChildGuard::from_child(
+        Command::new(cubenet_tests::agent::workspace_bin("cube-egress"))
+            .args(["--ca-dir", dir.to_str().unwrap(), "--audit-file", dir.join("a.jsonl").to_str().unwrap()])
+            .args(["--listen-ip", "127.0.0.1", "--http-port", "0", "--https-port", "0", "--admin-addr", "127.0.0.1:0"])
+            .env_remove("CUBE_EGRESS_LOG_FORMAT")
+            .env("CUBE_EGRESS_LOG", "info")
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = child.child().stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut seen = Vec::new();
+    let listening = loop {
+        let l = rx.recv_timeout(std::time::Duration::from_secs(20)).unwrap_or_else(|e| panic!("{e}: {seen:?}"));
+        if l.contains("cube-egress listening") {
+            break l;
+        }
+        seen.push(l);
+    };
+    for l in seen.iter().chain([&listening]) {
+        assert!(!l.contains('\x1b'), "terminal escape codes: {l:?}");
+    }
+    assert!(listening.contains(" INFO ") && listening.contains("http=127.0.0.1:"), "{listening:?}");
+    // Which CA it signs with, as openssl prints the certificate's fingerprint (O8).
+    let fp = Command::new("openssl")
+        .args(["x509", "-noout", "-fingerprint", "-sha256", "-in"])
+        .arg(dir.join("cube-root-ca.crt"))
+        .output()
+        .unwrap();
+    let fp = String::from_utf8_lossy(&fp.stdout).trim().rsplit_once('=').map(|(_, f)| f.to_string()).unwrap();
+    assert!(seen.iter().any(|l| l.contains("CA loaded") && l.contains(&format!("sha256={fp}"))), "{fp}: {seen:?}");
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}

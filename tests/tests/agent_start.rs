@@ -78,6 +78,31 @@ fn start_script_fails_clearly_when_the_log_directory_is_missing() {
     );
 }
 
+/// `start-network-agent.sh --help` prints its usage and `--config x` is refused, instead of
+/// starting the agent with the defaults (whose `dataplane_netns` is the node's namespace). The
+/// binary is a path that does not exist, so a regression fails here without starting anything.
+#[test]
+fn start_script_takes_no_arguments_and_has_help() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/start-network-agent.sh");
+    let run = |arg: &str| {
+        std::process::Command::new("bash")
+            .arg(&script)
+            .arg(arg)
+            .env("NETWORK_AGENT_BIN", "/nonexistent/network-agent")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let help = run("--help");
+    let out = String::from_utf8_lossy(&help.stdout);
+    assert_eq!(help.status.code(), Some(0), "{help:?}");
+    assert!(out.starts_with("Starts the CubeNet network-agent") && out.contains("NETWORK_AGENT_CONFIG"), "{out}");
+    let bad = run("--config");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(err.contains("no arguments taken (got '--config')") && err.contains("NETWORK_AGENT_ARGS"), "{err}");
+}
+
 /// A CIDR whose TAP names `z<ip>` exceed 15 bytes is refused at start with the key named;
 /// the old agent started and failed later, per TAP, from 192.168.100.100 on.
 #[test]
@@ -94,6 +119,95 @@ fn cidr_whose_tap_names_do_not_fit_is_refused_at_start() {
     let mut err = String::new();
     std::io::Read::read_to_string(c.child().stderr.as_mut().unwrap(), &mut err).unwrap();
     assert!(err.contains("config key `cidr`") && err.contains("\"z192.168.100.254\" (16 bytes)"), "{err}");
+}
+
+/// Started without root (uid 65534, as a newcomer running it from a shell might), the agent
+/// exits 1 naming the step that was refused and saying it must run as root, before it
+/// changes anything (decision O3).
+#[test]
+fn agent_started_without_root_says_it_needs_root() {
+    if !require_root("agent_started_without_root_says_it_needs_root") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("nonroot", 1, "");
+    let out = a
+        .agent_ns()
+        .command("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(cubenet_tests::agent::workspace_bin("network-agent"))
+        .arg("--config")
+        .arg(a.dir.join("agent.toml"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("startup step `enter dataplane netns`"), "{err}");
+    assert!(
+        err.contains("network-agent: running as uid 65534: the agent must run as root")
+            && err.contains("sudo scripts/start-network-agent.sh"),
+        "{err}"
+    );
+    // Nothing was made: no cube-dev in the dataplane namespace, no pins.
+    let links = a.topo.node.exec("ip", &["-o", "link", "show"]);
+    assert!(!String::from_utf8_lossy(&links.stdout).contains("cube-dev"));
+    assert!(!a.bpffs.path().join("cubevs").exists());
+}
+
+/// A health address no interface of the agent's namespace has (as 127.0.0.1 is while a new
+/// namespace's loopback is down): the start fails naming the key and saying what to do.
+#[test]
+fn unbindable_health_address_says_what_to_do() {
+    if !require_root("unbindable_health_address_says_what_to_do") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("noaddr", 1, "");
+    let mut cmd = a.script_command();
+    cmd.env("NETWORK_AGENT_ARGS", "--health-listen 192.0.2.77:19090").stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut c = ChildGuard::from_child(cmd.spawn().unwrap());
+    let st = c.exit_within(Duration::from_secs(30)).expect("the agent started without its health address");
+    assert_eq!(st.code(), Some(1));
+    let log = a.log();
+    assert!(
+        log.contains("bind health_listen 192.0.2.77:19090: Cannot assign requested address")
+            && log.contains("bring loopback up first: `ip link set lo up`"),
+        "{log}"
+    );
+}
+
+/// `bpffs_dir` outside any bpf filesystem, the agent started directly (the script would refuse
+/// first): the start fails naming the key and how to mount one, before anything is created
+/// (it failed deep in the loader with `map … requested pinning. pinning failed`; O14).
+#[test]
+fn bpffs_dir_not_on_bpffs_is_refused_clearly() {
+    if !require_root("bpffs_dir_not_on_bpffs_is_refused_clearly") {
+        return;
+    }
+    let a = AgentUnderTest::prepare("notbpffs", 1, "");
+    let pins = a.dir.join("not-bpffs/cubevs");
+    let out = a
+        .agent_ns()
+        .command(cubenet_tests::agent::workspace_bin("network-agent").to_str().unwrap())
+        .arg("--config")
+        .arg(a.dir.join("agent.toml"))
+        .arg("--bpffs-dir")
+        .arg(&pins)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "bpffs_dir {} is not on a bpf filesystem ({} is not bpffs)",
+            pins.display(),
+            a.dir.display()
+        )) && err.contains("mount -t bpf bpf"),
+        "{err}"
+    );
+    assert!(!a.dir.join("not-bpffs").exists(), "the agent created pin directories off bpffs");
+    let links = a.topo.node.exec("ip", &["-o", "link", "show"]);
+    assert!(!String::from_utf8_lossy(&links.stdout).contains("cube-dev"));
 }
 
 /// `ip_local_reserved_ports` is a per-namespace sysctl: the agent (in its own namespace) must

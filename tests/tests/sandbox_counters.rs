@@ -212,6 +212,19 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     let (_, m) = a.http("/metrics").unwrap();
     assert!(!m.contains("sb-a"), "series of released sb-a remain:\n{m}");
 
+    // A's TAP is Ready again once the maintenance pass the Release woke has found it free (F2);
+    // until then the pool's other Ready TAP would be B's. Wait for that state, not for a time.
+    let tap_a = ra.interfaces[0].name.clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !a.http_json("/v1/network/taps")["taps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["tapName"] == tap_a.as_str() && t["state"] == "Ready")
+    {
+        assert!(std::time::Instant::now() < deadline, "A's TAP never became Ready:\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let rb = ensure(&a, "sb-b", &[]);
     assert_eq!(rb.interfaces[0].name, ra.interfaces[0].name, "B must reuse A's TAP for this test");
     let gb = guest_for(&a, &rb);

@@ -1,6 +1,8 @@
 //! `cubenet-cli`: operator CLI for the network-agent. Networks via gRPC; TAPs, per-sandbox counters and datapath
 //! dumps via the loopback HTTP endpoints; tables by default, `--json` for JSON.
 
+#[path = "cubenet-cli/bundle.rs"]
+mod bundle;
 #[path = "cubenet-cli/datapath.rs"]
 mod datapath;
 
@@ -81,6 +83,9 @@ enum Cmd {
     Portmaps,
     /// Dump per-TAP egress policies.
     Policies,
+    /// Collect a debug bundle (health, readiness, metrics, TAPs, networks, datapath registry,
+    /// counters, port maps, policies, datapath slots; never credentials) into a new directory.
+    Bundle(bundle::BundleArgs),
     /// Active/standby CubeVS datapath: status, load into standby, switch, rollback (works on
     /// the pins directly, under the node's update lock).
     Datapath {
@@ -161,11 +166,29 @@ fn http_json(addr: &str, path: &str) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::from_str(&body)?)
 }
 
+/// Errors go to stderr as one line, `cubenet-cli: …` (a gRPC error as `gRPC <code>: <message>`,
+/// e.g. `gRPC InvalidArgument: invalid cubevs_context.allow_out[0]: …`), with exit status 1 and
+/// no backtrace whatever `RUST_BACKTRACE` says.
 #[tokio::main(flavor = "current_thread")]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    match run(Cli::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            match e.downcast_ref::<tonic::Status>() {
+                Some(st) => eprintln!("cubenet-cli: gRPC {:?}: {}", st.code(), st.message()),
+                None => eprintln!("cubenet-cli: {e:#}"),
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Datapath { bpffs_dir, cmd } => datapath::run(&bpffs_dir, cmd, cli.json)?,
+        Cmd::Bundle(args) => {
+            bundle::run(&cli.grpc, &cli.http, args).await?;
+        }
         Cmd::Ensure { sandbox_id, ports, no_internet, allow_out, deny_out, allow_fqdn } => {
             let mut c = connect(&cli.grpc).await?;
             let r = c

@@ -32,7 +32,8 @@ fn slot_name(s: Option<usize>) -> &'static str {
     s.map_or("-", |s| SLOT_NAMES[s])
 }
 
-fn status_json(st: &slots::Status) -> serde_json::Value {
+/// `datapath status --json`'s object (also the debug bundle's `datapath-status.json`).
+pub fn status_json(st: &slots::Status) -> serde_json::Value {
     let m = &st.meta;
     serde_json::json!({
         "layoutVersion": m.layout,
