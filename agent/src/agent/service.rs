@@ -9,10 +9,26 @@ use crate::{
     state::{Phase, PortRecord, SandboxRecord, validate_sandbox_id},
 };
 
-/// An error as the log may show it: an invalid field by its name only (the reason can quote
-/// request values, e.g. an injected credential), everything else in full.
+/// Invalid fields whose reason the log shows: their values are ids, ports and addresses.
+/// Every other field (L7 `rules`, which carry injected credentials; `persist_metadata`; any
+/// field added later) is logged by its name only, the reason stays in the gRPC answer.
+const REASON_LOGGED: &[&str] = &[
+    "sandbox_id",
+    "network_handle",
+    "port_mappings[",
+    "cubevs_context.allow_out",
+    "cubevs_context.deny_out",
+    "cubevs_context.allow_fqdn",
+];
+
+/// An error as the log may show it: an invalid field with its reason when the field is in
+/// [`REASON_LOGGED`], else by its name only (the reason can quote request values, e.g. an
+/// injected credential); everything else in full.
 fn loggable(e: &AgentError) -> String {
     match e {
+        AgentError::Invalid { field, reason } if REASON_LOGGED.iter().any(|f| field.starts_with(f)) => {
+            format!("invalid {field}: {reason}")
+        }
         AgentError::Invalid { field, .. } => format!("invalid {field}"),
         e => e.to_string(),
     }
@@ -406,5 +422,22 @@ impl Agent {
             (t.name.clone(), t.fd.clone()?)
         };
         Some(fd.try_clone().map(Some).map_err(|e| format!("dup fd of {name}: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod loggable_tests {
+    use super::*;
+
+    #[test]
+    fn reasons_are_logged_for_address_fields_and_never_for_rules() {
+        let port = invalid("port_mappings[0].host_port", "80 is outside host_port_range 20000-29999");
+        assert_eq!(loggable(&port), "invalid port_mappings[0].host_port: 80 is outside host_port_range 20000-29999");
+        let cidr = invalid("cubevs_context.allow_out[1]", "\"10.0.0.0/33\" is not a CIDR");
+        assert!(loggable(&cidr).ends_with("is not a CIDR"), "{}", loggable(&cidr));
+        let secret = invalid("cubevs_context.rules[0].action.inject[0].secret", "sk-live-123 is too long");
+        assert_eq!(loggable(&secret), "invalid cubevs_context.rules[0].action.inject[0].secret");
+        let meta = invalid("persist_metadata[\"k\"]", "value v");
+        assert_eq!(loggable(&meta), "invalid persist_metadata[\"k\"]");
     }
 }
