@@ -27,6 +27,7 @@ pub mod net;
 /// The rule model lives in the shared `egress-policy` crate (the agent validates with it too).
 pub use egress_policy as policy;
 pub mod proxy;
+pub mod sessions;
 pub mod store;
 pub mod tickets;
 
@@ -351,6 +352,7 @@ async fn listeners(
                 learned,
                 ticket_keys = got.ticket_keys,
                 leaves_taken = got.leaves,
+                tls12_sessions = got.tls12_sessions,
                 minted = minted.saturating_sub(got.leaves),
                 predecessor_status = status.as_str(),
                 "state taken over"
@@ -545,7 +547,7 @@ pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::O
 /// `<phase>=<ms> ...` (milliseconds each took, in order) and `total_ms` from [`PROCESS_START`]:
 /// `main` (runtime and config), `app` (CA load, audit open, trust store), and for a successor
 /// `take` (connect, receive listeners, state and extras), `install` (policies, learned
-/// table), `extras` (ticket keys, leaves), `premint` (names not handed over), `ready`.
+/// table), `extras` (ticket keys, leaves, TLS 1.2 sessions), `premint` (names not handed over), `ready`.
 pub struct Phases {
     start: std::time::Instant,
     last: std::time::Instant,
