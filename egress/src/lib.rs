@@ -171,11 +171,17 @@ impl App {
         self.always_denied.send_replace(Arc::new(list));
     }
 
-    /// Resolves once a replaced always-denied list covers `ip` (never while none does). A
-    /// connection to `ip` that awaits this closes when its destination becomes listed.
-    pub async fn until_denied(&self, ip: Ipv4Addr) {
-        let mut rx = self.always_denied.subscribe();
-        rx.mark_unchanged();
+    /// A receiver of always-denied list replacements, subscribed now: give it to
+    /// [`App::until_denied`] before the first check of a destination, so that no replacement
+    /// between that check and the wait goes unseen.
+    pub fn denied_changes(&self) -> watch::Receiver<Arc<Vec<(Ipv4Addr, u32)>>> {
+        self.always_denied.subscribe()
+    }
+
+    /// Resolves once a list replaced after `rx` was subscribed ([`App::denied_changes`]) covers
+    /// `ip` (never while none does). A connection to `ip` that awaits this closes when its
+    /// destination becomes listed.
+    pub async fn until_denied(&self, mut rx: watch::Receiver<Arc<Vec<(Ipv4Addr, u32)>>>, ip: Ipv4Addr) {
         loop {
             if rx.changed().await.is_err() {
                 return std::future::pending().await;
