@@ -620,8 +620,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Extras that must not be served are skipped and the swap goes on: leaves from another CA
-    /// (a CA rotated with the upgrade), a leaf whose key is not its certificate's (another
+    /// Extras that must not be served are skipped and the swap goes on: leaves and TLS 1.2
+    /// sessions from another CA (a CA rotated with the upgrade), a session that is not hex, a leaf whose key is not its certificate's (another
     /// leaf's key), a name that is no host name; ticket keys of the wrong size leave the
     /// successor's own keys in place.
     #[test]
@@ -634,8 +634,13 @@ mod tests {
             rt.block_on(old.certs.server_config(sb, crate::certs::CertName::Dns(n.into()))).unwrap();
         }
         // A key is made at the snapshot when none was issued yet: both sides then share it.
-        let good = HandoffExtras::capture(&old);
+        let mut good = HandoffExtras::capture(&old);
         assert_eq!((good.ticket_keys.len(), good.leaves.len()), (1, 2));
+        good.tls12_sessions.push(SessionMaterial {
+            key: crate::certs::hex(b"a.example.test\0id"),
+            value: crate::certs::hex(b"session"),
+            age_secs: 0,
+        });
         // Another CA: nothing installed, nothing fails.
         assert_eq!(good.install(&other_ca), ExtrasInstalled { ticket_keys: 1, leaves: 0, tls12_sessions: 0 });
         // Same CA, but keys swapped between the two leaves, a bogus name and broken ticket keys.
@@ -652,12 +657,41 @@ mod tests {
         bad.leaves[0].key = good.leaves[1].key.clone();
         bad.leaves[1].name = "not a name/../x".into();
         bad.ticket_keys[0].key.truncate(10);
+        bad.tls12_sessions[0].value = "not hex".into();
         let before = same_ca.certs.tickets().export();
         assert_eq!(bad.install(&same_ca), ExtrasInstalled { ticket_keys: 0, leaves: 0, tls12_sessions: 0 });
+        assert!(same_ca.certs.sessions().is_empty(), "a malformed session is not stored");
         assert!(same_ca.certs.is_empty(), "no leaf served with a key that is not its own");
         assert_eq!(same_ca.certs.tickets().export().len(), before.len());
-        assert_eq!(good.install(&same_ca), ExtrasInstalled { ticket_keys: 1, leaves: 2, tls12_sessions: 0 });
+        assert_eq!(good.install(&same_ca), ExtrasInstalled { ticket_keys: 1, leaves: 2, tls12_sessions: 1 });
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// E26 both ways: an E24/E25 successor (extras without `tls12_sessions`) reads a new
+    /// predecessor's document, the new field ignored; a new successor reads an E24/E25
+    /// predecessor's document as having no sessions.
+    #[test]
+    fn tls12_sessions_are_optional_both_ways() {
+        #[derive(Default, Deserialize)]
+        #[serde(default)]
+        #[allow(dead_code)]
+        struct E25Extras {
+            version: u32,
+            ca_sha256: String,
+            ticket_keys: Vec<TicketKeyMaterial>,
+            leaves: Vec<LeafMaterial>,
+        }
+        let new = HandoffExtras {
+            version: 1,
+            tls12_sessions: vec![SessionMaterial { key: "00".into(), value: "01".into(), age_secs: 3 }],
+            ..Default::default()
+        };
+        let doc = serde_json::to_vec(&new).unwrap();
+        let old: E25Extras = serde_json::from_slice(&doc).expect("an E25 successor reads the new document");
+        assert_eq!(old.version, 1);
+        let from_old: HandoffExtras =
+            serde_json::from_str(r#"{"version":1,"ca_sha256":"ab","ticket_keys":[],"leaves":[]}"#).unwrap();
+        assert!(from_old.tls12_sessions.is_empty());
     }
 
     /// The pre-E24 predecessor's side of version 2, as it was: listeners, state, then exactly
