@@ -243,3 +243,54 @@ fn egress_swap_with_a_pre_e24_build() {
     let aborted = rig.audit_lines().iter().filter(|l| l["security"]["reason"] == "handoff_aborted").count();
     assert_eq!(aborted, 1, "the pre-E24 predecessor refused the extras request once");
 }
+
+/// E26 with real binaries: a build with the extras but without TLS 1.2 sessions
+/// (`CUBENET_PRE_E26_EGRESS`; `scripts/test.sh` builds 420fe3d's `cube-egress`; reported
+/// skipped without it) hands over to this build, which hands back to it (a rollback). Each swap
+/// completes, the policy survives both, and a client resuming by TLS 1.2 session ID only is
+/// answered after each: with a full handshake after the upgrade (the older predecessor sends
+/// no sessions); after the rollback only the answer is asserted (the older successor ignores
+/// the sessions it is sent and has its own per-leaf caches).
+#[test]
+fn egress_swap_with_a_pre_e26_build() {
+    if !require_root("egress_swap_with_a_pre_e26_build") {
+        return;
+    }
+    let Some(old) = std::env::var_os("CUBENET_PRE_E26_EGRESS").map(std::path::PathBuf::from) else {
+        cubenet_tests::skip(
+            "egress_swap_with_a_pre_e26_build",
+            "CUBENET_PRE_E26_EGRESS names no pre-E26 cube-egress (scripts/test.sh builds one from git history)",
+        );
+        return;
+    };
+    let rig = SwapRig::new();
+    let sock = rig.handoff_socket();
+    let take = ["--takeover-socket", sock.to_str().unwrap()];
+    let (sess12, tls12) = (rig.dir.join("ossl12.sess"), ["-tls1_2", "-no_ticket"]);
+    let mut a = rig.spawn_gateway_logged(&old, "old1", &[]);
+    rig.configure();
+    let out = rig.openssl_get_with("/ossl/p1", &sess12, false, &tls12);
+    assert!(out.contains("New, TLSv1.2") && out.contains("ok /ossl/p1"), "{out}");
+
+    // Upgrade: pre-E26 A → this build; A's extras carry no sessions.
+    let mut b = rig.spawn_gateway_logged(&egress_bin(), "new1", &take);
+    let status = wait_exit(&mut a, Duration::from_secs(25)).expect("pre-E26 predecessor exits after the swap");
+    assert!(status.success(), "pre-E26 predecessor exit: {status}");
+    let blog = std::fs::read_to_string(rig.dir.join("new1.log")).unwrap();
+    assert!(blog.contains("\"tls12_sessions\":0") && blog.contains("\"ticket_keys\":"), "{blog}");
+    let out = rig.openssl_get_with("/ossl/p2", &sess12, true, &tls12);
+    assert!(out.contains("New, TLSv1.2") && out.contains("ok /ossl/p2"), "no sessions came over: {out}");
+
+    // Rollback: this build → pre-E26 C, which ignores the sessions it is sent.
+    let mut c = rig.spawn_gateway_logged(&old, "old2", &take);
+    let status = wait_exit(&mut b, Duration::from_secs(25)).expect("this build exits after handing back");
+    assert!(status.success(), "exit: {status}");
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let out = rig.openssl_get_with("/ossl/p3", &sess12, true, &tls12);
+    assert!(out.contains("ok /ossl/p3"), "{out}");
+    sigterm(&c);
+    assert!(wait_exit(&mut c, Duration::from_secs(25)).is_some_and(|s| s.success()));
+    let aborted = rig.audit_lines().iter().filter(|l| l["security"]["reason"] == "handoff_aborted").count();
+    assert_eq!(aborted, 0, "no hand-over was refused");
+}
