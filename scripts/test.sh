@@ -78,6 +78,22 @@ if [[ -z "${CUBENET_BASELINE_EGRESS:-}" ]] && git cat-file -e "${pre_e24}^{commi
   export CUBENET_BASELINE_EGRESS="$pre_dir/target/debug/cube-egress"
 fi
 
+# egress_swap_with_a_pre_e26_build swaps with a CubeEgress that has the extras but no TLS 1.2
+# sessions in them (E26): 420fe3d's, built the same way into its own target directory.
+pre_e26=420fe3d4549d033ada844f47b6d15ba2f53d430c
+if [[ -z "${CUBENET_PRE_E26_EGRESS:-}" ]] && git cat-file -e "${pre_e26}^{commit}" 2>/dev/null; then
+  step "pre-E26 cube-egress (${pre_e26:0:7}) for the session hand-over rollback test"
+  pre_dir="$PWD/target/pre-e26"
+  if [[ ! -x "$pre_dir/target/debug/cube-egress" ]]; then
+    rm -rf "$pre_dir/src"
+    mkdir -p "$pre_dir/src"
+    git archive "$pre_e26" | tar -x -C "$pre_dir/src"
+    cargo build --locked --manifest-path "$pre_dir/src/Cargo.toml" -p cube-egress \
+      --target-dir "$pre_dir/target"
+  fi
+  export CUBENET_PRE_E26_EGRESS="$pre_dir/target/debug/cube-egress"
+fi
+
 step "tests"
 if [[ $(id -u) -ne 0 ]]; then
   echo "!!! not root: root-only tests will be reported as skipped !!!"
