@@ -409,4 +409,7 @@ fn adoption_names_fqdn_patterns_an_older_agent_wrote_without_names() {
     assert_eq!(fqdn_names(&a, ifindex), named, "the adopted sandbox's pattern is named and sealed");
     assert_eq!(policy_of(&a, &tap)["generation"], generation, "the policy was rewritten instead of named in place");
     assert!(a.log().contains("FQDN pattern names backfilled and sealed"), "{}", a.log());
+    let (_, metrics) = a.http("/metrics").expect("metrics");
+    assert!(metrics.contains("cubenet_fqdn_name_backfill_total{result=\"named\"} 1\n"), "{metrics}");
+    assert!(metrics.contains("cubenet_fqdn_name_backfill_total{result=\"sealed_out\"} 0\n"), "{metrics}");
 }

@@ -370,7 +370,12 @@ impl Agent {
         // FQDN patterns a loader before R48 wrote are matched by their forgeable hash alone
         // until they have their names: named from the record, the generation sealed (R52).
         if !rec.policy.allow_fqdn.is_empty() {
-            match self.dp.backfill_fqdn_names(ifindex, &rec.policy) {
+            let b = self.dp.backfill_fqdn_names(ifindex, &rec.policy);
+            if let Ok(b) = &b {
+                self.metrics.fqdn_backfill.with_label_values(&["named"]).inc_by(b.named as u64);
+                self.metrics.fqdn_backfill.with_label_values(&["sealed_out"]).inc_by(b.unnamed as u64);
+            }
+            match b {
                 Ok(b) if b.unnamed > 0 => tracing::warn!(
                     sandbox_id = %rec.sandbox_id,
                     named = b.named,
