@@ -214,7 +214,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     let bpffs = BpfFs::new();
     let dir = std::env::temp_dir().join(format!("cubenet-k8s-pod-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    for d in ["cube", "state", "log", "modules"] {
+    for d in ["cube", "state", "log", "modules", "handover"] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
     }
     struct DirGuard(PathBuf);
@@ -241,6 +241,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
             "stateDir": dir.join("state"),
             "logDir": dir.join("log"),
             "modules": dir.join("modules"),
+            "handoverDir": dir.join("handover"),
         },
     });
     let out = Command::new(&py)
