@@ -16,7 +16,10 @@
 //!    hand-over socket on the shared host path and serves health in B's namespace; its first
 //!    CubeEgress slot takes A's gateway over (listeners and state); A's agent container stands
 //!    down (answers /healthz only, not ready), A's gateway slot parks.
-//! 4. Pod A is stopped as the kubelet does when the controller deletes it (SIGTERM, grace
+//! 4. Attack: the kubelet restarts A's agent container and a gateway slot of A (a liveness
+//!    failure, a crash): A's agent stands down again at once and its slot parks; B never
+//!    hands anything back (no ping-pong).
+//! 5. Pod A is stopped as the kubelet does when the controller deletes it (SIGTERM, grace
 //!    period), then removed.
 //!
 //! Asserted: the stream saw every byte and no error, the keep-alive client no failed request
@@ -359,7 +362,36 @@ fn cube_node_surge_upgrade_hands_over_agent_and_gateway() {
     let (again, fd_again) = tap_fd(&tap_sock, &ifc.name, "sb-surge");
     assert!(again["errCode"] == "0" && fd_again.is_some(), "B must hand out the held TAP: {again}");
     drop(fd_again);
+
+    // Attack: the kubelet restarts the stood-down pod's containers (a liveness failure, a
+    // crash). A's agent must stand down again at once, never take the node back from B (no
+    // ping-pong), and A's gateway slot must park again; the load keeps running meanwhile.
+    podman_ok(&["restart", "--time", "10", agent_a]);
+    wait_value("pod A's restarted agent stands down again", Duration::from_secs(60), || {
+        let l = logs(agent_a);
+        l.contains("standing down: restarted after pod").then_some(l)
+    });
+    podman_ok(&["restart", "--time", "10", "cubenet-a-cube-egress"]);
+    wait_value("pod A's restarted gateway slot parks again", Duration::from_secs(60), || {
+        let l = logs("cubenet-a-cube-egress");
+        (l.matches("parked as standby").count() >= 2).then_some(l)
+    });
     std::thread::sleep(Duration::from_secs(3));
+    let log_b = logs(agent_b);
+    assert_eq!(
+        log_b.matches("hand-over complete").count(),
+        1,
+        "B's agent must have handed over to nobody (and taken over only once):\n{log_b}"
+    );
+    assert!(
+        !log_b.contains("hand-over: mutations paused") && !logs(agent_a).contains("received listeners"),
+        "A took the node back"
+    );
+    wait_value("pod B agent still ready after the attack", Duration::from_secs(10), || {
+        exec_wget(agent_b, "http://127.0.0.1:19090/readyz", false).filter(|b| b.contains("ready"))
+    });
+    let slots: String = slots_b.iter().map(|c| logs(c)).collect();
+    assert_eq!(slots.matches("stopping: no new connections").count(), 0, "B's gateway must keep serving:\n{slots}");
 
     // 4. The controller deletes pod A: SIGTERM to every container, grace period, removal.
     let echoed_before_stop = stream.echoed.load(Ordering::Relaxed);
