@@ -3,7 +3,7 @@
 #
 #   cubenet/network-agent  network-agent, cubenet-cli, cubevs.bpf.o (next to the agent, where
 #                          cubevs::default_object_path() finds it), start-network-agent.sh,
-#                          deploy/images/{cubenet-preflight.sh,cubenet-netns-exec.sh,agent-prestop.sh}
+#                          deploy/images/{cubenet-preflight.sh,cubenet-netns-exec.sh,agent-prestop.sh,agent-entrypoint.sh}
 #   cubenet/cube-egress    cube-egress, cube-egress-net.sh, deploy/images/cube-egress-slot.sh,
 #                          deploy/images/{cube-egress-net-entrypoint.sh,cubenet-netns-exec.sh}
 #
@@ -272,14 +272,15 @@ img="$root/deploy/images"
 build_image network-agent \
   "CubeNet network-agent: TAP pool, gRPC, TAP fd hand-off, CubeVS eBPF datapath" \
   "bash coreutils util-linux mount iproute2 busybox-static" \
-  '["/usr/local/bin/start-network-agent.sh"]' \
+  '["/usr/local/bin/agent-entrypoint.sh"]' \
   "$bin/network-agent:/usr/local/bin/network-agent" \
   "$bin/cubenet-cli:/usr/local/bin/cubenet-cli" \
   "$root/target/ebpf/cubevs.bpf.o:/usr/local/bin/cubevs.bpf.o" \
   "$root/scripts/start-network-agent.sh:/usr/local/bin/start-network-agent.sh" \
   "$img/cubenet-preflight.sh:/usr/local/bin/cubenet-preflight.sh" \
   "$img/cubenet-netns-exec.sh:/usr/local/bin/cubenet-netns-exec.sh" \
-  "$img/agent-prestop.sh:/usr/local/bin/agent-prestop.sh"
+  "$img/agent-prestop.sh:/usr/local/bin/agent-prestop.sh" \
+  "$img/agent-entrypoint.sh:/usr/local/bin/agent-entrypoint.sh"
 build_image cube-egress \
   "CubeEgress: transparent L7 egress gateway of CubeSandbox, with its TPROXY plumbing" \
   "bash coreutils util-linux iproute2 iptables busybox-static openssl ca-certificates" \

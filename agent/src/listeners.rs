@@ -128,7 +128,44 @@ fn addr_hint(e: &std::io::Error) -> &'static str {
     }
 }
 
+/// `SO_NETNS_COOKIE` (Linux 5.14+, `include/uapi/asm-generic/socket.h`): the 64-bit cookie of
+/// the network namespace a socket was created in.
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// The network namespace cookie of `fd`'s socket; `None` when the kernel does not know the
+/// option (before 5.14).
+fn netns_cookie(fd: &impl std::os::fd::AsRawFd) -> Option<u64> {
+    let mut v: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `v` and `len` outlive the call and `len` is `v`'s size.
+    let rc = unsafe {
+        libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, SO_NETNS_COOKIE, (&mut v as *mut u64).cast(), &mut len)
+    };
+    (rc == 0).then_some(v)
+}
+
+/// Whether a handed-over TCP listener lives in another network namespace than this process
+/// (compared by `SO_NETNS_COOKIE` with a socket made here). A TCP address names a socket only
+/// within one namespace: the predecessor's health socket in its own pod's namespace is of no
+/// use to a successor in another pod (decision K16). Unknown (old kernel) = same.
+pub fn from_other_netns(fd: &impl std::os::fd::AsRawFd) -> bool {
+    let Ok(here) = std::net::UdpSocket::bind("127.0.0.1:0") else { return false };
+    match (netns_cookie(fd), netns_cookie(&here)) {
+        (Some(a), Some(b)) => a != b,
+        _ => false,
+    }
+}
+
+/// A handed-over TCP listener from another network namespace is closed and `want` bound
+/// afresh here (K16); one from this namespace must be bound to `want`.
 fn tcp_at(fd: OwnedFd, want: &str, key: &str) -> anyhow::Result<std::net::TcpListener> {
+    if from_other_netns(&fd) {
+        drop(fd);
+        let l = std::net::TcpListener::bind(want)
+            .map_err(|e| anyhow::anyhow!("bind {key} {want}: {e}{}", addr_hint(&e)))?;
+        tracing::info!(listen = %want, "{key}: the previous agent's socket is in another network namespace; bound afresh here");
+        return Ok(l);
+    }
     let l = std::net::TcpListener::from(fd);
     let at = l.local_addr().with_context(|| format!("handed-over {key} socket"))?;
     let want_addr: Option<SocketAddr> = want.parse().ok();
@@ -156,7 +193,8 @@ impl Listeners {
     }
 
     /// Adopts the previous agent's sockets: exactly one of each kind, each bound where this
-    /// configuration says.
+    /// configuration says. A TCP listener (health, gRPC over TCP) from another network
+    /// namespace (the predecessor runs in another pod) is bound afresh in this one instead.
     pub fn adopt(raw: &Config, fds: Vec<(ListenerKind, OwnedFd)>) -> anyhow::Result<Self> {
         let (mut grpc, mut tap_fd, mut health) = (None, None, None);
         let endpoint = parse_endpoint(&raw.grpc_listen)?;
@@ -354,4 +392,38 @@ where
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_listener_of_another_netns_is_rebound_here() {
+        // Same namespace: adopted as is (and checked against the configuration).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        assert!(!from_other_netns(&l));
+        let adopted = tcp_at(OwnedFd::from(l), &at, "health_listen").unwrap();
+        assert_eq!(adopted.local_addr().unwrap().to_string(), at);
+        // Another namespace (root only: unshare on a thread of its own, never a tokio worker).
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: tcp_listener_of_another_netns_is_rebound_here (other netns part): needs root");
+            return;
+        }
+        let foreign = std::thread::spawn(|| {
+            // SAFETY: plain syscall on this thread only.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare");
+            std::net::TcpListener::bind("0.0.0.0:0").unwrap()
+        })
+        .join()
+        .unwrap();
+        assert!(from_other_netns(&foreign), "a listener from a new namespace must be told apart");
+        let fresh = tcp_at(OwnedFd::from(foreign), "127.0.0.1:0", "health_listen").unwrap();
+        assert!(!from_other_netns(&fresh), "the replacement is bound in this namespace");
+        // The fresh socket accepts here.
+        let to = fresh.local_addr().unwrap();
+        std::net::TcpStream::connect(to).unwrap();
+        assert!(fresh.accept().is_ok());
+    }
 }

@@ -8,6 +8,11 @@ set -uo pipefail
 dir=${NETWORK_AGENT_LOG_DIR:-/data/log/network-agent}
 http=${CUBENET_PRESTOP_HTTP:-127.0.0.1:19090}
 ts=$(date -u +%Y%m%dT%H%M%SZ)
+# A pod whose agent stood down (agent-entrypoint.sh, K15) has nothing to record: the node's
+# agent runs in the newer pod.
+if [[ -e "${CUBENET_POD_RUN:-/run/cubenet-pod}/agent.stood-down" ]]; then
+  exit 0
+fi
 if [[ -d "$dir" ]]; then
   timeout 5 cubenet-cli --http "$http" --json taps >"$dir/prestop-$ts.json" 2>&1 || true
   # Keep the newest 10 (names sort by time).

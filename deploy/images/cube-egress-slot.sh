@@ -11,6 +11,16 @@
 # The CA is read (and converted) when the slot starts its gateway, not when the script starts:
 # a standby parked since before a CA rotation takes over with the Secret's current CA.
 # CUBENET_IMAGE_BIN (default /usr/local/bin) is where the image's programs live (tests).
+#
+# Surge upgrades (chart `underlay.surge`, decision K15): with CUBE_EGRESS_HANDOFF_SOCKET set (a
+# host path both pods of the node mount; cube-egress reads the variable itself), every gateway
+# serves its listeners and state there, and is started with `--takeover-socket` on the same
+# path and `--takeover-optional`: it takes over from whoever serves it, or binds fresh. The
+# first slot of a pod to start (it creates `claimed` in the pod's CUBE_EGRESS_RUN_DIR, an
+# emptyDir) does not park: it takes the node's gateway over from the older pod at once (E18
+# swap: nothing refused, keep-alive connections drain to it). Every other start — the pod's
+# second slot, any container restart — parks while a gateway answers, so a slot of the old pod
+# that exits after handing over and is restarted never takes the node back.
 set -euo pipefail
 admin=${CUBE_EGRESS_ADMIN_ADDR:-127.0.0.1:9091}
 bindir=${CUBENET_IMAGE_BIN:-/usr/local/bin}
@@ -38,10 +48,21 @@ convert_ca() {
 }
 
 trap 'exit 0' TERM INT
+takeover=()
+if [[ -n "${CUBE_EGRESS_HANDOFF_SOCKET:-}" ]]; then
+  takeover=(--takeover-socket "$CUBE_EGRESS_HANDOFF_SOCKET" --takeover-optional)
+  rundir=${CUBE_EGRESS_RUN_DIR:-/run/cube-egress}
+  mkdir -p "$rundir" "$(dirname "$CUBE_EGRESS_HANDOFF_SOCKET")"
+  if mkdir "$rundir/claimed" 2>/dev/null; then
+    log "first slot of this pod: taking the node's gateway over through $CUBE_EGRESS_HANDOFF_SOCKET (fresh start if none serves it)"
+    convert_ca
+    exec "$bindir/cubenet-netns-exec.sh" "$bindir/cube-egress" "${takeover[@]}" "$@"
+  fi
+fi
 if alive; then
   log "a gateway already answers on $admin: parked as standby"
   while alive; do sleep 1 & wait $!; done
   log "the active gateway stopped answering: taking over"
 fi
 convert_ca
-exec "$bindir/cubenet-netns-exec.sh" "$bindir/cube-egress" "$@"
+exec "$bindir/cubenet-netns-exec.sh" "$bindir/cube-egress" "${takeover[@]}" "$@"

@@ -14,13 +14,17 @@ Helm v4 as a C library) and checked in three layers:
 Usage:
   chart_check.py check OUT_DIR            all variants; writes OUT_DIR/<variant>/*.yaml and the
                                           rendered config.toml per variant; exit 1 on a failure
-  chart_check.py pod OUT_DIR VALUES_JSON  render with VALUES_JSON (a JSON object merged over the
+  chart_check.py pod OUT_DIR VALUES_JSON [POD_NAME]
+                                          render with VALUES_JSON (a JSON object merged over the
                                           defaults) and write OUT_DIR/pod.yaml: the DaemonSet's
                                           template as a Pod for `podman kube play` (podman 4.3
                                           takes no DaemonSet), ConfigMap and Secret volumes
                                           materialised as host directories under OUT_DIR, ports
                                           dropped (a pod on `--network none` maps none),
-                                          init containers of podman's type "always".
+                                          init containers of podman's type "always", emptyDirs
+                                          host directories under OUT_DIR (one per pod), the
+                                          downward API's metadata.uid a fresh uuid, the Pod
+                                          named POD_NAME (default: the DaemonSet's name).
 """
 
 import base64
@@ -52,13 +56,18 @@ VARIANTS = {
     "overlay-existing-secret": {"mode": "overlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}},
                                 "agent": {"healthPort": 19190}, "hostPaths": {"bpffsSubdir": "cubevs-b"}},
     "underlay-named-netns-no-egress": {"mode": "underlay", "underlay": {"netnsPath": "/run/netns/node0"}, "egress": {"enabled": False}},
+    # The pre-K15 rollout: no surge, no hand-over, the health hostPort.
+    "underlay-no-surge-hostport": {"mode": "underlay", "underlay": {"surge": False, "healthHostPort": 19090}},
 }
 # Values the chart must refuse, with a fragment of the expected message.
 REFUSED = {
     "bad-mode": ({"mode": "bridge"}, "mode must be underlay or overlay"),
     "no-cube-role": ({"nodeSelector": {"cube-role": None, "kubernetes.io/os": "linux"}}, "cube-role"),
     "bad-cidr": ({"cidr": "192.168.0.0/8"}, "/16../24"),
-    "max-surge": ({"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}}, "maxSurge must be 0"),
+    "max-surge-without-handover": ({"underlay": {"surge": False}, "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}}, "maxSurge must be 0 without underlay.surge"),
+    "max-surge-overlay": ({"mode": "overlay", "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}}, "maxSurge must be 0 in overlay mode"),
+    "surge-with-hostport": ({"underlay": {"healthHostPort": 19090}}, "underlay.surge needs underlay.healthHostPort: null"),
+    "surge-not-boolean": ({"underlay": {"surge": "yes"}}, "surge"),
     "existing-secret-unnamed": ({"egress": {"ca": {"mode": "existingSecret"}}}, "existingSecret"),
     "drain-vs-grace": ({"egress": {"drainTimeoutSecs": 40}}, "drainTimeoutSecs"),
     "agent-log-format": ({"agent": {"logFormat": "xml"}}, "agent.logFormat must be json or text"),
@@ -88,7 +97,7 @@ MUTATIONS = {
     "probe on an undeclared port": (lambda o: _agent(o)["livenessProbe"]["httpGet"].update(port="metrics"), "does not declare"),
     "hostPath type typo": (lambda o: _ds(o)["spec"]["template"]["spec"]["volumes"][1]["hostPath"].update(type="CharDev"), "hostPath type"),
     "mountPropagation typo": (lambda o: _agent(o)["volumeMounts"][2].update(mountPropagation="Sideways"), "mountPropagation"),
-    "maxSurge with hostPort": (lambda o: _ds(o)["spec"].update(updateStrategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}), "maxSurge 1 with hostPorts"),
+    "maxSurge with hostPort": (lambda o: _agent(o)["ports"][0].update(hostPort=19090), "maxSurge 1 with hostPorts"),
     "mount without volume": (lambda o: _agent(o)["volumeMounts"].append({"name": "ghost", "mountPath": "/ghost"}), "undefined volume ghost"),
     "seed mount missing": (lambda o: _agent(o).update(volumeMounts=[m for m in _agent(o)["volumeMounts"] if m["mountPath"] != "/dev/net/tun"]), "seed mount /dev/net/tun"),
     "unknown config key": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"] + 'log_level = "x"\n'}), "does not read: ['log_level']"),
@@ -96,6 +105,9 @@ MUTATIONS = {
     "hostPID + shareProcessNamespace": (lambda o: _ds(o)["spec"]["template"]["spec"].update(shareProcessNamespace=True), "hostPID and shareProcessNamespace"),
     "allowed_peer_uids dropped": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("allowed_peer_uids = []", "")}), "allowed_peer_uids None"),
     "cli endpoint not wired": (lambda o: _agent(o).update(env=[e for e in _agent(o)["env"] if e["name"] != "CUBENET_HTTP"]), "CUBENET_HTTP is None"),
+    "surge without the agent's hand-over socket": (lambda o: _cm(o)["data"].update({"config.toml": re.sub(r"(?m)^handover_socket = .*$", "", _cm(o)["data"]["config.toml"])}), "maxSurge 1 without the agent's handover_socket"),
+    "claim marker on a host path": (lambda o: [v.update(hostPath={"path": "/run/x", "type": "DirectoryOrCreate"}, emptyDir=None) or v.pop("emptyDir") for v in _ds(o)["spec"]["template"]["spec"]["volumes"] if v["name"] == "pod-run"], "must be an emptyDir"),
+    "gateway hand-off socket not shared": (lambda o: [c.update(env=[dict(e, value="/run/cube-egress/egress.sock") if e["name"] == "CUBE_EGRESS_HANDOFF_SOCKET" else e for e in c["env"]]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress"], "not on the shared hand-over volume"),
     "egress log format dropped": (lambda o: [c.update(env=[e for e in c["env"] if e["name"] != "CUBE_EGRESS_LOG_FORMAT"]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress-standby"], "CUBE_EGRESS_LOG_FORMAT is None"),
 }
 
@@ -251,6 +263,11 @@ class Checker:
                 self.fail("maxSurge and maxUnavailable both 0")
         if values["mode"] == "overlay" and not values.get("updateStrategy") and strat.get("type") != "OnDelete":
             self.fail("overlay mode must default to OnDelete (a new pod is a new netns)")
+        surged = strat.get("type", "RollingUpdate") == "RollingUpdate" and str(ru.get("maxSurge", 0)) not in ("0", "0%")
+        if values["mode"] == "underlay" and not values.get("updateStrategy"):
+            want = ("1", "0") if values["underlay"]["surge"] else ("0", "1")
+            if (str(ru.get("maxSurge")), str(ru.get("maxUnavailable"))) != want:
+                self.fail(f"underlay surge={values['underlay']['surge']}: rollingUpdate {ru}, want maxSurge/maxUnavailable {want}")
 
         # The agent: seed mounts, config keys, health port, CIDR.
         agent = next((c for c in pod["containers"] if c["name"] == "network-agent"), None)
@@ -300,6 +317,34 @@ class Checker:
             self.fail("network-agent has no preStop")
         if want_ns.startswith("/proc/") and not pod.get("hostPID"):
             self.fail(f"dataplane {want_ns} without hostPID")
+        # Surge (K15): two pods of a node run side by side only if the new one takes the agent
+        # and the gateway over through sockets on a host path both pods mount, and each pod
+        # tells its own first start from a restart with a per-pod (emptyDir) marker.
+        if surged:
+            vols = {v["name"]: v for v in pod.get("volumes", [])}
+            ho = cfg.get("handover_socket", "")
+            if not ho:
+                self.fail("maxSurge 1 without the agent's handover_socket: two agents would program one datapath")
+            else:
+                ho_dir = os.path.dirname(ho)
+                mount = next((m for m in agent["volumeMounts"] if m["mountPath"] == ho_dir), None)
+                if mount is None or "hostPath" not in vols.get(mount["name"], {}):
+                    self.fail(f"handover_socket {ho} is not on a host path both pods mount")
+                if env.get("CUBENET_HANDOVER_DIR") != ho_dir:
+                    self.fail(f"CUBENET_HANDOVER_DIR {env.get('CUBENET_HANDOVER_DIR')!r} != {ho_dir!r}")
+                for c in containers:
+                    if c["name"] in ("cube-egress", "cube-egress-standby"):
+                        e = {x["name"]: x.get("value") for x in c.get("env", [])}
+                        hs = e.get("CUBE_EGRESS_HANDOFF_SOCKET") or ""
+                        cm_ = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+                        if mount is None or os.path.dirname(hs) != ho_dir or cm_.get(ho_dir) != mount["name"]:
+                            self.fail(f"{c['name']}: CUBE_EGRESS_HANDOFF_SOCKET {hs!r} not on the shared hand-over volume")
+            uid = next((e for e in agent.get("env", []) if e["name"] == "CUBENET_POD_UID"), {})
+            if uid.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "metadata.uid":
+                self.fail("CUBENET_POD_UID must come from the downward API (metadata.uid)")
+            run = next((m for m in agent["volumeMounts"] if m["mountPath"] == env.get("CUBENET_POD_RUN")), None)
+            if run is None or "emptyDir" not in vols.get(run["name"], {}):
+                self.fail("CUBENET_POD_RUN must be an emptyDir (the claim marker lives as long as the pod)")
 
         # CubeEgress: config keys, CIDR everywhere, marks file mounted, CA mounted, probes.
         if values["egress"]["enabled"]:
@@ -505,7 +550,7 @@ def cmd_check(out):
     return 1 if errors else 0
 
 
-def cmd_pod(out, values_json):
+def cmd_pod(out, values_json, pod_name=None):
     over = json.loads(values_json)
     objs, _ = render(over)
     ds = next(o for o in objs if o["kind"] == "DaemonSet")
@@ -530,6 +575,15 @@ def cmd_pod(out, values_json):
                 open(p, "wb").write(body)
                 os.chmod(p, 0o400 if ref == "secret" else 0o444)
             v["hostPath"] = {"path": d, "type": "Directory"}
+    # podman 4.3 makes an emptyDir a named volume of the same name, shared by every pod that
+    # names it and kept after the pod: a host directory of this rendering instead, fresh per
+    # pod as the kubelet's emptyDir is (the surge drill runs two pods side by side, K15).
+    for v in spec.get("volumes", []):
+        if "emptyDir" in v:
+            v.pop("emptyDir")
+            d = os.path.join(out, "volumes", v["name"])
+            os.makedirs(d, exist_ok=True)
+            v["hostPath"] = {"path": d, "type": "Directory"}
     # podman 4.3 turns any declared port into a port mapping, which `--network none` refuses:
     # drop the ports and give the probes their numbers instead of names.
     for c in spec.get("initContainers", []) + spec["containers"]:
@@ -538,10 +592,19 @@ def cmd_pod(out, values_json):
             h = c.get(kind, {}).get("httpGet")
             if h and isinstance(h.get("port"), str):
                 h["port"] = named[h["port"]]
+    # The downward API's metadata.uid, as the kubelet fills it in (a new uid per pod).
+    import uuid
+
+    uid = str(uuid.uuid4())
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        for e in c.get("env", []):
+            if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.uid":
+                e.pop("valueFrom")
+                e["value"] = uid
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": ds["metadata"]["name"], "labels": tmpl["metadata"].get("labels", {}),
+        "metadata": {"name": pod_name or ds["metadata"]["name"], "labels": tmpl["metadata"].get("labels", {}),
                      "annotations": tmpl["metadata"].get("annotations", {})},
         "spec": spec,
     }
@@ -563,7 +626,7 @@ def main(argv):
     if len(argv) >= 2 and argv[0] == "check":
         return cmd_check(argv[1])
     if len(argv) >= 3 and argv[0] == "pod":
-        return cmd_pod(argv[1], argv[2])
+        return cmd_pod(argv[1], argv[2], argv[3] if len(argv) >= 4 else None)
     print(__doc__, file=sys.stderr)
     return 2
 

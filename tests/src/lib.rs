@@ -43,6 +43,7 @@ pub mod l7;
 pub mod mntns;
 pub mod netns;
 pub mod packet;
+pub mod pod;
 pub mod rig;
 pub mod servers;
 pub mod smol;

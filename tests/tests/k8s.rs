@@ -8,7 +8,11 @@
 //! real `network-agent --check-config`. When the venv cannot be installed (no network), the
 //! test prints a `SKIPPED:` line and passes.
 //!
-//! The pod run (`podman kube play` of the rendered DaemonSet template) is in `k8s_pod.rs`.
+//! The surge upgrade's values (K15: `underlay.surge`, `hostPaths.handoverDir`, no health
+//! hostPort) are among the variants, asserts, mutations and refusals of `chart_check.py`.
+//!
+//! The pod runs (`podman kube play` of the rendered DaemonSet template) are in `k8s_pod.rs`
+//! (in-place update) and `k8s_surge.rs` (surge upgrade with hand-over).
 
 use std::{
     path::{Path, PathBuf},
@@ -69,7 +73,7 @@ fn chart_renders_and_validates() {
             );
             checked += 1;
         }
-        assert_eq!(checked, 5, "expected the five variants' config.toml");
+        assert_eq!(checked, 6, "expected the six variants' config.toml");
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }

@@ -22,7 +22,7 @@
 use std::{
     io::{Read, Write},
     net::{Ipv4Addr, SocketAddrV4, TcpListener},
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::Command,
     sync::{
         Arc,
@@ -35,6 +35,7 @@ use cubenet_proto::v1 as pb;
 use cubenet_tests::{
     agent::tap_fd,
     bpffs::BpfFs,
+    pod::{PodGuard, exec_wget, logs, podman, podman_ok, render_pod, retag_newer, root, wait_value as wait_for},
     require_root, servers,
     topology::{Topology, WORLD_IP},
     vm::{Check, GuestConfig, GuestImage, Unavailable, Vm},
@@ -44,89 +45,6 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bytes the guest uploads through the agent replacement.
 const UPLOAD: u64 = 12 * 1024 * 1024;
 const SINK_PORT: u16 = 9000;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
-}
-
-/// `podman` with the private configuration written by scripts/k8s-lib.sh.
-fn podman(args: &[&str]) -> std::process::Output {
-    let dir = root().join("target/k8s/containers");
-    Command::new("podman")
-        .env("CONTAINERS_CONF", dir.join("containers.conf"))
-        .env("CONTAINERS_STORAGE_CONF", dir.join("storage.conf"))
-        .args(args)
-        .output()
-        .expect("run podman")
-}
-
-fn podman_ok(args: &[&str]) -> String {
-    let o = podman(args);
-    assert!(
-        o.status.success(),
-        "podman {args:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn buildah(args: &[&str]) -> String {
-    let dir = root().join("target/k8s/containers");
-    let o = Command::new("buildah")
-        .env("CONTAINERS_CONF", dir.join("containers.conf"))
-        .env("CONTAINERS_STORAGE_CONF", dir.join("storage.conf"))
-        .args(args)
-        .output()
-        .expect("run buildah");
-    assert!(o.status.success(), "buildah {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
-}
-
-/// Removes the pod (all its containers) on drop, also on panic.
-struct PodGuard(String);
-impl Drop for PodGuard {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            // The containers' logs explain most failures.
-            let ps = podman(&["ps", "-a", "--pod", "--format", "{{.Names}} {{.Status}}"]);
-            let ps = String::from_utf8_lossy(&ps.stdout).into_owned();
-            eprintln!("[k8s-pod] containers:\n{ps}");
-            for name in ps.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&self.0)) {
-                eprintln!("[k8s-pod] ---- logs of {name}:\n{}", logs(name));
-            }
-        }
-        let _ = podman(&["pod", "rm", "--force", "--time", "2", &self.0]);
-    }
-}
-
-/// `wget` inside a container of the pod (busybox in the images), optionally through
-/// cubenet-netns-exec.sh (the dataplane namespace).
-fn exec_wget(container: &str, url: &str, dataplane: bool) -> Option<String> {
-    let mut args = vec!["exec", container];
-    if dataplane {
-        args.push("/usr/local/bin/cubenet-netns-exec.sh");
-    }
-    args.extend(["timeout", "3", "wget", "-q", "-O", "-", url]);
-    let o = podman(&args);
-    o.status.success().then(|| String::from_utf8_lossy(&o.stdout).into_owned())
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<String>) -> String {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(t0.elapsed() < timeout, "{what}: not within {timeout:?}");
-        std::thread::sleep(Duration::from_millis(500));
-    }
-}
-
-fn logs(container: &str) -> String {
-    let o = podman(&["logs", container]);
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 /// A world server that reads slowly (64 KiB per 50 ms ≈ 1.3 MB/s), so an upload spans the
 /// agent replacement; reads `UPLOAD` bytes (or to EOF), fails on a reset or a timeout, then
@@ -214,7 +132,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     let bpffs = BpfFs::new();
     let dir = std::env::temp_dir().join(format!("cubenet-k8s-pod-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    for d in ["cube", "state", "log", "modules"] {
+    for d in ["cube", "state", "log", "modules", "handover"] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
     }
     struct DirGuard(PathBuf);
@@ -241,17 +159,10 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
             "stateDir": dir.join("state"),
             "logDir": dir.join("log"),
             "modules": dir.join("modules"),
+            "handoverDir": dir.join("handover"),
         },
     });
-    let out = Command::new(&py)
-        .arg(root().join("deploy/tools/chart_check.py"))
-        .arg("pod")
-        .arg(dir.join("render"))
-        .arg(values.to_string())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "chart_check.py pod: {}", String::from_utf8_lossy(&out.stderr));
-    let pod_yaml = dir.join("render/pod.yaml");
+    let pod_yaml = render_pod(std::path::Path::new(&py), &dir.join("render"), &values, "cubenet-node");
 
     // 3. kube play.
     let t1 = Instant::now();
@@ -325,10 +236,8 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     wait_for("upload under way", Duration::from_secs(60), || {
         (sink.received.load(Ordering::SeqCst) > 256 * 1024).then(String::new)
     });
-    let ctr = buildah(&["from", "--pull=never", &agent_ref]);
-    buildah(&["config", "--label", "io.cubenet.drill=in-place-update", &ctr]);
     let newer = format!("{repo_a}:{tag}-drill");
-    buildah(&["commit", "--quiet", "--rm", &ctr, &newer]);
+    retag_newer(&agent_ref, &newer, "io.cubenet.drill=in-place-update");
     let before = sink.received.load(Ordering::SeqCst);
     let t2 = Instant::now();
     let agent_c2 = "cubenet-node-network-agent-2";
@@ -363,7 +272,16 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     // The documented limit (decision K14): a restarted agent cannot hand the TAP out again
     // while QEMU holds it (no hand-over of TAP fds between containers).
     let (again, fd_again) = tap_fd(&tap_sock, &i.name, "sb-k8s");
-    assert!(fd_again.is_none() && again["errCode"] != "0", "expected the restart limit, got {again}");
+    if fd_again.is_some() || again["errCode"] == "0" {
+        // Seen in 2 of 7 runs on 2026-12-02 (cause not found): what the node says then.
+        let qemu = Command::new("pgrep").args(["-a", "qemu-system"]).output().map(|o| o.stdout).unwrap_or_default();
+        let link = topo.node.exec("ip", &["-d", "link", "show", &i.name]).stdout;
+        panic!(
+            "expected the restart limit (K14), got {again}\nqemu: {}\nlink: {}\n{new_log}",
+            String::from_utf8_lossy(&qemu),
+            String::from_utf8_lossy(&link)
+        );
+    }
     let during = sink.received.load(Ordering::SeqCst);
     assert!(during < UPLOAD, "the upload ended before the replacement finished ({during} bytes): make it longer");
 

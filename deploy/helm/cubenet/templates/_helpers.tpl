@@ -93,3 +93,23 @@ exec:
 privileged: true
 allowPrivilegeEscalation: true
 {{- end -}}
+
+{{/* Surge upgrades with live hand-over (K15): underlay mode with underlay.surge. */}}
+{{- define "cubenet.surge" -}}
+{{- if and (eq .Values.mode "underlay") .Values.underlay.surge -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the hand-over sockets and the claim file live in the containers (host side:
+     hostPaths.handoverDir). */}}
+{{- define "cubenet.handoverPath" -}}/run/cubenet-handover{{- end -}}
+
+{{/* "true" unless the release's running DaemonSet has pods that cannot hand over (a chart
+     before K15, or underlay.surge false): then this upgrade replaces them without surge (a
+     surged pod would find no hand-over socket and refuse the live agent's sockets, H7, and
+     the rollout would stall). Without a cluster (helm template) lookup is empty: "true". */}}
+{{- define "cubenet.runningPodsHandOver" -}}
+{{- $ds := lookup "apps/v1" "DaemonSet" .Release.Namespace (printf "%s-node" (include "cubenet.fullname" .)) -}}
+{{- if not $ds -}}true
+{{- else if eq (dig "spec" "template" "metadata" "annotations" "cubenet.io/handover" "" $ds) "true" -}}true
+{{- end -}}
+{{- end -}}
