@@ -30,7 +30,8 @@ struct Cli {
     /// Benchmarks to run: per-packet, throughput (crr: its connect-request-close rows alone), scale, agent, agent-sessions, agent-scale, upgrade,
     /// agent-pool (the warm-up and restart rows of `agent` only), agent-rate (the sustained
     /// Ensure row of `agent` only), agent-cpu (agent CPU per Ensure+fd and per Release at
-    /// concurrency 50, beside `CUBENET_BASELINE_AGENT`), soak (`--minutes`)
+    /// concurrency 50, beside `CUBENET_BASELINE_AGENT`, and the gRPC + fd floor of the same
+    /// agent), soak (`--minutes`)
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,192 sandboxes (every pooled TAP holds a slot of the 8,192-entry sandbox maps), then fills 1,000,000 sessions, and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
