@@ -1,6 +1,8 @@
 //! network-agent figures (issue 6 §2–3): EnsureNetwork + TAP fd handoff latency at concurrency
 //! 1, 10 and 50 with a warm pool beside an empty pool (on-demand TAP creation: what the pool
-//! buys), Release latency, time for 500 TAPs to reach Ready, and the agent's RSS.
+//! buys), at 50 also beside the same clients' calls that do no work in the agent (the gRPC + fd
+//! floor, [`floor_latency`]), Release latency, time for 500 TAPs to reach Ready, and the agent's
+//! RSS.
 //!
 //! The agent is the release build, started by `scripts/start-network-agent.sh` in its own
 //! namespace with the harness node namespace as its dataplane (`cubenet_tests::agent`).
@@ -171,6 +173,91 @@ pub(crate) fn create_latency_cpu(a: &AgentUnderTest, conc: usize, rounds: usize,
         out.release_ms.extend(r);
         out.ensure_cpu_s += ec;
         out.release_cpu_s += rc;
+    }
+    out
+}
+
+/// What [`floor_latency`] measured.
+#[derive(Default)]
+pub(crate) struct Floor {
+    /// Refused Ensure + fd round trip per client (ms).
+    pub ms: Vec<f64>,
+    /// Agent CPU (s) over the bursts (0 when not read).
+    pub cpu_s: f64,
+}
+
+impl Floor {
+    /// Appends the calls and CPU of `o`.
+    pub fn add(&mut self, o: Floor) {
+        self.ms.extend(o.ms);
+        self.cpu_s += o.cpu_s;
+    }
+}
+
+/// This machine's floor under the Ensure+fd figure: `rounds` bursts of `conc` clients shaped
+/// exactly like [`create_latency_cpu`]'s (own connection each, connected first, the fd request
+/// on a blocking thread), whose calls do no work in the agent: EnsureNetwork with
+/// `port_mappings[0].protocol = "sctp"`, refused in the gRPC handler with INVALID_ARGUMENT
+/// before the agent's core, then the fd socket asked for a TAP the sandbox does not hold
+/// (errCode "1002" after one lookup, answered on the fd server's task). What is left is gRPC
+/// (client and server), the fd socket and the scheduling of `conc` clients on this machine.
+/// Also reads the agent `pid`'s CPU (0: not read) around each burst.
+pub(crate) fn floor_latency(a: &AgentUnderTest, conc: usize, rounds: usize, pid: u32) -> Floor {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let endpoint = a.grpc_endpoint();
+    let sock = a.tap_socket();
+    let cpu = |pid: u32| if pid == 0 { 0.0 } else { cpu_s(pid) };
+    let mut out = Floor::default();
+    for round in 0..rounds {
+        let (endpoint, sock) = (endpoint.clone(), sock.clone());
+        let (ms, c) = rt.block_on(async move {
+            let mut connects = Vec::new();
+            for i in 0..conc {
+                let endpoint = endpoint.clone();
+                connects.push(tokio::spawn(async move {
+                    (i, network_agent::client::connect(&endpoint).await.expect("connect"))
+                }));
+            }
+            let mut clients = Vec::new();
+            for t in connects {
+                clients.push(t.await.expect("connect task"));
+            }
+            let c0 = cpu(pid);
+            let mut tasks = Vec::new();
+            for (i, mut c) in clients {
+                let sock = sock.clone();
+                tasks.push(tokio::spawn(async move {
+                    let id = format!("floor-{round}-{i}");
+                    let t = Instant::now();
+                    let err = c
+                        .ensure_network(pb::EnsureNetworkRequest {
+                            sandbox_id: id.clone(),
+                            port_mappings: vec![pb::PortMapping {
+                                protocol: "sctp".into(),
+                                container_port: 80,
+                                ..Default::default()
+                            }],
+                            ..Default::default()
+                        })
+                        .await
+                        .expect_err("an sctp mapping is refused");
+                    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+                    let (reply, fd) = tokio::task::spawn_blocking(move || tap_fd(&sock, "z192.168.255.254", &id))
+                        .await
+                        .expect("fd task");
+                    assert!(fd.is_none() && reply["errCode"] == "1002", "fd floor: {reply}");
+                    let e = t.elapsed().as_secs_f64() * 1e3;
+                    (e, c)
+                }));
+            }
+            let mut ms = Vec::new();
+            for t in tasks {
+                ms.push(t.await.expect("floor task").0);
+            }
+            (ms, cpu(pid) - c0)
+        });
+        out.ms.extend(ms);
+        out.cpu_s += c;
     }
     out
 }
@@ -514,6 +601,8 @@ pub fn run() -> Vec<Row> {
         let mut pooled = AgentUnderTest::prepare(&format!("bench-warm{conc}"), conc.max(1) + 8, "");
         pooled.start();
         let (mut e_warm, mut r_warm) = create_latency(&pooled, conc, rounds, true);
+        // The same clients' calls with no work in the agent, on the same agent (issue 15).
+        let mut floor = (conc == 50).then(|| floor_latency(&pooled, conc, rounds, 0).ms);
         drop(pooled);
         let mut r_base = baseline_bin.as_ref().map(|bin| {
             let mut old = AgentUnderTest::prepare(&format!("bench-base{conc}"), conc.max(1) + 8, "");
@@ -538,6 +627,22 @@ pub fn run() -> Vec<Row> {
                 baseline: Some((format!("empty pool {name}"), pct(&mut e_cold, q))),
                 target: (conc == 50 && name == "p99").then(|| "<= 2 ms".to_string()),
             });
+        }
+        if let Some(f) = floor.as_mut() {
+            for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+                let v = pct(f, q);
+                rows.push(Row {
+                    bench: "agent".into(),
+                    case: format!(
+                        "gRPC + fd floor {name}, concurrency {conc} (Ensure refused in the handler, fd errCode 1002)"
+                    ),
+                    value: v,
+                    spread: (pct(f, 0.1), pct(f, 0.9)),
+                    unit: "ms".into(),
+                    baseline: Some((format!("Ensure+fd {name}, warm pool, same agent"), pct(&mut e_warm, q))),
+                    target: None,
+                });
+            }
         }
         for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
             let v = pct(&mut r_warm, q);

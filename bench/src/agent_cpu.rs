@@ -6,6 +6,9 @@
 //! run (the pool refill a taken TAP kicks, the free check a Release kicks), as in production.
 //! A third row divides the agent's CPU over the whole measured run (between the bursts too:
 //! the pool's trim, the free checks, the benchmark's own polling) by the Ensure/Release pairs.
+//! Then the same number of rounds of the floor (`agent::floor_latency`: an Ensure refused in
+//! the gRPC handler and an fd request answered 1002, no work in the agent's core) on the same
+//! agent, whose CPU and latency rows show what gRPC, the fd socket and 50 clients cost alone.
 //! The profile behind docs/profile-ensure.md was taken with `perf record -a` over such a run.
 
 use std::path::{Path, PathBuf};
@@ -13,7 +16,7 @@ use std::path::{Path, PathBuf};
 use cubenet_tests::agent::AgentUnderTest;
 
 use crate::{
-    agent::{Latency, agent_pid, create_latency_cpu, pct},
+    agent::{Floor, Latency, agent_pid, create_latency_cpu, floor_latency, pct},
     report::Row,
 };
 
@@ -25,7 +28,7 @@ const CONC: usize = 50;
 /// one unmeasured warm-up round.
 pub fn run(rounds: usize) -> Vec<Row> {
     let baseline_bin = std::env::var_os("CUBENET_BASELINE_AGENT").map(PathBuf::from);
-    let measure = |bin: Option<&Path>, tag: &str, rounds: usize| -> Latency {
+    let measure = |bin: Option<&Path>, tag: &str, rounds: usize| -> (Latency, Floor) {
         let mut a = AgentUnderTest::prepare(tag, CONC + 8, "");
         a.agent_bin = bin.map(Path::to_path_buf);
         a.start();
@@ -36,17 +39,23 @@ pub fn run(rounds: usize) -> Vec<Row> {
         // Everything the agent did over the measured rounds, between the bursts included (the
         // pool's trim, free checks, the benchmark's polling of the pool's state).
         l.run_cpu_s = crate::agent::cpu_s(pid) - c0;
-        l
+        (l, floor_latency(&a, CONC, rounds, pid))
     };
     // Alternating halves (this build, the baseline, this build, the baseline), so a change of
     // the shared machine's load during the run weighs on both.
     let half = rounds.div_ceil(2);
     let mut ours = Latency::default();
     let mut base: Option<Latency> = None;
+    let mut our_floor = Floor::default();
+    let mut base_floor: Option<Floor> = None;
     for rep in 0..2 {
-        ours.add(measure(None, &format!("bench-cpu-{rep}"), half));
+        let (l, f) = measure(None, &format!("bench-cpu-{rep}"), half);
+        ours.add(l);
+        our_floor.add(f);
         if let Some(b) = baseline_bin.as_deref() {
-            base.get_or_insert_with(Latency::default).add(measure(Some(b), &format!("bench-cpu-base-{rep}"), half));
+            let (l, f) = measure(Some(b), &format!("bench-cpu-base-{rep}"), half);
+            base.get_or_insert_with(Latency::default).add(l);
+            base_floor.get_or_insert_with(Floor::default).add(f);
         }
     }
     let per_call_us = |cpu_s: f64, n: usize| if n == 0 { 0.0 } else { cpu_s * 1e6 / n as f64 };
@@ -98,6 +107,31 @@ pub fn run(rounds: usize) -> Vec<Row> {
             spread: (pct(&mut ours.ensure_ms, 0.1), pct(&mut ours.ensure_ms, 0.9)),
             unit: "ms".into(),
             baseline: base.as_mut().map(|b| (base_label(&format!("Ensure+fd {name}")), pct(&mut b.ensure_ms, q))),
+            target: None,
+        });
+    }
+    let f_us = per_call_us(our_floor.cpu_s, our_floor.ms.len());
+    rows.push(Row {
+        bench: "agent-cpu".into(),
+        case: format!(
+            "agent CPU per floor call (Ensure refused in the handler + fd 1002), concurrency {CONC} ({} calls)",
+            our_floor.ms.len()
+        ),
+        value: f_us,
+        spread: (f_us, f_us),
+        unit: "µs".into(),
+        baseline: Some(("agent CPU per Ensure+fd, same agent".into(), e_us)),
+        target: None,
+    });
+    for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+        let v = pct(&mut our_floor.ms, q);
+        rows.push(Row {
+            bench: "agent-cpu".into(),
+            case: format!("gRPC + fd floor {name}, concurrency {CONC} (no work in the agent's core)"),
+            value: v,
+            spread: (pct(&mut our_floor.ms, 0.1), pct(&mut our_floor.ms, 0.9)),
+            unit: "ms".into(),
+            baseline: base_floor.as_mut().map(|b| (base_label(&format!("floor {name}")), pct(&mut b.ms, q))),
             target: None,
         });
     }

@@ -30,7 +30,8 @@ struct Cli {
     /// Benchmarks to run: per-packet, throughput (crr: its connect-request-close rows alone), scale, agent, agent-sessions, agent-scale, upgrade,
     /// agent-pool (the warm-up and restart rows of `agent` only), agent-rate (the sustained
     /// Ensure row of `agent` only), agent-cpu (agent CPU per Ensure+fd and per Release at
-    /// concurrency 50, beside `CUBENET_BASELINE_AGENT`), soak (`--minutes`)
+    /// concurrency 50, beside `CUBENET_BASELINE_AGENT`, and the gRPC + fd floor of the same
+    /// agent), soak (`--minutes`)
     /// (default: the first five; agent-sessions fills 1,000,000 sessions into the agent's maps,
     /// `CUBENET_BENCH_SESSIONS=n` for fewer; agent-scale registers 8,192 sandboxes (every pooled TAP holds a slot of the 8,192-entry sandbox maps), then fills 1,000,000 sessions, and takes minutes;
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
@@ -197,7 +198,11 @@ TAPs, divided by the calls; it includes what the burst sets off in the agent mea
 20 rounds per agent in two alternating halves (this build, `CUBENET_BASELINE_AGENT`, this build, baseline), each \
 half on a fresh agent after one unmeasured round. The whole-run row divides the agent's CPU from the first to \
 the last measured round (trim, free checks and this benchmark's polling of `/v1/network/taps` between the bursts \
-included) by the pairs. Profile: docs/profile-ensure.md. The latency rows of this family come from the same rounds.\n\
+included) by the pairs. Profile: docs/profile-ensure.md. The latency rows of this family come from the same rounds. \
+The floor rows (F21, also in `agent` at concurrency 50): after the rounds, the same number of rounds of 50 clients \
+shaped the same way whose calls do no work in the agent's core (EnsureNetwork with an `sctp` port mapping, refused \
+with INVALID_ARGUMENT by the gRPC handler, then an fd request for a TAP the sandbox does not hold, errCode 1002), on \
+the same agent: what gRPC, the fd socket and 50 clients cost on this machine alone.\n\
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
