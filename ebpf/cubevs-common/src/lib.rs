@@ -959,7 +959,8 @@ pub mod counter {
     pub const WORLD_FRAG_AMBIGUOUS: u32 = 32;
     /// from_envoy: host → sandbox DNAT.
     pub const ENVOY_TO_SANDBOX: u32 = 30;
-    /// from_envoy: dropped, unknown destination.
+    /// from_envoy: dropped, unknown destination, or a packet the node forwarded from an
+    /// interface rather than sent from a host socket (decision R61).
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
     /// from_cube: a guest query for an allowed name not tracked: its sandbox used its window's
     /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]), holds its floor while the node is
