@@ -1016,6 +1016,8 @@ pub mod counter {
     pub const CUBE_DROP_SESSION_QUOTA: u32 = 59;
     /// from_world: addressed to a registered sandbox's mvm IP (the sandbox CIDR routed to the
     /// node from its LAN): dropped; the world reaches a sandbox only through its host ports.
+    /// Also a frame to a host port from a source no world host may have (the guest link's
+    /// gateway or guest address, an mvm IP, the node's own, a martian; decision R63).
     pub const WORLD_DROP_TO_SANDBOX: u32 = 60;
     /// from_cube: a guest SYN reused a finished session whose class (SNAT / L7) the policy no
     /// longer gives its destination: the session was deleted and the SYN classified anew.
