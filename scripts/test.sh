@@ -61,22 +61,29 @@ fi
 step "build binaries (the agent tests start target/debug/network-agent)"
 cargo build --workspace --exclude cubevs-ebpf --bins --locked
 
-# egress_swap_with_a_pre_e24_build upgrades from, and rolls back to, a real CubeEgress from
-# before the hand-over extras (E24): 7c0ffea's, built from git history into its own target
-# directory once (a few minutes cold). Without the history the test reports itself skipped.
-pre_e24=7c0ffea219008aa9fc575390c661a63fb6018c52
-if [[ -z "${CUBENET_BASELINE_EGRESS:-}" ]] && git cat-file -e "${pre_e24}^{commit}" 2>/dev/null; then
-  step "pre-E24 cube-egress (${pre_e24:0:7}) for the swap rollback test"
-  pre_dir="$PWD/target/pre-e24"
-  if [[ ! -x "$pre_dir/target/debug/cube-egress" ]]; then
-    rm -rf "$pre_dir/src"
-    mkdir -p "$pre_dir/src"
-    git archive "$pre_e24" | tar -x -C "$pre_dir/src"
-    cargo build --locked --manifest-path "$pre_dir/src/Cargo.toml" -p cube-egress \
-      --target-dir "$pre_dir/target"
+# The swap rollback tests run against real older CubeEgress builds, built from git history
+# (a few minutes cold; one target directory shared by both, so the dependencies build once).
+# Without the history the tests report themselves skipped.
+old_egress() { # <commit> <env var> <what>
+  local commit=$1 var=$2 what=$3 dir="$PWD/target/old-egress"
+  [[ -z "${!var:-}" ]] || return 0
+  git cat-file -e "${commit}^{commit}" 2>/dev/null || return 0
+  step "cube-egress ${commit:0:7} for $what"
+  if [[ ! -x "$dir/cube-egress-$commit" ]]; then
+    # Extracted with fresh mtimes (-m): cargo's metadata for workspace crates does not depend on
+    # their path, so only a newer mtime than the other commit's artifacts makes them rebuild.
+    rm -rf "$dir/src-$commit"
+    mkdir -p "$dir/src-$commit"
+    git archive "$commit" | tar -x -m -C "$dir/src-$commit"
+    cargo build --locked --manifest-path "$dir/src-$commit/Cargo.toml" -p cube-egress --target-dir "$dir/target"
+    cp "$dir/target/debug/cube-egress" "$dir/cube-egress-$commit"
   fi
-  export CUBENET_BASELINE_EGRESS="$pre_dir/target/debug/cube-egress"
-fi
+  export "$var=$dir/cube-egress-$commit"
+}
+# egress_swap_with_a_pre_e24_build: 7c0ffea's, from before the hand-over extras (E24).
+old_egress 7c0ffea219008aa9fc575390c661a63fb6018c52 CUBENET_BASELINE_EGRESS "the pre-E24 swap rollback test"
+# egress_swap_with_a_pre_e26_build: 420fe3d's, extras without TLS 1.2 sessions (E26).
+old_egress 420fe3d4549d033ada844f47b6d15ba2f53d430c CUBENET_PRE_E26_EGRESS "the pre-E26 swap rollback test"
 
 step "tests"
 if [[ $(id -u) -ne 0 ]]; then

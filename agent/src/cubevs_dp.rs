@@ -14,8 +14,8 @@ use cubevs::{Datapath, DatapathConfig, LoadOptions, Maps, dns_reaper::DnsReaper,
 
 use crate::{
     dataplane::{
-        Counters, Dataplane, DataplaneError, EgressPolicy, PolicyDump, PortMapping, Proto, SandboxCounters,
-        SandboxEntry, Session, SnatIp, from_cubevs,
+        Counters, Dataplane, DataplaneError, EgressPolicy, NameBackfill, PolicyDump, PortMapping, Proto,
+        SandboxCounters, SandboxEntry, Session, SnatIp, from_cubevs,
     },
     host::NetnsHost,
 };
@@ -255,6 +255,9 @@ impl Dataplane for CubeVsDataplane {
     fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError> {
         let d = self.maps.policy.dump(ifindex).map_err(err)?;
         Ok(d.generation.is_some().then_some(d))
+    }
+    fn backfill_fqdn_names(&self, ifindex: u32, p: &EgressPolicy) -> Result<NameBackfill, DataplaneError> {
+        self.maps.policy.backfill_names(ifindex, p).map_err(err)
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
         Ok(self

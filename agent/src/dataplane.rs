@@ -99,7 +99,7 @@ pub struct SnatIp {
 }
 
 /// Egress policy of one sandbox (`cubevs_context` of the gRPC API): cubevs's own type.
-pub use cubevs::{EgressPolicy, PolicyDump};
+pub use cubevs::{EgressPolicy, PolicyDump, policy::NameBackfill};
 
 /// One conntrack/SNAT session as the datapath reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -193,6 +193,10 @@ pub trait Dataplane: Send + Sync {
     fn remove_policy(&self, ifindex: u32) -> Result<(), DataplaneError>;
     /// The policy currently installed for `ifindex` (`None`: no entry).
     fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError>;
+    /// Names the FQDN patterns of the installed policy of `ifindex` that a loader before R48
+    /// left without a name, from `policy` (the sandbox's record), and seals the generation
+    /// (`cubevs::PolicyTable::backfill_names`, decision R52).
+    fn backfill_fqdn_names(&self, ifindex: u32, policy: &EgressPolicy) -> Result<NameBackfill, DataplaneError>;
     /// Live sessions.
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError>;
     /// Deletes every session of `ifindex` (both directions). Returns how many.
@@ -481,6 +485,10 @@ impl Dataplane for FakeDataplane {
     }
     fn policy(&self, ifindex: u32) -> Result<Option<PolicyDump>, DataplaneError> {
         Ok(self.tables.lock().unwrap().policy(ifindex))
+    }
+    fn backfill_fqdn_names(&self, _ifindex: u32, _policy: &EgressPolicy) -> Result<NameBackfill, DataplaneError> {
+        // The fake keeps compiled policies, not DNS maps: no key without its name.
+        Ok(NameBackfill::default())
     }
     fn sessions(&self) -> Result<Vec<Session>, DataplaneError> {
         self.sessions_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -67,6 +67,10 @@ pub struct Metrics {
     /// `cubenet_config_reloads_total{result}`: SIGHUPs by outcome (`applied`, `invalid`,
     /// `failed`, `no_file`, `handed_over`; decision R51).
     pub config_reloads: IntCounterVec,
+    /// `cubenet_fqdn_name_backfill_total{result}`: FQDN pattern keys an agent before R48 left
+    /// without a name, found when a sandbox is adopted: `named` from its state record, or
+    /// `sealed_out` (no recorded pattern hashes to the key: it matches nothing; R52, R53).
+    pub fqdn_backfill: IntCounterVec,
 }
 
 impl Metrics {
@@ -139,9 +143,18 @@ impl Metrics {
             &["result"],
         )
         .unwrap();
+        let fqdn_backfill = IntCounterVec::new(
+            Opts::new(
+                "cubenet_fqdn_name_backfill_total",
+                "FQDN pattern keys without a name found at adoption, named from the state record or sealed out",
+            ),
+            &["result"],
+        )
+        .unwrap();
         for c in [
             Box::new(warmup_filters.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(config_reloads.clone()),
+            Box::new(fqdn_backfill.clone()),
             Box::new(pool.clone()),
             Box::new(egress_push.clone()),
             Box::new(egress_learned_push.clone()),
@@ -183,6 +196,7 @@ impl Metrics {
             egress_up,
             warmup_filters,
             config_reloads,
+            fqdn_backfill,
         }
     }
 

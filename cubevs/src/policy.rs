@@ -44,7 +44,7 @@ use aya::maps::{
 pub use cidr::Cidr;
 use cubevs_common::{
     AllowValue, POLICY_PREFIX_BITS, PolicyLpmData, allow_flag,
-    dns::{DnsAllowKey, DnsAllowValue},
+    dns::{DnsAllowKey, DnsAllowName, DnsAllowValue},
     map,
 };
 pub use dns::{DnsReap, LearnedEntry};
@@ -90,6 +90,23 @@ pub struct PolicyDump {
     /// Static L7 addresses of the active generation (IPv4 literals L7 rules name, N10).
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
     pub l7: Vec<Cidr>,
+}
+
+/// What [`PolicyTable::backfill_names`] did for one interface.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct NameBackfill {
+    /// Names written under `dns_allow` keys of the active generation that had none (written
+    /// by a loader before R48).
+    pub named: usize,
+    /// Keys of the active generation without a name that no pattern of the given policy
+    /// hashes to: sealed out (they match nothing any more), left in `dns_allow` until the
+    /// next replace purges the generation.
+    pub unnamed: usize,
+    /// The active generation is sealed (now or before): a key of it without a name matches
+    /// nothing. `false` when there is nothing to seal (no FQDN pattern, no policy) or the
+    /// object has no `dns_allow_names`.
+    pub sealed: bool,
 }
 
 /// The entries of one (ifindex, generation), as written.
@@ -223,6 +240,11 @@ impl Tries {
                     absent_ok(names.remove(k)).map_err(Error::map(map::DNS_ALLOW_NAMES, "delete"))?;
                 }
             }
+            // The seal last: while keys of the generation remain, they stay sealed (R52).
+            if let (Some(names), false) = (self.dns.names.as_mut(), w.fqdn.is_empty()) {
+                absent_ok(names.remove(&DnsAllowKey::seal(ifindex, g)))
+                    .map_err(Error::map(map::DNS_ALLOW_NAMES, "delete"))?;
+            }
             self.forget(ifindex, g);
         }
         Ok(())
@@ -254,9 +276,18 @@ impl Tries {
         for d in &c.deny {
             self.deny.insert(&key(ifindex, generation, *d), 1, 0).map_err(Error::map(map::DENY_OUT, "insert"))?;
         }
+        // Sealed from the start: a key of this generation without a name matches nothing
+        // (decision R52). A failed seal (only with `dns_allow_names` full, see
+        // [`PolicyTable::backfill_names`]) leaves the generation unsealed, which changes no
+        // verdict: every key below gets its name before it is written.
+        if let (Some(names), false) = (self.dns.names.as_mut(), fqdn.is_empty())
+            && let Err(e) = names.insert(DnsAllowKey::seal(ifindex, generation), DnsAllowName::EMPTY, 0)
+        {
+            log::warn!("ifindex {ifindex}: sealing FQDN generation {generation}: {e}");
+        }
         for ((k, v), p) in fqdn.iter().zip(&c.fqdn) {
             // The name first: the datapath never sees a pattern without it (decision R48).
-            if let (Some(names), Some(n)) = (self.dns.names.as_mut(), cubevs_common::dns::DnsAllowName::of(&p.name)) {
+            if let (Some(names), Some(n)) = (self.dns.names.as_mut(), DnsAllowName::of(&p.name)) {
                 names.insert(k, n, 0).map_err(Error::map(map::DNS_ALLOW_NAMES, "insert"))?;
             }
             self.dns.allow.insert(k, v, 0).map_err(Error::map(map::DNS_ALLOW, "insert"))?;
@@ -390,6 +421,68 @@ impl PolicyTable {
             log::warn!("ifindex {ifindex}: purge of policy generation {old}: {e}");
         }
         Ok(())
+    }
+
+    /// Gives every FQDN pattern of the active generation of `ifindex` its name and seals the
+    /// generation (decision R52): what a loader before R48 wrote (keys without names, matched
+    /// by their forgeable 64-bit hash alone) is matched by name from then on, without a new
+    /// generation (learned addresses and tracked queries stay). `p` is the interface's policy
+    /// as its owner recorded it (the agent's state record): each unnamed key gets the name of
+    /// the pattern of `p` that hashes to it; a key no pattern of `p` hashes to cannot be named
+    /// and is sealed out (it matches nothing; [`NameBackfill::unnamed`] counts it).
+    ///
+    /// Names go in before the seal, one by one: a legitimate name is allowed throughout. A
+    /// generation already sealed costs one lookup. Without `dns_allow_names` (an object
+    /// older than R48 loaded by this process) nothing is written.
+    ///
+    /// Capacity: `dns_allow_names` is sized like `dns_allow` (two generations of
+    /// `min(entries_per_sandbox, 32)` patterns per interface); a seal is one more entry per
+    /// generation with patterns, and only an interface being replaced holds two generations
+    /// (replaces hold the table's lock), so `n` patterns + 1 seal per interface fit 2 × `n`
+    /// for every `n` ≥ 1. A seal that does not fit is an error here (the generation stays
+    /// unsealed, its named keys matched by name).
+    ///
+    /// Errors: [`Error::InvalidArgument`] when `p` does not compile (as [`Self::replace`], but
+    /// without the per-sandbox entry limit), a map error.
+    pub fn backfill_names(&self, ifindex: u32, p: &EgressPolicy) -> Result<NameBackfill, Error> {
+        // Installed already: only its patterns are read, whatever the per-sandbox limit now.
+        let compiled = compile(p, u32::MAX)?;
+        let mut t = self.inner.lock().expect("policy lock");
+        let Some(generation) = t.active(ifindex)? else { return Ok(NameBackfill::default()) };
+        let keys: Vec<DnsAllowKey> =
+            t.written(ifindex, generation).map(|w| w.fqdn.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+        let Some(names) = t.dns.names.as_mut() else { return Ok(NameBackfill::default()) };
+        if keys.is_empty() {
+            return Ok(NameBackfill::default());
+        }
+        let seal = DnsAllowKey::seal(ifindex, generation);
+        match names.get(&seal, 0) {
+            Ok(_) => return Ok(NameBackfill { sealed: true, ..Default::default() }),
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(Error::map(map::DNS_ALLOW_NAMES, "lookup")(e)),
+        }
+        let mut r = NameBackfill::default();
+        for k in keys {
+            match names.get(&k, 0) {
+                Ok(_) => continue,
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(Error::map(map::DNS_ALLOW_NAMES, "lookup")(e)),
+            }
+            let pattern = compiled.fqdn.iter().find(|q| {
+                let (pk, _) = dns::pattern_entry(ifindex, generation, q, false);
+                pk == k
+            });
+            match pattern.and_then(|q| DnsAllowName::of(&q.name)) {
+                Some(n) => {
+                    names.insert(k, n, 0).map_err(Error::map(map::DNS_ALLOW_NAMES, "insert"))?;
+                    r.named += 1;
+                }
+                None => r.unnamed += 1,
+            }
+        }
+        names.insert(seal, DnsAllowName::EMPTY, 0).map_err(Error::map(map::DNS_ALLOW_NAMES, "insert"))?;
+        r.sealed = true;
+        Ok(r)
     }
 
     /// Installs the baseline deny only (what a pooled, unassigned interface carries).

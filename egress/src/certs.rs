@@ -19,7 +19,7 @@ use rcgen::{
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
 
-use crate::{metrics::Metrics, tickets::TicketKeys};
+use crate::{metrics::Metrics, sessions::SessionStore, tickets::TicketKeys};
 
 /// CA certificate file name inside the CA directory.
 pub const CA_CERT_FILE: &str = "cube-root-ca.crt";
@@ -290,11 +290,14 @@ pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
 }
 
-/// The leaf server config: `chain` and `key`, ALPN `h2`, `http/1.1`, the shared ticket keys.
+/// The leaf server config: `chain` and `key`, ALPN `h2`, `http/1.1`, the shared ticket keys and
+/// the shared TLS 1.2 session store seen under the leaf's cache key `scope` (E26).
 fn leaf_config(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
     tickets: Arc<TicketKeys>,
+    sessions: &Arc<SessionStore>,
+    scope: &str,
 ) -> anyhow::Result<ServerConfig> {
     let mut cfg = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
@@ -302,6 +305,7 @@ fn leaf_config(
         .with_single_cert(chain, key)?;
     cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     cfg.ticketer = tickets;
+    cfg.session_storage = sessions.view(scope);
     Ok(cfg)
 }
 
@@ -344,6 +348,7 @@ pub struct CertCache {
     limiter: RateLimiter,
     metrics: Metrics,
     tickets: Arc<TicketKeys>,
+    sessions: Arc<SessionStore>,
 }
 
 impl CertCache {
@@ -357,12 +362,18 @@ impl CertCache {
             limiter: RateLimiter::new(rate, burst),
             metrics,
             tickets: Arc::new(TicketKeys::new()),
+            sessions: Arc::new(SessionStore::new()),
         }
     }
 
     /// The session-ticket keys every leaf config of this cache uses (E23).
     pub fn tickets(&self) -> &TicketKeys {
         &self.tickets
+    }
+
+    /// The TLS 1.2 session-ID cache every leaf config of this cache uses (E26).
+    pub fn sessions(&self) -> &SessionStore {
+        &self.sessions
     }
 
     /// The server config for `name`, minting it if needed (charged to `sandbox`).
@@ -423,12 +434,13 @@ impl CertCache {
 
     async fn mint_config(&self, name: CertName) -> Result<Arc<Minted>, MintError> {
         let ca = self.ca.clone();
-        let tickets = self.tickets.clone();
+        let (tickets, sessions) = (self.tickets.clone(), self.sessions.clone());
         let m = tokio::task::spawn_blocking(move || -> anyhow::Result<Minted> {
             let (chain, key) = ca.mint(&name)?;
             let PrivateKeyDer::Pkcs8(pk) = &key else { bail!("minted key is not PKCS#8") };
             let (leaf, pk) = (chain[0].clone(), pk.clone_key());
-            Ok(Minted { cfg: Arc::new(leaf_config(chain, key, tickets)?), leaf, key: pk })
+            let cfg = leaf_config(chain, key, tickets, &sessions, &name.cache_key())?;
+            Ok(Minted { cfg: Arc::new(cfg), leaf, key: pk })
         })
         .await
         .map_err(|e| MintError::Failed(e.to_string()))?
@@ -484,7 +496,8 @@ impl CertCache {
             let leaf = CertificateDer::from(cert);
             let pk = PrivatePkcs8KeyDer::from(key);
             let chain = vec![leaf.clone(), self.ca.cert_der().clone()];
-            let cfg = match leaf_config(chain, PrivateKeyDer::Pkcs8(pk.clone_key()), self.tickets.clone()) {
+            let key = PrivateKeyDer::Pkcs8(pk.clone_key());
+            let cfg = match leaf_config(chain, key, self.tickets.clone(), &self.sessions, &key_name) {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(name = %l.name, error = %e, "handed-over leaf refused; minting it instead");

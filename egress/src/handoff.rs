@@ -13,8 +13,8 @@
 //!
 //! Extension (E24), asked for by the successor and optional both ways: instead of [`READY`] the
 //! successor may answer [`MORE`]; the predecessor then sends a big-endian `u32` byte length and
-//! that many bytes of JSON [`HandoffExtras`] (TLS session-ticket keys and the minted leaves with
-//! their keys, at most [`MAX_EXTRAS_BYTES`]) and waits for [`READY`] as before. A predecessor
+//! that many bytes of JSON [`HandoffExtras`] (TLS session-ticket keys, the minted leaves with
+//! their keys and, since E26, the TLS 1.2 session-ID cache; at most [`MAX_EXTRAS_BYTES`]) and waits for [`READY`] as before. A predecessor
 //! built before E24 refuses [`MORE`] (closes, keeps serving, audits `handoff_aborted` once);
 //! the successor then connects again and does plain version 2. A successor built before E24
 //! never asks. Extras that do not install (another CA, a bad key) are logged and skipped: the
@@ -50,6 +50,7 @@ use crate::{
     dest::LearnedAddr,
     net::{Listeners, peer_allowed, peer_uid},
     policy::{Policy, PolicySpec},
+    sessions::{MAX_SESSIONS, SessionMaterial},
     store::BootstrapStatus,
     tickets::TicketKeyMaterial,
 };
@@ -63,7 +64,8 @@ pub const READY: &[u8] = b"ready\n";
 /// The successor's request for [`HandoffExtras`] version 1 (as long as [`READY`], so a
 /// predecessor built before E24 reads it whole and refuses it cleanly).
 pub const MORE: &[u8] = b"more1\n";
-/// Largest accepted extras document, bytes (256 leaves of ~1.3 KiB hex each, two keys).
+/// Largest accepted extras document, bytes (256 leaves of ~1.3 KiB hex each, two keys, at most
+/// 4096 TLS 1.2 sessions of at most ~2.7 KiB hex each: under 12 MiB in the worst case).
 pub const MAX_EXTRAS_BYTES: u32 = 16 << 20;
 /// How long the predecessor waits for [`READY`] (and each side for the other's bytes).
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -134,6 +136,10 @@ pub struct HandoffExtras {
     pub ticket_keys: Vec<TicketKeyMaterial>,
     /// The most recent leaves, newest first (at most [`PREMINT_MAX`]).
     pub leaves: Vec<LeafMaterial>,
+    /// The most recent TLS 1.2 sessions (session-ID resumption), newest first (at most
+    /// [`crate::sessions::MAX_SESSIONS`]; E26, absent from an older predecessor and ignored by
+    /// an older successor).
+    pub tls12_sessions: Vec<SessionMaterial>,
 }
 
 /// What [`HandoffExtras::install`] installed.
@@ -143,6 +149,8 @@ pub struct ExtrasInstalled {
     pub ticket_keys: usize,
     /// Leaves taken.
     pub leaves: usize,
+    /// TLS 1.2 sessions taken (E26).
+    pub tls12_sessions: usize,
 }
 
 impl HandoffExtras {
@@ -153,11 +161,13 @@ impl HandoffExtras {
             ca_sha256: app.certs.ca_sha256(),
             ticket_keys: app.certs.tickets().export(),
             leaves: app.certs.export_leaves(PREMINT_MAX),
+            tls12_sessions: app.certs.sessions().export(MAX_SESSIONS),
         }
     }
 
     /// Installs what fits into `app` and logs what does not (never an error: the swap goes on
-    /// without it). Leaves under another CA are skipped whole (the successor mints them).
+    /// without it). Leaves and TLS 1.2 sessions under another CA are skipped whole (the
+    /// successor mints the leaves; those clients do a full handshake).
     pub fn install(&self, app: &App) -> ExtrasInstalled {
         let mut done = ExtrasInstalled::default();
         match app.certs.tickets().import(&self.ticket_keys) {
@@ -166,8 +176,13 @@ impl HandoffExtras {
         }
         if self.ca_sha256 == app.certs.ca_sha256() {
             done.leaves = app.certs.install_leaves(&self.leaves[..self.leaves.len().min(PREMINT_MAX)]);
-        } else if !self.leaves.is_empty() {
-            tracing::warn!("predecessor's leaves are from another CA; minting instead");
+            let (stored, skipped) = app.certs.sessions().import(&self.tls12_sessions);
+            done.tls12_sessions = stored;
+            if skipped > 0 {
+                tracing::warn!(skipped, "predecessor's TLS 1.2 sessions skipped (malformed, too large or expired)");
+            }
+        } else if !self.leaves.is_empty() || !self.tls12_sessions.is_empty() {
+            tracing::warn!("predecessor's leaves and sessions are from another CA; minting instead");
         }
         done
     }
@@ -527,11 +542,33 @@ mod tests {
             rustls::ClientConfig::builder_with_provider(crate::certs::provider())
                 .with_safe_default_protocol_versions()
                 .unwrap()
-                .with_root_certificates(roots)
+                .with_root_certificates(roots.clone())
                 .with_no_client_auth(),
         );
         assert_eq!(rt.block_on(handshake(a_cfg.clone(), client.clone())), rustls::HandshakeKind::Full);
-        assert_eq!(rt.block_on(handshake(a_cfg, client.clone())), rustls::HandshakeKind::Resumed, "resumes with A");
+        assert_eq!(
+            rt.block_on(handshake(a_cfg.clone(), client.clone())),
+            rustls::HandshakeKind::Resumed,
+            "resumes with A"
+        );
+        // E26: a TLS 1.2 client that resumes by session ID only (no ticket extension).
+        let client12 = {
+            let mut c = rustls::ClientConfig::builder_with_provider(crate::certs::provider())
+                .with_protocol_versions(&[&rustls::version::TLS12])
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            c.resumption = rustls::client::Resumption::in_memory_sessions(16)
+                .tls12_resumption(rustls::client::Tls12Resumption::SessionIdOnly);
+            Arc::new(c)
+        };
+        assert_eq!(rt.block_on(handshake(a_cfg.clone(), client12.clone())), rustls::HandshakeKind::Full);
+        assert_eq!(
+            rt.block_on(handshake(a_cfg, client12.clone())),
+            rustls::HandshakeKind::Resumed,
+            "by session ID with A"
+        );
+        assert_eq!(old.certs.sessions().len(), 1, "one TLS 1.2 session stored, none for TLS 1.3");
 
         let l = listeners();
         let sock = dir.join("x.sock");
@@ -541,6 +578,7 @@ mod tests {
         let extras = HandoffExtras::capture(&old);
         let dbg = format!("{extras:?}");
         assert!(!dbg.contains(&extras.ticket_keys[0].key) && !dbg.contains(&extras.leaves[0].key), "{dbg}");
+        assert!(!dbg.contains(&extras.tls12_sessions[0].value), "{dbg}");
         let pred = std::thread::spawn(move || {
             let (c, _) = hl.accept().unwrap();
             offer(&c, &l, &state, move || extras)
@@ -548,7 +586,7 @@ mod tests {
         let taken = take(&sock, false).unwrap().unwrap();
         let x = taken.extras.clone().expect("extras asked for and sent");
         taken.state.clone().unwrap().install(&new).unwrap();
-        assert_eq!(x.install(&new), ExtrasInstalled { ticket_keys: 1, leaves: 1 });
+        assert_eq!(x.install(&new), ExtrasInstalled { ticket_keys: 1, leaves: 1, tls12_sessions: 1 });
         assert_eq!(rt.block_on(new.certs.premint(&st_names(&taken))), 1);
         assert_eq!(new.metrics.mints.get(), 0, "the leaf came over; nothing minted before READY");
         taken.ready.send().unwrap();
@@ -558,6 +596,11 @@ mod tests {
             rt.block_on(handshake(b_cfg.clone(), client.clone())),
             rustls::HandshakeKind::Resumed,
             "a session from A resumes with B"
+        );
+        assert_eq!(
+            rt.block_on(handshake(b_cfg.clone(), client12.clone())),
+            rustls::HandshakeKind::Resumed,
+            "a TLS 1.2 session ID from A resumes with B"
         );
         // A successor without the keys (e.g. a pre-E24 build) makes the same client do a full
         // handshake: what the extras save.
@@ -571,12 +614,14 @@ mod tests {
             App::new(&cfg).unwrap()
         };
         let c_cfg = rt.block_on(lone.certs.server_config(sb, crate::certs::CertName::Dns("api.example.test".into())));
-        assert_eq!(rt.block_on(handshake(c_cfg.unwrap(), client)), rustls::HandshakeKind::Full);
+        let c_cfg = c_cfg.unwrap();
+        assert_eq!(rt.block_on(handshake(c_cfg.clone(), client)), rustls::HandshakeKind::Full);
+        assert_eq!(rt.block_on(handshake(c_cfg, client12)), rustls::HandshakeKind::Full);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Extras that must not be served are skipped and the swap goes on: leaves from another CA
-    /// (a CA rotated with the upgrade), a leaf whose key is not its certificate's (another
+    /// Extras that must not be served are skipped and the swap goes on: leaves and TLS 1.2
+    /// sessions from another CA (a CA rotated with the upgrade), a session that is not hex, a leaf whose key is not its certificate's (another
     /// leaf's key), a name that is no host name; ticket keys of the wrong size leave the
     /// successor's own keys in place.
     #[test]
@@ -589,10 +634,15 @@ mod tests {
             rt.block_on(old.certs.server_config(sb, crate::certs::CertName::Dns(n.into()))).unwrap();
         }
         // A key is made at the snapshot when none was issued yet: both sides then share it.
-        let good = HandoffExtras::capture(&old);
+        let mut good = HandoffExtras::capture(&old);
         assert_eq!((good.ticket_keys.len(), good.leaves.len()), (1, 2));
+        good.tls12_sessions.push(SessionMaterial {
+            key: crate::certs::hex(b"a.example.test\0id"),
+            value: crate::certs::hex(b"session"),
+            age_secs: 0,
+        });
         // Another CA: nothing installed, nothing fails.
-        assert_eq!(good.install(&other_ca), ExtrasInstalled { ticket_keys: 1, leaves: 0 });
+        assert_eq!(good.install(&other_ca), ExtrasInstalled { ticket_keys: 1, leaves: 0, tls12_sessions: 0 });
         // Same CA, but keys swapped between the two leaves, a bogus name and broken ticket keys.
         let same_ca = {
             let cfg = crate::config::Config {
@@ -607,12 +657,41 @@ mod tests {
         bad.leaves[0].key = good.leaves[1].key.clone();
         bad.leaves[1].name = "not a name/../x".into();
         bad.ticket_keys[0].key.truncate(10);
+        bad.tls12_sessions[0].value = "not hex".into();
         let before = same_ca.certs.tickets().export();
-        assert_eq!(bad.install(&same_ca), ExtrasInstalled { ticket_keys: 0, leaves: 0 });
+        assert_eq!(bad.install(&same_ca), ExtrasInstalled { ticket_keys: 0, leaves: 0, tls12_sessions: 0 });
+        assert!(same_ca.certs.sessions().is_empty(), "a malformed session is not stored");
         assert!(same_ca.certs.is_empty(), "no leaf served with a key that is not its own");
         assert_eq!(same_ca.certs.tickets().export().len(), before.len());
-        assert_eq!(good.install(&same_ca), ExtrasInstalled { ticket_keys: 1, leaves: 2 });
+        assert_eq!(good.install(&same_ca), ExtrasInstalled { ticket_keys: 1, leaves: 2, tls12_sessions: 1 });
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// E26 both ways: an E24/E25 successor (extras without `tls12_sessions`) reads a new
+    /// predecessor's document, the new field ignored; a new successor reads an E24/E25
+    /// predecessor's document as having no sessions.
+    #[test]
+    fn tls12_sessions_are_optional_both_ways() {
+        #[derive(Default, Deserialize)]
+        #[serde(default)]
+        #[allow(dead_code)]
+        struct E25Extras {
+            version: u32,
+            ca_sha256: String,
+            ticket_keys: Vec<TicketKeyMaterial>,
+            leaves: Vec<LeafMaterial>,
+        }
+        let new = HandoffExtras {
+            version: 1,
+            tls12_sessions: vec![SessionMaterial { key: "00".into(), value: "01".into(), age_secs: 3 }],
+            ..Default::default()
+        };
+        let doc = serde_json::to_vec(&new).unwrap();
+        let old: E25Extras = serde_json::from_slice(&doc).expect("an E25 successor reads the new document");
+        assert_eq!(old.version, 1);
+        let from_old: HandoffExtras =
+            serde_json::from_str(r#"{"version":1,"ca_sha256":"ab","ticket_keys":[],"leaves":[]}"#).unwrap();
+        assert!(from_old.tls12_sessions.is_empty());
     }
 
     /// The pre-E24 predecessor's side of version 2, as it was: listeners, state, then exactly

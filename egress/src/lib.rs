@@ -27,6 +27,7 @@ pub mod net;
 /// The rule model lives in the shared `egress-policy` crate (the agent validates with it too).
 pub use egress_policy as policy;
 pub mod proxy;
+pub mod sessions;
 pub mod store;
 pub mod tickets;
 
@@ -170,11 +171,17 @@ impl App {
         self.always_denied.send_replace(Arc::new(list));
     }
 
-    /// Resolves once a replaced always-denied list covers `ip` (never while none does). A
-    /// connection to `ip` that awaits this closes when its destination becomes listed.
-    pub async fn until_denied(&self, ip: Ipv4Addr) {
-        let mut rx = self.always_denied.subscribe();
-        rx.mark_unchanged();
+    /// A receiver of always-denied list replacements, subscribed now: give it to
+    /// [`App::until_denied`] before the first check of a destination, so that no replacement
+    /// between that check and the wait goes unseen.
+    pub fn denied_changes(&self) -> watch::Receiver<Arc<Vec<(Ipv4Addr, u32)>>> {
+        self.always_denied.subscribe()
+    }
+
+    /// Resolves once a list replaced after `rx` was subscribed ([`App::denied_changes`]) covers
+    /// `ip` (never while none does). A connection to `ip` that awaits this closes when its
+    /// destination becomes listed.
+    pub async fn until_denied(&self, mut rx: watch::Receiver<Arc<Vec<(Ipv4Addr, u32)>>>, ip: Ipv4Addr) {
         loop {
             if rx.changed().await.is_err() {
                 return std::future::pending().await;
@@ -351,6 +358,7 @@ async fn listeners(
                 learned,
                 ticket_keys = got.ticket_keys,
                 leaves_taken = got.leaves,
+                tls12_sessions = got.tls12_sessions,
                 minted = minted.saturating_sub(got.leaves),
                 predecessor_status = status.as_str(),
                 "state taken over"
@@ -545,7 +553,7 @@ pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::O
 /// `<phase>=<ms> ...` (milliseconds each took, in order) and `total_ms` from [`PROCESS_START`]:
 /// `main` (runtime and config), `app` (CA load, audit open, trust store), and for a successor
 /// `take` (connect, receive listeners, state and extras), `install` (policies, learned
-/// table), `extras` (ticket keys, leaves), `premint` (names not handed over), `ready`.
+/// table), `extras` (ticket keys, leaves, TLS 1.2 sessions), `premint` (names not handed over), `ready`.
 pub struct Phases {
     start: std::time::Instant,
     last: std::time::Instant,

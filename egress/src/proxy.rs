@@ -172,11 +172,33 @@ fn addrs(s: &TcpStream) -> Option<(Ipv4Addr, SocketAddrV4)> {
 
 /// Serves one accepted connection of the `scheme` listener until it closes (or drains: see
 /// [`crate::DRAIN_IDLE_GRACE`]). `drain` is held for the whole connection, TLS handshake
-/// included, so the process waits for it before exiting.
+/// included, so the process waits for it before exiting. A reload that lists the original
+/// destination (R51) closes the connection at once, in its TLS handshake as while it serves
+/// (requests and upstream sockets in flight dropped with it, E27).
 pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, drain: watch::Receiver<bool>) {
     let Some((sandbox, dst)) = addrs(&stream) else { return };
     let _ = stream.set_nodelay(true);
     let conn_id = app.next_id();
+    // Subscribed before any check of `dst` runs: a reload after it is never missed.
+    let (denied, changes) = (app.clone(), app.denied_changes());
+    tokio::select! {
+        () = serve_conn_inner(app, stream, scheme, sandbox, dst, conn_id, drain) => {}
+        () = denied.until_denied(changes, *dst.ip()) => {
+            denied.metrics.connections_closed_always_denied.inc();
+            tracing::info!(conn_id, dst = %dst.ip(), "connection closed: destination now always denied");
+        }
+    }
+}
+
+async fn serve_conn_inner(
+    app: Arc<App>,
+    stream: TcpStream,
+    scheme: Scheme,
+    sandbox: Ipv4Addr,
+    dst: SocketAddrV4,
+    conn_id: u64,
+    drain: watch::Receiver<bool>,
+) {
     match scheme {
         Scheme::Http => {
             let client = new_client(&app, IpAddr::V4(*dst.ip()));
@@ -202,7 +224,6 @@ where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let conn_id = ctx.conn_id;
-    let (denied, dst_ip) = (app.clone(), *ctx.dst.ip());
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let (app, ctx) = (app.clone(), ctx.clone());
         async move {
@@ -231,13 +252,6 @@ where
         () = crate::drain_started(&mut drain, crate::drain_offset(conn_id)) => {
             conn.as_mut().graceful_shutdown();
             conn.as_mut().await
-        }
-        // A reload listed the original destination (R51): closed at once, requests and
-        // upstream sockets in flight included (dropping `conn` drops them).
-        () = denied.until_denied(dst_ip) => {
-            denied.metrics.connections_closed_always_denied.inc();
-            tracing::info!(conn_id, dst = %dst_ip, "connection closed: destination now always denied");
-            return;
         }
     };
     if let Err(e) = res {

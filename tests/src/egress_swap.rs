@@ -274,6 +274,12 @@ impl SwapRig {
     /// (`-sess_out`) and, when `resume`, first offered from it (`-sess_in`). Returns stdout
     /// and stderr together (`New, TLSv1.3` or `Reused, TLSv1.3`, then the response).
     pub fn openssl_get(&self, path: &str, sess: &Path, resume: bool) -> String {
+        self.openssl_get_with(path, sess, resume, &[])
+    }
+
+    /// [`Self::openssl_get`] with more `s_client` options (`-tls1_2 -no_ticket`: resumption by
+    /// session ID only).
+    pub fn openssl_get_with(&self, path: &str, sess: &Path, resume: bool, extra: &[&str]) -> String {
         let (ca, sess) = (self.dir.join("ca/cube-root-ca.crt"), sess.to_string_lossy().into_owned());
         let ca = ca.to_string_lossy().into_owned();
         let req = format!("GET {path} HTTP/1.1\r\nHost: {NAME}\r\nConnection: close\r\n\r\n");
@@ -293,6 +299,7 @@ impl SwapRig {
         if resume {
             args.extend(["-sess_in", &sess]);
         }
+        args.extend(extra);
         let mut child = self
             .sb
             .command("openssl")

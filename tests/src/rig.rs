@@ -1,6 +1,8 @@
-//! A datapath under `BPF_PROG_TEST_RUN`: the CubeVS object loaded (unpinned) with one
-//! registered sandbox (its `sandbox_stats` entry zeroed, as the agent does), inside a fresh node/world topology so `from_cube`'s FIB lookup resolves
-//! the uplink next hop to known MACs (permanent neighbour, forwarding on in the node netns).
+//! A datapath under `BPF_PROG_TEST_RUN`: the CubeVS object loaded (unpinned, or pinned in a
+//! test's own bpffs: [`Rig::pinned`]) with one registered sandbox (its `sandbox_stats` entry
+//! zeroed, as the agent does), inside a fresh node/world topology so `from_cube`'s FIB lookup
+//! resolves the uplink next hop to known MACs (permanent neighbour, forwarding on in the node
+//! netns).
 
 use std::{
     net::Ipv4Addr,
@@ -36,6 +38,8 @@ pub struct Rig {
     pub up_mac: [u8; 6],
     /// ifindex of the node uplink (recorded in `node_config`; `world` frames arrive on it).
     pub uplink_ifindex: u32,
+    /// Where [`Rig::pinned`] pinned the datapath.
+    pin_dir: Option<std::path::PathBuf>,
     _topo: Topology,
 }
 
@@ -55,6 +59,30 @@ impl Rig {
 
     /// Builds the rig with `limits` (e.g. larger session maps for scale benchmarks).
     pub fn with_limits(limits: MapLimits) -> Self {
+        Self::build(limits, None)
+    }
+
+    /// Builds the rig with its maps and programs pinned under `pin_dir` (a directory in a
+    /// test's own bpffs, [`crate::bpffs::BpfFs`]), as the agent loads the datapath: slots,
+    /// metadata and every map pinned; [`Rig::reload`] then loads it again as a new process
+    /// would, adopting the pins.
+    pub fn pinned(pin_dir: std::path::PathBuf) -> Self {
+        Self::build(MapLimits::default(), Some(pin_dir))
+    }
+
+    /// Loads the datapath again from the pins of [`Rig::pinned`], as a restarted or upgraded
+    /// agent does: the maps (sandbox, policy, learned addresses) are the pinned ones, the
+    /// library rebuilds its view of them by scanning, and the old handles are dropped.
+    pub fn reload(&mut self) {
+        let pin_dir = self.pin_dir.clone().expect("reload needs a pinned rig");
+        let dp =
+            Datapath::load(LoadOptions { object: crate::ebpf_object(), pin_dir: Some(pin_dir), ..LoadOptions::new() })
+                .expect("reload datapath");
+        self.maps = dp.maps();
+        *self.dp.lock().expect("datapath lock") = dp;
+    }
+
+    fn build(limits: MapLimits, pin_dir: Option<std::path::PathBuf>) -> Self {
         let topo = Topology::new();
         let world_mac = topo.world_mac();
         let up_mac = topo.node_uplink_mac();
@@ -72,8 +100,13 @@ impl Rig {
         // bpf_fib_lookup answers only when forwarding is on for the egress device.
         let out = topo.node.exec("sysctl", &["-qw", "net.ipv4.conf.up0.forwarding=1"]);
         assert!(out.status.success(), "sysctl in node netns: {}", String::from_utf8_lossy(&out.stderr));
-        let dp = Datapath::load(LoadOptions { object: crate::ebpf_object(), limits, ..LoadOptions::new() })
-            .expect("load datapath");
+        let dp = Datapath::load(LoadOptions {
+            object: crate::ebpf_object(),
+            limits,
+            pin_dir: pin_dir.clone(),
+            ..LoadOptions::new()
+        })
+        .expect("load datapath");
         let maps = dp.maps();
         let up = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).expect("uplink ifindex"));
         maps.node.set_uplink(up, Ipv4Addr::from(NODE_IP)).expect("node config");
@@ -91,7 +124,7 @@ impl Rig {
             .expect("register");
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, _topo: topo }
+        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, pin_dir, _topo: topo }
     }
 
     /// The datapath's global counter `c` (`cubevs_common::counter`).

@@ -146,3 +146,21 @@ pub fn udp_ask(u: &std::net::UdpSocket, to: std::net::SocketAddr, msg: &[u8]) ->
         }
     }
 }
+
+/// Every datagram `u` receives, in order, up to and including the first that equals `marker`
+/// (a control sent last on the same path: once it is in, anything sent before it that was going
+/// to arrive has). Stops at the socket's read timeout; panics naming `what` when the marker never
+/// arrived, so a lost control is never taken for "nothing leaked".
+pub fn udp_recv_until(u: &std::net::UdpSocket, marker: &str, what: &str) -> Vec<String> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 512];
+    while let Ok(n) = u.recv(&mut buf) {
+        let s = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let done = s == marker;
+        got.push(s);
+        if done {
+            return got;
+        }
+    }
+    panic!("{what}: {marker:?} never arrived; received {got:?}");
+}

@@ -349,3 +349,67 @@ fn reconcile_that_tightens_policy_stops_denied_flows() {
         &["persist_metadata", "cubenet.io/flush-sessions-on-tighten"],
     );
 }
+
+/// The FQDN pattern names of interface `ifindex` in the pinned `dns_allow_names`:
+/// (name_hash, subdomains, name length), the seal being `(0, 0xff, 0)`; sorted.
+fn fqdn_names(a: &AgentUnderTest, ifindex: u32) -> Vec<(u64, u8, u8)> {
+    use cubevs_common::dns::{DnsAllowKey, DnsAllowName};
+    let data = aya::maps::MapData::from_pin(a.pin_dir().join("maps").join(cubevs_common::map::DNS_ALLOW_NAMES))
+        .expect("open dns_allow_names");
+    let m: aya::maps::HashMap<_, DnsAllowKey, DnsAllowName> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("hash map");
+    let mut v: Vec<_> = m
+        .iter()
+        .map(|e| e.expect("entry"))
+        .filter(|(k, _)| k.ifindex == ifindex)
+        .map(|(k, n)| (k.name_hash, k.subdomains, n.len))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Decision R52: a sandbox whose FQDN patterns an agent before R48 wrote (keys without names,
+/// matched by their forgeable hash alone) gets their names from its state record when the new
+/// agent adopts it, and its generation sealed; nothing else of its policy is rewritten. The
+/// packets' side is `attack_dns_hash_upgrade_testrun`.
+#[test]
+fn adoption_names_fqdn_patterns_an_older_agent_wrote_without_names() {
+    if !require_root("adoption_names_fqdn_patterns_an_older_agent_wrote_without_names") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("pol-fqdn-names", 1, "");
+    a.start();
+    let c = pb::CubeVsContext {
+        allow_internet_access: Some(false),
+        allow_out: vec![format!("{}/32", std::net::Ipv4Addr::from(WORLD_IP))],
+        allow_fqdn: vec![pb::FqdnAllow { name: "*.github.com".into(), ports: vec![] }],
+        ..Default::default()
+    };
+    let tap = ensure(&a, "sb-fqdn", Some(c)).expect("ensure").interfaces[0].name.clone();
+    let name = tap.clone();
+    let ifindex = a.topo.node.run(move || cubenet_sys::ifindex(&name).expect("tap ifindex"));
+    let named = vec![(0, 0xff, 0), (cubevs_common::dns::name_hash("github.com"), 1, 11)];
+    assert_eq!(fqdn_names(&a, ifindex), named, "this agent names and seals what it writes");
+    let generation = policy_of(&a, &tap)["generation"].clone();
+    assert!(generation.is_u64(), "{generation}");
+
+    // Upgrade from an agent before R48: its names were never written.
+    a.kill(nix::sys::signal::Signal::SIGTERM);
+    let data = aya::maps::MapData::from_pin(a.pin_dir().join("maps").join(cubevs_common::map::DNS_ALLOW_NAMES))
+        .expect("open dns_allow_names");
+    let mut m: aya::maps::HashMap<_, cubevs_common::dns::DnsAllowKey, cubevs_common::dns::DnsAllowName> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("hash map");
+    let keys: Vec<_> = m.keys().map(|k| k.expect("key")).collect();
+    for k in keys {
+        m.remove(&k).expect("delete name");
+    }
+    drop(m);
+    assert!(fqdn_names(&a, ifindex).is_empty());
+    a.start();
+    assert_eq!(fqdn_names(&a, ifindex), named, "the adopted sandbox's pattern is named and sealed");
+    assert_eq!(policy_of(&a, &tap)["generation"], generation, "the policy was rewritten instead of named in place");
+    assert!(a.log().contains("FQDN pattern names backfilled and sealed"), "{}", a.log());
+    let (_, metrics) = a.http("/metrics").expect("metrics");
+    assert!(metrics.contains("cubenet_fqdn_name_backfill_total{result=\"named\"} 1\n"), "{metrics}");
+    assert!(metrics.contains("cubenet_fqdn_name_backfill_total{result=\"sealed_out\"} 0\n"), "{metrics}");
+}

@@ -16,7 +16,7 @@ use cubenet_tests::{
     bpffs::BpfFs,
     ebpf_object,
     guest::VethGuest,
-    require_root,
+    require_root, servers,
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology},
 };
 use cubevs::{Datapath, EgressPolicy, LoadOptions, PortMapping, Proto, SandboxEntry, SnatAddr};
@@ -104,21 +104,7 @@ impl Node {
             u.send_to(b"control", SocketAddr::from((NODE_IP, B_HOST_PORT))).unwrap();
         });
         let victim = self.victim.take().expect("read once");
-        let got: Vec<String> = self.topo.guest_ns(&self.b).run(move || {
-            let mut got = Vec::new();
-            let mut buf = [0u8; 256];
-            while let Ok(n) = victim.recv(&mut buf) {
-                let s = String::from_utf8_lossy(&buf[..n]).into_owned();
-                let done = s == "control";
-                got.push(s);
-                if done {
-                    break;
-                }
-            }
-            got
-        });
-        assert_eq!(got.last().map(String::as_str), Some("control"), "the world's control never reached B: {got:?}");
-        got
+        self.topo.guest_ns(&self.b).run(move || servers::udp_recv_until(&victim, "control", "the world's control to B"))
     }
 }
 

@@ -21,7 +21,7 @@ use cubenet_tests::{
     ebpf_object,
     frames::udp,
     guest::VethGuest,
-    require_root,
+    require_root, servers,
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
 };
 use cubevs::{Datapath, EgressPolicy, LoadOptions, PortMapping, Proto, SandboxEntry, SnatAddr, XdpMode};
@@ -104,21 +104,7 @@ fn tagged(frame: &[u8], tags: &[(u16, u16)]) -> Vec<u8> {
 
 /// Everything `sock` receives up to and including `control` (panics if it never arrives).
 fn received_until_control(n: &Node, sock: UdpSocket) -> Vec<String> {
-    let got: Vec<String> = n.topo.guest_ns(&n.b).run(move || {
-        let mut got = Vec::new();
-        let mut buf = [0u8; 256];
-        while let Ok(len) = sock.recv(&mut buf) {
-            let s = String::from_utf8_lossy(&buf[..len]).into_owned();
-            let done = s == "control";
-            got.push(s);
-            if done {
-                break;
-            }
-        }
-        got
-    });
-    assert_eq!(got.last().map(String::as_str), Some("control"), "the untagged control never arrived: {got:?}");
-    got
+    n.topo.guest_ns(&n.b).run(move || servers::udp_recv_until(&sock, "control", "the untagged control"))
 }
 
 fn tagged_frames_from_another_vlan_never_reach_a_sandbox(xdp: bool) {

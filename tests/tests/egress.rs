@@ -19,7 +19,9 @@
 //! `egress_gateway_colluding_sandboxes_starve_no_other_sandbox` does it from six sandboxes at
 //! once (R22); `egress_gateway_audit_flood_starves_no_other_sandbox` fills the audit queue from
 //! one sandbox while the audit file is a FIFO nobody reads (R23);
-//! `egress_gateway_http2_streams_starve_no_other_sandbox` multiplexes 400 HTTP/2 streams (R24).
+//! `egress_gateway_http2_streams_starve_no_other_sandbox` multiplexes 400 HTTP/2 streams (R24);
+//! `egress_gateway_sighup_cuts_handshakes_and_dials_in_progress` lists a destination while
+//! connections to it are in their TLS handshake or waiting for an upstream dial (E27).
 
 use std::{
     convert::Infallible,
@@ -2189,6 +2191,187 @@ fn egress_gateway_sighup_reloads_the_always_denied_list() {
     assert_eq!(metric_sum(&metrics, "cube_egress_connections_closed_always_denied_total"), 1.0, "{metrics}");
     assert!(metrics.contains("cube_egress_config_reloads_total{result=\"applied\"} 2"), "{metrics}");
     assert!(metrics.contains("cube_egress_config_reloads_total{result=\"invalid\"} 1"), "{metrics}");
+    drop(gw);
+    drop(rt);
+}
+
+/// An upstream that accepts TCP at once and holds each TLS handshake until released: a
+/// gateway dial toward it stays in progress as long as the test wants.
+struct HeldUpstream {
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    finished: Arc<std::sync::atomic::AtomicUsize>,
+    release: tokio::sync::watch::Sender<bool>,
+    seen: SeenLog,
+}
+
+impl HeldUpstream {
+    fn start(
+        rt: &tokio::runtime::Runtime,
+        ns: &TestNetns,
+        addr: SocketAddr,
+        tls: rustls::ServerConfig,
+    ) -> HeldUpstream {
+        let l = ns.run(move || std::net::TcpListener::bind(addr)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let (release, rx) = tokio::sync::watch::channel(false);
+        let held = HeldUpstream { accepted: Arc::default(), finished: Arc::default(), release, seen: Arc::default() };
+        let (accepted, finished, seen) = (held.accepted.clone(), held.finished.clone(), held.seen.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+        rt.spawn(async move {
+            let l = tokio::net::TcpListener::from_std(l).unwrap();
+            loop {
+                let Ok((stream, _)) = l.accept().await else { continue };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                let (mut rx, acceptor, seen, finished) = (rx.clone(), acceptor.clone(), seen.clone(), finished.clone());
+                tokio::spawn(async move {
+                    let _ = rx.wait_for(|r| *r).await;
+                    if let Ok(t) = acceptor.accept(stream).await {
+                        let svc = hyper::service::service_fn(move |r| world_handler(seen.clone(), r));
+                        let b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                        let _ = b.serve_connection(TokioIo::new(t), svc).await;
+                    }
+                    finished.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        held
+    }
+}
+
+/// R51 attacked where a reload meets work in progress (E27). The sandbox's policy allows
+/// 100.100.100.200 (unlisted); three connections to it are in progress when a SIGHUP lists it:
+/// one in its TLS handshake with the gateway (ClientHello answered, client Finished not yet
+/// sent), and two whose request the gateway has checked and is dialling upstream for (the
+/// upstream accepted TCP and holds its TLS handshake), one over HTTP/1.1 and one over HTTP/2
+/// (whose requests run in tasks of their own). After the reload the upstream completes its
+/// handshakes and the first connection sends its Finished and a request. No request reaches
+/// the newly listed address; all three connections are closed by the reload (counted).
+#[test]
+fn egress_gateway_sighup_cuts_handshakes_and_dials_in_progress() {
+    if !require_root("egress_gateway_sighup_cuts_handshakes_and_dials_in_progress") {
+        return;
+    }
+    use std::io::{Read, Write};
+    const METADATA: &str = "100.100.100.200";
+    const NAME: &str = "meta.example.test";
+    let (rt, tmp) = scratch("always-denied-mid");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    topo.add_world_address([100, 100, 100, 200], 32);
+    let gw_ca = gateway_ca(dir);
+    let world_ca = tls::make_ca("world test CA");
+    std::fs::write(dir.join("world-ca.pem"), &world_ca.pem).unwrap();
+    let held = HeldUpstream::start(
+        &rt,
+        world,
+        format!("{METADATA}:443").parse().unwrap(),
+        tls::server_config(&world_ca, NAME),
+    );
+    let audit = dir.join("log/access.jsonl");
+    let cfg = dir.join("egress.toml");
+    std::fs::write(&cfg, "always_denied_cidrs = []\n").unwrap();
+    let log_path = dir.join("gateway.log");
+    let mut cmd = node.command(egress_bin().to_str().unwrap());
+    cmd.stderr(std::fs::File::create(&log_path).unwrap());
+    let world_ca_path = dir.join("world-ca.pem");
+    let gw = start_gateway(
+        node,
+        cmd,
+        dir,
+        audit.to_str().unwrap(),
+        &["--config", cfg.to_str().unwrap(), "--upstream-extra-ca", world_ca_path.to_str().unwrap()],
+    );
+    let gw_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let pol = json!({"policy_id": "allow-all", "rules": [{"id": "all", "match": {}, "action": {"allow": true}}]});
+    put_policy(node, SANDBOX_IP, &pol);
+
+    // Two requests the gateway checked (allowed) and is dialling upstream for.
+    let ca_file = dir.join("ca/cube-root-ca.crt");
+    let resolve = format!("{NAME}:443:{METADATA}");
+    let spawn_curl = |version: &str, path: &str| {
+        sb.command("curl")
+            .args(["-sS", "--max-time", "40", "-o", "/dev/null", "-w", "%{http_code}", version, "--cacert"])
+            .args([ca_file.to_str().unwrap(), "--resolve", &resolve, &format!("https://{NAME}{path}")])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn curl")
+    };
+    let h1 = ChildGuard::from_child(spawn_curl("--http1.1", "/mid-dial/h1"));
+    let h2 = ChildGuard::from_child(spawn_curl("--http2", "/mid-dial/h2"));
+    wait_for("both upstream dials in progress", Duration::from_secs(20), || held.accepted.load(Ordering::SeqCst) >= 2);
+
+    // A connection in its TLS handshake with the gateway: the server's flight is processed,
+    // the client's Finished is not sent yet.
+    let to: SocketAddr = format!("{METADATA}:443").parse().unwrap();
+    let mut tcp = sb.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5))).expect("connect");
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let server_name = rustls::pki_types::ServerName::try_from(NAME).unwrap();
+    let mut client = rustls::ClientConnection::new(tls::client_config(&gw_ca.pem), server_name).unwrap();
+    while client.wants_write() {
+        client.write_tls(&mut tcp).expect("send ClientHello");
+    }
+    while client.is_handshaking() {
+        assert!(client.read_tls(&mut tcp).expect("read the gateway's flight") > 0, "gateway closed the handshake");
+        client.process_new_packets().expect("gateway flight");
+    }
+    assert!(client.wants_write(), "the client's Finished is pending");
+
+    // The reload lists the address.
+    std::fs::write(&cfg, format!("always_denied_cidrs = [\"{METADATA}/32\"]\n")).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(gw._child.id() as i32), nix::sys::signal::SIGHUP).unwrap();
+    wait_for("reload", Duration::from_secs(20), || gw_log().contains("SIGHUP: always-denied list reloaded"));
+
+    // The handshake connection finishes and asks: it must get nothing (closed by the reload).
+    client.writer().write_all(format!("GET /mid-handshake HTTP/1.1\r\nHost: {NAME}\r\n\r\n").as_bytes()).unwrap();
+    while client.wants_write() {
+        if client.write_tls(&mut tcp).is_err() {
+            break;
+        }
+    }
+    let mut answer = Vec::new();
+    loop {
+        match client.read_tls(&mut tcp) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                if client.process_new_packets().is_err() {
+                    break;
+                }
+                let _ = client.reader().read_to_end(&mut answer);
+            }
+        }
+    }
+    assert!(
+        answer.is_empty(),
+        "the connection in its handshake stayed open through the reload: {}",
+        String::from_utf8_lossy(&answer)
+    );
+
+    // The upstream now completes the gateway's handshakes: no request may follow them.
+    held.release.send_replace(true);
+    let codes: Vec<String> = [h1, h2]
+        .into_iter()
+        .map(|mut c| {
+            let mut out = String::new();
+            c.child().stdout.take().unwrap().read_to_string(&mut out).unwrap();
+            let _ = c.child().wait();
+            out
+        })
+        .collect();
+    wait_for("the upstream's connections end", Duration::from_secs(30), || {
+        held.finished.load(Ordering::SeqCst) >= held.accepted.load(Ordering::SeqCst)
+    });
+    let paths: Vec<String> = held.seen.lock().unwrap().iter().map(|r| r.path.clone()).collect();
+    assert!(paths.is_empty(), "requests reached the newly listed address: {paths:?} (curl: {codes:?})");
+    assert!(codes.iter().all(|c| c != "200"), "answered after the reload: {codes:?}");
+    let (_, metrics) = admin_curl(node, &["http://127.0.0.1:9091/metrics"]);
+    assert_eq!(
+        metric_sum(&metrics, "cube_egress_connections_closed_always_denied_total"),
+        3.0,
+        "every connection to the newly listed address is closed by the reload: {metrics}"
+    );
     drop(gw);
     drop(rt);
 }

@@ -11,9 +11,11 @@
 //!
 //! Resumption across the swap (E23): an `openssl s_client` session saved against slot A
 //! resumes against slot B (`Reused`, same answer); the load's clients (rustls defaults, shared
-//! session store) do no full handshake after B was spawned. The dying successor of step 2
-//! asks for the extras (ticket keys, leaf keys) the way a real one does; none of those key
-//! bytes appears in either gateway's log or in the audit file.
+//! session store) do no full handshake after B was spawned. A TLS 1.2 session resumed by
+//! session ID only (`openssl s_client -tls1_2 -no_ticket`) made with A resumes with B too
+//! (E26). The dying successor of step 2 asks for the extras (ticket keys, leaf keys, TLS 1.2
+//! sessions) the way a real one does; none of those key bytes appears in either gateway's log
+//! or in the audit file.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -39,6 +41,12 @@ fn egress_gateway_swap_under_load() {
     let sess = rig.dir.join("ossl.sess");
     let first = rig.openssl_get("/ossl/1", &sess, false);
     assert!(first.contains("New, TLSv1.3") && first.contains("ok /ossl/1"), "{first}");
+    // E26: a client that resumes by TLS 1.2 session ID only (no ticket extension).
+    let (sess12, tls12) = (rig.dir.join("ossl12.sess"), ["-tls1_2", "-no_ticket"]);
+    let first12 = rig.openssl_get_with("/ossl/12a", &sess12, false, &tls12);
+    assert!(first12.contains("New, TLSv1.2") && first12.contains("ok /ossl/12a"), "{first12}");
+    let with_a = rig.openssl_get_with("/ossl/12b", &sess12, true, &tls12);
+    assert!(with_a.contains("Reused, TLSv1.2") && with_a.contains("ok /ossl/12b"), "{with_a}");
     // Warm the leaf cache so the first handshakes do not race the per-sandbox mint budget.
     let warm = rig.start_load(1, 0, Duration::from_millis(300)).join().unwrap();
     assert!(warm.ok > 0 && warm.failed_requests + warm.failed_connects == 0, "warm-up: {warm:?}");
@@ -79,7 +87,12 @@ fn egress_gateway_swap_under_load() {
     for l in extras["leaves"].as_array().expect("leaves handed over") {
         secrets.push(l["key"].as_str().unwrap().to_string());
     }
-    assert!(secrets.len() >= 2, "a ticket key and the leaf of {NAME}: {}", secrets.len());
+    let sessions = extras["tls12_sessions"].as_array().expect("TLS 1.2 sessions handed over");
+    assert!(!sessions.is_empty(), "the TLS 1.2 session made with A is handed over");
+    for x in sessions {
+        secrets.push(x["value"].as_str().unwrap().to_string());
+    }
+    assert!(secrets.len() >= 3, "a ticket key, the leaf of {NAME}, a TLS 1.2 session: {}", secrets.len());
     let learned = serde_json::json!({"names": {NAME: ["198.51.100.1"]}, "ttl_secs": 600}).to_string();
     let put_learned = || rig.admin(&["-X", "PUT", "--data", &learned, &format!("{ADMIN}/learned/{SANDBOX_IP}")]);
     wait_for("admin unfrozen after the aborted hand-over", Duration::from_secs(12), || put_learned().0 == 200);
@@ -122,6 +135,10 @@ fn egress_gateway_swap_under_load() {
     // The session made with A resumes with B and gets the same answer.
     let again = rig.openssl_get("/ossl/2", &sess, true);
     assert!(again.contains("Reused, TLSv1.3") && again.contains("ok /ossl/2"), "{again}");
+    // The TLS 1.2 session ID made with A resumes with B (E26), same answer.
+    assert!(!blog.contains("\"tls12_sessions\":0") && blog.contains("\"tls12_sessions\":"), "{blog}");
+    let again12 = rig.openssl_get_with("/ossl/12c", &sess12, true, &tls12);
+    assert!(again12.contains("Reused, TLSv1.2") && again12.contains("ok /ossl/12c"), "{again12}");
     let (code, metrics) = rig.admin(&["http://127.0.0.1:9091/metrics"]);
     assert_eq!(code, 200);
     let resumed = metrics.lines().find(|l| l.starts_with("cube_egress_tls_handshakes_total{kind=\"resumed\"}"));
@@ -225,4 +242,55 @@ fn egress_swap_with_a_pre_e24_build() {
     assert!(wait_exit(&mut c, Duration::from_secs(25)).is_some_and(|s| s.success()));
     let aborted = rig.audit_lines().iter().filter(|l| l["security"]["reason"] == "handoff_aborted").count();
     assert_eq!(aborted, 1, "the pre-E24 predecessor refused the extras request once");
+}
+
+/// E26 with real binaries: a build with the extras but without TLS 1.2 sessions
+/// (`CUBENET_PRE_E26_EGRESS`; `scripts/test.sh` builds 420fe3d's `cube-egress`; reported
+/// skipped without it) hands over to this build, which hands back to it (a rollback). Each swap
+/// completes, the policy survives both, and a client resuming by TLS 1.2 session ID only is
+/// answered after each: with a full handshake after the upgrade (the older predecessor sends
+/// no sessions); after the rollback only the answer is asserted (the older successor ignores
+/// the sessions it is sent and has its own per-leaf caches).
+#[test]
+fn egress_swap_with_a_pre_e26_build() {
+    if !require_root("egress_swap_with_a_pre_e26_build") {
+        return;
+    }
+    let Some(old) = std::env::var_os("CUBENET_PRE_E26_EGRESS").map(std::path::PathBuf::from) else {
+        cubenet_tests::skip(
+            "egress_swap_with_a_pre_e26_build",
+            "CUBENET_PRE_E26_EGRESS names no pre-E26 cube-egress (scripts/test.sh builds one from git history)",
+        );
+        return;
+    };
+    let rig = SwapRig::new();
+    let sock = rig.handoff_socket();
+    let take = ["--takeover-socket", sock.to_str().unwrap()];
+    let (sess12, tls12) = (rig.dir.join("ossl12.sess"), ["-tls1_2", "-no_ticket"]);
+    let mut a = rig.spawn_gateway_logged(&old, "old1", &[]);
+    rig.configure();
+    let out = rig.openssl_get_with("/ossl/p1", &sess12, false, &tls12);
+    assert!(out.contains("New, TLSv1.2") && out.contains("ok /ossl/p1"), "{out}");
+
+    // Upgrade: pre-E26 A → this build; A's extras carry no sessions.
+    let mut b = rig.spawn_gateway_logged(&egress_bin(), "new1", &take);
+    let status = wait_exit(&mut a, Duration::from_secs(25)).expect("pre-E26 predecessor exits after the swap");
+    assert!(status.success(), "pre-E26 predecessor exit: {status}");
+    let blog = std::fs::read_to_string(rig.dir.join("new1.log")).unwrap();
+    assert!(blog.contains("\"tls12_sessions\":0") && blog.contains("\"ticket_keys\":"), "{blog}");
+    let out = rig.openssl_get_with("/ossl/p2", &sess12, true, &tls12);
+    assert!(out.contains("New, TLSv1.2") && out.contains("ok /ossl/p2"), "no sessions came over: {out}");
+
+    // Rollback: this build → pre-E26 C, which ignores the sessions it is sent.
+    let mut c = rig.spawn_gateway_logged(&old, "old2", &take);
+    let status = wait_exit(&mut b, Duration::from_secs(25)).expect("this build exits after handing back");
+    assert!(status.success(), "exit: {status}");
+    let (code, health) = rig.admin(&[&format!("{ADMIN}/health")]);
+    assert!(code == 200 && health.contains("\"policy_count\":1"), "{health}");
+    let out = rig.openssl_get_with("/ossl/p3", &sess12, true, &tls12);
+    assert!(out.contains("ok /ossl/p3"), "{out}");
+    sigterm(&c);
+    assert!(wait_exit(&mut c, Duration::from_secs(25)).is_some_and(|s| s.success()));
+    let aborted = rig.audit_lines().iter().filter(|l| l["security"]["reason"] == "handoff_aborted").count();
+    assert_eq!(aborted, 0, "no hand-over was refused");
 }

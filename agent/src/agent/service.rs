@@ -367,6 +367,31 @@ impl Agent {
         if !self.dp.policy(ifindex)?.is_some_and(|d| d.allow == want.allow && d.deny == want.deny) {
             self.dp.replace_policy(ifindex, &rec.policy)?;
         }
+        // FQDN patterns a loader before R48 wrote are matched by their forgeable hash alone
+        // until they have their names: named from the record, the generation sealed (R52).
+        if !rec.policy.allow_fqdn.is_empty() {
+            let b = self.dp.backfill_fqdn_names(ifindex, &rec.policy);
+            if let Ok(b) = &b {
+                self.metrics.fqdn_backfill.with_label_values(&["named"]).inc_by(b.named as u64);
+                self.metrics.fqdn_backfill.with_label_values(&["sealed_out"]).inc_by(b.unnamed as u64);
+            }
+            match b {
+                Ok(b) if b.unnamed > 0 => tracing::warn!(
+                    sandbox_id = %rec.sandbox_id,
+                    named = b.named,
+                    unnamed = b.unnamed,
+                    "FQDN keys no pattern of the record names: sealed out, they match nothing until the next policy write"
+                ),
+                Ok(b) if b.named > 0 => {
+                    tracing::info!(sandbox_id = %rec.sandbox_id, named = b.named, "FQDN pattern names backfilled and sealed")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(
+                    sandbox_id = %rec.sandbox_id,
+                    "FQDN name backfill: {e}; its patterns written before R48 keep the hash-only match"
+                ),
+            }
+        }
         Ok(())
     }
 

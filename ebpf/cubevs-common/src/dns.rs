@@ -97,6 +97,23 @@ pub struct DnsAllowKey {
 }
 const _: () = assert!(core::mem::size_of::<DnsAllowKey>() == 24);
 
+/// [`DnsAllowKey::subdomains`] of a generation's seal in `dns_allow_names` (never a pattern's:
+/// those are 0 or 1).
+pub const SEAL_SUBDOMAINS: u8 = 0xff;
+const _: () = assert!(SEAL_SUBDOMAINS > 1);
+
+impl DnsAllowKey {
+    /// The seal of (`ifindex`, `generation`): a `dns_allow_names` entry under this key (any
+    /// value; userspace writes a zero-length name) says every pattern of that generation has
+    /// its name there, so a `dns_allow` key of that generation without one matches nothing
+    /// (decision R52). `name_hash` 0, `subdomains` [`SEAL_SUBDOMAINS`]: no pattern's key.
+    /// A generation without a seal (written by a loader before R52, or not yet backfilled)
+    /// keeps the hash-only match for its unnamed keys (R48).
+    pub const fn seal(ifindex: u32, generation: u32) -> Self {
+        Self { ifindex, generation, name_hash: 0, subdomains: SEAL_SUBDOMAINS, _pad: [0; 7] }
+    }
+}
+
 /// `dns_allow` value (20 bytes): the ports a learned address is allowed on.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -118,7 +135,9 @@ const _: () = assert!(core::mem::size_of::<DnsAllowValue>() == 20);
 /// (for `*.example.com`: `example.com`) in lower-case wire format without the terminating
 /// zero (`07 example 03 com`). A 64-bit FNV hash is not collision-resistant: the datapath
 /// tracks a query only when the suffix whose hash matched is this name byte for byte
-/// (decision R48). Entries written before R48 have none: the hash alone decides for them.
+/// (decision R48). Entries written before R48 have none: the hash alone decides for them,
+/// unless their generation is sealed ([`DnsAllowKey::seal`], decision R52): then they match
+/// nothing.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DnsAllowName {
@@ -130,6 +149,10 @@ pub struct DnsAllowName {
 const _: () = assert!(core::mem::size_of::<DnsAllowName>() == 256);
 
 impl DnsAllowName {
+    /// The zero-length name, written as the value of a generation's seal
+    /// ([`DnsAllowKey::seal`]).
+    pub const EMPTY: Self = Self { len: 0, wire: [0; 255] };
+
     /// The entry of dotted `name` (no trailing dot, labels 1-63 bytes, as callers validate);
     /// `None` when its wire format is longer than [`MAX_NAME_WIRE`].
     pub fn of(name: &str) -> Option<Self> {
@@ -624,6 +647,14 @@ pub fn learned_lifetime_ns(ttl: u32) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_seal_is_no_pattern_key() {
+        use super::{DnsAllowKey, SEAL_SUBDOMAINS};
+        let seal = DnsAllowKey::seal(7, 3);
+        assert_eq!((seal.ifindex, seal.generation, seal.name_hash, seal.subdomains), (7, 3, 0, SEAL_SUBDOMAINS));
+        assert_eq!(super::DnsAllowName::EMPTY.len, 0);
+    }
+
     #[test]
     fn always_denied_ranges() {
         let nbo = |a: [u8; 4]| u32::from_ne_bytes(a);

@@ -232,14 +232,23 @@ pub fn on_query(ctx: &TcContext, ip: &Ipv4, ifindex: u32, version: u32, guest_po
         return;
     };
     // A 64-bit FNV hash is no proof of the name: a crafted name can hash like an allowed one.
-    // The suffix must be the pattern's name byte for byte (decision R48); an entry written
-    // before R48 has no name and keeps the hash-only match.
+    // The suffix must be the pattern's name byte for byte (decision R48). An entry without a
+    // name matches nothing in a sealed generation (every name written or backfilled, R52),
+    // and by its hash alone in an unsealed one (written by a loader before R52).
     let nkey = DnsAllowKey { ifindex, generation, name_hash: matched.0, subdomains: matched.1, _pad: [0; 7] };
-    if let Some(name) = DNS_ALLOW_NAMES.get_ptr(&nkey) {
-        // SAFETY: valid map value pointer, read for the comparison only.
-        if !dns::suffix_is::<BpfLoop>(s, q.wire, matched.2, unsafe { &*name }) {
-            count(counter::DNS_QUERY_NOT_ALLOWED);
-            return;
+    match DNS_ALLOW_NAMES.get_ptr(&nkey) {
+        Some(name) => {
+            // SAFETY: valid map value pointer, read for the comparison only.
+            if !dns::suffix_is::<BpfLoop>(s, q.wire, matched.2, unsafe { &*name }) {
+                count(counter::DNS_QUERY_NOT_ALLOWED);
+                return;
+            }
+        }
+        None => {
+            if DNS_ALLOW_NAMES.get_ptr(&DnsAllowKey::seal(ifindex, generation)).is_some() {
+                count(counter::DNS_QUERY_NOT_ALLOWED);
+                return;
+            }
         }
     }
     let key = DnsQueryKey { ifindex, server_ip: ip.dst, guest_port, id: q.id, version };
