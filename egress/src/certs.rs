@@ -249,6 +249,9 @@ struct Minted {
 struct Slot {
     cell: Arc<tokio::sync::OnceCell<Arc<Minted>>>,
     created: Instant,
+    /// The sandbox whose handshake made the slot (`None`: handed over or pre-minted); a full
+    /// cache evicts the inserting sandbox's own oldest slot first (R62).
+    owner: Option<Ipv4Addr>,
 }
 
 /// One cached leaf as handed to a successor (E25): cache key, leaf certificate and its PKCS#8
@@ -374,34 +377,52 @@ impl CertCache {
     }
 
     /// The server config for `name`, minting it if needed (charged to `sandbox`).
+    ///
+    /// A name not cached costs `sandbox` one token of its mint budget before anything in the
+    /// cache changes, so a sandbox over its budget evicts nothing (R62: before, each refused
+    /// handshake still inserted an empty slot and evicted an arbitrary leaf, so one sandbox
+    /// cycling SNIs under a wildcard rule emptied the cache and every other sandbox had to
+    /// mint again, within its own small budget, for each connection). A full cache drops an
+    /// expired slot, else the inserting sandbox's own oldest, else the oldest of all.
     pub async fn server_config(&self, sandbox: Ipv4Addr, name: CertName) -> Result<Arc<ServerConfig>, MintError> {
         let key = name.cache_key();
-        let cell = {
+        let (cell, charged) = {
             let mut slots = self.slots.lock().expect("cache lock");
             let fresh = slots.get(&key).is_some_and(|s| s.created.elapsed() < LEAF_CACHE_TTL);
-            if !fresh {
+            if fresh {
+                (slots.get(&key).expect("fresh slot").cell.clone(), false)
+            } else {
+                if !self.limiter.take(sandbox) {
+                    self.metrics.mint_rate_limited.inc();
+                    return Err(MintError::RateLimited);
+                }
                 if slots.len() >= self.capacity {
-                    // Evict expired entries first, else an arbitrary one.
                     slots.retain(|_, s| s.created.elapsed() < LEAF_CACHE_TTL);
-                    if slots.len() >= self.capacity
-                        && let Some(k) = slots.keys().next().cloned()
-                    {
+                }
+                if slots.len() >= self.capacity {
+                    let oldest = |own: bool| {
+                        slots
+                            .iter()
+                            .filter(|(_, s)| !own || s.owner == Some(sandbox))
+                            .min_by_key(|(_, s)| s.created)
+                            .map(|(k, _)| k.clone())
+                    };
+                    if let Some(k) = oldest(true).or_else(|| oldest(false)) {
                         slots.remove(&k);
                     }
                 }
-                slots.insert(
-                    key.clone(),
-                    Slot { cell: Arc::new(tokio::sync::OnceCell::new()), created: Instant::now() },
-                );
+                let cell = Arc::new(tokio::sync::OnceCell::new());
+                slots.insert(key, Slot { cell: cell.clone(), created: Instant::now(), owner: Some(sandbox) });
+                (cell, true)
             }
-            slots.get(&key).expect("slot just ensured").cell.clone()
         };
         if let Some(m) = cell.get() {
             self.metrics.cert_cache_hits.inc();
             return Ok(m.cfg.clone());
         }
         cell.get_or_try_init(|| async {
-            if !self.limiter.take(sandbox) {
+            // A slot made by another handshake whose mint failed: this one is charged to retry.
+            if !charged && !self.limiter.take(sandbox) {
                 self.metrics.mint_rate_limited.inc();
                 return Err(MintError::RateLimited);
             }
@@ -491,7 +512,10 @@ impl CertCache {
             if slots.contains_key(&key_name) {
                 continue;
             }
-            slots.insert(key_name, Slot { cell: Arc::new(tokio::sync::OnceCell::new_with(Some(m))), created });
+            slots.insert(
+                key_name,
+                Slot { cell: Arc::new(tokio::sync::OnceCell::new_with(Some(m))), created, owner: None },
+            );
             n += 1;
         }
         n
@@ -522,9 +546,11 @@ impl CertCache {
                 if slots.len() >= self.capacity {
                     break;
                 }
-                let slot = slots
-                    .entry(name.cache_key())
-                    .or_insert_with(|| Slot { cell: Arc::new(tokio::sync::OnceCell::new()), created: Instant::now() });
+                let slot = slots.entry(name.cache_key()).or_insert_with(|| Slot {
+                    cell: Arc::new(tokio::sync::OnceCell::new()),
+                    created: Instant::now(),
+                    owner: None,
+                });
                 slot.cell.clone()
             };
             match cell.get_or_try_init(|| self.mint_config(name.clone())).await {
@@ -650,6 +676,46 @@ mod tests {
         cache.server_config(sb, CertName::Dns("a.test".into())).await.unwrap();
         cache.server_config(Ipv4Addr::new(192, 168, 0, 3), CertName::Dns("c.test".into())).await.unwrap();
         assert_eq!(metrics.mints.get(), 3);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Attack (R62): sandbox A, allowed a wildcard SNI, opens handshakes for 200 new names
+    /// against a full cache while over its mint budget. B's leaf stays cached: B's next
+    /// handshake is a cache hit, no mint, and B's own budget is untouched. Before R62 every
+    /// refused handshake of A inserted an empty slot and evicted an arbitrary leaf, B's among
+    /// them, so B minted again for each connection until its budget ran out.
+    #[tokio::test]
+    async fn a_sandbox_cycling_snis_never_evicts_another_sandboxs_leaf() {
+        let d = tmp("ca-evict");
+        write_ca(&d, 365);
+        let ca = Arc::new(Ca::load(&d).unwrap());
+        let metrics = Metrics::new();
+        let cache = CertCache::new(ca, 4, 0.001, 2, metrics.clone());
+        let (a, b) = (Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(192, 168, 0, 3));
+        cache.server_config(b, CertName::Dns("api.b.test".into())).await.unwrap();
+        let mut refused = 0;
+        for i in 0..200 {
+            if cache.server_config(a, CertName::Dns(format!("n{i}.a.test"))).await.is_err() {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 198, "A minted its burst of 2, every other name refused");
+        // A refused handshake leaves nothing behind (no empty slot that took a leaf's place).
+        assert_eq!(cache.len(), 3, "refused handshakes changed the cache");
+        let (mints, hits) = (metrics.mints.get(), metrics.cert_cache_hits.get());
+        cache.server_config(b, CertName::Dns("api.b.test".into())).await.unwrap();
+        assert_eq!(metrics.mints.get(), mints, "B's leaf was evicted by A's refused handshakes");
+        assert_eq!(metrics.cert_cache_hits.get(), hits + 1);
+
+        // Within its budget too, a full cache makes A evict its own leaves before B's.
+        let cache = CertCache::new(Arc::new(Ca::load(&d).unwrap()), 4, 0.001, 50, Metrics::new());
+        cache.server_config(b, CertName::Dns("api.b.test".into())).await.unwrap();
+        for i in 0..40 {
+            cache.server_config(a, CertName::Dns(format!("n{i}.a.test"))).await.unwrap();
+        }
+        assert_eq!(cache.len(), 4);
+        let keys = cache.recent_names(4);
+        assert!(keys.contains(&"api.b.test".to_string()), "B's leaf evicted: {keys:?}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

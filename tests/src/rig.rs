@@ -262,6 +262,29 @@ impl Rig {
             .expect("node thread")
     }
 
+    /// A second handle of the rig datapath's kernel map `name` (`cubevs_common::map::*`),
+    /// found among the maps `program` uses, for tests that set map state no frame can set
+    /// quickly (e.g. a map nearly full of other sandboxes' entries). Panics when `program`
+    /// uses no map of that name.
+    pub fn kernel_map(&self, program: &'static str, name: &str) -> aya::maps::MapData {
+        let dp = self.dp.clone();
+        let ids = self
+            .thread
+            .run(move || {
+                let mut dp = dp.lock().expect("datapath lock");
+                let info = dp.program(program).expect("program").info().expect("program info");
+                info.map_ids().expect("map ids").unwrap_or_default()
+            })
+            .expect("node thread");
+        let id = ids
+            .into_iter()
+            .find(|id| {
+                aya::maps::MapInfo::from_id(*id).ok().and_then(|i| i.name_as_str().map(|n| n == name)) == Some(true)
+            })
+            .unwrap_or_else(|| panic!("{program} uses no map named {name}"));
+        aya::maps::MapData::from_id(id).expect("open map by id")
+    }
+
     /// `from_cube` on the rig sandbox's interface.
     pub fn cube(&self, frame: Vec<u8>) -> TestRunOutput {
         self.run(prog::FROM_CUBE, frame, SB_IFINDEX)

@@ -258,8 +258,9 @@ pub mod limits {
     /// interval, so one sandbox holds at most about 1,024 × (1 + (2 s + interval) / 2 s)
     /// entries (4,608 at the 5 s default), far below [`FRAG_SESSIONS`].
     pub const FRAG_PER_SANDBOX: u32 = 1024;
-    /// Keys of `insert_budget`: two kinds per sandbox, twice (released interfaces linger until
-    /// the LRU drops them).
+    /// Keys of `insert_budget`: three kinds per sandbox (the learned kind per sandbox
+    /// version), with room for released interfaces and versions, which linger until the LRU
+    /// drops them. An LRU drop of a live key only restarts that sandbox's window.
     pub const INSERT_BUDGET: u32 = 4 * SANDBOXES;
     /// FQDN allow patterns summed over all sandboxes and two generations each (`dns_allow`;
     /// userspace sizes it at load).
@@ -275,6 +276,14 @@ pub mod limits {
     /// Learned (address, port) entries over all sandboxes (`dns_learned`); when full, new
     /// answers are not learned (counted), never evicting another sandbox's entries.
     pub const DNS_LEARNED: u32 = 1 << 18;
+    /// New learned (address, port) entries one sandbox version may make per
+    /// [`super::budget::DNS_LEARNED_WINDOW_NS`] (one day; decision R60): 8,192. A renewal of
+    /// its own entry is free. An entry lives at most [`super::dns::TTL_CAP_S`] (the window)
+    /// plus one reaper interval, so one sandbox holds at most about 2 × 8,192 = 16,384
+    /// entries, 1/16 of [`DNS_LEARNED`]: alone it can no longer fill the map that every
+    /// sandbox's learning needs (before R60 one sandbox with an 8-port pattern filled it in
+    /// about 40 s: 512 queries per 10 s × 16 answers × 8 ports).
+    pub const DNS_LEARNED_PER_SANDBOX: u32 = 8192;
     /// Entries of `node_deny` (the node's extra always-denied CIDRs, decision R30): 64.
     pub const NODE_DENY: u32 = 64;
 }
@@ -594,6 +603,20 @@ pub mod budget {
     pub const DNS_WINDOW_NS: u64 = super::dns::QUERY_TIMEOUT_NS;
     /// Window of [`KIND_FRAG`]: the fragment lifetime, 2 s.
     pub const FRAG_WINDOW_NS: u64 = super::FRAG_TIMEOUT_NS;
+    /// Low byte of [`learned_kind`]: new `dns_learned` entries (decision R60).
+    pub const KIND_DNS_LEARNED: u32 = 3;
+    /// Window of the learned kind: the longest a learned entry lives
+    /// ([`super::dns::TTL_CAP_S`], one day), so a window's entries are gone (reaped) about one
+    /// window later.
+    pub const DNS_LEARNED_WINDOW_NS: u64 = super::dns::TTL_CAP_S as u64 * 1_000_000_000;
+
+    /// [`super::BudgetKey::kind`] of the new learned entries of sandbox `version`:
+    /// [`KIND_DNS_LEARNED`] in bits 0..8, the version's low 24 bits above. Per version, so a
+    /// sandbox on a reused interface never inherits its predecessor's used day.
+    #[inline(always)]
+    pub const fn learned_kind(version: u32) -> u32 {
+        KIND_DNS_LEARNED | (version << 8)
+    }
 }
 
 /// Key of `insert_budget` (8 bytes).
@@ -602,7 +625,7 @@ pub mod budget {
 pub struct BudgetKey {
     /// Sandbox interface ifindex (host order).
     pub ifindex: u32,
-    /// [`budget::KIND_DNS_QUERY`] or [`budget::KIND_FRAG`].
+    /// [`budget::KIND_DNS_QUERY`], [`budget::KIND_FRAG`] or [`budget::learned_kind`].
     pub kind: u32,
 }
 const _: () = assert!(core::mem::size_of::<BudgetKey>() == 8);
@@ -936,7 +959,8 @@ pub mod counter {
     pub const WORLD_FRAG_AMBIGUOUS: u32 = 32;
     /// from_envoy: host → sandbox DNAT.
     pub const ENVOY_TO_SANDBOX: u32 = 30;
-    /// from_envoy: dropped, unknown destination.
+    /// from_envoy: dropped, unknown destination, or a packet the node forwarded from an
+    /// interface rather than sent from a host socket (decision R61).
     pub const ENVOY_DROP_UNKNOWN: u32 = 31;
     /// from_cube: a guest query for an allowed name not tracked: its sandbox used its window's
     /// budget ([`super::limits::DNS_QUERIES_PER_SANDBOX`]), holds its floor while the node is
@@ -968,7 +992,8 @@ pub mod counter {
     pub const DNS_RESP_UNPARSED: u32 = 48;
     /// from_world: response with an error RCODE: nothing learned.
     pub const DNS_RESP_RCODE: u32 = 49;
-    /// from_world: `dns_learned` full: a record was not learned.
+    /// from_world: `dns_learned` full, or the sandbox's new-entry budget for the day used up
+    /// (`limits::DNS_LEARNED_PER_SANDBOX`, decision R60): a record was not learned.
     pub const DNS_LEARN_FULL: u32 = 50;
     /// from_world: answers not walked (beyond 16 or beyond the 1,024-byte window).
     pub const DNS_NOT_WALKED: u32 = 51;
@@ -991,6 +1016,8 @@ pub mod counter {
     pub const CUBE_DROP_SESSION_QUOTA: u32 = 59;
     /// from_world: addressed to a registered sandbox's mvm IP (the sandbox CIDR routed to the
     /// node from its LAN): dropped; the world reaches a sandbox only through its host ports.
+    /// Also a frame to a host port from a source no world host may have (the guest link's
+    /// gateway or guest address, an mvm IP, the node's own, a martian; decision R63).
     pub const WORLD_DROP_TO_SANDBOX: u32 = 60;
     /// from_cube: a guest SYN reused a finished session whose class (SNAT / L7) the policy no
     /// longer gives its destination: the session was deleted and the SYN classified anew.

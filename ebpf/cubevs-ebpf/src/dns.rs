@@ -12,7 +12,9 @@
 //!   exist, be unexpired and have the same question; then every IN A answer becomes
 //!   `dns_learned` entries {ifindex, ip, port} (port 0 = any) expiring after
 //!   clamp(TTL, floor, cap), except addresses in the always-denied ranges (counted
-//!   `dns_not_public`, decision R15). The track entry is consumed.
+//!   `dns_not_public`, decision R15). The track entry is consumed. A new learned entry
+//!   takes one of the sandbox version's `DNS_LEARNED_PER_SANDBOX` per day (decision R60;
+//!   over it, counted `dns_learn_full`); renewing its own entry is free.
 //!
 //! Neither hook ever changes the packet's verdict: DNS itself is decided by the CIDR policy
 //! before the query hook runs and the response follows its session. No tail calls: the
@@ -391,17 +393,34 @@ fn forget(key: &DnsQueryKey, v: &DnsQueryValue) -> bool {
     removed
 }
 
+/// Learns (`ifindex`, `ip`, `port`) → `v`: renews the sandbox version's own entry (never
+/// shortening it), or makes a new one within the version's daily budget (decision R60: the
+/// map is shared and never evicts, so one sandbox must not fill it for every other).
 #[inline(always)]
 fn learn(ifindex: u32, ip: u32, port: u16, v: &LearnedValue) {
     let key = LearnedKey { ifindex, ip, port, _pad: 0 };
-    // A renewal never shortens an entry: keep the later expiry.
-    // SAFETY: plain map lookup; the value is copied out.
-    if let Some(old) = unsafe { DNS_LEARNED.get(&key) }
-        && old.version == v.version
-        && old.expires_ns > v.expires_ns
-    {
-        count(counter::DNS_RESP_LEARNED);
-        return;
+    // SAFETY: plain map lookup; two fields copied out.
+    let old = unsafe { DNS_LEARNED.get(&key) }.map(|o| (o.version, o.expires_ns));
+    match old {
+        // A renewal never shortens an entry: keep the later expiry.
+        Some((version, expires_ns)) if version == v.version => {
+            if expires_ns > v.expires_ns {
+                count(counter::DNS_RESP_LEARNED);
+                return;
+            }
+        }
+        // A new entry (or one left by the interface's previous sandbox) costs the budget.
+        _ => {
+            if !budget::take(
+                ifindex,
+                cubevs_common::budget::learned_kind(v.version),
+                limits::DNS_LEARNED_PER_SANDBOX,
+                cubevs_common::budget::DNS_LEARNED_WINDOW_NS,
+            ) {
+                count(counter::DNS_LEARN_FULL);
+                return;
+            }
+        }
     }
     if DNS_LEARNED.insert(&key, v, BPF_ANY as u64).is_ok() {
         count(counter::DNS_RESP_LEARNED);

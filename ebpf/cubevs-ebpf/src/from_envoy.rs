@@ -2,7 +2,11 @@
 //!
 //! The destination mvm IP is DNATed to 169.254.68.6 and, when the host sent from cube-dev's
 //! own address, the source becomes the guest gateway 169.254.68.5 (so the guest answers its
-//! gateway, which `from_cube` maps back). Unknown destinations are dropped. Delivered packets
+//! gateway, which `from_cube` maps back). Unknown destinations are dropped, and so is every
+//! packet the host forwarded from an interface (decision R61): only the host's own sockets
+//! (the agent, CubeEgress, the kernel's own ICMP and RSTs) reach a sandbox through cube-dev, so
+//! a pod, a container or a second NIC's neighbour routed through the node never reaches a
+//! sandbox by its mvm IP. Delivered packets
 //! are charged to the sandbox as `in` (`sandbox_stats`). Replies of L7
 //! sessions (CubeEgress answering with the original destination as source) advance the
 //! session's conntrack state first.
@@ -55,6 +59,15 @@ fn l7_reply(ctx: &TcContext, ip: &Ipv4, ifindex: u32) {
 #[classifier]
 pub fn from_envoy(ctx: TcContext) -> i32 {
     packet::ensure_linear(&ctx, ether::HDR_LEN + 60 + 20);
+    // `skb_iif` is 0 for what a host socket sent and the receiving interface for what the node
+    // forwards: a pod on the node, a container bridge, a second NIC or a tunnel routed to the
+    // sandbox CIDR (the agent routes it through cube-dev) reached every sandbox's ports,
+    // whatever its policy and without a host port (R61; R10 closed the uplink only).
+    // SAFETY: `skb` is the context pointer the kernel passed in.
+    if unsafe { (*ctx.skb.skb).ingress_ifindex } != 0 {
+        count(counter::ENVOY_DROP_UNKNOWN);
+        return TC_ACT_SHOT;
+    }
     if packet::ethertype(&ctx) != Some(ether::P_IP) {
         return TC_ACT_SHOT;
     }

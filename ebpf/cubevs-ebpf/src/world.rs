@@ -15,7 +15,7 @@ use cubevs_common::{
 
 use crate::{
     maps::{
-        EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, PORTMAP_SESSIONS, REMOTE_PORT_MAPPING,
+        EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, MVMIP_TO_IFINDEX, PORTMAP_SESSIONS, REMOTE_PORT_MAPPING,
         REMOTE_PORT_MAPPING_UDP, count, node, sandbox_drop, sandbox_in,
     },
     nat,
@@ -49,7 +49,8 @@ pub enum Outcome {
 
 /// Host-port DNAT: a TCP/UDP frame to the uplink address whose destination port is a mapped
 /// host port goes to `169.254.68.6:<guest port>` on the sandbox interface, when it arrived on
-/// the registered uplink (`ingress_ifindex`). Records the connection in `portmap_sessions`.
+/// the registered uplink (`ingress_ifindex`) from a source a world host may have (R63, else
+/// dropped and counted `drop_to_sandbox`). Records the connection in `portmap_sessions`.
 #[inline(always)]
 pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, ingress_ifindex: u32) -> Outcome {
     let node = node();
@@ -64,6 +65,10 @@ pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, in
     let Some(mp) = mapped else { return Outcome::NotOurs };
     if ingress_ifindex != node.uplink_ifindex {
         return Outcome::WrongDevice;
+    }
+    if !world_source(ip.src, cfg, node.uplink_ip, node.cube_dev_ip) {
+        count(counter::WORLD_DROP_TO_SANDBOX);
+        return Outcome::Drop;
     }
     // SAFETY: plain map lookup; one field copied out.
     let Some(version) = (unsafe { IFINDEX_TO_MVMMETA.get(&mp.ifindex) }).map(|m| m.version) else {
@@ -91,6 +96,25 @@ pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, in
     count(counter::WORLD_PORTMAP);
     sandbox_in(mp.ifindex, ctx.wire_len());
     Outcome::Redirect { ifindex: mp.ifindex, version }
+}
+
+/// True when `src` (NBO) may be the source of a world frame to a host port (decision R63).
+/// Not: the guest link's addresses (the gateway 169.254.68.5, which a guest takes for the
+/// host, and its own 169.254.68.6), a registered sandbox's mvm IP, the node's uplink or
+/// cube-dev address, and the sources the kernel itself calls martian (0/8, 127/8, 224/4,
+/// 240/4, the limited broadcast). The DNAT redirects straight into the TAP, past the host's
+/// martian and reverse-path checks, so a host on the uplink's segment spoofing the gateway
+/// reached the guest as its host.
+#[inline(always)]
+fn world_source(src: u32, cfg: &DatapathConfig, uplink_ip: u32, cube_dev_ip: u32) -> bool {
+    let first = src.to_ne_bytes()[0];
+    if first == 0 || first == 127 || first >= 224 {
+        return false;
+    }
+    if src == cfg.mvm_gateway_ip || src == cfg.mvm_inner_ip || src == uplink_ip || src == cube_dev_ip {
+        return false;
+    }
+    MVMIP_TO_IFINDEX.get_ptr(&src).is_none()
 }
 
 /// Reverse NAT of a session reply (TCP, UDP, or ICMP echo reply: the echo id is in

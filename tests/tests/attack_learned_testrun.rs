@@ -1,0 +1,162 @@
+//! Attack on the learned-address map (`BPF_PROG_TEST_RUN`, exact map state): `dns_learned`
+//! is one map shared by every sandbox (262,144 entries) that never evicts; when it is full no
+//! sandbox learns an answer, so every sandbox's FQDN-allowed flows stay denied. Sandbox A, with
+//! an 8-port pattern and a name server whose answers it sets (its own domain, or any name
+//! that resolves to an address spelled in it), asks 512 names (its whole query budget for
+//! 10 s) and gets 16 A records for each: 65,536 new entries per 10 s, each living at least
+//! 300 s (the TTL floor), so alone it fills the map in about 40 s and keeps it full.
+//!
+//! The test stands the rest of the node in for those 40 s: the map is first filled from
+//! userspace with other sandboxes' entries up to [`ROOM`] free places, more than A's daily
+//! budget and less than one burst of A's. Property (decision R60): A's flood never keeps B
+//! from learning the answer to B's own query; A's renewals of its own entries still work past
+//! its budget, and A holds no more than its budget of new entries.
+
+use std::net::Ipv4Addr;
+
+use cubenet_tests::{
+    dns::{self, Owner, a},
+    frames::udp,
+    packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+    require_root,
+    rig::{Rig, SB_IFINDEX},
+    topology::{NODE_IP, WORLD_IP},
+};
+use cubevs::{EgressPolicy, SandboxEntry, policy::FqdnAllow, prog};
+use cubevs_common::{
+    counter,
+    dns::{LearnedKey, LearnedValue, MAX_ANSWERS, MAX_PORTS},
+    limits, map,
+};
+
+const RESOLVER: [u8; 4] = WORLD_IP;
+const B_IFINDEX: u32 = 101;
+/// Free places left in `dns_learned` after the other sandboxes' entries: 1.5 × A's budget.
+const ROOM: u32 = limits::DNS_LEARNED_PER_SANDBOX * 3 / 2;
+/// Queries of A's flood: its whole query budget for one window but two (kept for A's renewal
+/// and for the interface's next sandbox: the query budget is per interface, R11).
+const QUERIES: usize = limits::DNS_QUERIES_PER_SANDBOX as usize - 2;
+/// A's guest port for the flood (one session to the resolver).
+const A_PORT: u16 = 50000;
+
+fn policy(fqdn: FqdnAllow) -> EgressPolicy {
+    EgressPolicy {
+        allow_internet_access: false,
+        allow_out: vec![format!("{}/32", Ipv4Addr::from(RESOLVER))],
+        allow_fqdn: vec![fqdn],
+        ..Default::default()
+    }
+}
+
+/// The `j`-th address of A's `i`-th answer: distinct, public (198.18.0.0/15).
+fn addr(i: usize, j: usize) -> [u8; 4] {
+    let k = i * MAX_ANSWERS as usize + j;
+    [198, 18 + (k >> 16) as u8, (k >> 8) as u8, k as u8]
+}
+
+fn name(i: usize) -> String {
+    format!("n{i}.attacker.example.com")
+}
+
+/// A's query `i` (id `i`) and the resolver's answer with 16 A records (TTL one day).
+fn flood(r: &Rig, queries: std::ops::Range<usize>, snat_port: Option<u16>) -> Option<u16> {
+    let qs = queries.clone();
+    r.run_many(prog::FROM_CUBE, SB_IFINDEX, qs.len(), move |n| {
+        let i = qs.start + n;
+        udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, A_PORT, 53, &dns::query(i as u16, &name(i)))
+    });
+    let snat = snat_port.or_else(|| {
+        r.maps
+            .sessions
+            .list()
+            .unwrap()
+            .iter()
+            .find(|s| s.vm_ifindex == SB_IFINDEX && s.guest_port == A_PORT)
+            .map(|s| s.snat_port)
+    })?;
+    let (world_mac, up_mac) = (r.world_mac, r.up_mac);
+    let qs = queries.clone();
+    r.run_many(prog::FROM_WORLD, r.uplink_ifindex, qs.len(), move |n| {
+        let i = qs.start + n;
+        let answers: Vec<_> = (0..MAX_ANSWERS as usize).map(|j| a(Owner::Question, addr(i, j), 86_400)).collect();
+        udp(world_mac, up_mac, RESOLVER, NODE_IP, 53, snat, &dns::response(i as u16, &name(i), &answers))
+    });
+    Some(snat)
+}
+
+#[test]
+fn one_sandbox_never_fills_the_learned_map_for_another() {
+    if !require_root("attack_learned_testrun one_sandbox_never_fills_the_learned_map_for_another") {
+        return;
+    }
+    let r = Rig::new();
+    let ports: Vec<u32> = (0..MAX_PORTS as u32).map(|p| 8000 + p).collect();
+    r.maps
+        .policy
+        .replace(SB_IFINDEX, &policy(FqdnAllow { name: "*.attacker.example.com".into(), ports }))
+        .expect("policy A");
+    let b = SandboxEntry { ifindex: B_IFINDEX, ip: Ipv4Addr::new(192, 168, 0, 4), version: 3, id: "sb-b".into() };
+    r.add_sandbox(&b);
+    r.maps
+        .policy
+        .replace(B_IFINDEX, &policy(FqdnAllow { name: "api.example.com".into(), ports: vec![] }))
+        .expect("policy B");
+
+    // The rest of the node: other sandboxes' entries, all but ROOM places.
+    let mut learned: aya::maps::HashMap<_, LearnedKey, LearnedValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(r.kernel_map(prog::FROM_CUBE, map::DNS_LEARNED)))
+            .expect("dns_learned handle");
+    let others = limits::DNS_LEARNED - ROOM;
+    for k in 0..others {
+        let key = LearnedKey { ifindex: 200 + k % 64, ip: (0x0b00_0000 + k).to_be(), port: 0, _pad: 0 };
+        learned.insert(key, LearnedValue { expires_ns: u64::MAX, version: 1, flags: 0 }, 0).expect("prefill");
+    }
+
+    // Control: a query of A is learned, 16 answers × 8 ports.
+    let learned0 = r.counter(counter::DNS_RESP_LEARNED);
+    let snat = flood(&r, 0..1, None).expect("A's DNS session");
+    assert_eq!(r.counter(counter::DNS_RESP_LEARNED) - learned0, (MAX_ANSWERS as usize * MAX_PORTS) as u64);
+
+    // A's flood: the rest of its query budget, every answer new.
+    flood(&r, 1..QUERIES, Some(snat));
+    let a_entries = r.maps.policy.learned(Some(SB_IFINDEX)).len() as u32;
+    let full = r.counter(counter::DNS_LEARN_FULL);
+    assert!(full > 0, "A's flood was not refused at all: the attack did not happen");
+
+    // B's genuine answer is learned.
+    let bsnat = r.dns_query(B_IFINDEX, 40000, 0x0b01, RESOLVER, "api.example.com");
+    r.dns_respond(bsnat, 0x0b01, RESOLVER, "api.example.com", [203, 0, 113, 10]);
+    assert_eq!(
+        r.learned_ips(B_IFINDEX),
+        [Ipv4Addr::new(203, 0, 113, 10)],
+        "B learned nothing: A ({a_entries} entries) filled the shared map"
+    );
+
+    // How: A stopped at its budget of new entries (R60), leaving room for everyone else.
+    assert!(a_entries <= limits::DNS_LEARNED_PER_SANDBOX, "A holds {a_entries} entries");
+    assert!(
+        a_entries >= limits::DNS_LEARNED_PER_SANDBOX - MAX_PORTS as u32,
+        "A's budget was not all usable: {a_entries}"
+    );
+
+    // A's renewals of its own entries are free: its first answer again, every entry renewed.
+    let (learned1, full1) = (r.counter(counter::DNS_RESP_LEARNED), r.counter(counter::DNS_LEARN_FULL));
+    flood(&r, 0..1, Some(snat));
+    assert_eq!(r.counter(counter::DNS_RESP_LEARNED) - learned1, (MAX_ANSWERS as usize * MAX_PORTS) as u64);
+    assert_eq!(r.counter(counter::DNS_LEARN_FULL), full1, "a renewal was refused");
+
+    // A new sandbox on A's interface (a reused TAP, released as the agent does) starts with a
+    // budget of its own.
+    r.maps.policy.remove(SB_IFINDEX).expect("release A's policy");
+    r.maps.sandboxes.unregister(SB_IFINDEX).expect("release A");
+    let a2 = SandboxEntry { ifindex: SB_IFINDEX, ip: Ipv4Addr::new(192, 168, 0, 3), version: 8, id: "sb-a2".into() };
+    r.add_sandbox(&a2);
+    r.maps
+        .policy
+        .replace(SB_IFINDEX, &policy(FqdnAllow { name: "api.example.com".into(), ports: vec![] }))
+        .expect("policy A2");
+    let asnat = r.dns_query(SB_IFINDEX, 40001, 0x0a02, RESOLVER, "api.example.com");
+    r.dns_respond(asnat, 0x0a02, RESOLVER, "api.example.com", [203, 0, 113, 11]);
+    let a2_learned: Vec<_> = r.maps.policy.learned(Some(SB_IFINDEX)).into_iter().filter(|e| e.version == 8).collect();
+    assert_eq!(a2_learned.len(), 1, "the interface's next sandbox inherited A's used budget");
+}
