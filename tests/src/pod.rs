@@ -23,6 +23,41 @@ pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().expect("checkout root")
 }
 
+/// What a pod drill needs before it starts: root, podman and buildah, and the chart venv
+/// (`scripts/k8s-venv.sh`). Returns the venv's python, or `None` after reporting `test` as
+/// skipped ([`crate::skip`]), so a machine without them shows the drill as skipped, not passed.
+pub fn drill_prerequisites(test: &str) -> Option<PathBuf> {
+    if !crate::require_root(test) {
+        return None;
+    }
+    if Command::new("podman").arg("--version").output().is_err()
+        || Command::new("buildah").arg("--version").output().is_err()
+    {
+        crate::skip(test, "podman/buildah not installed (scripts/setup.sh installs them)");
+        return None;
+    }
+    let venv = Command::new("bash").arg(root().join("scripts/k8s-venv.sh")).output().expect("run k8s-venv.sh");
+    if !venv.status.success() {
+        crate::skip(test, format!("scripts/k8s-venv.sh failed: {}", String::from_utf8_lossy(&venv.stderr)));
+        return None;
+    }
+    Some(PathBuf::from(String::from_utf8(venv.stdout).expect("venv path").trim()))
+}
+
+/// Builds (or finds, cached by their inputs' digest) the debug network-agent and cube-egress
+/// images with `scripts/build-images.sh`; returns their references `(agent, egress)`.
+pub fn build_images() -> (String, String) {
+    let b = Command::new("bash")
+        .arg(root().join("scripts/build-images.sh"))
+        .args(["--profile", "debug", "--no-save"])
+        .output()
+        .expect("run build-images.sh");
+    assert!(b.status.success(), "build-images.sh: {}", String::from_utf8_lossy(&b.stderr));
+    let refs = String::from_utf8(b.stdout).expect("image refs");
+    let find = |what: &str| refs.lines().find(|l| l.contains(what)).unwrap_or_else(|| panic!("no {what} in {refs}"));
+    (find("/network-agent:").to_string(), find("/cube-egress:").to_string())
+}
+
 fn private(cmd: &str) -> Command {
     let dir = root().join("target/k8s/containers");
     let mut c = Command::new(cmd);

@@ -56,7 +56,10 @@ fn chart_renders_and_validates() {
     // Every variant's agent configuration must be accepted by the agent itself.
     let agent = root().join("target/debug/network-agent");
     if !agent.exists() {
-        eprintln!("\nSKIPPED: chart_renders_and_validates: --check-config part: {} not built\n", agent.display());
+        cubenet_tests::skip(
+            "chart_renders_and_validates",
+            format!("the --check-config part: {} not built", agent.display()),
+        );
     } else {
         let mut checked = 0;
         for entry in std::fs::read_dir(&out_dir).unwrap() {

@@ -35,8 +35,11 @@ use cubenet_proto::v1 as pb;
 use cubenet_tests::{
     agent::tap_fd,
     bpffs::BpfFs,
-    pod::{PodGuard, exec_wget, logs, podman, podman_ok, render_pod, retag_newer, root, wait_value as wait_for},
-    require_root, servers,
+    pod::{
+        PodGuard, build_images, drill_prerequisites, exec_wget, logs, podman, podman_ok, render_pod, retag_newer,
+        wait_value as wait_for,
+    },
+    servers,
     topology::{Topology, WORLD_IP},
     vm::{Check, GuestConfig, GuestImage, Unavailable, Vm},
 };
@@ -90,25 +93,11 @@ fn slow_sink(topo: &Topology) -> SlowSink {
 #[test]
 fn cube_node_pod_under_podman_survives_agent_replacement() {
     const T: &str = "cube_node_pod_under_podman_survives_agent_replacement";
-    if !require_root(T) {
-        return;
-    }
-    if Command::new("podman").arg("--version").output().is_err()
-        || Command::new("buildah").arg("--version").output().is_err()
-    {
-        eprintln!("\nSKIPPED: {T}: podman/buildah not installed (scripts/setup.sh installs them)\n");
-        return;
-    }
-    let venv = Command::new("bash").arg(root().join("scripts/k8s-venv.sh")).output().unwrap();
-    if !venv.status.success() {
-        eprintln!("\nSKIPPED: {T}: scripts/k8s-venv.sh failed: {}\n", String::from_utf8_lossy(&venv.stderr));
-        return;
-    }
-    let py = String::from_utf8(venv.stdout).unwrap().trim().to_string();
+    let Some(py) = drill_prerequisites(T) else { return };
     let img = match GuestImage::ensure() {
         Ok(img) => img,
         Err(e) if e.downcast_ref::<Unavailable>().is_some() => {
-            eprintln!("\nSKIPPED: {T}: {e}\n");
+            cubenet_tests::skip(T, e);
             return;
         }
         Err(e) => panic!("{e:#}"),
@@ -116,15 +105,7 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
 
     // 1. Images (cached by their inputs digest).
     let t0 = Instant::now();
-    let b = Command::new("bash")
-        .arg(root().join("scripts/build-images.sh"))
-        .args(["--profile", "debug", "--no-save"])
-        .output()
-        .unwrap();
-    assert!(b.status.success(), "build-images.sh: {}", String::from_utf8_lossy(&b.stderr));
-    let refs = String::from_utf8(b.stdout).unwrap();
-    let agent_ref = refs.lines().find(|l| l.contains("/network-agent:")).unwrap().to_string();
-    let egress_ref = refs.lines().find(|l| l.contains("/cube-egress:")).unwrap().to_string();
+    let (agent_ref, egress_ref) = build_images();
     eprintln!("[k8s-pod] images {agent_ref} {egress_ref} ready in {:.1} s", t0.elapsed().as_secs_f64());
 
     // 2. Topology, host paths, render → Pod.

@@ -31,7 +31,6 @@
 use std::{
     io::{Read, Write},
     net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
-    process::Command,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -46,8 +45,10 @@ use cubenet_tests::{
     bpffs::BpfFs,
     l7::World,
     netns::TestNetns,
-    pod::{KeepAlive, PodGuard, exec_wget, logs, podman, podman_ok, render_pod, retag_newer, root, wait_value},
-    require_root,
+    pod::{
+        KeepAlive, PodGuard, build_images, drill_prerequisites, exec_wget, logs, podman, podman_ok, render_pod,
+        retag_newer, wait_value,
+    },
     topology::{Topology, WORLD_IP},
 };
 
@@ -133,32 +134,10 @@ struct Cubelet {
 
 #[test]
 fn cube_node_surge_upgrade_hands_over_agent_and_gateway() {
-    if !require_root(T) {
-        return;
-    }
-    if Command::new("podman").arg("--version").output().is_err()
-        || Command::new("buildah").arg("--version").output().is_err()
-    {
-        eprintln!("\nSKIPPED: {T}: podman/buildah not installed (scripts/setup.sh installs them)\n");
-        return;
-    }
-    let venv = Command::new("bash").arg(root().join("scripts/k8s-venv.sh")).output().unwrap();
-    if !venv.status.success() {
-        eprintln!("\nSKIPPED: {T}: scripts/k8s-venv.sh failed: {}\n", String::from_utf8_lossy(&venv.stderr));
-        return;
-    }
-    let py = std::path::PathBuf::from(String::from_utf8(venv.stdout).unwrap().trim());
+    let Some(py) = drill_prerequisites(T) else { return };
 
     // Images (cached by their inputs digest), and the "upgrade": new tags of both.
-    let b = Command::new("bash")
-        .arg(root().join("scripts/build-images.sh"))
-        .args(["--profile", "debug", "--no-save"])
-        .output()
-        .unwrap();
-    assert!(b.status.success(), "build-images.sh: {}", String::from_utf8_lossy(&b.stderr));
-    let refs = String::from_utf8(b.stdout).unwrap();
-    let agent_ref = refs.lines().find(|l| l.contains("/network-agent:")).unwrap().to_string();
-    let egress_ref = refs.lines().find(|l| l.contains("/cube-egress:")).unwrap().to_string();
+    let (agent_ref, egress_ref) = build_images();
     let (repo_a, tag) = agent_ref.rsplit_once(':').unwrap();
     let (repo_e, _) = egress_ref.rsplit_once(':').unwrap();
     let new_tag = format!("{tag}-surge");
