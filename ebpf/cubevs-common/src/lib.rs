@@ -617,6 +617,16 @@ pub mod budget {
     pub const fn learned_kind(version: u32) -> u32 {
         KIND_DNS_LEARNED | (version << 8)
     }
+
+    /// [`super::BudgetKey::kind`] of the tracked queries of sandbox `version` (decision R64):
+    /// [`KIND_DNS_QUERY`] in bits 0..8, the version's low 24 bits above, as [`learned_kind`],
+    /// so a sandbox on a reused interface never inherits its predecessor's 10 s window. (An
+    /// object before R64 keys the window by [`KIND_DNS_QUERY`] alone: a different key, so a
+    /// switch between the two starts each sandbox's window afresh once.)
+    #[inline(always)]
+    pub const fn query_kind(version: u32) -> u32 {
+        KIND_DNS_QUERY | (version << 8)
+    }
 }
 
 /// Key of `insert_budget` (8 bytes).
@@ -625,7 +635,7 @@ pub mod budget {
 pub struct BudgetKey {
     /// Sandbox interface ifindex (host order).
     pub ifindex: u32,
-    /// [`budget::KIND_DNS_QUERY`], [`budget::KIND_FRAG`] or [`budget::learned_kind`].
+    /// [`budget::query_kind`], [`budget::KIND_FRAG`] or [`budget::learned_kind`].
     pub kind: u32,
 }
 const _: () = assert!(core::mem::size_of::<BudgetKey>() == 8);

@@ -32,7 +32,7 @@ use aya_ebpf::{
 };
 use cubevs_common::{
     SessionKey,
-    budget::{DNS_WINDOW_NS, KIND_DNS_QUERY},
+    budget::{DNS_WINDOW_NS, KIND_DNS_QUERY, query_kind},
     counter,
     dns::{
         self, CB_MAGIC, DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Loop,
@@ -259,10 +259,10 @@ pub fn on_query(ctx: &TcContext, ip: &Ipv4, ifindex: u32, version: u32, guest_po
         allow,
         _pad: track::DNS_CHARGED,
     };
-    // A sandbox's inserts are budgeted and the map never evicts (decision R11): another
+    // A sandbox version's inserts are budgeted (R11, per version since R64) and the map never evicts: another
     // sandbox's flood cannot remove this entry, and this sandbox's flood only stops its own.
     // Above its floor a sandbox tracks only while the node holds fewer than the ceiling (Q6).
-    if !budget::take(ifindex, KIND_DNS_QUERY, limits::DNS_QUERIES_PER_SANDBOX, DNS_WINDOW_NS)
+    if !budget::take(ifindex, query_kind(version), limits::DNS_QUERIES_PER_SANDBOX, DNS_WINDOW_NS)
         || !track_floor::admit(ifindex, version, KIND_DNS_QUERY)
     {
         count(counter::DNS_QUERY_OVER_BUDGET);
