@@ -60,7 +60,7 @@ impl Topology {
     }
 
     /// Adds a veth guest: a namespace whose `eth0` is configured like a microVM NIC
-    /// (169.254.68.6/30, MAC 20:90:6f:fc:fc:fc, default via 169.254.68.5), with its peer
+    /// (169.254.68.6/30, MAC 20:90:6f:fc:fc:fc, default via 169.254.68.5, IPv6 off), with its peer
     /// `vg<index>` up in the node namespace. The datapath treats `vg<index>` like a TAP.
     pub fn add_veth_guest(&mut self, index: u32) -> VethGuest {
         let ns = TestNetns::new(&format!("g{index}"));
@@ -70,6 +70,11 @@ impl Topology {
         let mac = mac_string(cubevs_mac());
         ns.ip(&["link", "set", "eth0", "address", &mac]);
         ns.ip(&["addr", "add", "169.254.68.6/30", "dev", "eth0"]);
+        // IPv6 off, as on the test TAPs: the kernel's own router solicitations, MLD reports and
+        // DAD probes would otherwise reach the datapath at random moments and count as drops.
+        ns.run(|| {
+            let _ = std::fs::write("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1");
+        });
         ns.ip(&["link", "set", "eth0", "up"]);
         ns.ip(&["route", "add", "default", "via", "169.254.68.5"]);
         let node_ifindex = self.node.run({
