@@ -20,7 +20,7 @@ use std::{
 
 use cubenet_tests::{
     bpffs::BpfFs,
-    ebpf_object, require_root,
+    ebpf_object, require_root, servers,
     topology::{NODE_IP, NODE_UPLINK, Topology},
 };
 use cubevs::{Datapath, LoadOptions, PortMapping, Proto, SandboxEntry, SnatAddr};
@@ -90,20 +90,8 @@ fn nothing_the_node_forwards_reaches_a_sandbox_by_its_mvm_ip() {
         let u = UdpSocket::bind("0.0.0.0:0").unwrap();
         u.send_to(b"control", SocketAddr::from((NODE_IP, B_HOST_PORT))).unwrap();
     });
-    let got: Vec<String> = topo.guest_ns(&b).run(move || {
-        let mut got = Vec::new();
-        let mut buf = [0u8; 256];
-        while let Ok(n) = victim.recv(&mut buf) {
-            let s = String::from_utf8_lossy(&buf[..n]).into_owned();
-            let done = s == "control";
-            got.push(s);
-            if done {
-                break;
-            }
-        }
-        got
-    });
-    assert_eq!(got.last().map(String::as_str), Some("control"), "the world's control never reached B: {got:?}");
+    let got: Vec<String> =
+        topo.guest_ns(&b).run(move || servers::udp_recv_until(&victim, "control", "the world's control to B"));
     assert!(got.iter().any(|s| s == "node"), "the node's own datagram never reached B: {got:?}");
     assert!(!got.iter().any(|s| s == "attack-pod"), "a pod on the node reached B by its mvm IP: {got:?}");
     let dropped = maps.counters.get(counter::ENVOY_DROP_UNKNOWN).unwrap();

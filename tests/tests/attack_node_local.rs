@@ -18,7 +18,7 @@ use cubenet_tests::{
     frames::udp,
     guest::VethGuest,
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
-    require_root,
+    require_root, servers,
     topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
 };
 use cubevs::{Datapath, EgressPolicy, LoadOptions, SandboxEntry, SnatAddr};
@@ -121,21 +121,9 @@ fn guest_frames_never_reach_node_sockets(forwarding: bool) {
             wire.send(f);
         }
     });
-    let got: Vec<String> = n.topo.node.run(move || {
-        let mut got = Vec::new();
-        let mut buf = [0u8; 256];
-        while let Ok(len) = listener.recv(&mut buf) {
-            let s = String::from_utf8_lossy(&buf[..len]).into_owned();
-            let done = s == "control";
-            got.push(s);
-            if done {
-                break;
-            }
-        }
-        got
-    });
+    let got: Vec<String> =
+        n.topo.node.run(move || servers::udp_recv_until(&listener, "control", "the control to the node"));
     eprintln!("node received: {got:?}");
-    assert_eq!(got.last().map(String::as_str), Some("control"), "{got:?}");
     let reached: Vec<&str> = got
         .iter()
         .filter_map(|s| s.strip_prefix("attack-").and_then(|i| i.parse::<usize>().ok()))
