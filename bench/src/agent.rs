@@ -182,7 +182,9 @@ pub(crate) fn create_latency_cpu(a: &AgentUnderTest, conc: usize, rounds: usize,
 pub(crate) struct Floor {
     /// Refused Ensure + fd round trip per client (ms).
     pub ms: Vec<f64>,
-    /// Agent CPU (s) over the bursts (0 when not read).
+    /// Refused Release round trip per client (ms): gRPC alone, the Release figure's floor.
+    pub release_ms: Vec<f64>,
+    /// Agent CPU (s) over the Ensure + fd bursts (0 when not read).
     pub cpu_s: f64,
 }
 
@@ -190,6 +192,7 @@ impl Floor {
     /// Appends the calls and CPU of `o`.
     pub fn add(&mut self, o: Floor) {
         self.ms.extend(o.ms);
+        self.release_ms.extend(o.release_ms);
         self.cpu_s += o.cpu_s;
     }
 }
@@ -201,7 +204,9 @@ impl Floor {
 /// before the agent's core, then the fd socket asked for a TAP the sandbox does not hold
 /// (errCode "1002" after one lookup, answered on the fd server's task). What is left is gRPC
 /// (client and server), the fd socket and the scheduling of `conc` clients on this machine.
-/// Also reads the agent `pid`'s CPU (0: not read) around each burst.
+/// Then the same clients, at once, each a ReleaseNetwork whose `network_handle` is not its
+/// `sandbox_id` (INVALID_ARGUMENT in the handler): the Release figure's floor, gRPC alone.
+/// Also reads the agent `pid`'s CPU (0: not read) around each Ensure + fd burst.
 pub(crate) fn floor_latency(a: &AgentUnderTest, conc: usize, rounds: usize, pid: u32) -> Floor {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let endpoint = a.grpc_endpoint();
@@ -210,7 +215,7 @@ pub(crate) fn floor_latency(a: &AgentUnderTest, conc: usize, rounds: usize, pid:
     let mut out = Floor::default();
     for round in 0..rounds {
         let (endpoint, sock) = (endpoint.clone(), sock.clone());
-        let (ms, c) = rt.block_on(async move {
+        let (ms, rel_ms, c) = rt.block_on(async move {
             let mut connects = Vec::new();
             for i in 0..conc {
                 let endpoint = endpoint.clone();
@@ -251,12 +256,37 @@ pub(crate) fn floor_latency(a: &AgentUnderTest, conc: usize, rounds: usize, pid:
                 }));
             }
             let mut ms = Vec::new();
+            let mut clients = Vec::new();
             for t in tasks {
-                ms.push(t.await.expect("floor task").0);
+                let (e, c) = t.await.expect("floor task");
+                ms.push(e);
+                clients.push(c);
             }
-            (ms, cpu(pid) - c0)
+            let c1 = cpu(pid);
+            let mut rel = Vec::new();
+            for (i, mut c) in clients.into_iter().enumerate() {
+                rel.push(tokio::spawn(async move {
+                    let t = Instant::now();
+                    let err = c
+                        .release_network(pb::ReleaseNetworkRequest {
+                            sandbox_id: format!("floor-{round}-{i}"),
+                            network_handle: "not-this-sandbox".into(),
+                            ..Default::default()
+                        })
+                        .await
+                        .expect_err("a foreign network_handle is refused");
+                    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+                    t.elapsed().as_secs_f64() * 1e3
+                }));
+            }
+            let mut rel_ms = Vec::new();
+            for t in rel {
+                rel_ms.push(t.await.expect("release floor task"));
+            }
+            (ms, rel_ms, c1 - c0)
         });
         out.ms.extend(ms);
+        out.release_ms.extend(rel_ms);
         out.cpu_s += c;
     }
     out
@@ -602,7 +632,7 @@ pub fn run() -> Vec<Row> {
         pooled.start();
         let (mut e_warm, mut r_warm) = create_latency(&pooled, conc, rounds, true);
         // The same clients' calls with no work in the agent, on the same agent (issue 15).
-        let mut floor = (conc == 50).then(|| floor_latency(&pooled, conc, rounds, 0).ms);
+        let mut floor = (conc == 50).then(|| floor_latency(&pooled, conc, rounds, 0));
         drop(pooled);
         let mut r_base = baseline_bin.as_ref().map(|bin| {
             let mut old = AgentUnderTest::prepare(&format!("bench-base{conc}"), conc.max(1) + 8, "");
@@ -630,16 +660,28 @@ pub fn run() -> Vec<Row> {
         }
         if let Some(f) = floor.as_mut() {
             for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
-                let v = pct(f, q);
+                let v = pct(&mut f.ms, q);
                 rows.push(Row {
                     bench: "agent".into(),
                     case: format!(
                         "gRPC + fd floor {name}, concurrency {conc} (Ensure refused in the handler, fd errCode 1002)"
                     ),
                     value: v,
-                    spread: (pct(f, 0.1), pct(f, 0.9)),
+                    spread: (pct(&mut f.ms, 0.1), pct(&mut f.ms, 0.9)),
                     unit: "ms".into(),
                     baseline: Some((format!("Ensure+fd {name}, warm pool, same agent"), pct(&mut e_warm, q))),
+                    target: None,
+                });
+            }
+            for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+                let v = pct(&mut f.release_ms, q);
+                rows.push(Row {
+                    bench: "agent".into(),
+                    case: format!("gRPC floor {name}, concurrency {conc} (Release refused in the handler)"),
+                    value: v,
+                    spread: (pct(&mut f.release_ms, 0.1), pct(&mut f.release_ms, 0.9)),
+                    unit: "ms".into(),
+                    baseline: Some((format!("Release {name}, same agent"), pct(&mut r_warm, q))),
                     target: None,
                 });
             }
@@ -666,7 +708,10 @@ pub fn run() -> Vec<Row> {
 
 /// Ensures `ids` through the agent from `clients` concurrent clients, each with its own
 /// connection, taking the next id until none is left. Returns Ensure/s over the whole run.
-fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize) -> f64 {
+/// With `refused`, every Ensure carries an sctp port mapping and is refused with
+/// INVALID_ARGUMENT in the gRPC handler: the same clients' rate with no work in the agent's
+/// core (the sustained rate's floor).
+fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize, refused: bool) -> f64 {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let endpoint = a.grpc_endpoint();
     let n = ids.len();
@@ -680,9 +725,24 @@ fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize) -> f64 {
                 let mut c = network_agent::client::connect(&endpoint).await.expect("connect");
                 loop {
                     let Some(id) = queue.lock().expect("queue").pop() else { return };
-                    c.ensure_network(pb::EnsureNetworkRequest { sandbox_id: id, ..Default::default() })
-                        .await
-                        .expect("EnsureNetwork");
+                    let port_mappings = if refused {
+                        vec![pb::PortMapping { protocol: "sctp".into(), container_port: 80, ..Default::default() }]
+                    } else {
+                        Vec::new()
+                    };
+                    let r = c
+                        .ensure_network(pb::EnsureNetworkRequest {
+                            sandbox_id: id,
+                            port_mappings,
+                            ..Default::default()
+                        })
+                        .await;
+                    match r {
+                        Err(e) if refused => assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}"),
+                        r => {
+                            r.expect("EnsureNetwork");
+                        }
+                    }
                 }
             }));
         }
@@ -697,8 +757,11 @@ fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize) -> f64 {
 /// (every TAP on its tcx link first, so no warm-up work runs meanwhile), beside the agent
 /// `baseline_bin` (e.g. main's build) measured the same way in the same run; with a baseline,
 /// each agent runs twice (fresh each time) and the row shows the means, spread = this build's
-/// two runs.
+/// two runs. A second row: the same 50 clients' rate on this build's agents when every Ensure
+/// is refused in the gRPC handler (`ensure_rate`'s `refused`), measured right after each of
+/// this build's runs: the rate gRPC and the clients allow on this machine.
 pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
+    let floors = std::cell::RefCell::new(Vec::new());
     let measure = |bin: Option<&std::path::Path>, tag: &str| {
         let mut a = AgentUnderTest::prepare(tag, n + 8, "cidr = \"192.168.0.0/21\"\n");
         a.agent_bin = bin.map(|b| b.to_path_buf());
@@ -708,7 +771,11 @@ pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
         if bin.is_none() {
             wait_metric_zero(&a, "cubenet_tap_warmup_filters", Duration::from_secs(600));
         }
-        ensure_rate(&a, (0..n).map(|i| format!("rate-{i}")).collect(), 50)
+        let rate = ensure_rate(&a, (0..n).map(|i| format!("rate-{i}")).collect(), 50, false);
+        if bin.is_none() {
+            floors.borrow_mut().push(ensure_rate(&a, (0..n).map(|i| format!("floor-{i}")).collect(), 50, true));
+        }
+        rate
     };
     // With a baseline, each agent twice in the order this, baseline, baseline, this: the
     // position in the run weighed more than the binary on this shared machine (whichever ran
@@ -727,13 +794,27 @@ pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
             ((r1 + r2) / 2.0, Some((b1 + b2) / 2.0), (r1.min(r2), r1.max(r2)))
         }
     };
-    vec![Row {
-        bench: "agent".into(),
-        case: format!("Ensure sustained rate, 50 clients ({n} sandboxes, warm pool)"),
-        value: rate,
-        spread,
-        unit: "Ensure/s".into(),
-        baseline: base.map(|b| ("main agent".to_string(), b)),
-        target: Some(">= 5000 Ensure/s".into()),
-    }]
+    let floors = floors.into_inner();
+    let floor = floors.iter().sum::<f64>() / floors.len() as f64;
+    let floor_spread = floors.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &f| (lo.min(f), hi.max(f)));
+    vec![
+        Row {
+            bench: "agent".into(),
+            case: format!("Ensure sustained rate, 50 clients ({n} sandboxes, warm pool)"),
+            value: rate,
+            spread,
+            unit: "Ensure/s".into(),
+            baseline: base.map(|b| ("main agent".to_string(), b)),
+            target: Some(">= 5000 Ensure/s".into()),
+        },
+        Row {
+            bench: "agent".into(),
+            case: format!("gRPC floor sustained rate, 50 clients ({n} Ensures refused in the handler)"),
+            value: floor,
+            spread: floor_spread,
+            unit: "calls/s".into(),
+            baseline: Some(("Ensure sustained rate, same agents".to_string(), rate)),
+            target: None,
+        },
+    ]
 }

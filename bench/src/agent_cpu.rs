@@ -8,7 +8,8 @@
 //! the pool's trim, the free checks, the benchmark's own polling) by the Ensure/Release pairs.
 //! Then the same number of rounds of the floor (`agent::floor_latency`: an Ensure refused in
 //! the gRPC handler and an fd request answered 1002, no work in the agent's core) on the same
-//! agent, whose CPU and latency rows show what gRPC, the fd socket and 50 clients cost alone.
+//! agent, whose CPU and latency rows show what gRPC, the fd socket and 50 clients cost alone,
+//! and a Release refused in the handler (gRPC alone), the Release rows' floor.
 //! The profile behind docs/profile-ensure.md was taken with `perf record -a` over such a run.
 
 use std::path::{Path, PathBuf};
@@ -144,6 +145,18 @@ pub fn run(rounds: usize) -> Vec<Row> {
             spread: (pct(&mut ours.release_ms, 0.1), pct(&mut ours.release_ms, 0.9)),
             unit: "ms".into(),
             baseline: base.as_mut().map(|b| (base_label(&format!("Release {name}")), pct(&mut b.release_ms, q))),
+            target: None,
+        });
+    }
+    for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+        let v = pct(&mut our_floor.release_ms, q);
+        rows.push(Row {
+            bench: "agent-cpu".into(),
+            case: format!("gRPC floor {name}, concurrency {CONC} (Release refused in the handler)"),
+            value: v,
+            spread: (pct(&mut our_floor.release_ms, 0.1), pct(&mut our_floor.release_ms, 0.9)),
+            unit: "ms".into(),
+            baseline: Some((format!("Release {name}, same agents"), pct(&mut ours.release_ms, q))),
             target: None,
         });
     }

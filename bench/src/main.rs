@@ -202,7 +202,10 @@ included) by the pairs. Profile: docs/profile-ensure.md. The latency rows of thi
 The floor rows (F21, also in `agent` at concurrency 50): after the rounds, the same number of rounds of 50 clients \
 shaped the same way whose calls do no work in the agent's core (EnsureNetwork with an `sctp` port mapping, refused \
 with INVALID_ARGUMENT by the gRPC handler, then an fd request for a TAP the sandbox does not hold, errCode 1002), on \
-the same agent: what gRPC, the fd socket and 50 clients cost on this machine alone.\n\
+the same agent: what gRPC, the fd socket and 50 clients cost on this machine alone. Then each of those clients, at \
+once, a ReleaseNetwork whose `network_handle` is not its `sandbox_id` (INVALID_ARGUMENT in the handler): the Release \
+rows' floor, gRPC alone. `agent-rate` adds the sustained rate's floor: the same 50 clients on this build's agents, \
+each Ensure refused in the handler.\n\
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\
