@@ -358,3 +358,68 @@ fn learned_counts_stay_exact_across_learn_reap_relearn_and_purge() {
     r.maps.policy.remove(SB_IFINDEX).expect("release policy");
     assert_eq!((charged(SB_IFINDEX), mine(VERSION + 1), node()), (0, 0, 0), "after the purge");
 }
+
+/// The learned counts (decision R66) stay exact while the DNS reaper deletes entries on another
+/// thread as answers learn and renew them: the answers alternate a 300 s and a one-day TTL over
+/// a rotating set of names, and the reaper deletes what a 300 s TTL left expired 1,000 s from
+/// now (so a renewal may land between its read and its delete: R67 puts it back or refunds it).
+/// After the race, the node and sandbox counts equal the charged entries in the map; after a
+/// final reap of everything, both are 0.
+#[test]
+fn learned_counts_stay_exact_while_the_reaper_races_the_answers() {
+    if !require_root("attack_learned_testrun learned_counts_stay_exact_while_the_reaper_races_the_answers") {
+        return;
+    }
+    const ROUNDS: usize = 400;
+    const NAMES: usize = 8;
+    let r = Rig::new();
+    r.maps
+        .policy
+        .replace(SB_IFINDEX, &policy(FqdnAllow { name: "*.attacker.example.com".into(), ports: vec![] }))
+        .expect("policy");
+    let lf = r.maps.track.learned().expect("learned floor");
+    let snat = flood(&r, 0..1, None).expect("DNS session");
+    let soon = cubevs::reaper::monotonic_ns() + 1_000 * 1_000_000_000;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reaper = {
+        let (maps, stop) = (r.maps.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reaped = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                reaped += maps.policy.reap_dns(soon).expect("reap").learned as u64;
+                // The policy lock is not fair: let the main thread's purges and reads in.
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            reaped
+        })
+    };
+    let (world_mac, up_mac) = (r.world_mac, r.up_mac);
+    // Besides the racing thread, every 10th round is reaped here, so the reaper certainly
+    // deletes while entries are renewed.
+    let mut reaped_here = 0u64;
+    for round in 1..ROUNDS {
+        if round % 10 == 0 {
+            reaped_here += r.maps.policy.reap_dns(soon).expect("reap").learned as u64;
+        }
+        let i = round % NAMES;
+        let q = udp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, RESOLVER, A_PORT, 53, &dns::query(round as u16, &name(i)));
+        assert_eq!(r.run(prog::FROM_CUBE, q, SB_IFINDEX).verdict, cubevs::testrun::TC_ACT_REDIRECT);
+        let ttl = if round % 2 == 0 { 300 } else { 86_400 };
+        let answers: Vec<_> = (0..MAX_ANSWERS as usize).map(|j| a(Owner::Question, addr(i, j), ttl)).collect();
+        let resp = dns::response(round as u16, &name(i), &answers);
+        r.world(udp(world_mac, up_mac, RESOLVER, NODE_IP, 53, snat, &resp));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reaped = reaper.join().expect("reaper thread") + reaped_here;
+    let held = r.maps.policy.learned(Some(SB_IFINDEX)).len() as i64;
+    let st = lf.state().expect("state");
+    eprintln!("[learned] {held} held after the race, {reaped} reaped during it, node {:?}", st.node);
+    assert!(reaped_here > 0, "the reaper took part");
+    assert_eq!(st.node.closed, reaped, "the library counted exactly its own deletes");
+    assert_eq!(st.node.live(), held, "node count exact after the race");
+    assert_eq!(lf.usage(SB_IFINDEX, VERSION).unwrap().expect("charged").live(), held, "sandbox count exact");
+    let last = r.maps.policy.reap_dns(u64::MAX).expect("final reap").learned as i64;
+    assert_eq!(last, held);
+    assert_eq!(lf.state().unwrap().node.live(), 0);
+    assert_eq!(lf.usage(SB_IFINDEX, VERSION).unwrap().expect("charged").live(), 0);
+}
