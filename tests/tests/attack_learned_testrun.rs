@@ -423,3 +423,18 @@ fn learned_counts_stay_exact_while_the_reaper_races_the_answers() {
     assert_eq!(lf.state().unwrap().node.live(), 0);
     assert_eq!(lf.usage(SB_IFINDEX, VERSION).unwrap().expect("charged").live(), 0);
 }
+
+/// Bounds (decision R66): the learned floor is capped at what `dns_learned` can reserve for
+/// every interface plus one entry per CPU (31 for 262,144 entries and 8,192 sandboxes); the
+/// default reserves 65,536 entries, a quarter of the map.
+#[test]
+fn learned_floor_limits() {
+    let l = MapLimits::default();
+    assert_eq!(l.dns_learned_floor, 8);
+    assert_eq!(l.learned_floor(limits::DNS_LEARNED, 4), 8);
+    assert_eq!(l.learned_floor(limits::DNS_LEARNED, 1024), 8);
+    let big = MapLimits { dns_learned_floor: 32, ..Default::default() };
+    assert_eq!(big.learned_floor(limits::DNS_LEARNED, 4), 31, "32 × 8,192 + 4 > 262,144");
+    assert_eq!(l.learned_floor(4096, 4), 0, "a small map with 8,192 interfaces reserves nothing");
+    assert_eq!(floor_ceiling(limits::DNS_LEARNED, limits::SANDBOXES, 8, 4), 262_144 - 65_536 - 4);
+}
