@@ -437,7 +437,12 @@ fn learn(ifindex: u32, ip: u32, port: u16, v: &LearnedValue) {
                 version,
                 v.version,
             );
-            if !won || version == v.version {
+            if version == v.version {
+                // Another CPU took it over for this version meanwhile: learned all the same.
+                count(counter::DNS_RESP_LEARNED);
+                return;
+            }
+            if !won {
                 count(counter::DNS_LEARN_FULL);
                 return;
             }
