@@ -178,6 +178,12 @@ pub struct Config {
     /// fragment is delivered unrecorded, its later fragments go to the host;
     /// `frag_over_budget`).
     pub frag_floor_per_sandbox: u32,
+    /// Learned addresses (`dns_learned`, 262,144 entries) every sandbox may always hold
+    /// (default 8, 0..=31; 0 = off): above it a new learned entry is made only while the
+    /// node's learned entries are below 262,144 − registered sandboxes × this − possible CPUs,
+    /// else the answer's address is not learned (`dns_learn_full`). 31 × 8,192 + 1,024 fit
+    /// the map (decision R66).
+    pub dns_learned_floor_per_sandbox: u32,
     /// A Reconcile whose new policy denies a destination the old one allowed flushes the
     /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
@@ -265,6 +271,7 @@ impl Default for Config {
             session_floor_per_sandbox: cubevs_common::limits::SESSION_FLOOR,
             dns_query_floor_per_sandbox: cubevs_common::limits::DNS_QUERY_FLOOR,
             frag_floor_per_sandbox: cubevs_common::limits::FRAG_FLOOR,
+            dns_learned_floor_per_sandbox: cubevs_common::limits::DNS_LEARNED_FLOOR,
             flush_sessions_on_policy_tighten: true,
             cube_egress_admin_url: "http://127.0.0.1:9091".into(),
             cube_egress_push_timeout_ms: 2000,
@@ -530,6 +537,8 @@ impl Config {
         for (key, floor, capacity) in [
             ("dns_query_floor_per_sandbox", self.dns_query_floor_per_sandbox, cubevs_common::limits::DNS_QUERIES),
             ("frag_floor_per_sandbox", self.frag_floor_per_sandbox, cubevs_common::limits::FRAG_SESSIONS),
+            // And for `dns_learned` (262,144 entries): 31 at most (decision R66).
+            ("dns_learned_floor_per_sandbox", self.dns_learned_floor_per_sandbox, cubevs_common::limits::DNS_LEARNED),
         ] {
             let max = (capacity - 1024) / cubevs_common::limits::SANDBOXES;
             if floor > max {
@@ -767,6 +776,11 @@ mod tests {
             for ok in [0, 7] {
                 Config::parse(&format!("{key} = {ok}")).unwrap().validate().unwrap();
             }
+        }
+        let e = Config::parse("dns_learned_floor_per_sandbox = 32").unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("`dns_learned_floor_per_sandbox`"), "{e}");
+        for ok in [0, 8, 31] {
+            Config::parse(&format!("dns_learned_floor_per_sandbox = {ok}")).unwrap().validate().unwrap();
         }
         assert_eq!(parse_mac("20:90:6f:cf:cf:cf").unwrap(), [0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]);
         assert_eq!(mac_string([0x20, 0x90, 0x6f, 0xcf, 0xcf, 0xcf]), "20:90:6f:cf:cf:cf");

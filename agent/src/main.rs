@@ -312,6 +312,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             session_floor: raw.session_floor_per_sandbox,
             dns_query_floor: raw.dns_query_floor_per_sandbox,
             frag_floor: raw.frag_floor_per_sandbox,
+            dns_learned_floor: raw.dns_learned_floor_per_sandbox,
             ..Default::default()
         };
         let attach = match raw.tc_attach.as_str() {

@@ -1,5 +1,6 @@
 //! Raw `bpf(2)` commands that aya 0.14 does not expose publicly: creating and pinning a
 //! userspace map (the slot metadata), byte-level element access on any map (migration),
+//! `BPF_MAP_LOOKUP_AND_DELETE_ELEM` on a hash map (the learned reaper's exact delete),
 //! `BPF_PROG_QUERY` with link ids on a tcx hook (orphan detection) and detaching a link by
 //! id (`BPF_LINK_GET_FD_BY_ID` + `BPF_LINK_DETACH`). Every `bpf_attr` is built in a
 //! zeroed 128-byte buffer at the offsets of the UAPI union (`include/uapi/linux/bpf.h`).
@@ -17,6 +18,7 @@ const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
 const BPF_PROG_QUERY: libc::c_long = 16;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 const BPF_LINK_DETACH: libc::c_long = 34;
@@ -96,6 +98,19 @@ pub(crate) fn map_lookup(fd: RawFd, key: &[u8], value: &mut [u8]) -> io::Result<
     let mut a = Attr::new();
     a.u32(0, fd as u32).u64(8, key.as_ptr() as u64).u64(16, value.as_mut_ptr() as u64);
     match sys(BPF_MAP_LOOKUP_ELEM, &mut a) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Deletes `key` and copies the value it held into `value`, as one kernel operation (hash
+/// maps: Linux 5.14+), so the caller knows exactly what its delete removed. `Ok(false)` when
+/// the key is absent.
+pub(crate) fn map_lookup_and_delete(fd: RawFd, key: &[u8], value: &mut [u8]) -> io::Result<bool> {
+    let mut a = Attr::new();
+    a.u32(0, fd as u32).u64(8, key.as_ptr() as u64).u64(16, value.as_mut_ptr() as u64);
+    match sys(BPF_MAP_LOOKUP_AND_DELETE_ELEM, &mut a) {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
         Err(e) => Err(e),

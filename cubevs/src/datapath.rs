@@ -111,6 +111,13 @@ pub struct MapLimits {
     /// 4, `cubevs_common::limits::FRAG_FLOOR`; decision Q6), as [`MapLimits::dns_query_floor`]
     /// (over it: the first fragment is delivered unrecorded, `frag_over_budget`).
     pub frag_floor: u32,
+    /// `dns_learned` entries every registered sandbox version may always hold (default 8,
+    /// `cubevs_common::limits::DNS_LEARNED_FLOOR`; decision R66): above it a new learned entry
+    /// is made only while the node's charged learned entries are below `capacity - registered
+    /// × floor - possible CPUs` (else not learned, `dns_learn_full`). 0 = no node-wide check.
+    /// Enforced capped like the tracking floors ([`MapLimits::track_floor`], without the
+    /// 255 cap: [`MapLimits::learned_floor`]).
+    pub dns_learned_floor: u32,
 }
 
 impl Default for MapLimits {
@@ -124,6 +131,7 @@ impl Default for MapLimits {
             session_floor: limits::SESSION_FLOOR,
             dns_query_floor: limits::DNS_QUERY_FLOOR,
             frag_floor: limits::FRAG_FLOOR,
+            dns_learned_floor: limits::DNS_LEARNED_FLOOR,
         }
     }
 }
@@ -184,6 +192,14 @@ impl MapLimits {
     pub fn track_floor(&self, floor: u32, capacity: u32, cpus: u32) -> u32 {
         let fit = capacity.saturating_sub(cpus) / self.sandboxes.max(1);
         floor.min(fit).min(0xFF)
+    }
+
+    /// The learned floor the datapath enforces (decision R66): `dns_learned_floor` capped at
+    /// `(capacity - cpus) / sandboxes`, so the reserve of every interface plus one entry per
+    /// CPU fits in `dns_learned` (31 at the defaults: 262,144 entries, 8,192 sandboxes).
+    pub fn learned_floor(&self, capacity: u32, cpus: u32) -> u32 {
+        let fit = capacity.saturating_sub(cpus) / self.sandboxes.max(1);
+        self.dns_learned_floor.min(fit)
     }
 
     /// `max_entries` of `session_opened` and `session_closed`: two sandbox versions per
@@ -338,6 +354,9 @@ impl Datapath {
             (map::SESSION_FLOOR, limits::SESSION_FLOOR_KEYS),
             (map::TRACK_OPENED, l.session_quota_keys()?),
             (map::TRACK_CLOSED, l.session_quota_keys()?),
+            (map::LEARNED_OPENED, l.session_quota_keys()?),
+            (map::LEARNED_CLOSED, l.session_quota_keys()?),
+            (map::LEARNED_FLOOR, limits::LEARNED_FLOOR_KEYS),
         ];
         for name in [
             map::REMOTE_PORT_MAPPING,
@@ -377,20 +396,41 @@ impl Datapath {
         };
         let dns_track = track_limits(l.dns_query_floor, map::DNS_QUERY_TRACK, limits::DNS_QUERIES);
         let frag_track = track_limits(l.frag_floor, map::FRAG_SESSIONS, limits::FRAG_SESSIONS);
+        let learned_capacity = size_of(map::DNS_LEARNED, limits::DNS_LEARNED);
+        let learned_floor = MapLimits { sandboxes, ..l }.learned_floor(learned_capacity, cpus);
         let mut ebpf = slots::load_object(&bytes, &opts.object, &opts.config, opts.pin_dir.as_deref(), &sizes, &[])?;
-        let track = Arc::new(TrackFloor::new(
-            take(&mut ebpf, map::TRACK_OPENED)?,
-            take(&mut ebpf, map::TRACK_CLOSED)?,
-            second_handle(&ebpf, map::SESSION_FLOOR)?,
+        let open_lock = || {
             map_dir
                 .as_deref()
                 .map(std::fs::File::open)
                 .transpose()
-                .map_err(|source| Error::Pin { what: "open the maps directory for locking".into(), source })?,
-            dns_track,
-            frag_track,
+                .map_err(|source| Error::Pin { what: "open the maps directory for locking".into(), source })
+        };
+        let learned = crate::learned_floor::LearnedFloor::new(
+            take(&mut ebpf, map::LEARNED_OPENED)?,
+            take(&mut ebpf, map::LEARNED_CLOSED)?,
+            take(&mut ebpf, map::LEARNED_FLOOR)?,
+            open_lock()?,
+            learned_floor,
+            learned_capacity,
             cpus,
-        ));
+        );
+        let track = Arc::new(
+            TrackFloor::new(
+                take(&mut ebpf, map::TRACK_OPENED)?,
+                take(&mut ebpf, map::TRACK_CLOSED)?,
+                second_handle(&ebpf, map::SESSION_FLOOR)?,
+                map_dir
+                    .as_deref()
+                    .map(std::fs::File::open)
+                    .transpose()
+                    .map_err(|source| Error::Pin { what: "open the maps directory for locking".into(), source })?,
+                dns_track,
+                frag_track,
+                cpus,
+            )
+            .with_learned(learned),
+        );
         // Checked before any link changes: adopted tries too small for the policy limits
         // refuse the load with the old programs still serving.
         let policy = policy_table(&mut ebpf, l.policy(), map_dir.as_deref(), track.clone())?;

@@ -21,6 +21,7 @@ pub mod dns_reaper;
 mod error;
 mod frags;
 pub mod layout;
+pub mod learned_floor;
 pub mod lock;
 mod node;
 mod node_deny;

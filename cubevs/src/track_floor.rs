@@ -2,7 +2,9 @@
 //! `dns_query_track_v2` and `frag_sessions_v2` per sandbox version (`track_opened`, written by
 //! the datapath only; `track_closed`, written here only) and per node (`session_floor` keys
 //! `DNS_OPENED`/`FRAG_OPENED`, datapath only; `DNS_CLOSED`/`FRAG_CLOSED`, here only), and the
-//! floors and ceilings the datapath checks (`TRACK_LIMITS`).
+//! floors and ceilings the datapath checks (`TRACK_LIMITS`). It also carries the learned
+//! floor of `dns_learned` (decision R66, [`crate::learned_floor`]), which follows the same
+//! registrations.
 //!
 //! Every userspace delete of a charged entry (the DNS reaper and purges, the fragment reaper)
 //! that removed it adds one to its owner's and the node's closed count (`TrackFloor::closed`).
@@ -54,6 +56,9 @@ pub struct TrackFloor {
     dns: TrackLimits,
     frag: TrackLimits,
     margin: u32,
+    /// The learned floor (decision R66), whose limits and per-version entries follow the same
+    /// registrations.
+    learned: Option<crate::learned_floor::LearnedFloor>,
 }
 
 fn field(c: &mut TrackCount, kind: u32) -> &mut u64 {
@@ -73,7 +78,18 @@ impl TrackFloor {
         frag: TrackLimits,
         margin: u32,
     ) -> Self {
-        Self { inner: Mutex::new(Inner { opened, closed, node }), lock, dns, frag, margin }
+        Self { inner: Mutex::new(Inner { opened, closed, node }), lock, dns, frag, margin, learned: None }
+    }
+
+    /// Adds the learned floor (decision R66): refreshed, forgotten and collected with these.
+    pub(crate) fn with_learned(mut self, learned: crate::learned_floor::LearnedFloor) -> Self {
+        self.learned = Some(learned);
+        self
+    }
+
+    /// The learned floor (decision R66), when loaded.
+    pub fn learned(&self) -> Option<&crate::learned_floor::LearnedFloor> {
+        self.learned.as_ref()
     }
 
     /// The floors in effect: (`dns_query_track_v2`, `frag_sessions_v2`).
@@ -91,6 +107,11 @@ impl TrackFloor {
         let _flock = Flock::take(self.lock.as_ref(), map::TRACK_CLOSED)?;
         let mut g = self.inner.lock().expect("track lock");
         g.node.insert(floor::TRACK_LIMITS, v, 0).map_err(Error::map(map::SESSION_FLOOR, "update"))?;
+        drop(g);
+        drop(_flock);
+        if let Some(l) = &self.learned {
+            l.refresh(registered)?;
+        }
         Ok((dns, frag))
     }
 
@@ -163,6 +184,11 @@ impl TrackFloor {
         let mut g = self.inner.lock().expect("track lock");
         ok_absent(g.closed.remove(&key)).map_err(Error::map(map::TRACK_CLOSED, "delete"))?;
         ok_absent(g.opened.remove(&key)).map_err(Error::map(map::TRACK_OPENED, "delete"))?;
+        drop(g);
+        drop(_flock);
+        if let Some(l) = &self.learned {
+            l.forget(ifindex, version)?;
+        }
         Ok(())
     }
 
@@ -188,6 +214,9 @@ impl TrackFloor {
         for k in keys.iter().filter(|k| dead(k)) {
             self.forget(k.ifindex, k.version)?;
             n += 1;
+        }
+        if let Some(l) = &self.learned {
+            l.collect(before, after)?;
         }
         Ok(n)
     }

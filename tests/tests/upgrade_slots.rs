@@ -1043,3 +1043,72 @@ fn tracking_counts_survive_switch_to_older_object_and_rollback() {
     let cpus = cubevs::quota::floor_margin();
     assert_eq!((st.floor, st.ceiling), (4, cubevs::quota::floor_ceiling(1 << 16, 1, 4, cpus)));
 }
+
+/// Switching to an object older than the learned floor (decision R66) and rolling back neither
+/// underflows nor drifts the learned counts: the older object's learned entries are unmarked
+/// (`LearnedValue::flags` bits 8–15 are 0) and never subtracted, the pinned `learned_*` maps it
+/// lacks are kept for the rollback, and after each step the node count equals the charged
+/// entries in the map.
+#[test]
+fn learned_counts_survive_switch_to_older_object_and_rollback() {
+    if !require_root("learned_counts_survive_switch_to_older_object_and_rollback") {
+        return;
+    }
+    use cubevs::testrun::TC_ACT_REDIRECT;
+    use cubevs_common::learned_floor::is_charged;
+    let n = setup();
+    let pin = n.pin_dir();
+    let maps = n.dp.as_ref().unwrap().maps();
+    let sb = n.veth.node_ifindex;
+    let policy = cubevs::EgressPolicy {
+        allow_internet_access: false,
+        allow_out: vec![format!("{}/32", Ipv4Addr::from(cubenet_tests::topology::WORLD_IP))],
+        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
+        ..Default::default()
+    };
+    maps.policy.replace(sb, &policy).expect("dns policy");
+    let lf = maps.track.learned().expect("learned floor");
+    let node = || lf.state().unwrap().node;
+    // Charged entries, read from the map itself.
+    let handle: aya::maps::HashMap<_, cubevs_common::dns::LearnedKey, cubevs_common::dns::LearnedValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
+            aya::maps::MapData::from_pin(pin.join("maps").join(cubevs_common::map::DNS_LEARNED)).unwrap(),
+        ))
+        .unwrap();
+    let charged = |h: &aya::maps::HashMap<_, cubevs_common::dns::LearnedKey, cubevs_common::dns::LearnedValue>| {
+        h.iter().filter(|e| is_charged(e.as_ref().unwrap().1.flags)).count() as i64
+    };
+    let learn = |slot: usize, i: u16| {
+        let v = dns_through_slot(&n, slot, 45_000 + i, 0x300 + i, [203, 0, 113, 20 + i as u8]);
+        assert_eq!(v, (TC_ACT_REDIRECT, TC_ACT_REDIRECT), "answer {i} through slot {slot}");
+    };
+    learn(0, 0);
+    learn(0, 1);
+    assert_eq!(maps.policy.learned(Some(sb)).len(), 2);
+    assert_eq!((node().live(), charged(&handle)), (2, 2));
+
+    // Switch to the older object (no learned_* maps: loaded as the standby all the same); its
+    // entries are learned unmarked and charged to nothing.
+    assert_eq!(slots::load_standby(&pin, &q3_object()).expect("load the older object").slot, 1);
+    assert_eq!(slots::switch(&pin).expect("switch"), 1);
+    assert_links_on(&pin, 1);
+    learn(1, 2);
+    learn(1, 3);
+    assert_eq!(maps.policy.learned(Some(sb)).len(), 4, "the older object learns too");
+    assert_eq!(charged(&handle), 2, "its entries are unmarked");
+    assert_eq!(node().opened, 2, "the older object never adds");
+
+    // Roll back to the floor's object, which learns more; then every entry expires.
+    assert_eq!(slots::rollback(&pin).expect("rollback"), 0);
+    assert_links_on(&pin, 0);
+    learn(0, 4);
+    assert_eq!((node().live(), charged(&handle)), (3, 3));
+    let r = maps.policy.reap_dns(u64::MAX).expect("reap");
+    assert_eq!(r.learned, 5);
+    let st = lf.state().unwrap();
+    assert_eq!((st.node.opened, st.node.closed), (3, 3), "only charged entries subtracted: no underflow");
+    assert_eq!(lf.usage(sb, 1).unwrap().expect("charged").live(), 0);
+    // The ceiling is the one the registrations give (one sandbox).
+    let cpus = cubevs::quota::floor_margin();
+    assert_eq!((st.floor, st.ceiling), (8, cubevs::quota::floor_ceiling(1 << 18, 1, 8, cpus)));
+}

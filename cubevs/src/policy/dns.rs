@@ -18,7 +18,7 @@ use cubevs_common::{
     map,
 };
 
-use super::{FqdnPattern, absent_ok};
+use super::FqdnPattern;
 use crate::Error;
 
 /// Names the policy's L7 rules match on (`match.host`, `match.sni`), normalised like FQDN
@@ -107,6 +107,13 @@ fn charged(k: &DnsQueryKey, v: &DnsQueryValue) -> Option<cubevs_common::QuotaKey
         .then_some(cubevs_common::QuotaKey { ifindex: k.ifindex, version: k.version })
 }
 
+/// The owner of a learned entry whose charge a userspace delete gives back (decision R66;
+/// `None`: made uncharged, by an object older than the learned floor).
+fn learned_charged(k: &LearnedKey, v: &LearnedValue) -> Option<cubevs_common::QuotaKey> {
+    cubevs_common::learned_floor::is_charged(v.flags)
+        .then_some(cubevs_common::QuotaKey { ifindex: k.ifindex, version: v.version })
+}
+
 /// Entries read per `BPF_MAP_LOOKUP_BATCH` when scanning `dns_learned` / `dns_query_track`.
 const SCAN_BATCH: usize = 4096;
 
@@ -175,10 +182,18 @@ impl DnsMaps {
     pub(crate) fn purge(&mut self, ifindex: u32) -> Result<usize, Error> {
         use aya::maps::IterableMap;
         use std::os::fd::AsFd;
-        let keys: Vec<LearnedKey> =
-            self.scan_learned(|k, _| k.ifindex == ifindex)?.into_iter().map(|(k, _)| k).collect();
-        crate::batch::delete(self.learned.map().fd().as_fd(), &keys, SCAN_BATCH)
-            .map_err(|source| Error::MapSyscall { map: map::DNS_LEARNED, op: "batch delete", source })?;
+        let (keys, vals): (Vec<LearnedKey>, Vec<LearnedValue>) =
+            self.scan_learned(|k, _| k.ifindex == ifindex)?.into_iter().unzip();
+        // Each charged entry this delete removed is refunded to the owner its scanned value
+        // names (decision R66; the batch delete reports every key it removed).
+        let mut learned_owners = Vec::new();
+        crate::batch::delete_with(self.learned.map().fd().as_fd(), &keys, SCAN_BATCH, |i| {
+            learned_owners.extend(learned_charged(&keys[i], &vals[i]));
+        })
+        .map_err(|source| Error::MapSyscall { map: map::DNS_LEARNED, op: "batch delete", source })?;
+        if let Some(l) = self.track.as_ref().and_then(|t| t.learned()) {
+            l.closed(&learned_owners)?;
+        }
         let (q, v): (Vec<DnsQueryKey>, Vec<DnsQueryValue>) =
             self.scan_queries(|k, _| k.ifindex == ifindex)?.into_iter().unzip();
         let mut owners = Vec::new();
@@ -192,20 +207,64 @@ impl DnsMaps {
         Ok(keys.len())
     }
 
+    /// Deletes `k` from `dns_learned` and returns the value this delete removed (`None`:
+    /// already gone), one `BPF_MAP_LOOKUP_AND_DELETE_ELEM`.
+    fn take_learned(&self, k: &LearnedKey) -> Result<Option<LearnedValue>, Error> {
+        use aya::maps::IterableMap;
+        use std::os::fd::{AsFd, AsRawFd};
+        let mut v = LearnedValue::default();
+        // SAFETY: both are plain `#[repr(C)]` structs without padding (size-asserted in
+        // `cubevs_common`); the kernel reads the key and writes exactly the value's size.
+        let (kb, vb) = unsafe {
+            (
+                std::slice::from_raw_parts((k as *const LearnedKey).cast::<u8>(), size_of::<LearnedKey>()),
+                std::slice::from_raw_parts_mut((&raw mut v).cast::<u8>(), size_of::<LearnedValue>()),
+            )
+        };
+        let fd = self.learned.map().fd().as_fd().as_raw_fd();
+        match crate::bpf_sys::map_lookup_and_delete(fd, kb, vb) {
+            Ok(true) => Ok(Some(v)),
+            Ok(false) => Ok(None),
+            Err(source) => Err(Error::MapSyscall { map: map::DNS_LEARNED, op: "lookup and delete", source }),
+        }
+    }
+
+    /// Puts back `v` under `k` (only where nothing is: `BPF_NOEXIST`); `true` when it is back
+    /// (its charge, if any, stays with it), `false` when the datapath made an entry meanwhile.
+    fn put_back_learned(&mut self, k: &LearnedKey, v: &LearnedValue) -> Result<bool, Error> {
+        match self.learned.insert(k, v, crate::BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(e) if crate::error::is_exists(&e) => Ok(false),
+            Err(e) => Err(Error::map(map::DNS_LEARNED, "put back")(e)),
+        }
+    }
+
     /// Deletes learned entries and tracked queries that expired at `now_ns` (CLOCK_MONOTONIC).
     /// A learned entry is deleted only if it still holds the expired value (the datapath may
     /// renew it between our read and the delete; a renewal seen here is kept).
     pub(crate) fn reap(&mut self, now_ns: u64) -> Result<DnsReap, Error> {
         let mut r = DnsReap::default();
         let expired = self.scan_learned(|_, v| v.expires_ns <= now_ns)?;
+        let mut learned_owners = Vec::new();
         for (k, v) in expired {
             // Re-read right before deleting: skip entries renewed meanwhile.
             match self.learned.get(&k, 0) {
-                Ok(cur) if cur == v => {}
+                Ok(cur) if cur.expires_ns == v.expires_ns && cur.version == v.version => {}
                 _ => continue,
             }
-            absent_ok(self.learned.remove(&k)).map_err(Error::map(map::DNS_LEARNED, "delete"))?;
+            // Delete and read as one operation: exactly what was removed is refunded
+            // (decision R66). An entry renewed in the instant since the re-read is put back
+            // unless the datapath made a new one meanwhile (then that one is charged and the
+            // removed one refunded).
+            let Some(gone) = self.take_learned(&k)? else { continue };
+            if gone.expires_ns > now_ns && self.put_back_learned(&k, &gone)? {
+                continue;
+            }
+            learned_owners.extend(learned_charged(&k, &gone));
             r.learned += 1;
+        }
+        if let Some(l) = self.track.as_ref().and_then(|t| t.learned()) {
+            l.closed(&learned_owners)?;
         }
         let expired = self.scan_queries(|_, v| v.expires_ns <= now_ns)?;
         let mut owners = Vec::new();

@@ -231,8 +231,10 @@ pub struct LearnedValue {
     pub expires_ns: u64,
     /// Sandbox version that learned it (a reused interface never inherits it).
     pub version: u32,
-    /// Bits 0–7: the pattern's flags ([`FLAG_L7`]); bits 16–31: the matched pattern's
-    /// [`pattern_tag`] (0 = unknown: learned by a program before N8).
+    /// Bits 0–7: the pattern's flags ([`FLAG_L7`]); bits 8–15: the charge mark
+    /// ([`crate::learned_floor::CHARGED`], decision R66; 0 = made by an object before R66,
+    /// never subtracted); bits 16–31: the matched pattern's [`pattern_tag`] (0 = unknown:
+    /// learned by a program before N8).
     pub flags: u32,
 }
 const _: () = assert!(core::mem::size_of::<LearnedValue>() == 16);

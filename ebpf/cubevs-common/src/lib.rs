@@ -159,7 +159,19 @@ pub mod map {
     ///
     /// `dns_allow_names` (decision R48): an object without it matches FQDN patterns by hash
     /// alone.
-    pub const OPTIONAL: &[&str] = &[SESSION_FLOOR, TRACK_OPENED, TRACK_CLOSED, NODE_DENY, DNS_ALLOW_NAMES];
+    ///
+    /// `learned_opened` / `learned_closed` / `learned_floor` (decision R66): without them an
+    /// object learns with no floor (only its R60 budget).
+    pub const OPTIONAL: &[&str] = &[
+        SESSION_FLOOR,
+        TRACK_OPENED,
+        TRACK_CLOSED,
+        NODE_DENY,
+        DNS_ALLOW_NAMES,
+        LEARNED_OPENED,
+        LEARNED_CLOSED,
+        LEARNED_FLOOR,
+    ];
     /// LPM trie: key `{prefixlen: u32, addr: u32 NBO}` (8 bytes) → `u8` 1, the node's extra
     /// always-denied destinations (agent key `always_denied_cidrs`, decision R30): checked
     /// before every allow of every sandbox, and never learned from a DNS answer. Written by
@@ -172,6 +184,18 @@ pub mod map {
     /// Hash: [`super::QuotaKey`] → [`super::TrackCount`], charged tracking entries userspace
     /// deleted (written by the `cubevs` library only).
     pub const TRACK_CLOSED: &str = "track_closed";
+    /// Hash: [`super::QuotaKey`] → `u64`, `dns_learned` entries the datapath charged to a
+    /// sandbox version (created and atomically added to / subtracted from by the datapath
+    /// only, decision R66; see [`super::learned_floor`]).
+    pub const LEARNED_OPENED: &str = "learned_opened";
+    /// Hash: [`super::QuotaKey`] → `u64`, charged `dns_learned` entries userspace deleted
+    /// (written by the `cubevs` library only, decision R66).
+    pub const LEARNED_CLOSED: &str = "learned_closed";
+    /// Hash: `u32` key → `u64` ([`super::learned_floor`], decision R66): the node-wide count of
+    /// charged `dns_learned` entries ([`super::learned_floor::OPENED`] datapath only,
+    /// [`super::learned_floor::CLOSED`] library only) and the floor and ceiling
+    /// ([`super::learned_floor::LIMITS`], library only).
+    pub const LEARNED_FLOOR: &str = "learned_floor";
     /// Every map of the datapath (all pinned).
     pub const ALL: &[&str] = &[
         MVMIP_TO_IFINDEX,
@@ -203,6 +227,9 @@ pub mod map {
         TRACK_CLOSED,
         NODE_DENY,
         DNS_ALLOW_NAMES,
+        LEARNED_OPENED,
+        LEARNED_CLOSED,
+        LEARNED_FLOOR,
     ];
 }
 
@@ -237,6 +264,12 @@ pub mod limits {
     /// `frag_sessions_v2` entries every registered sandbox version may always hold (decision
     /// Q6): 4, the same half of [`FRAG_SESSIONS`] at 8,192 sandboxes.
     pub const FRAG_FLOOR: u32 = 4;
+    /// `dns_learned` entries every registered sandbox version may always hold, whatever the
+    /// others hold (decision R66): 8. With [`SANDBOXES`] (8,192) registered the reserve is
+    /// 65,536, a quarter of [`DNS_LEARNED`]; the rest is shared under the ceiling.
+    pub const DNS_LEARNED_FLOOR: u32 = 8;
+    /// Entries of `learned_floor`: its three keys ([`super::learned_floor`]).
+    pub const LEARNED_FLOOR_KEYS: u32 = 3;
     /// Policy entries in `allow_out` / `deny_out`, summed over all sandboxes: the object's
     /// placeholder only; `cubevs` sizes the tries at load from its per-sandbox limit
     /// (`MapLimits::policy_entries`).
@@ -845,6 +878,40 @@ pub mod track {
     /// (in the key: `FragTarget` has no spare byte; later fragments look this key up, so the
     /// entries of older objects, `_pad` 0, are not followed by newer ones, and back).
     pub const FRAG_CHARGED: u8 = 1;
+}
+
+/// Reserved floor of `dns_learned` (decision R66, the scheme of [`floor`] and Q6): every
+/// registered sandbox version may always hold its floor of learned entries; a version at or
+/// over it makes a new entry only while the node's charged learned entries are below
+/// `capacity - registered × floor - possible CPUs`.
+///
+/// Counts are `opened - closed`, each written by one side only: `learned_opened`
+/// ([`crate::QuotaKey`] → `u64`) and [`OPENED`] by the datapath (atomic add when it makes a
+/// charged entry; when it takes over a previous version's charged entry on the same interface
+/// it moves the per-version charge, the node count stays), `learned_closed` and [`CLOSED`] by
+/// the `cubevs` library (charged entries its reaper and purges deleted). A charged entry
+/// carries [`CHARGED`] in bits [`MARK_SHIFT`].. of `LearnedValue::flags`, kept by renewals;
+/// entries an older object made carry 0 and are never subtracted.
+pub mod learned_floor {
+    /// Key of `learned_floor`: charged entries the datapath made (datapath-written only).
+    pub const OPENED: u32 = 0;
+    /// Key: charged entries userspace deleted (library-written only).
+    pub const CLOSED: u32 = 1;
+    /// Key: [`super::floor::pack`]ed floor and ceiling (library-written only). Absent (older
+    /// userspace) or floor 0: no node-wide check.
+    pub const LIMITS: u32 = 2;
+    /// Shift of the charge mark in `LearnedValue::flags` (bits 8..16).
+    pub const MARK_SHIFT: u32 = 8;
+    /// Mask of the charge mark in `LearnedValue::flags`.
+    pub const MARK_MASK: u32 = 0xFF << MARK_SHIFT;
+    /// `LearnedValue::flags` mark of an entry charged to its version and to the node.
+    pub const CHARGED: u32 = 1 << MARK_SHIFT;
+
+    /// Whether the `LearnedValue::flags` value `flags` carries the charge mark.
+    #[inline(always)]
+    pub const fn is_charged(flags: u32) -> bool {
+        flags & MARK_MASK == CHARGED
+    }
 }
 
 /// [`AllowValue::flags`] (decision N10): a `/32` entry for an IPv4 literal that an L7 rule names

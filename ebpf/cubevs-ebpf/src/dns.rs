@@ -14,14 +14,18 @@
 //!   clamp(TTL, floor, cap), except addresses in the always-denied ranges (counted
 //!   `dns_not_public`, decision R15). The track entry is consumed. A new learned entry
 //!   takes one of the sandbox version's `DNS_LEARNED_PER_SANDBOX` per day (decision R60;
-//!   over it, counted `dns_learn_full`); renewing its own entry is free.
+//!   over it, counted `dns_learn_full`) and is charged to the learned floor (decision R66:
+//!   above its floor, only while the node's charged learned entries are below the ceiling);
+//!   renewing its own entry is free.
 //!
 //! Neither hook ever changes the packet's verdict: DNS itself is decided by the CIDR policy
 //! before the query hook runs and the response follows its session. No tail calls: the
 //! parser's loops run under `bpf_loop`, so the verifier checks each body once.
 
+use core::intrinsics::{AtomicOrdering, atomic_cxchg};
+
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_EXIST, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{BPF_EXIST, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     cty::c_void,
     helpers::{
         bpf_ktime_get_ns,
@@ -38,11 +42,11 @@ use cubevs_common::{
         self, CB_MAGIC, DnsAllowKey, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Loop,
         MSG_WINDOW, QUERY_TIMEOUT_NS, Reject, Scratch, flags, slot,
     },
-    limits, track,
+    learned_floor, limits, track,
 };
 
 use crate::{
-    budget,
+    budget, learned_floor as learned_floor_counts,
     maps::{
         DNS_ALLOW, DNS_ALLOW_NAMES, DNS_LEARNED, DNS_PROGS, DNS_QUERY_TRACK, DNS_SCRATCH, EGRESS_SESSIONS,
         IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, count,
@@ -360,7 +364,7 @@ pub fn on_response(ctx: &TcContext, ip: &Ipv4, vm_ifindex: u32, guest_port: u16,
         let value = LearnedValue {
             expires_ns: now + dns::learned_lifetime_ns(ttl),
             version,
-            flags: allow.flags as u32 | (allow.tag as u32) << dns::TAG_SHIFT,
+            flags: allow.flags as u32 | (allow.tag as u32) << dns::TAG_SHIFT | learned_floor::CHARGED,
         };
         let n = allow.port_count as usize;
         if n == 0 {
@@ -393,40 +397,96 @@ fn forget(key: &DnsQueryKey, v: &DnsQueryValue) -> bool {
     removed
 }
 
-/// Learns (`ifindex`, `ip`, `port`) → `v`: renews the sandbox version's own entry (never
-/// shortening it), or makes a new one within the version's daily budget (decision R60: the
-/// map is shared and never evicts, so one sandbox must not fill it for every other).
-#[inline(always)]
+/// Learns (`ifindex`, `ip`, `port`) → `v`: renews the sandbox version's own entry in place
+/// (never shortening it; its charge mark and owner stay), or makes a new one, or takes over
+/// one a previous version of the interface left, within the version's daily budget (decision
+/// R60: the map is shared and never evicts, so one sandbox must not fill it for every other)
+/// and the learned floor (decision R66: colluding sandboxes must not fill it either). A new
+/// or taken-over entry is charged to the version (and to the node when it was not yet).
+/// `v.flags` carries the charge mark ([`learned_floor::CHARGED`]); a renewal keeps the
+/// entry's own mark instead.
+// A call of its own: its frame is not added to the answer walk's callback eight times over
+// (the verifier's combined stack limit is 512 bytes; few values live across its calls).
+#[inline(never)]
 fn learn(ifindex: u32, ip: u32, port: u16, v: &LearnedValue) {
     let key = LearnedKey { ifindex, ip, port, _pad: 0 };
-    // SAFETY: plain map lookup; two fields copied out.
-    let old = unsafe { DNS_LEARNED.get(&key) }.map(|o| (o.version, o.expires_ns));
-    match old {
-        // A renewal never shortens an entry: keep the later expiry.
-        Some((version, expires_ns)) if version == v.version => {
-            if expires_ns > v.expires_ns {
+    if let Some(p) = DNS_LEARNED.get_ptr_mut(&key) {
+        // SAFETY: valid map value pointer; fields read and written in place. A concurrent
+        // delete or replacement of the element makes these writes land in the old element
+        // (kept alive by RCU), never in another entry.
+        unsafe {
+            if (*p).version == v.version {
+                // A renewal never shortens an entry: keep the later expiry.
+                if (*p).expires_ns <= v.expires_ns {
+                    (*p).expires_ns = v.expires_ns;
+                    (*p).flags = (v.flags & !learned_floor::MARK_MASK) | ((*p).flags & learned_floor::MARK_MASK);
+                }
                 count(counter::DNS_RESP_LEARNED);
                 return;
             }
-        }
-        // A new entry (or one left by the interface's previous sandbox) costs the budget.
-        _ => {
-            if !budget::take(
-                ifindex,
-                cubevs_common::budget::learned_kind(v.version),
-                limits::DNS_LEARNED_PER_SANDBOX,
-                cubevs_common::budget::DNS_LEARNED_WINDOW_NS,
-            ) {
+            // Left by the interface's previous sandbox: a new entry of this version.
+            if !take_new(ifindex, v.version) {
+                return;
+            }
+            // Read after the call (fewer values live across it); the owner is then claimed
+            // by an atomic compare-and-swap, so exactly one CPU moves the entry and its charge.
+            let version = (*p).version;
+            let old_flags = (*p).flags;
+            let (_, won) = atomic_cxchg::<u32, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                &raw mut (*p).version,
+                version,
+                v.version,
+            );
+            if version == v.version {
+                // Another CPU took it over for this version meanwhile: learned all the same.
+                count(counter::DNS_RESP_LEARNED);
+                return;
+            }
+            if !won {
                 count(counter::DNS_LEARN_FULL);
                 return;
             }
+            (*p).expires_ns = v.expires_ns;
+            (*p).flags = v.flags;
+            if learned_floor::is_charged(old_flags) {
+                learned_floor_counts::moved(ifindex, version, v.version);
+            } else {
+                learned_floor_counts::charge(ifindex, v.version);
+            }
         }
+        count(counter::DNS_RESP_LEARNED);
+        return;
     }
-    if DNS_LEARNED.insert(&key, v, BPF_ANY as u64).is_ok() {
+    if !take_new(ifindex, v.version) {
+        return;
+    }
+    // `v` carries the charge mark already. NOEXIST: an entry another CPU (or the reaper's
+    // put-back) made meanwhile is not replaced, so every charged entry is charged once.
+    if DNS_LEARNED.insert(&key, v, BPF_NOEXIST as u64).is_ok() {
+        learned_floor_counts::charge(ifindex, v.version);
         count(counter::DNS_RESP_LEARNED);
     } else {
         count(counter::DNS_LEARN_FULL);
     }
+}
+
+/// Takes one new learned entry for (`ifindex`, `version`): its daily budget (R60) and the
+/// learned floor (R66). `false` (counted `dns_learn_full`): the entry must not be made.
+// A call of its own: its map keys and values are not added to the answer walk's callback
+// (the verifier's combined stack limit is 512 bytes).
+#[inline(never)]
+fn take_new(ifindex: u32, version: u32) -> bool {
+    if !budget::take(
+        ifindex,
+        cubevs_common::budget::learned_kind(version),
+        limits::DNS_LEARNED_PER_SANDBOX,
+        cubevs_common::budget::DNS_LEARNED_WINDOW_NS,
+    ) || !learned_floor_counts::admit(ifindex, version)
+    {
+        count(counter::DNS_LEARN_FULL);
+        return false;
+    }
+    true
 }
 
 /// What a learned entry of `ifindex` (sandbox `version`) says about a new flow to `daddr`

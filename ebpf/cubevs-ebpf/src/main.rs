@@ -33,6 +33,7 @@ mod from_cube;
 mod from_envoy;
 mod from_world;
 mod icmp_err;
+mod learned_floor;
 mod maps;
 mod nat;
 mod packet;

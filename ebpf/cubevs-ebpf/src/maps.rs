@@ -68,6 +68,21 @@ pub static TRACK_OPENED: HashMap<QuotaKey, TrackCount> = HashMap::with_max_entri
 #[map(name = "track_closed")]
 pub static TRACK_CLOSED: HashMap<QuotaKey, TrackCount> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
 
+/// `dns_learned` entries the datapath charged per sandbox version (kernel-written only,
+/// `crate::learned_floor`, decision R66).
+#[map(name = "learned_opened")]
+pub static LEARNED_OPENED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
+
+/// Charged `dns_learned` entries userspace deleted per sandbox version (userspace-written only).
+#[map(name = "learned_closed")]
+pub static LEARNED_CLOSED: HashMap<QuotaKey, u64> = HashMap::with_max_entries(limits::SESSION_QUOTA_KEYS, 0);
+
+/// Node-wide charged learned entries and the learned floor's limits
+/// (`cubevs_common::learned_floor`; key `OPENED` kernel-written only, `CLOSED` and `LIMITS`
+/// userspace-written only).
+#[map(name = "learned_floor")]
+pub static LEARNED_FLOOR: HashMap<u32, u64> = HashMap::with_max_entries(limits::LEARNED_FLOOR_KEYS, 0);
+
 /// SNAT addresses, 4 slots.
 #[map(name = "snat_iplist")]
 pub static SNAT_IPLIST: Array<SnatIp> = Array::with_max_entries(limits::SNAT_IPS, 0);
