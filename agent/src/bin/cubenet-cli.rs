@@ -70,7 +70,7 @@ enum Cmd {
         state: Option<String>,
     },
     /// Datapath counters of one sandbox: packets and bytes each way (out = sent by the guest),
-    /// drops by reason.
+    /// drops by reason; its allow_fqdn patterns and the addresses learned for them
     Sandbox {
         /// Sandbox id.
         sandbox_id: String,
@@ -303,10 +303,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             else {
                 bail!("sandbox {sandbox_id:?} is not registered in the datapath");
             };
+            // Patterns and learned addresses (O18); an agent before O18 has no such path.
+            let fqdn = http_json(&cli.http, "/v1/dataplane/fqdn").ok().and_then(|j| {
+                j["sandboxes"]
+                    .as_array()
+                    .and_then(|a| a.iter().find(|s| s["sandboxID"] == sandbox_id.as_str()).cloned())
+            });
             if cli.json {
+                let mut sb = sb.clone();
+                if let Some(f) = &fqdn {
+                    sb["allowFqdn"] = f["allowFqdn"].clone();
+                    sb["learned"] = f["learned"].clone();
+                    sb["learnedEntries"] = f["learnedEntries"].clone();
+                }
                 println!("{sb}");
             } else {
                 print_counters(sb);
+                if let Some(f) = fqdn {
+                    print_fqdn(&f);
+                }
             }
         }
         Cmd::Sessions | Cmd::Sandboxes | Cmd::Portmaps | Cmd::Policies => {
@@ -374,6 +389,29 @@ fn print_network(
 }
 
 /// `cubenet-cli sandbox ID` as tables: identity, traffic each way, drops by reason.
+/// The `allow_fqdn` patterns of one sandbox with the addresses learned for each (O18).
+fn print_fqdn(f: &serde_json::Value) {
+    let patterns: Vec<&str> =
+        f["allowFqdn"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+    if patterns.is_empty() {
+        return;
+    }
+    println!();
+    let rows = patterns
+        .iter()
+        .map(|p| {
+            let name = p.split_once(':').map_or(*p, |(n, _)| n);
+            let ips: Vec<&str> = f["learned"][name]
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+                .unwrap_or_default();
+            vec![p.to_string(), if ips.is_empty() { "-".into() } else { ips.join(",") }]
+        })
+        .collect();
+    table(&["ALLOW_FQDN", "LEARNED (unexpired)"], rows);
+    println!("learned entries of this sandbox: {}", f["learnedEntries"]);
+}
+
 fn print_counters(sb: &serde_json::Value) {
     let s = |v: &serde_json::Value| match v {
         serde_json::Value::String(s) => s.clone(),
