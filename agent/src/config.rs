@@ -594,7 +594,8 @@ impl Config {
         let mut always_denied = Vec::with_capacity(self.always_denied_cidrs.len());
         for (i, s) in self.always_denied_cidrs.iter().enumerate() {
             let bad = |r: String| invalid("always_denied_cidrs", format!("[{i}] {s:?}: {r}"));
-            let c = cubevs::Cidr::parse(s).map_err(bad)?;
+            // The parser's reason already quotes the entry.
+            let c = cubevs::Cidr::parse(s).map_err(|r| invalid("always_denied_cidrs", format!("[{i}] {r}")))?;
             // Strict, as `cidr`: a typo such as `100.100.100.200/10` would deny a whole range.
             if c.has_host_bits() {
                 return Err(bad("host bits set".into()));
@@ -656,6 +657,7 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("`always_denied_cidrs`") && e.contains("[1]"), "{e}");
+            assert_eq!(e.matches(bad.trim_matches('"')).count(), 1, "the entry once: {e}");
         }
         let many: Vec<String> = (0..65).map(|i| format!("\"203.0.113.{i}\"")).collect();
         let e = Config::parse(&format!("always_denied_cidrs = [{}]", many.join(", ")))
