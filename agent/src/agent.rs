@@ -110,6 +110,13 @@ pub struct FqdnView {
     /// Unexpired learned (address, port) entries of the current version, named or not.
     #[serde(rename = "learnedEntries")]
     pub learned_entries: usize,
+    /// Its tracked DNS queries in the current 10 s window (decision O20; over `cap`, queries
+    /// are forwarded untracked and their answers not learned: `dns_query_over_budget`).
+    #[serde(rename = "queryWindow")]
+    pub query_window: cubevs::insert_budget::BudgetUse,
+    /// Its new learned entries in the current day window (R60; over `cap`: `dns_learn_full`).
+    #[serde(rename = "learnedDay")]
+    pub learned_day: cubevs::insert_budget::BudgetUse,
     #[serde(skip)]
     patterns: Vec<cubevs::policy::FqdnPattern>,
     #[serde(skip)]
@@ -376,7 +383,8 @@ impl Agent {
     }
 
     /// Every live sandbox's `allow_fqdn` patterns and what its datapath learned for them
-    /// (`GET /v1/dataplane/fqdn`, `cubenet-cli sandbox`; decision O18): unexpired entries of the
+    /// (`GET /v1/dataplane/fqdn`, `cubenet-cli sandbox`; decision O18), and its DNS query and
+    /// learning windows (O20): unexpired entries of the
     /// sandbox's current version on its TAP, named by the pattern they were learned for
     /// (`cubevs::policy::learned_names`, L7 or not), sorted by sandbox id. Walks `dns_learned`
     /// once (one lookup per entry) when any sandbox has patterns. Errors: the map read.
@@ -406,6 +414,8 @@ impl Agent {
                         allow_fqdn: patterns.iter().map(spelled).collect(),
                         learned: BTreeMap::new(),
                         learned_entries: 0,
+                        query_window: Default::default(),
+                        learned_day: Default::default(),
                         patterns,
                         tap_ifindex: r.tap_ifindex,
                         version: r.version,
@@ -414,6 +424,9 @@ impl Agent {
                 .collect()
         };
         v.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
+        for s in v.iter_mut().filter(|s| s.tap_ifindex != 0) {
+            (s.query_window, s.learned_day) = self.dp.dns_budgets(s.tap_ifindex, s.version);
+        }
         if v.iter().all(|s| s.patterns.is_empty()) {
             return Ok(v);
         }

@@ -212,9 +212,9 @@ fn static_l7_rule_through_the_agent() {
     assert_eq!(mark22, (TC_ACT_REDIRECT, 0, ADDR_API.to_vec()), "denied by the CIDR policy");
 }
 
-/// The operator's view of DNS learning (decision O18): `GET /v1/dataplane/fqdn` and `cubenet-cli
-/// sandbox ID` list a sandbox's `allow_fqdn` patterns with the addresses its own datapath
-/// learned for each, so "why does this name not work" is answered per sandbox. Attack: a second
+/// The operator's view of DNS learning (decisions O18, O20): `GET /v1/dataplane/fqdn` and
+/// `cubenet-cli sandbox ID` list a sandbox's `allow_fqdn` patterns with the addresses its own
+/// datapath learned for each and its query and learning windows, so "why does this name not work" is answered per sandbox. Attack: a second
 /// sandbox with the same patterns never shows the first one's addresses, and a released
 /// sandbox's entries are shown for nobody.
 #[test]
@@ -248,7 +248,18 @@ fn operator_sees_each_sandboxs_learned_addresses() {
     let a1 = view("sb-a").unwrap();
     // One entry per learned (address, port): every port for the exact name, 443 for the wildcard.
     assert_eq!((a1["learned"].clone(), a1["learnedEntries"].clone()), (want, json!(2)), "{a1}");
+    // The datapath's windows (O20): A's two new entries charged to its day window; its two
+    // tracked queries to its 10 s window while that window is open.
+    assert_eq!((a1["learnedDay"]["used"].clone(), a1["learnedDay"]["cap"].clone()), (json!(2), json!(8192)), "{a1}");
+    let resets = a1["learnedDay"]["resets_in_secs"].as_u64().unwrap();
+    assert!((1..=86_400).contains(&resets), "{a1}");
+    let q = &a1["queryWindow"];
+    assert_eq!(q["cap"], json!(512), "{a1}");
+    assert!(q["used"] == json!(2) || (q["used"] == json!(0) && q["resets_in_secs"] == json!(0)), "{a1}");
     let b1 = view("sb-b").unwrap();
+    for w in ["learnedDay", "queryWindow"] {
+        assert_eq!((b1[w]["used"].clone(), b1[w]["resets_in_secs"].clone()), (json!(0), json!(0)), "B charged: {b1}");
+    }
     assert_eq!(patterns(&b1), patterns(&a1));
     assert_eq!((b1["learned"].clone(), b1["learnedEntries"].clone()), (json!({}), json!(0)), "A's addresses under B");
 
@@ -269,6 +280,7 @@ fn operator_sees_each_sandboxs_learned_addresses() {
     assert_eq!(row("api.example.com"), Some(vec!["api.example.com", "203.0.113.10"]), "{table}");
     assert_eq!(row("*.cdn.example:443"), Some(vec!["*.cdn.example:443", "203.0.113.20"]), "{table}");
     assert!(table.contains("learned entries of this sandbox: 2"), "{table}");
+    assert!(table.contains("new learned entries (day window): 2 of 8192, window resets in"), "{table}");
     let jb: Value = serde_json::from_str(&cli(true, "sb-b")).unwrap();
     assert_eq!((jb["learned"].clone(), jb["learnedEntries"].clone()), (json!({}), json!(0)), "{jb}");
     assert!(jb["drops"].is_object(), "the counters are still there: {jb}");

@@ -315,6 +315,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     sb["allowFqdn"] = f["allowFqdn"].clone();
                     sb["learned"] = f["learned"].clone();
                     sb["learnedEntries"] = f["learnedEntries"].clone();
+                    sb["queryWindow"] = f["queryWindow"].clone();
+                    sb["learnedDay"] = f["learnedDay"].clone();
                 }
                 println!("{sb}");
             } else {
@@ -410,6 +412,18 @@ fn print_fqdn(f: &serde_json::Value) {
         .collect();
     table(&["ALLOW_FQDN", "LEARNED (unexpired)"], rows);
     println!("learned entries of this sandbox: {}", f["learnedEntries"]);
+    // The datapath's windows (O20): over a cap, queries go untracked / answers unlearned.
+    for (what, key) in
+        [("tracked DNS queries (10 s window)", "queryWindow"), ("new learned entries (day window)", "learnedDay")]
+    {
+        let w = &f[key];
+        if w.is_object() {
+            match w["resets_in_secs"].as_u64() {
+                Some(0) | None => println!("{what}: {} of {}, no window open", w["used"], w["cap"]),
+                Some(r) => println!("{what}: {} of {}, window resets in {r} s", w["used"], w["cap"]),
+            }
+        }
+    }
 }
 
 fn print_counters(sb: &serde_json::Value) {
