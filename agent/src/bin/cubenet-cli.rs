@@ -84,7 +84,7 @@ enum Cmd {
     /// Dump per-TAP egress policies.
     Policies,
     /// Collect a debug bundle (health, readiness, metrics, TAPs, networks, datapath registry,
-    /// counters, port maps, policies, datapath slots; never credentials) into a new directory.
+    /// counters, port maps, policies, FQDN view, datapath slots; never credentials) into a new directory.
     Bundle(bundle::BundleArgs),
     /// Active/standby CubeVS datapath: status, load into standby, switch, rollback (works on
     /// the pins directly, under the node's update lock).
