@@ -10,7 +10,8 @@
 #   (6) then gRPC and the TAP fd socket.
 # Steps 3-6 are performed, in that order and each logged with its duration, by the agent,
 # which this script `exec`s so SIGTERM reaches it directly. SIGTERM stops the agent and leaves
-# the datapath, TAPs and pins in place.
+# the datapath, TAPs and pins in place. SIGHUP makes the agent re-read NETWORK_AGENT_CONFIG and
+# apply its always_denied_cidrs (other changed keys are logged as needing a restart).
 #
 # Environment:
 #   NETWORK_AGENT_CONFIG     TOML config file (optional; every key has a default)
@@ -23,6 +24,7 @@
 #                            and the same socket while the old agent runs: the old one hands
 #                            over and exits by itself (README "Live upgrade")
 #   NETWORK_AGENT_ARGS       extra flags for the agent (word-split), e.g. "--tap-init-num 8"
+#   NETWORK_AGENT_LOG_FORMAT json: one JSON object per line (the chart's default); else text
 #   NETWORK_AGENT_LOG_FILE   append the agent's log here instead of stderr (optional); its
 #                            directory is waited for (a missing log volume is an error, never
 #                            created here: logs written into the container would be lost)

@@ -94,6 +94,37 @@ impl From<DataplaneError> for AgentError {
     }
 }
 
+/// One sandbox in [`Agent::fqdn_view`] (JSON field names as served).
+#[derive(Clone, Debug, Serialize)]
+pub struct FqdnView {
+    /// Sandbox id.
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    /// Its `allow_fqdn` patterns as `NAME[:PORT,…]` (`*.` for subdomains; no ports = every
+    /// port), the `cubenet-cli ensure --allow-fqdn` form.
+    #[serde(rename = "allowFqdn")]
+    pub allow_fqdn: Vec<String>,
+    /// Unexpired learned addresses of the current version by the pattern (spelled as in the
+    /// policy, `*.` for subdomains) they were learned for; a pattern with nothing learned is absent.
+    pub learned: BTreeMap<String, Vec<Ipv4Addr>>,
+    /// Unexpired learned (address, port) entries of the current version, named or not.
+    #[serde(rename = "learnedEntries")]
+    pub learned_entries: usize,
+    /// Its tracked DNS queries in the current 10 s window (decision O20; over `cap`, queries
+    /// are forwarded untracked and their answers not learned: `dns_query_over_budget`).
+    #[serde(rename = "queryWindow")]
+    pub query_window: cubevs::insert_budget::BudgetUse,
+    /// Its new learned entries in the current day window (R60; over `cap`: `dns_learn_full`).
+    #[serde(rename = "learnedDay")]
+    pub learned_day: cubevs::insert_budget::BudgetUse,
+    #[serde(skip)]
+    patterns: Vec<cubevs::policy::FqdnPattern>,
+    #[serde(skip)]
+    tap_ifindex: u32,
+    #[serde(skip)]
+    version: u32,
+}
+
 /// One TAP as listed by `GET /v1/network/taps` (upstream field names, §1.2).
 #[derive(Clone, Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -349,6 +380,68 @@ impl Agent {
         }
         v.sort_by_key(|(ip, _)| *ip);
         v
+    }
+
+    /// Every live sandbox's `allow_fqdn` patterns and what its datapath learned for them
+    /// (`GET /v1/dataplane/fqdn`, `cubenet-cli sandbox`; decision O18), and its DNS query and
+    /// learning windows (O20): unexpired entries of the
+    /// sandbox's current version on its TAP, named by the pattern they were learned for
+    /// (`cubevs::policy::learned_names`, L7 or not), sorted by sandbox id. Walks `dns_learned`
+    /// once (one lookup per entry) when any sandbox has patterns. Errors: the map read.
+    pub fn fqdn_view(&self) -> Result<Vec<FqdnView>, DataplaneError> {
+        let mut v: Vec<FqdnView> = {
+            let inner = lock(&self.inner);
+            inner
+                .sandboxes
+                .values()
+                .map(|r| {
+                    let patterns: Vec<cubevs::policy::FqdnPattern> = r
+                        .policy
+                        .allow_fqdn
+                        .iter()
+                        .filter_map(|f| cubevs::policy::parse_fqdn(f, "allow_fqdn").ok())
+                        .collect();
+                    let spelled = |p: &cubevs::policy::FqdnPattern| match p.ports.as_slice() {
+                        [] => p.spelled(),
+                        ports => format!(
+                            "{}:{}",
+                            p.spelled(),
+                            ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+                        ),
+                    };
+                    FqdnView {
+                        sandbox_id: r.sandbox_id.clone(),
+                        allow_fqdn: patterns.iter().map(spelled).collect(),
+                        learned: BTreeMap::new(),
+                        learned_entries: 0,
+                        query_window: Default::default(),
+                        learned_day: Default::default(),
+                        patterns,
+                        tap_ifindex: r.tap_ifindex,
+                        version: r.version,
+                    }
+                })
+                .collect()
+        };
+        v.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
+        for s in v.iter_mut().filter(|s| s.tap_ifindex != 0) {
+            (s.query_window, s.learned_day) = self.dp.dns_budgets(s.tap_ifindex, s.version);
+        }
+        if v.iter().all(|s| s.patterns.is_empty()) {
+            return Ok(v);
+        }
+        let entries = self.dp.learned()?;
+        let now = cubevs::reaper::monotonic_ns();
+        let mut by_if: HashMap<u32, Vec<cubevs::policy::LearnedEntry>> = HashMap::new();
+        for e in entries {
+            by_if.entry(e.ifindex).or_default().push(e);
+        }
+        for s in &mut v {
+            let Some(es) = by_if.get(&s.tap_ifindex).filter(|_| s.tap_ifindex != 0) else { continue };
+            s.learned_entries = es.iter().filter(|e| e.version == s.version && e.expires_ns > now).count();
+            s.learned = cubevs::policy::learned_names(&s.patterns, s.version, es, now, false, usize::MAX).names;
+        }
+        Ok(v)
     }
 
     /// Sends `ip`'s L7 rules (none = DELETE) to the gateway: one attempt now, retries in the

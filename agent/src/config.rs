@@ -448,6 +448,19 @@ impl Config {
             return Err(invalid("mvm_mask", format!("/{} outside /1../30", self.mvm_mask)));
         }
         let port_range = parse_port_range(&self.host_port_range).map_err(|r| invalid("host_port_range", r))?;
+        // A host port is DNATed into its sandbox whatever else owns the port on the node
+        // address, so the range must stay clear of the SNAT ports (decision O16).
+        let snat_min = cubevs_common::snat::PORT_MIN;
+        if port_range.1 >= snat_min {
+            return Err(invalid(
+                "host_port_range",
+                format!(
+                    "{:?} reaches the SNAT ports {snat_min}-65535 (replies to sandboxes' own flows would be \
+                     taken for host-port traffic); end it below {snat_min}, e.g. \"20000-29999\"",
+                    self.host_port_range
+                ),
+            ));
+        }
         let hp = self.grpc_listen.strip_prefix("tcp://").unwrap_or(&self.grpc_listen);
         let unix_ok = self.grpc_listen.strip_prefix("unix://").is_some_and(|p| p.starts_with('/'));
         let tcp_ok = hp.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
@@ -495,6 +508,30 @@ impl Config {
                 return Err(invalid(
                     "ip_local_port_range",
                     format!("{:?} is not \"first last\"", self.ip_local_port_range),
+                ));
+            }
+            // The node's own connections draw their local ports from this range: a port that
+            // is also a host port or a SNAT port would have its replies taken by the datapath
+            // (decision O16).
+            let (a, b) = (v[0].parse::<u16>().unwrap_or(0), v[1].parse::<u16>().unwrap_or(0));
+            let clash = |first: u16, last: u16| a <= last && first <= b;
+            let snat_min = cubevs_common::snat::PORT_MIN;
+            let what = if clash(port_range.0, port_range.1) {
+                Some(format!("host_port_range {}", self.host_port_range))
+            } else if clash(snat_min, u16::MAX) {
+                Some(format!("the SNAT ports {snat_min}-65535"))
+            } else {
+                None
+            };
+            if let Some(what) = what {
+                return Err(invalid(
+                    "ip_local_port_range",
+                    format!(
+                        "{:?} overlaps {what}: the node's own connections would lose their replies to the \
+                         datapath; choose ports outside both (default \"10000 19999\") or \"\" to leave the \
+                         sysctl alone",
+                        self.ip_local_port_range
+                    ),
                 ));
             }
         }
@@ -566,7 +603,8 @@ impl Config {
         let mut always_denied = Vec::with_capacity(self.always_denied_cidrs.len());
         for (i, s) in self.always_denied_cidrs.iter().enumerate() {
             let bad = |r: String| invalid("always_denied_cidrs", format!("[{i}] {s:?}: {r}"));
-            let c = cubevs::Cidr::parse(s).map_err(bad)?;
+            // The parser's reason already quotes the entry.
+            let c = cubevs::Cidr::parse(s).map_err(|r| invalid("always_denied_cidrs", format!("[{i}] {r}")))?;
             // Strict, as `cidr`: a typo such as `100.100.100.200/10` would deny a whole range.
             if c.has_host_bits() {
                 return Err(bad("host bits set".into()));
@@ -628,6 +666,7 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("`always_denied_cidrs`") && e.contains("[1]"), "{e}");
+            assert_eq!(e.matches(bad.trim_matches('"')).count(), 1, "the entry once: {e}");
         }
         let many: Vec<String> = (0..65).map(|i| format!("\"203.0.113.{i}\"")).collect();
         let e = Config::parse(&format!("always_denied_cidrs = [{}]", many.join(", ")))
@@ -636,6 +675,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("65 entries exceed the limit of 64"), "{e}");
+    }
+
+    #[test]
+    fn port_ranges_stay_clear_of_each_other_and_of_the_snat_ports() {
+        let e = |text: &str| Config::parse(text).unwrap().validate().unwrap_err().to_string();
+        let ok = |text: &str| Config::parse(text).unwrap().validate().map(|_| ()).unwrap();
+        let msg = e("host_port_range = \"20000-30000\"");
+        assert!(msg.contains("`host_port_range`") && msg.contains("SNAT ports 30000-65535"), "{msg}");
+        ok("host_port_range = \"20000-29999\"\nip_local_port_range = \"10000 19999\"");
+        ok("host_port_range = \"1024-9999\"\nip_local_port_range = \"10000 29999\"");
+        for (range, clash) in [
+            ("20000 25000", "host_port_range 20000-29999"),
+            ("19999 19999", "host_port_range 15000-19999"),
+            ("32768 60999", "the SNAT ports 30000-65535"),
+            ("1024 65535", "host_port_range"),
+        ] {
+            let hp = if range == "19999 19999" { "15000-19999" } else { "20000-29999" };
+            let msg = e(&format!("host_port_range = \"{hp}\"\nip_local_port_range = \"{range}\""));
+            assert!(msg.contains("`ip_local_port_range`") && msg.contains(clash) && msg.contains("choose"), "{msg}");
+        }
+        // "" leaves the sysctl alone: nothing to check.
+        ok("ip_local_port_range = \"\"");
     }
 
     #[test]

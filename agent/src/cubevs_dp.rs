@@ -132,6 +132,15 @@ impl Dataplane for CubeVsDataplane {
         Ok(self.maps.policy.learned(None))
     }
 
+    fn dns_budgets(
+        &self,
+        ifindex: u32,
+        version: u32,
+    ) -> (cubevs::insert_budget::BudgetUse, cubevs::insert_budget::BudgetUse) {
+        let now = cubevs::reaper::monotonic_ns();
+        (self.maps.budget.dns_queries(ifindex, version, now), self.maps.budget.dns_learned(ifindex, version, now))
+    }
+
     fn max_interfaces(&self) -> usize {
         self.max_interfaces
     }

@@ -213,6 +213,16 @@ pub trait Dataplane: Send + Sync {
     fn learned(&self) -> Result<Vec<cubevs::policy::LearnedEntry>, DataplaneError> {
         Ok(Vec::new())
     }
+    /// Sandbox `version`'s DNS windows on `ifindex` now: (tracked queries of its 10 s window,
+    /// new learned entries of its day window), read from `insert_budget` (decision O20).
+    /// Without a datapath: zero use and zero caps.
+    fn dns_budgets(
+        &self,
+        _ifindex: u32,
+        _version: u32,
+    ) -> (cubevs::insert_budget::BudgetUse, cubevs::insert_budget::BudgetUse) {
+        Default::default()
+    }
 }
 
 /// Prefix of the policy fields in the gRPC request.

@@ -17,7 +17,7 @@ use sendfd::SendWithFd;
 use serde::Deserialize;
 use tokio::{io::AsyncReadExt, net::UnixStream};
 
-use crate::agent::Agent;
+use crate::{agent::Agent, state::LogSafe};
 
 /// Largest accepted request in bytes.
 pub const MAX_REQUEST: usize = 4096;
@@ -135,15 +135,15 @@ async fn handle(mut stream: UnixStream, agent: Arc<Agent>) -> std::io::Result<()
     };
     let (code, fd) = match res {
         Ok(Ok(Some(fd))) => {
-            tracing::info!(sandbox_id = %sandbox_id, tap = %tap, "TAP fd handed out");
+            tracing::info!(sandbox_id = %LogSafe(&sandbox_id), tap = %LogSafe(&tap), "TAP fd handed out");
             (codes::OK, Some(fd))
         }
         Ok(Ok(None)) => {
-            tracing::warn!(sandbox_id = %sandbox_id, tap = %tap, "TAP fd refused: the sandbox holds no such TAP");
+            tracing::warn!(sandbox_id = %LogSafe(&sandbox_id), tap = %LogSafe(&tap), "TAP fd refused: the sandbox holds no such TAP");
             (codes::NOT_FOUND, None)
         }
         Ok(Err(e)) => {
-            tracing::warn!(sandbox_id = %sandbox_id, tap = %tap, error = %e, "TAP fd handoff failed");
+            tracing::warn!(sandbox_id = %LogSafe(&sandbox_id), tap = %LogSafe(&tap), error = %e, "TAP fd handoff failed");
             (codes::UNKNOWN, None)
         }
         Err(_) => (codes::UNKNOWN, None),

@@ -178,6 +178,13 @@ async fn route(
             }))
             .await
         }
+        "/v1/dataplane/fqdn" => {
+            blocking(Box::new(|a: &Agent| match a.fqdn_view() {
+                Ok(s) => json(&serde_json::json!({"sandboxes": s})),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), "text/plain"),
+            }))
+            .await
+        }
         "/v1/dataplane/portmaps" => {
             blocking(Box::new(|a: &Agent| match a.dataplane().port_mappings() {
                 Ok(p) => json(&serde_json::json!({"portMappings": p})),

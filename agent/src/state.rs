@@ -109,6 +109,19 @@ pub fn validate_sandbox_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A caller-supplied sandbox id or TAP name as a log field (decision O19): as is when it has the
+/// form of a valid sandbox id (`sandbox_id=sb-1`, what `grep` and the README's recipes match),
+/// else quoted with Rust escapes (`"x\n2026-… INFO …"`), so a caller cannot write what looks
+/// like another event into the text log (a newline in a refused id or an fd request's name).
+#[derive(Clone, Copy, Debug)]
+pub struct LogSafe<'a>(pub &'a str);
+
+impl std::fmt::Display for LogSafe<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if validate_sandbox_id(self.0).is_ok() { f.write_str(self.0) } else { write!(f, "{:?}", self.0) }
+    }
+}
+
 /// Result of [`StateStore::scan`]: readable records with their phase, and unreadable files
 /// with the reason.
 pub type Scan = (Vec<(Phase, SandboxRecord)>, Vec<(PathBuf, String)>);
@@ -285,6 +298,17 @@ pub mod fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_safe_quotes_only_what_is_not_an_id() {
+        assert_eq!(LogSafe("sb-1").to_string(), "sb-1");
+        assert_eq!(LogSafe("z192.168.0.2").to_string(), "z192.168.0.2");
+        let forged = "x\n2026-12-02T04:46:10Z  INFO network released sandbox_id=sb-1";
+        let shown = LogSafe(forged).to_string();
+        assert!(!shown.contains('\n') && shown.starts_with("\"x\\n2026"), "{shown}");
+        assert_eq!(LogSafe("").to_string(), "\"\"");
+        assert_eq!(LogSafe("a b\u{1b}[31m").to_string(), "\"a b\\u{1b}[31m\"");
+    }
 
     fn rec(id: &str) -> SandboxRecord {
         SandboxRecord {

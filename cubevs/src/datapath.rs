@@ -501,6 +501,10 @@ impl Datapath {
             track,
             // Optional (an object older than R30 has none): `replace` then refuses a list.
             node_deny: crate::NodeDenyTable::new(ebpf.take_map(map::NODE_DENY).and_then(|m| m.try_into().ok())),
+            // Optional as well: read for operators only.
+            budget: crate::insert_budget::InsertBudgetTable::new(
+                ebpf.take_map(map::INSERT_BUDGET).and_then(|m| m.try_into().ok()),
+            ),
         });
         Ok(Self {
             ebpf,

@@ -20,6 +20,7 @@ mod datapath;
 pub mod dns_reaper;
 mod error;
 mod frags;
+pub mod insert_budget;
 pub mod layout;
 pub mod learned_floor;
 pub mod lock;
@@ -89,6 +90,8 @@ pub struct Maps {
     pub track: std::sync::Arc<track_floor::TrackFloor>,
     /// `node_deny`: the node's extra always-denied CIDRs (decision R30).
     pub node_deny: NodeDenyTable,
+    /// `insert_budget`, read-only: each sandbox version's DNS query and learning windows.
+    pub budget: insert_budget::InsertBudgetTable,
 }
 
 impl std::fmt::Debug for Maps {

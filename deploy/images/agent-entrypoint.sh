@@ -21,6 +21,10 @@
 # ping-pong). Standing down = `busybox httpd` answers GET /healthz (liveness passes, so the
 # kubelet does not restart the container) and nothing else (/readyz 404: the pod is not
 # ready) until SIGTERM, which the DaemonSet controller's deletion of the pod sends.
+#
+# SIGHUP is passed on to the agent (it re-reads `always_denied_cidrs`, R51): without the trap
+# bash would die of it and the container's exit would kill the agent without a hand-over
+# (decision O17). Find the agent's PID in the pod with `busybox pidof network-agent`.
 set -euo pipefail
 bindir=${CUBENET_IMAGE_BIN:-/usr/local/bin}
 log() { printf '[agent-entrypoint] %s\n' "$*" >&2; }
@@ -41,6 +45,7 @@ stand_down() {
   mkdir -p "$www"
   printf 'stood down: pod %s serves this node\n' "$(owner)" >"$www/healthz"
   trap 'log "SIGTERM while stood down: exit 0"; exit 0' TERM INT
+  trap 'log "SIGHUP while stood down: no agent here to reload"' HUP
   busybox httpd -f -p "${CUBENET_HEALTH_PORT:-19090}" -h "$www" &
   wait $! || true
   # httpd gone (port taken?): keep standing down without it.
@@ -61,11 +66,16 @@ fi
 "$bindir/start-network-agent.sh" &
 pid=$!
 termed=0
-trap 'termed=1; kill -TERM "$pid" 2>/dev/null || true' TERM INT
-rc=0
-wait "$pid" || rc=$?
-# `wait` returns early (>128) when a trapped signal arrives: wait for the agent itself.
-while kill -0 "$pid" 2>/dev/null; do wait "$pid" || rc=$?; done
+sig=0
+trap 'sig=1; termed=1; kill -TERM "$pid" 2>/dev/null || true' TERM INT
+trap 'sig=1; log "SIGHUP: passed on to the agent (pid $pid)"; kill -HUP "$pid" 2>/dev/null || true' HUP
+# `wait` returns early (>128) when a trapped signal arrives: wait again for the agent's own
+# status (bash keeps the status of a child it already reaped), not the interrupted wait's.
+while :; do
+  sig=0 rc=0
+  wait "$pid" || rc=$?
+  ((sig)) || break
+done
 if [[ $termed -eq 0 && $rc -eq 0 && "$(owner)" != "$me" ]]; then
   trap - TERM INT
   stand_down "the agent handed the node over to pod $(owner)"

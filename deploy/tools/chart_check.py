@@ -73,6 +73,14 @@ REFUSED = {
     "agent-log-format": ({"agent": {"logFormat": "xml"}}, "agent.logFormat must be json or text"),
     "egress-log-format": ({"egress": {"logFormat": "logfmt"}}, "egress.logFormat must be json or text"),
     "peer-uid-name": ({"allowedPeerUids": ["cubelet"]}, "allowedPeerUids must hold numeric uids"),
+    # What the agent and CubeEgress would refuse at start, refused at render (O22).
+    "always-denied-bad-prefix": ({"alwaysDeniedCidrs": ["100.100.100.200/32", "10.0.0.5/33"]}, "alwaysDeniedCidrs entry \"10.0.0.5/33\""),
+    "always-denied-name": ({"alwaysDeniedCidrs": ["metadata.internal"]}, "must be an IPv4 address or CIDR"),
+    "always-denied-not-a-list": ({"alwaysDeniedCidrs": "10.0.0.5"}, "/alwaysDeniedCidrs': got string, want array"),
+    # The agent's O16 port checks, at render time (the rendered config would crash-loop).
+    "host-ports-in-snat-range": ({"agent": {"hostPortRange": "20000-40000"}}, "must end below 30000"),
+    "ephemeral-over-host-ports": ({"agent": {"ipLocalPortRange": "20000 25000"}}, "agent.ipLocalPortRange \"20000 25000\" overlaps"),
+    "ephemeral-in-snat-range": ({"agent": {"ipLocalPortRange": "32768 60999"}}, "or the SNAT ports 30000-65535"),
     # values.schema.json: a typo'd value is refused, not silently ignored (O13).
     "typo-value": ({"agent": {"tapInitNm": 5}}, "additional properties 'tapInitNm' not allowed"),
     "typo-top-level": ({"alwaysDeniedCidr": ["10.0.0.5"]}, "additional properties 'alwaysDeniedCidr' not allowed"),

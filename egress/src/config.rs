@@ -248,7 +248,7 @@ impl Config {
     /// Reads a TOML file; unknown keys are an error.
     pub fn from_toml_file(p: &Path) -> anyhow::Result<Config> {
         let text = std::fs::read_to_string(p).with_context(|| format!("read config {}", p.display()))?;
-        toml::from_str(&text).with_context(|| format!("parse config {}", p.display()))
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("parse config {}: {}", p.display(), parse_error(&text, &e)))
     }
 
     fn validate(&self) -> anyhow::Result<()> {
@@ -355,9 +355,60 @@ pub fn network_of(cidr: &str) -> anyhow::Result<(Ipv4Addr, u32)> {
     Ok((Ipv4Addr::from(u32::from(addr) & mask), mask))
 }
 
+/// A TOML error as one line naming the line, its text and the reason; an unknown key gets the
+/// closest known key (normalised Damerau-Levenshtein similarity ≥ 0.7) instead of toml's list
+/// of every key (decision O21, the agent's O1).
+fn parse_error(text: &str, e: &toml::de::Error) -> String {
+    let msg = e.message().trim();
+    let at = e
+        .span()
+        .map(|s| {
+            let line_no = text[..s.start.min(text.len())].matches('\n').count() + 1;
+            let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+            format!("line {line_no} ({line}): ")
+        })
+        .unwrap_or_default();
+    if let Some(rest) = msg.strip_prefix("unknown field `")
+        && let Some((key, known)) = rest.split_once('`')
+    {
+        // toml lists the known keys as "expected one of `a`, `b`, …".
+        let hint = known
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(|k| (strsim::normalized_damerau_levenshtein(key, k), k))
+            .filter(|(score, _)| *score >= 0.7)
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, k)| format!("did you mean `{k}`? "))
+            .unwrap_or_default();
+        return format!("{at}unknown key `{key}` ({hint}every key is in the README's CubeEgress configuration table)");
+    }
+    format!("{at}{}", msg.replace('\n', " "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn config_file_errors_are_one_line_with_a_suggestion() {
+        let dir = std::env::temp_dir().join(format!("cube-egress-cfg-errors-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("egress.toml");
+        let err = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            format!("{:#}", Config::from_toml_file(&f).unwrap_err())
+        };
+        let e = err("http_port = 8080\nmint_brust = 5\n");
+        assert!(!e.contains('\n'), "{e}");
+        assert!(e.contains("line 2 (mint_brust = 5): unknown key `mint_brust` (did you mean `mint_burst`?"), "{e}");
+        assert!(!e.contains("expected one of"), "{e}");
+        let e = err("zzz = 1\n");
+        assert!(e.contains("unknown key `zzz` (every key is in"), "{e}");
+        let e = err("http_port = \"x\"\n");
+        assert!(!e.contains('\n') && e.contains("line 1 (http_port = \"x\"): invalid type"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn gateway_is_network_plus_one() {

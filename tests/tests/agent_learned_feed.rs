@@ -211,3 +211,83 @@ fn static_l7_rule_through_the_agent() {
     // Port 22 of the same address: internet off, no allow: a RST from it back to the guest.
     assert_eq!(mark22, (TC_ACT_REDIRECT, 0, ADDR_API.to_vec()), "denied by the CIDR policy");
 }
+
+/// The operator's view of DNS learning (decisions O18, O20): `GET /v1/dataplane/fqdn` and
+/// `cubenet-cli sandbox ID` list a sandbox's `allow_fqdn` patterns with the addresses its own
+/// datapath learned for each and its query and learning windows, so "why does this name not work" is answered per sandbox. Attack: a second
+/// sandbox with the same patterns never shows the first one's addresses, and a released
+/// sandbox's entries are shown for nobody.
+#[test]
+fn operator_sees_each_sandboxs_learned_addresses() {
+    if !require_root("operator_sees_each_sandboxs_learned_addresses") {
+        return;
+    }
+    use cubenet_tests::agent::{HEALTH, workspace_bin};
+    let mut ag = AgentUnderTest::prepare("fqdn-view", 2, "cube_egress_admin_url = \"\"\n");
+    ag.start();
+    let ra = ensure(&ag, "sb-a");
+    ensure(&ag, "sb-b");
+    let tap_a = ra.persist_metadata["host_tap_name"].clone();
+    let view = |id: &str| {
+        let j = ag.http_json("/v1/dataplane/fqdn");
+        j["sandboxes"].as_array().unwrap().iter().find(|s| s["sandboxID"] == id).cloned()
+    };
+    let patterns = |v: &Value| {
+        let mut p: Vec<String> =
+            v["allowFqdn"].as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect();
+        p.sort();
+        p
+    };
+    let a0 = view("sb-a").expect("sb-a listed");
+    assert_eq!(patterns(&a0), ["*.cdn.example:443", "api.example.com"], "{a0}");
+    assert_eq!((a0["learned"].clone(), a0["learnedEntries"].clone()), (json!({}), json!(0)), "{a0}");
+
+    assert_eq!(resolve(&ag, &tap_a, 40000, 0x1111, "API.example.com", ADDR_API), (TC_ACT_REDIRECT, TC_ACT_REDIRECT));
+    assert_eq!(resolve(&ag, &tap_a, 40001, 0x2222, "img.cdn.example", ADDR_CDN), (TC_ACT_REDIRECT, TC_ACT_REDIRECT));
+    let want = json!({"api.example.com": ["203.0.113.10"], "*.cdn.example": ["203.0.113.20"]});
+    let a1 = view("sb-a").unwrap();
+    // One entry per learned (address, port): every port for the exact name, 443 for the wildcard.
+    assert_eq!((a1["learned"].clone(), a1["learnedEntries"].clone()), (want, json!(2)), "{a1}");
+    // The datapath's windows (O20): A's two new entries charged to its day window; its two
+    // tracked queries to its 10 s window while that window is open.
+    assert_eq!((a1["learnedDay"]["used"].clone(), a1["learnedDay"]["cap"].clone()), (json!(2), json!(8192)), "{a1}");
+    let resets = a1["learnedDay"]["resets_in_secs"].as_u64().unwrap();
+    assert!((1..=86_400).contains(&resets), "{a1}");
+    let q = &a1["queryWindow"];
+    assert_eq!(q["cap"], json!(512), "{a1}");
+    assert!(q["used"] == json!(2) || (q["used"] == json!(0) && q["resets_in_secs"] == json!(0)), "{a1}");
+    let b1 = view("sb-b").unwrap();
+    for w in ["learnedDay", "queryWindow"] {
+        assert_eq!((b1[w]["used"].clone(), b1[w]["resets_in_secs"].clone()), (json!(0), json!(0)), "B charged: {b1}");
+    }
+    assert_eq!(patterns(&b1), patterns(&a1));
+    assert_eq!((b1["learned"].clone(), b1["learnedEntries"].clone()), (json!({}), json!(0)), "A's addresses under B");
+
+    // The CLI, as an operator runs it where the agent's loopback is.
+    let cli = |json: bool, id: &str| {
+        let mut cmd = ag.ns.command(workspace_bin("cubenet-cli").to_str().unwrap());
+        cmd.args(["--http", HEALTH]);
+        if json {
+            cmd.arg("--json");
+        }
+        let o = cmd.args(["sandbox", id]).output().expect("run cubenet-cli");
+        assert!(o.status.success(), "cubenet-cli sandbox {id}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let table = cli(false, "sb-a");
+    let row =
+        |name: &str| table.lines().find(|l| l.starts_with(name)).map(|l| l.split_whitespace().collect::<Vec<_>>());
+    assert_eq!(row("api.example.com"), Some(vec!["api.example.com", "203.0.113.10"]), "{table}");
+    assert_eq!(row("*.cdn.example:443"), Some(vec!["*.cdn.example:443", "203.0.113.20"]), "{table}");
+    assert!(table.contains("learned entries of this sandbox: 2"), "{table}");
+    assert!(table.contains("new learned entries (day window): 2 of 8192, window resets in"), "{table}");
+    let jb: Value = serde_json::from_str(&cli(true, "sb-b")).unwrap();
+    assert_eq!((jb["learned"].clone(), jb["learnedEntries"].clone()), (json!({}), json!(0)), "{jb}");
+    assert!(jb["drops"].is_object(), "the counters are still there: {jb}");
+
+    // Released: gone from the view; B (same patterns) still shows nothing.
+    release(&ag, "sb-a");
+    assert!(view("sb-a").is_none());
+    assert_eq!(view("sb-b").unwrap()["learned"], json!({}));
+    release(&ag, "sb-b");
+}

@@ -141,6 +141,10 @@ fn cube_egress_json_log_lines() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// What a caller tries to forge into the text log (O19).
+const FORGED: &str =
+    "2026-12-02T04:46:10.000000Z  INFO network_agent::agent::service: network released sandbox_id=sb-text ms=0.1";
+
 /// The default text format, as `NETWORK_AGENT_LOG_FILE` (and any redirect or collector) gets
 /// it: no terminal colour codes, so `grep 'sandbox_id=sb-text'` finds the sandbox's events and
 /// a refused Ensure's field (decision O2).
@@ -171,9 +175,26 @@ fn text_log_file_is_plain_and_greppable_by_sandbox_id() {
             .await
             .expect_err("a bad allow_out is refused");
         assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        // Attack (O19): ids that carry a forged event after a newline; refused, and logged
+        // quoted on one line, so the forged "release" of sb-text never appears as a line.
+        for id in [format!("x\n{FORGED}"), format!("{FORGED}\r\n")] {
+            let e = c
+                .ensure_network(pb::EnsureNetworkRequest { sandbox_id: id, ..Default::default() })
+                .await
+                .expect_err("an id with a newline is refused");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        }
     });
+    // The same through the TAP fd socket (any JSON strings are accepted there, then refused).
+    let fd_reply = tap_fd(&a.tap_socket(), &format!("z\n{FORGED}"), "sb-text");
+    assert_eq!(fd_reply.0["errCode"], "1002", "{:?}", fd_reply.0);
     let log = a.log();
     assert!(!log.contains('\x1b'), "terminal escape codes in the log file:\n{log:?}");
+    assert!(
+        !log.lines().any(|l| l.contains("network released") && !l.contains("ensure failed") && !l.contains("TAP fd")),
+        "a caller forged a log line:\n{log}"
+    );
+    assert_eq!(log.lines().filter(|l| l.contains("ensure failed") && l.contains("\\n")).count(), 2, "{log}");
     let line = |needle: &str| {
         log.lines()
             .find(|l| l.contains(needle))

@@ -402,6 +402,8 @@ fn agent_dumps_serve_no_other_local_user() {
         (a.agent_ns(), "http://127.0.0.1:19090/v1/policies/dump"),
         (&a.topo.node, "http://127.0.0.1:19091/v1/policies/dump"),
         (a.agent_ns(), "http://127.0.0.1:19090/v1/network/taps"),
+        // Names and learned addresses of every sandbox (O18, O20).
+        (a.agent_ns(), "http://127.0.0.1:19090/v1/dataplane/fqdn"),
     ];
     for (ns, url) in listeners {
         let (code, body) = ns.curl_as(NOBODY, &[url]);

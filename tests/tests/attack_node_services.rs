@@ -90,7 +90,7 @@ fn sandbox_cannot_read_the_agent_listener_via_the_node_address() {
     assert_eq!(get(&a.topo.world, &format!("http://{node}:19090/v1/network/taps")).0, 403);
 
     // The sandbox, through the node address: nothing.
-    for path in ["/metrics", "/healthz", "/readyz", "/v1/network/taps", "/v1/policies/dump"] {
+    for path in ["/metrics", "/healthz", "/readyz", "/v1/network/taps", "/v1/policies/dump", "/v1/dataplane/fqdn"] {
         let (code, body) = guest_get(&guest, &format!("http://{node}:19090{path}"));
         assert!(!body.contains("sb-neighbour-secret-id"), "{path}: the sandbox read its neighbour's id:\n{body}");
         assert_eq!(code, 403, "{path}: {body}");

@@ -96,6 +96,8 @@ fn debug_bundle_has_the_node_state_and_no_credentials() {
     assert!(counters["sandboxes"].as_array().unwrap().iter().any(|s| s["sandboxID"] == "sb-bundle"), "{counters}");
     assert!(read(&out, "taps.json").contains(&tap));
     assert!(read(&out, "portmaps.json").contains("8080"));
+    let fqdn: serde_json::Value = serde_json::from_str(&read(&out, "fqdn.json")).unwrap();
+    assert!(fqdn["sandboxes"].as_array().unwrap().iter().any(|s| s["sandboxID"] == "sb-bundle"), "{fqdn}");
     let dp: serde_json::Value = serde_json::from_str(&read(&out, "datapath-status.json")).unwrap();
     // The CLI runs in the agent's namespace, the TAPs live in the dataplane's: match by ifindex.
     let ifindex = nets["networks"][0]["tapIfIndex"].clone();

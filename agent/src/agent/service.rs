@@ -49,7 +49,7 @@ impl Agent {
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         match &r {
             Ok(v) => tracing::info!(
-                sandbox_id = %id,
+                sandbox_id = %crate::state::LogSafe(&id),
                 tap = %v.record.tap_name,
                 ifindex = v.record.tap_ifindex,
                 sandbox_ip = %v.record.sandbox_ip,
@@ -57,7 +57,9 @@ impl Agent {
                 ms,
                 "network ensured"
             ),
-            Err(e) => tracing::warn!(sandbox_id = %id, ms, error = %loggable(e), "ensure failed"),
+            Err(e) => {
+                tracing::warn!(sandbox_id = %crate::state::LogSafe(&id), ms, error = %loggable(e), "ensure failed")
+            }
         }
         r
     }
@@ -172,7 +174,7 @@ impl Agent {
             self.store.advance(&id, Phase::Creating, Phase::Success).map_err(|e| internal(format!("commit {id}: {e}")))
         })();
         if let Err(e) = programmed {
-            tracing::warn!(sandbox_id = %id, error = %loggable(&e), "ensure failed, rolling back");
+            tracing::warn!(sandbox_id = %crate::state::LogSafe(&id), error = %loggable(&e), "ensure failed, rolling back");
             if let Err(pe) = self.transit(&mut lock(&self.inner), &name, Transition::Release) {
                 tracing::error!("{pe}");
             }
@@ -210,8 +212,10 @@ impl Agent {
         self.metrics.release.with_label_values(&[if r.is_ok() { "ok" } else { "error" }]).inc();
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         match &r {
-            Ok(_) => tracing::info!(sandbox_id = %sandbox_id, ms, "network released"),
-            Err(e) => tracing::warn!(sandbox_id = %sandbox_id, ms, error = %loggable(e), "release failed"),
+            Ok(_) => tracing::info!(sandbox_id = %crate::state::LogSafe(sandbox_id), ms, "network released"),
+            Err(e) => {
+                tracing::warn!(sandbox_id = %crate::state::LogSafe(sandbox_id), ms, error = %loggable(e), "release failed")
+            }
         }
         r
     }

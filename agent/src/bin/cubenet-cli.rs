@@ -70,7 +70,7 @@ enum Cmd {
         state: Option<String>,
     },
     /// Datapath counters of one sandbox: packets and bytes each way (out = sent by the guest),
-    /// drops by reason.
+    /// drops by reason; its allow_fqdn patterns and the addresses learned for them
     Sandbox {
         /// Sandbox id.
         sandbox_id: String,
@@ -84,7 +84,7 @@ enum Cmd {
     /// Dump per-TAP egress policies.
     Policies,
     /// Collect a debug bundle (health, readiness, metrics, TAPs, networks, datapath registry,
-    /// counters, port maps, policies, datapath slots; never credentials) into a new directory.
+    /// counters, port maps, policies, FQDN view, datapath slots; never credentials) into a new directory.
     Bundle(bundle::BundleArgs),
     /// Active/standby CubeVS datapath: status, load into standby, switch, rollback (works on
     /// the pins directly, under the node's update lock).
@@ -303,10 +303,27 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             else {
                 bail!("sandbox {sandbox_id:?} is not registered in the datapath");
             };
+            // Patterns and learned addresses (O18); an agent before O18 has no such path.
+            let fqdn = http_json(&cli.http, "/v1/dataplane/fqdn").ok().and_then(|j| {
+                j["sandboxes"]
+                    .as_array()
+                    .and_then(|a| a.iter().find(|s| s["sandboxID"] == sandbox_id.as_str()).cloned())
+            });
             if cli.json {
+                let mut sb = sb.clone();
+                if let Some(f) = &fqdn {
+                    sb["allowFqdn"] = f["allowFqdn"].clone();
+                    sb["learned"] = f["learned"].clone();
+                    sb["learnedEntries"] = f["learnedEntries"].clone();
+                    sb["queryWindow"] = f["queryWindow"].clone();
+                    sb["learnedDay"] = f["learnedDay"].clone();
+                }
                 println!("{sb}");
             } else {
                 print_counters(sb);
+                if let Some(f) = fqdn {
+                    print_fqdn(&f);
+                }
             }
         }
         Cmd::Sessions | Cmd::Sandboxes | Cmd::Portmaps | Cmd::Policies => {
@@ -374,6 +391,41 @@ fn print_network(
 }
 
 /// `cubenet-cli sandbox ID` as tables: identity, traffic each way, drops by reason.
+/// The `allow_fqdn` patterns of one sandbox with the addresses learned for each (O18).
+fn print_fqdn(f: &serde_json::Value) {
+    let patterns: Vec<&str> =
+        f["allowFqdn"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+    if patterns.is_empty() {
+        return;
+    }
+    println!();
+    let rows = patterns
+        .iter()
+        .map(|p| {
+            let name = p.split_once(':').map_or(*p, |(n, _)| n);
+            let ips: Vec<&str> = f["learned"][name]
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+                .unwrap_or_default();
+            vec![p.to_string(), if ips.is_empty() { "-".into() } else { ips.join(",") }]
+        })
+        .collect();
+    table(&["ALLOW_FQDN", "LEARNED (unexpired)"], rows);
+    println!("learned entries of this sandbox: {}", f["learnedEntries"]);
+    // The datapath's windows (O20): over a cap, queries go untracked / answers unlearned.
+    for (what, key) in
+        [("tracked DNS queries (10 s window)", "queryWindow"), ("new learned entries (day window)", "learnedDay")]
+    {
+        let w = &f[key];
+        if w.is_object() {
+            match w["resets_in_secs"].as_u64() {
+                Some(0) | None => println!("{what}: {} of {}, no window open", w["used"], w["cap"]),
+                Some(r) => println!("{what}: {} of {}, window resets in {r} s", w["used"], w["cap"]),
+            }
+        }
+    }
+}
+
 fn print_counters(sb: &serde_json::Value) {
     let s = |v: &serde_json::Value| match v {
         serde_json::Value::String(s) => s.clone(),

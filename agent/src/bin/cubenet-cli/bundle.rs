@@ -1,6 +1,6 @@
 //! `cubenet-cli bundle`: one directory with what a bug report about a node needs — health,
 //! readiness, metrics, the TAP pool, the gRPC view of every network, the datapath registry,
-//! counters, port maps, policies, the datapath slots and, on request, sessions and files such
+//! counters, port maps, policies, FQDN patterns with what was learned, the datapath slots and, on request, sessions and files such
 //! as the agent's config and log. Every item is collected on its own, so a half-broken agent
 //! still yields everything that answers; `MANIFEST.txt` says what failed and why.
 //!
@@ -109,6 +109,7 @@ pub async fn run(grpc: &str, http: &str, args: BundleArgs) -> anyhow::Result<Pat
         ("counters.json", "/v1/dataplane/counters"),
         ("portmaps.json", "/v1/dataplane/portmaps"),
         ("policies.json", "/v1/dataplane/policies"),
+        ("fqdn.json", "/v1/dataplane/fqdn"),
     ];
     if args.sessions {
         paths.push(("sessions.json", "/v1/dataplane/sessions"));
