@@ -6,9 +6,11 @@
 //! its own TAP and watches for A's bytes. Real agent, real `cube-egress`, a kernel guest for
 //! A, the raw TAP for B (root only).
 //!
-//! Property: nothing of a released sandbox's L7 connections reaches the next sandbox on its
-//! address; CubeEgress closes a sandbox's connections when its policy is deleted (Release),
-//! with a reset, so its kernel drops the unsent and unacknowledged data (decision R71).
+//! Property: nothing of a released sandbox's connections reaches the next sandbox on its
+//! address. CubeEgress resets a sandbox's connections when its policy is deleted (the agent's
+//! Release push), so its kernel drops the unsent and unacknowledged data (decision R71); the
+//! agent aborts every node TCP socket to the address when it scrubs the TAP (R72), which also
+//! covers node processes and a gateway that missed the push.
 
 use std::{
     io::{Read, Write},
@@ -25,7 +27,7 @@ use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
     agent::{AgentUnderTest, tap_fd},
     agent_upgrade::KernelGuest,
-    egress::admin_json,
+    egress::{admin, admin_json},
     guest::TapGuest,
     l7::{Gateway, GatewayOptions, World},
     require_root,
@@ -125,6 +127,12 @@ fn stream_server(a: &AgentUnderTest, stop: Arc<AtomicBool>) -> Arc<AtomicU64> {
     sent
 }
 
+/// The gateway's Prometheus text (its admin listener, from the node namespace).
+fn gateway_metrics(a: &AgentUnderTest) -> String {
+    let o = a.topo.node.exec("curl", &["-sS", "--max-time", "5", "http://127.0.0.1:9091/metrics"]);
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
@@ -182,6 +190,20 @@ fn a_released_sandboxs_l7_stream_never_reaches_the_next_sandbox_on_its_tap() {
     let got = std::fs::read(&out).unwrap_or_default();
     assert!(contains(&got, MARK), "A received its stream through CubeEgress");
 
+    // The agent's Release deletes A's policy in the gateway before anything else (as
+    // `agent_l7` shows); done here first, alone, so the gateway's own reset is what is
+    // checked (the agent's socket abort at the scrub, R72, would otherwise race it).
+    let (code, body) = admin(&a.topo.node, "DELETE", &format!("/admin/v1/policies/{a_ip}"), "");
+    assert_eq!(code, 200, "{body}");
+    let t = Instant::now();
+    while !gateway_metrics(&a).lines().any(|l| l == "cube_egress_connections_closed_released_total 1") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the gateway never reset A's connection when A's policy was deleted:\n{}",
+            gateway_metrics(&a)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // A's VMM ends (nothing reads or acknowledges its TAP any more), then cubelet releases A.
     drop(guest);
     drop(curl);
@@ -217,12 +239,91 @@ fn a_released_sandboxs_l7_stream_never_reaches_the_next_sandbox_on_its_tap() {
         sent.load(Ordering::Relaxed)
     );
     assert_eq!(leaked, 0, "B read A's response data on A's old address\ngateway log:\n{}", gw.log());
-    // The gateway reset A's connection when the agent deleted A's policy in the Release.
-    let o = a.topo.node.exec("curl", &["-sS", "--max-time", "5", "http://127.0.0.1:9091/metrics"]);
-    let metrics = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        metrics.lines().any(|l| l == "cube_egress_connections_closed_released_total 1"),
-        "A's connection was reset by its Release:\n{metrics}"
-    );
     drop(gw);
+}
+
+/// The same reuse with a node process instead of CubeEgress: a connection the node opened to
+/// A's mvm IP (as cubelet's exec or file channels do) with data in flight when A ends. Its
+/// retransmissions went to B on A's old address; the agent now aborts the node's TCP sockets
+/// to a sandbox's address when it scrubs the released TAP (R72), so its kernel sends a RST
+/// (dropped: the address is unregistered) and drops the data.
+#[test]
+fn a_node_connection_to_a_released_sandbox_never_reaches_the_next_sandbox_on_its_tap() {
+    if !require_root(
+        "attack_tap_reuse_l7 a_node_connection_to_a_released_sandbox_never_reaches_the_next_sandbox_on_its_tap",
+    ) {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("tapreuse-node", 1, "");
+    a.in_dataplane = true;
+    a.start();
+    let ra = ensure(&a, "sb-a", None);
+    let a_ip: Ipv4Addr = ra.persist_metadata["sandbox_ip"].parse().unwrap();
+    let ifc = &ra.interfaces[0];
+    let (reply, fd) = tap_fd(&a.tap_socket(), &ifc.name, &ra.sandbox_id);
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let guest = KernelGuest::new(fd.expect("TAP fd"), &ifc.mac_address, &ifc.ip_cidrs[0], &ifc.gateway, ifc.mtu as u32);
+    // A serves on 9000 and reads what the node sends.
+    let l = guest.ns.run(|| TcpListener::bind(("0.0.0.0", 9000))).expect("guest listener");
+    let got = Arc::new(AtomicU64::new(0));
+    let got_a = got.clone();
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = l.accept() {
+            let mut buf = [0u8; 65536];
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                got_a.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        }
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop_n = stop.clone();
+    let node_conn =
+        a.topo.node.run(move || std::net::TcpStream::connect_timeout(&(a_ip, 9000).into(), Duration::from_secs(5)));
+    let mut node_conn = node_conn.expect("the node connects to A");
+    std::thread::spawn(move || {
+        for n in 0u64.. {
+            if stop_n.load(Ordering::Relaxed) {
+                return;
+            }
+            let mut chunk = format!("{}{n:08}\n", String::from_utf8_lossy(MARK)).into_bytes();
+            chunk.resize(1000, b'.');
+            if node_conn.write_all(&chunk).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let t = Instant::now();
+    while got.load(Ordering::Relaxed) < 20_000 {
+        assert!(t.elapsed() < Duration::from_secs(15), "A never got the node's data");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(guest);
+    release(&a, "sb-a");
+    let t = Instant::now();
+    while tap_states(&a) != ["Ready"] {
+        assert!(t.elapsed() < Duration::from_secs(15), "A's TAP never went Ready: {:?}", tap_states(&a));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rb = ensure(&a, "sb-b", None);
+    assert_eq!(rb.persist_metadata["sandbox_ip"], a_ip.to_string(), "B must get A's TAP and address");
+    let ifb = &rb.interfaces[0];
+    let (reply, fd) = tap_fd(&a.tap_socket(), &ifb.name, &rb.sandbox_id);
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let b = TapGuest::new(fd.expect("B's TAP fd"), VNET_HDR_LEN);
+    let (mut frames, mut leaked) = (0usize, 0usize);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(12) {
+        if let Some(f) = b.recv(Duration::from_millis(500)) {
+            frames += 1;
+            leaked += usize::from(contains(&f, MARK));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    eprintln!("B read {frames} frames, {leaked} with A's data");
+    assert_eq!(leaked, 0, "B read the node's data for A on A's old address\nagent log:\n{}", a.log());
+    assert!(a.log().contains("aborted the node's TCP connections to the released sandbox"), "{}", a.log());
 }
