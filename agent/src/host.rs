@@ -96,6 +96,13 @@ pub trait Host: Send + Sync {
     /// of the namespace of the reading thread, so per-netns sysctls such as
     /// `ip_local_reserved_ports` must be read on a namespace thread, never the agent's own.
     fn read_netns_file(&self, path: &std::path::Path) -> io::Result<String>;
+    /// Aborts every TCP socket of the dataplane namespace connected to `ip` (a released
+    /// sandbox's mvm IP, before its TAP is reused: decision R72). Returns how many. Default: none
+    /// (hosts without sockets of their own).
+    fn abort_sockets_to(&self, ip: Ipv4Addr) -> io::Result<usize> {
+        let _ = ip;
+        Ok(0)
+    }
 }
 
 struct Nl {
@@ -434,6 +441,10 @@ impl Host for NetnsHost {
                 }
             }
         })?
+    }
+
+    fn abort_sockets_to(&self, ip: Ipv4Addr) -> io::Result<usize> {
+        self.run(move || cubenet_sys::sock_abort::abort_tcp_to(ip))?
     }
 
     fn reopen_tap(&self, name: &str) -> io::Result<OwnedFd> {

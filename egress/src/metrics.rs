@@ -53,6 +53,8 @@ pub struct Metrics {
     /// Live proxy connections closed because a reload listed their original destination in
     /// `always_denied_cidrs` (R51).
     pub connections_closed_always_denied: IntCounter,
+    /// Live connections reset because their sandbox's policy was deleted (R71).
+    pub connections_closed_released: IntCounter,
 }
 
 impl Metrics {
@@ -104,7 +106,12 @@ impl Metrics {
             "cube_egress_connections_closed_always_denied_total",
             "Live connections closed because a reload listed their destination as always denied",
         );
+        let connections_closed_released = c(
+            "cube_egress_connections_closed_released_total",
+            "Live connections reset because their sandbox's policy was deleted (Release): its address may go to another sandbox",
+        );
         for m in [
+            &connections_closed_released,
             &connections_closed_always_denied,
             &injections,
             &injections_dropped,
@@ -148,6 +155,7 @@ impl Metrics {
             upstream_seconds,
             config_reloads,
             connections_closed_always_denied,
+            connections_closed_released,
         }
     }
 

@@ -174,20 +174,74 @@ fn addrs(s: &TcpStream) -> Option<(Ipv4Addr, SocketAddrV4)> {
 /// [`crate::DRAIN_IDLE_GRACE`]). `drain` is held for the whole connection, TLS handshake
 /// included, so the process waits for it before exiting. A reload that lists the original
 /// destination (R51) closes the connection at once, in its TLS handshake as while it serves
-/// (requests and upstream sockets in flight dropped with it, E27).
+/// (requests and upstream sockets in flight dropped with it, E27). A deleted policy of the
+/// sandbox (its Release) resets it: the next sandbox on the address must not get its data
+/// (R71).
 pub async fn serve_conn(app: Arc<App>, stream: TcpStream, scheme: Scheme, drain: watch::Receiver<bool>) {
     let Some((sandbox, dst)) = addrs(&stream) else { return };
     let _ = stream.set_nodelay(true);
     let conn_id = app.next_id();
     // Subscribed before any check of `dst` runs: a reload after it is never missed.
     let (denied, changes) = (app.clone(), app.denied_changes());
+    // The sandbox this connection serves: a Release (policy deleted) ends it (R71).
+    let removals = app.store.removals();
+    let inc = app.store.incarnation(sandbox);
+    let sock = SocketId::of(&stream);
+    let inner = serve_conn_inner(app, stream, scheme, sandbox, dst, conn_id, drain);
+    tokio::pin!(inner);
     tokio::select! {
-        () = serve_conn_inner(app, stream, scheme, sandbox, dst, conn_id, drain) => {}
+        () = &mut inner => {}
         () = denied.until_denied(changes, *dst.ip()) => {
             denied.metrics.connections_closed_always_denied.inc();
             tracing::info!(conn_id, dst = %dst.ip(), "connection closed: destination now always denied");
         }
+        () = denied.store.until_removed(removals, inc) => {
+            // `inner` still owns the socket here: reset it, so the kernel drops what it still
+            // holds for the guest instead of retransmitting it to the address's next sandbox.
+            sock.reset_on_close();
+            denied.metrics.connections_closed_released.inc();
+            tracing::info!(conn_id, sandbox = %sandbox, "connection reset: the sandbox's policy was deleted (Release)");
+        }
     }
+}
+
+/// The accepted socket of a connection, by fd number and socket cookie, so that it is touched
+/// only while that fd still is that socket.
+struct SocketId {
+    fd: std::os::fd::RawFd,
+    cookie: Option<u64>,
+}
+
+impl SocketId {
+    fn of(s: &TcpStream) -> SocketId {
+        use std::os::fd::AsRawFd;
+        let fd = s.as_raw_fd();
+        SocketId { fd, cookie: socket_cookie(fd) }
+    }
+
+    /// Sets `SO_LINGER` 0 on the socket (if the fd still is it): its close sends a RST and
+    /// discards unsent and unacknowledged data.
+    fn reset_on_close(&self) {
+        if self.cookie.is_none() || socket_cookie(self.fd) != self.cookie {
+            return;
+        }
+        // SAFETY: the fd is open (its cookie was just read) and owned by the caller's future.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
+        if let Err(e) = socket2::SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO)) {
+            tracing::warn!(error = %e, "SO_LINGER 0 on a released sandbox's connection");
+        }
+    }
+}
+
+/// `SO_COOKIE` (Linux 4.3+, `include/uapi/asm-generic/socket.h`): the socket's 64-bit id,
+/// unique for the life of the kernel. `None` when `fd` is not a socket (or closed).
+fn socket_cookie(fd: std::os::fd::RawFd) -> Option<u64> {
+    const SO_COOKIE: libc::c_int = 57;
+    let mut v: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `v` and `len` outlive the call and `len` is `v`'s size.
+    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, SO_COOKIE, (&mut v as *mut u64).cast(), &mut len) };
+    (rc == 0).then_some(v)
 }
 
 async fn serve_conn_inner(

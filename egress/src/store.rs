@@ -6,6 +6,8 @@ use std::{
     sync::{Arc, RwLock},
 };
 
+use tokio::sync::watch;
+
 use crate::{
     floor::Members,
     policy::{Policy, RuleSpec, ValidationError},
@@ -53,12 +55,30 @@ impl BootstrapStatus {
 pub struct PolicyStore {
     policies: Arc<RwLock<HashMap<Ipv4Addr, Arc<Policy>>>>,
     status: RwLock<BootstrapStatus>,
+    /// Per sandbox IP, how many times its policy was removed (decision R71).
+    removals: RwLock<HashMap<Ipv4Addr, u64>>,
+    /// Bumped after every removal, so that connections waiting in
+    /// [`PolicyStore::until_removed`] look again.
+    removed: watch::Sender<u64>,
 }
 
 impl Default for PolicyStore {
     fn default() -> Self {
-        Self { policies: Arc::default(), status: RwLock::new(BootstrapStatus::Pending) }
+        Self {
+            policies: Arc::default(),
+            status: RwLock::new(BootstrapStatus::Pending),
+            removals: RwLock::default(),
+            removed: watch::Sender::new(0),
+        }
     }
+}
+
+/// Which sandbox a proxy connection was accepted for: its IP and the removal count of that
+/// IP's policy at the time ([`PolicyStore::incarnation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Incarnation {
+    ip: Ipv4Addr,
+    removals: u64,
 }
 
 impl PolicyStore {
@@ -88,14 +108,65 @@ impl PolicyStore {
     }
 
     /// Replaces every policy at once (state hand-over from a predecessor, E18).
+    /// IPs whose policy is not in `all` end their incarnation, as [`PolicyStore::delete`].
     pub fn replace_all(&self, all: HashMap<Ipv4Addr, Policy>) {
-        let m = all.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
-        *self.policies.write().expect("policy lock") = m;
+        let m: HashMap<_, _> = all.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
+        let gone: Vec<Ipv4Addr> = {
+            let mut cur = self.policies.write().expect("policy lock");
+            let gone = cur.keys().filter(|ip| !m.contains_key(ip)).copied().collect();
+            *cur = m;
+            gone
+        };
+        self.mark_removed(gone);
     }
 
-    /// Removes a sandbox's policy (no error when absent).
+    fn mark_removed(&self, ips: impl IntoIterator<Item = Ipv4Addr>) {
+        let mut any = false;
+        {
+            let mut r = self.removals.write().expect("removals lock");
+            for ip in ips {
+                *r.entry(ip).or_default() += 1;
+                any = true;
+            }
+        }
+        if any {
+            self.removed.send_modify(|g| *g = g.wrapping_add(1));
+        }
+    }
+
+    /// The current incarnation of `ip`. Take it together with [`PolicyStore::removals`] (that
+    /// first) when a connection is accepted.
+    pub fn incarnation(&self, ip: Ipv4Addr) -> Incarnation {
+        let removals = self.removals.read().expect("removals lock").get(&ip).copied().unwrap_or(0);
+        Incarnation { ip, removals }
+    }
+
+    /// A receiver of removals, subscribed now (before [`PolicyStore::incarnation`], so that no
+    /// removal in between goes unseen).
+    pub fn removals(&self) -> watch::Receiver<u64> {
+        self.removed.subscribe()
+    }
+
+    /// Resolves once the policy of `inc`'s IP has been removed since `inc` was taken (never
+    /// before): the connection belongs to a sandbox that is gone.
+    pub async fn until_removed(&self, mut rx: watch::Receiver<u64>, inc: Incarnation) {
+        loop {
+            if self.incarnation(inc.ip) != inc {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// Removes a sandbox's policy (no error when absent) and ends the incarnation of `ip`:
+    /// every connection accepted from `ip` before this closes ([`PolicyStore::until_removed`]).
+    /// The agent deletes a policy on Release; the next sandbox on the address may get the same
+    /// IP, and CubeVS delivers what a host socket sends to whoever holds it (decision R71).
     pub fn delete(&self, ip: Ipv4Addr) {
         self.policies.write().expect("policy lock").remove(&ip);
+        self.mark_removed([ip]);
     }
 
     /// Snapshot of every policy, sorted by IP.
@@ -140,5 +211,46 @@ impl Members for Known {
     }
     fn count(&self) -> usize {
         self.0.read().expect("policy lock").len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn policy() -> Policy {
+        let spec = r#"{"policy_id":"a","rules":[{"id":"r","action":{"allow":true}}]}"#;
+        Policy::compile(serde_json::from_str(spec).unwrap()).unwrap()
+    }
+
+    async fn removed_within(s: &PolicyStore, rx: watch::Receiver<u64>, inc: Incarnation) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), s.until_removed(rx, inc)).await.is_ok()
+    }
+
+    /// R71: a connection of A ends when A's policy is deleted, even when B's policy for the
+    /// same address arrives before the connection looks; B's connections and other addresses'
+    /// are untouched, and so is A's by a policy update.
+    #[tokio::test]
+    async fn a_deleted_policy_ends_its_incarnation_only() {
+        let s = PolicyStore::default();
+        let (a, other) = (Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(192, 168, 0, 3));
+        s.put(a, policy());
+        s.put(other, policy());
+        let (rx_a, inc_a) = (s.removals(), s.incarnation(a));
+        let (rx_o, inc_o) = (s.removals(), s.incarnation(other));
+        s.put(a, policy());
+        assert!(!removed_within(&s, s.removals(), inc_a).await, "an update keeps the connection");
+        s.delete(a);
+        s.put(a, policy());
+        let (rx_b, inc_b) = (s.removals(), s.incarnation(a));
+        assert!(removed_within(&s, rx_a, inc_a).await, "A's connection ends");
+        assert!(!removed_within(&s, rx_o, inc_o).await, "another sandbox's stays");
+        assert!(!removed_within(&s, rx_b.clone(), inc_b).await, "B's stays");
+        // A full replace without the address (hand-over, bootstrap) ends B's too.
+        s.replace_all(HashMap::from([(other, policy())]));
+        assert!(removed_within(&s, rx_b, inc_b).await);
+        assert!(!removed_within(&s, s.removals(), s.incarnation(other)).await);
     }
 }

@@ -7,8 +7,10 @@
 //! - [`peer_uid`]: the uid owning a loopback TCP client's socket (who may use a loopback API).
 //! - [`trusted_path`]: directories no other user controls (OpenSSH `StrictModes` walk).
 //! - [`socket_acl`]: which uids may connect to a Unix socket file (mode 0600 plus an ACL).
+//! - [`sock_abort`]: abort the namespace's TCP sockets connected to one address (`SOCK_DESTROY`).
 pub mod netns;
 pub mod peer_uid;
+pub mod sock_abort;
 pub mod socket_acl;
 pub mod tap;
 pub mod trusted_path;

@@ -94,7 +94,7 @@ fn replay_regressions() {
 fn oracle_flags_policy_bypass_and_foreign_delivery() {
     use cubenet_tests::{
         frames::{Tcp, tcp},
-        packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
+        packet::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
         topology::NODE_IP,
     };
     let mut rng = cubenet_tests::fuzz::rng::Rng::new(1);
@@ -124,6 +124,14 @@ fn oracle_flags_policy_bypass_and_foreign_delivery() {
     let out = tcp(GATEWAY_MAC, GUEST_MAC, [169, 254, 68, 5], GUEST_IP, ack, b"");
     let v = oracle::check_envoy(&m, &to, TC_ACT_REDIRECT, &out);
     assert!(v.iter().any(|x| x.invariant == "foreign-delivery"), "{v:?}");
+    // A guest's ICMP error (type 3) handed to the node's stack through its gateway (R70).
+    let mut err = cubenet_tests::frames::icmp(GUEST_MAC, GATEWAY_MAC, GUEST_IP, GATEWAY_IP, true, 1, 1);
+    err[34] = 3;
+    let mut fwd = err.clone();
+    fwd[26..30].copy_from_slice(&m.sandboxes[0].ip);
+    fwd[30..34].copy_from_slice(&[192, 168, 0, 1]);
+    let v = oracle::check_cube(&m, ifindex, &err, TC_ACT_REDIRECT, &fwd, &[]);
+    assert!(v.iter().any(|x| x.invariant == "gateway-icmp-error"), "{v:?}");
 }
 
 /// Found by the fuzzer after issue 10 (R7): an ICMP error whose embedded header is a later

@@ -39,20 +39,20 @@ impl Agent {
     }
 
     fn cleanup(&self, name: &str, ports: Option<&[PortMapping]>, defer_free_check: bool) -> bool {
-        let (ifindex, owner, scrubbed, hands_off) = {
+        let (ifindex, ip, owner, scrubbed, hands_off) = {
             let mut inner = lock(&self.inner);
             if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
                 return false;
             }
             let t = inner.pool.get(name).expect("just transitioned");
-            (t.ifindex, t.owner().map(str::to_string), t.scrubbed(), t.is_hands_off())
+            (t.ifindex, t.ip, t.owner().map(str::to_string), t.scrubbed(), t.is_hands_off())
         };
         let res = (|| -> Result<bool, String> {
             if hands_off {
                 self.reopen_if_free(name)?;
             }
             if !scrubbed {
-                self.scrub(name, ifindex, owner.as_deref(), ports)?;
+                self.scrub(name, ifindex, ip, owner.as_deref(), ports)?;
                 let mut inner = lock(&self.inner);
                 if let Some(o) = &owner {
                     inner.ports.release_owner(o);
@@ -89,6 +89,7 @@ impl Agent {
         &self,
         name: &str,
         ifindex: u32,
+        ip: std::net::Ipv4Addr,
         owner: Option<&str>,
         ports: Option<&[PortMapping]>,
     ) -> Result<(), String> {
@@ -96,6 +97,20 @@ impl Agent {
         // directions and its sessions are dead; the reaper purges them in its next batched
         // pass (decision D19), so Release costs O(1) in sessions.
         self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
+        // The next sandbox on this TAP gets the same mvm IP, and `from_envoy` delivers what
+        // any host socket sends to the address's holder: abort the node's connections to the
+        // old sandbox (CubeEgress's, a node process's) so nothing they still hold for it is
+        // retransmitted to the next one (R72). Best effort: a kernel without
+        // CONFIG_INET_DIAG_DESTROY keeps them, logged.
+        match self.host.abort_sockets_to(ip) {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(tap = name, %ip, aborted = n, "aborted the node's TCP connections to the released sandbox")
+            }
+            Err(e) => {
+                tracing::warn!(tap = name, %ip, error = %e, "could not abort the node's TCP connections to the released sandbox")
+            }
+        }
         match ports {
             // Only the agent writes mappings, always from the record: deleting the record's
             // mappings (each a compare-and-delete on the ifindex) deletes all of them, in

@@ -6,8 +6,9 @@
 //!    ARP → proxy; other non-IPv4 → drop.
 //! 3. Source must be the guest address; every path below treats it as the sandbox's mvm IP
 //!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
-//! 4. To the gateway (169.254.68.5): ICMP and TCP non-SYN are DNATed to cube-dev and
-//!    redirected into cube-dev ingress (replies to host-originated flows); the rest dropped.
+//! 4. To the gateway (169.254.68.5): ICMP echo (request or reply) and TCP non-SYN are DNATed
+//!    to cube-dev and redirected into cube-dev ingress (replies to host-originated flows); the
+//!    rest, ICMP errors included, dropped (decision R70).
 //! 5. From a port-mapped guest port (no session): SYN dropped; packets of a connection the world
 //!    opened to that host port (`portmap_sessions`, same sandbox version) are SNATed to the node
 //!    address and host port (TCP fast path; UDP checks policy first); other TCP is dropped,
@@ -53,7 +54,9 @@ use crate::{
         sandbox_drop, sandbox_out,
     },
     nat,
-    packet::{self, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len},
+    packet::{
+        self, ICMP_ECHO_REPLY, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len,
+    },
     policy, quota, rst, track,
 };
 
@@ -141,7 +144,11 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     }
 
     if ip.dst == cfg.mvm_gateway_ip {
-        let ok = ip.proto == proto::ICMP || (ip.proto == proto::TCP && !syn_only(l4.tcp_flags));
+        // ICMP: echo only. An error would reach the node's own stack untranslated, where
+        // Linux applies "fragmentation needed" about a quoted echo reply with no socket to
+        // match: a guest set the node's path MTU towards any host (decision R70).
+        let echo = l4.icmp_type == ICMP_ECHO_REQUEST || l4.icmp_type == ICMP_ECHO_REPLY;
+        let ok = (ip.proto == proto::ICMP && echo) || (ip.proto == proto::TCP && !syn_only(l4.tcp_flags));
         if !ok
             || node.cube_dev_ifindex == 0
             || set_ip(ctx, &ip, IP_SRC_OFF, guest_ip, sandbox_ip).is_err()

@@ -9,7 +9,11 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use cubevs_common::{
     DatapathConfig, PortmapKey, PortmapSession, SessionKey,
-    conntrack::{Dir, udp},
+    conntrack::{
+        Dir,
+        flags::{ACK, FIN, RST, SYN},
+        udp,
+    },
     counter, proto,
 };
 
@@ -50,7 +54,9 @@ pub enum Outcome {
 /// Host-port DNAT: a TCP/UDP frame to the uplink address whose destination port is a mapped
 /// host port goes to `169.254.68.6:<guest port>` on the sandbox interface, when it arrived on
 /// the registered uplink (`ingress_ifindex`) from a source a world host may have (R63, else
-/// dropped and counted `drop_to_sandbox`). Records the connection in `portmap_sessions`.
+/// dropped and counted `drop_to_sandbox`). Records the connection in `portmap_sessions`; a
+/// TCP segment of a connection recorded for the interface's previous sandbox version is
+/// dropped (`drop_stale_version`, R73).
 #[inline(always)]
 pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, ingress_ifindex: u32) -> Outcome {
     let node = node();
@@ -75,7 +81,8 @@ pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, in
         count(counter::WORLD_DROP_PORTMAP_UNREGISTERED);
         return Outcome::Drop;
     };
-    track_portmap(
+    let opens = ip.proto != proto::TCP || l4.tcp_flags & (SYN | ACK | FIN | RST) == SYN;
+    let tracked = track_portmap(
         &PortmapKey {
             ifindex: mp.ifindex,
             remote_ip: ip.src,
@@ -86,7 +93,12 @@ pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, in
         },
         version,
         l4.dport,
+        opens,
     );
+    if !tracked {
+        count(counter::WORLD_DROP_STALE_VERSION);
+        return Outcome::Drop;
+    }
     if set_ip(ctx, ip, IP_DST_OFF, ip.dst, cfg.mvm_inner_ip).is_err()
         || set_port(ctx, ip, false, l4.dport, mp.listen_port).is_err()
         || set_macs(ctx, &cfg.mvm_mac, &cfg.gateway_mac).is_err()
@@ -184,9 +196,13 @@ pub fn reverse<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig) -> O
 }
 
 /// Records (or refreshes, at most once a second) the connection `k` the world opened to host
-/// port `host_port` (NBO) of the sandbox with `version`.
+/// port `host_port` (NBO) of the sandbox with `version`. `opens`: the frame may start a
+/// connection (a TCP SYN without ACK/FIN/RST, or UDP). Returns false, recording nothing, for a
+/// TCP segment that does not open one while `k` is recorded for another sandbox version: a
+/// connection the port's previous owner on this interface accepted, which the next owner must
+/// neither read nor answer (decision R73).
 #[inline(always)]
-fn track_portmap(k: &PortmapKey, version: u32, host_port: u16) {
+fn track_portmap(k: &PortmapKey, version: u32, host_port: u16, opens: bool) -> bool {
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     if let Some(p) = PORTMAP_SESSIONS.get_ptr_mut(k) {
@@ -196,10 +212,14 @@ fn track_portmap(k: &PortmapKey, version: u32, host_port: u16) {
                 if now.wrapping_sub((*p).access_ns) > 1_000_000_000 {
                     (*p).access_ns = now;
                 }
-                return;
+                return true;
+            }
+            if !opens && (*p).version != version {
+                return false;
             }
         }
     }
     let v = PortmapSession { access_ns: now, version, host_port, _pad: 0 };
     let _ = PORTMAP_SESSIONS.insert(k, &v, 0);
+    true
 }

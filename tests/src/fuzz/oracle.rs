@@ -330,6 +330,11 @@ pub fn check_cube(
         if !gateway && !host {
             bad(&mut v, "unexpected-output", format!("{} → {} toward cube-dev", ip4(oip.src), ip4(oip.dst)));
         }
+        // Only echo reaches the node's stack as ICMP from a guest: an error would be taken as
+        // the node's path MTU or a socket error (decision R70).
+        if oip.proto == proto::ICMP && !matches!(iip.flags, 0 | 8) {
+            bad(&mut v, "gateway-icmp-error", format!("ICMP type {} from a guest toward cube-dev", iip.flags));
+        }
         check_nat_csum(&inp, &out, &mut v);
         return v;
     }

@@ -1,0 +1,185 @@
+//! Abort every TCP socket of the calling thread's network namespace whose peer is one IPv4
+//! address (`SOCK_DESTROY`, what `ss -K dst ADDR` does; kernel `CONFIG_INET_DIAG_DESTROY`).
+//!
+//! The agent calls it when a sandbox is released (decision R72): a released sandbox's mvm IP
+//! goes to the next sandbox on its TAP, and CubeVS delivers whatever a host socket sends to the
+//! address's current holder. A node process's connection to the old sandbox, whose data nobody
+//! acknowledges any more, would otherwise be retransmitted to the new one for up to
+//! `tcp_retries2` (~15 minutes). An aborted socket sends a RST, drops its queues, and its
+//! owner's next call fails with `ECONNABORTED`.
+//!
+//! Wire format (`linux/inet_diag.h`, `linux/sock_diag.h`): `nlmsghdr` (16 bytes) +
+//! `inet_diag_req_v2` (56 bytes: family, protocol, ext, pad, states u32, then the 48-byte
+//! `inet_diag_sockid`: sport/dport big-endian u16, src/dst as 16 bytes each (IPv4 in the first
+//! 4), ifindex u32, cookie 2×u32). A dump (`SOCK_DIAG_BY_FAMILY` + `NLM_F_DUMP`) answers one
+//! `inet_diag_msg` per socket (family, state, timer, retrans, then that sockid at offset 4);
+//! `SOCK_DESTROY` takes the same request naming one socket by its sockid, cookie included.
+// Built by hand as `peer_uid::owner_by_diag` is: fixed-size records, libc only.
+
+use std::{
+    io,
+    net::Ipv4Addr,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
+
+/// `SOCK_DIAG_BY_FAMILY`.
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+/// `SOCK_DESTROY`.
+const SOCK_DESTROY: u16 = 21;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const HDR: usize = 16;
+const REQ_LEN: usize = HDR + 56;
+/// Offset of `inet_diag_sockid` in `inet_diag_msg` and of the end of the message we read.
+const MSG_ID: usize = 4;
+const MSG_MIN: usize = MSG_ID + 48;
+
+/// TCP states that hold data for a peer: every state but LISTEN (10), TIME_WAIT (6) and
+/// CLOSE (7) (`include/net/tcp_states.h`; bit n = state n).
+const STATES: u32 = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11);
+
+fn request(kind: u16, flags: u16, seq: u32, states: u32, id: &[u8; 48]) -> Vec<u8> {
+    let mut req = Vec::with_capacity(REQ_LEN);
+    req.extend_from_slice(&(REQ_LEN as u32).to_ne_bytes());
+    req.extend_from_slice(&kind.to_ne_bytes());
+    req.extend_from_slice(&flags.to_ne_bytes());
+    req.extend_from_slice(&seq.to_ne_bytes());
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&[libc::AF_INET as u8, libc::IPPROTO_TCP as u8, 0, 0]);
+    req.extend_from_slice(&states.to_ne_bytes());
+    req.extend_from_slice(id);
+    req
+}
+
+fn diag_socket() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; the fd is owned right below.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn send(sock: &OwnedFd, req: &[u8]) -> io::Result<()> {
+    // SAFETY: `req` is a valid buffer of its length.
+    if unsafe { libc::send(sock.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn recv(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is a valid writable buffer of its length.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// The netlink messages in `buf` as (type, payload).
+fn messages(buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut at = 0usize;
+    std::iter::from_fn(move || {
+        let h = buf.get(at..at + HDR)?;
+        let len = u32::from_ne_bytes([h[0], h[1], h[2], h[3]]) as usize;
+        let kind = u16::from_ne_bytes([h[4], h[5]]);
+        if len < HDR || at + len > buf.len() {
+            return None;
+        }
+        let payload = &buf[at + HDR..at + len];
+        at += (len + 3) & !3;
+        Some((kind, payload))
+    })
+}
+
+/// The `errno` of an `NLMSG_ERROR` payload (0 = an ACK).
+fn nl_errno(payload: &[u8]) -> i32 {
+    payload.get(..4).map(|b| -i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0)
+}
+
+/// The sockids of every TCP socket (states [`STATES`]) whose remote address is `peer`.
+fn sockets_to(sock: &OwnedFd, peer: Ipv4Addr) -> io::Result<Vec<[u8; 48]>> {
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    send(sock, &request(SOCK_DIAG_BY_FAMILY, flags, 1, STATES, &[0; 48]))?;
+    let mut found = Vec::new();
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        let n = recv(sock, &mut buf)?;
+        if n == 0 {
+            return Ok(found);
+        }
+        for (kind, p) in messages(&buf[..n]) {
+            match kind {
+                NLMSG_DONE => return Ok(found),
+                NLMSG_ERROR => return Err(io::Error::from_raw_os_error(nl_errno(p))),
+                SOCK_DIAG_BY_FAMILY if p.len() >= MSG_MIN && p[0] == libc::AF_INET as u8 => {
+                    let id: [u8; 48] = p[MSG_ID..MSG_ID + 48].try_into().expect("48 bytes");
+                    // sockid: sport 0..2, dport 2..4, src 4..20, dst 20..36.
+                    if id[20..24] == peer.octets() {
+                        found.push(id);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Aborts every TCP socket of the calling thread's namespace connected to `peer` (any port,
+/// any local address), in every state but LISTEN, TIME_WAIT and CLOSE. Returns how many were
+/// aborted (a socket that closed meanwhile is not counted).
+///
+/// Errors: the sock_diag socket cannot be opened or dumped, or the kernel refuses to destroy
+/// (`EOPNOTSUPP` without `CONFIG_INET_DIAG_DESTROY`, `EPERM` without `CAP_NET_ADMIN`).
+pub fn abort_tcp_to(peer: Ipv4Addr) -> io::Result<usize> {
+    let sock = diag_socket()?;
+    let ids = sockets_to(&sock, peer)?;
+    let mut aborted = 0;
+    let mut buf = [0u8; 4096];
+    for (i, id) in ids.iter().enumerate() {
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
+        send(&sock, &request(SOCK_DESTROY, flags, 2 + i as u32, !0, id))?;
+        let n = recv(&sock, &mut buf)?;
+        let errno = messages(&buf[..n]).find(|(k, _)| *k == NLMSG_ERROR).map(|(_, p)| nl_errno(p)).unwrap_or(0);
+        match errno {
+            0 => aborted += 1,
+            libc::ENOENT => {}
+            e => return Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+    Ok(aborted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_the_kernel_layout() {
+        let mut id = [0u8; 48];
+        id[20..24].copy_from_slice(&[192, 168, 0, 2]);
+        let r = request(SOCK_DESTROY, 5, 7, !0, &id);
+        assert_eq!(r.len(), 72);
+        assert_eq!(u32::from_ne_bytes(r[0..4].try_into().unwrap()), 72);
+        assert_eq!(u16::from_ne_bytes([r[4], r[5]]), SOCK_DESTROY);
+        assert_eq!(r[16..18], [libc::AF_INET as u8, libc::IPPROTO_TCP as u8]);
+        assert_eq!(r[24 + 20..24 + 24], [192, 168, 0, 2]);
+    }
+
+    #[test]
+    fn messages_walks_aligned_records_and_stops_at_a_short_one() {
+        let mut buf = Vec::new();
+        for (kind, payload) in [(20u16, vec![1u8; 5]), (NLMSG_DONE, vec![])] {
+            buf.extend_from_slice(&((HDR + payload.len()) as u32).to_ne_bytes());
+            buf.extend_from_slice(&kind.to_ne_bytes());
+            buf.extend_from_slice(&[0; 10]);
+            buf.extend_from_slice(&payload);
+            buf.resize((buf.len() + 3) & !3, 0);
+        }
+        buf.extend_from_slice(&[0xff; 8]);
+        let got: Vec<(u16, usize)> = messages(&buf).map(|(k, p)| (k, p.len())).collect();
+        assert_eq!(got, vec![(20, 5), (NLMSG_DONE, 0)]);
+    }
+}
