@@ -34,6 +34,14 @@ const REQ_LEN: usize = HDR + 56;
 const MSG_ID: usize = 4;
 const MSG_MIN: usize = MSG_ID + 48;
 
+/// `INET_DIAG_REQ_BYTECODE`: the dump request's attribute carrying a filter program.
+const INET_DIAG_REQ_BYTECODE: u16 = 1;
+/// `INET_DIAG_BC_D_COND`: "the remote address is in this prefix (and port, -1 = any)".
+const INET_DIAG_BC_D_COND: u8 = 8;
+/// The filter's length: one `inet_diag_bc_op` (4 bytes) + `inet_diag_hostcond` (8) + the
+/// IPv4 address (4).
+const FILTER_LEN: usize = 16;
+
 /// TCP states that hold data for a peer: every state but LISTEN (10), TIME_WAIT (6) and
 /// CLOSE (7) (`include/net/tcp_states.h`; bit n = state n).
 const STATES: u32 = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11);
@@ -78,6 +86,28 @@ fn recv(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// The dump request for the TCP sockets whose remote address is `peer`: the request with an
+/// `INET_DIAG_REQ_BYTECODE` attribute holding one `D_COND` op, so the kernel copies only the
+/// matching sockets (the node's other sockets, CubeEgress's included, cost a filter run each,
+/// not a message). The op jumps `yes` = 16 (off the end: accept) on a match and `no` = 20
+/// (past the end: reject) otherwise, as `inet_diag_bc_audit` allows; hostcond = {AF_INET,
+/// prefix 32, pad 2, port -1 (any), address big-endian}.
+fn dump_request(peer: Ipv4Addr) -> Vec<u8> {
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    let mut req = request(SOCK_DIAG_BY_FAMILY, flags, 1, STATES, &[0; 48]);
+    let attr_len = 4 + FILTER_LEN;
+    req.extend_from_slice(&(attr_len as u16).to_ne_bytes());
+    req.extend_from_slice(&INET_DIAG_REQ_BYTECODE.to_ne_bytes());
+    req.extend_from_slice(&[INET_DIAG_BC_D_COND, FILTER_LEN as u8]);
+    req.extend_from_slice(&(FILTER_LEN as u16 + 4).to_ne_bytes());
+    req.extend_from_slice(&[libc::AF_INET as u8, 32, 0, 0]);
+    req.extend_from_slice(&(-1i32).to_ne_bytes());
+    req.extend_from_slice(&peer.octets());
+    let len = req.len() as u32;
+    req[0..4].copy_from_slice(&len.to_ne_bytes());
+    req
+}
+
 /// The netlink messages in `buf` as (type, payload).
 fn messages(buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     let mut at = 0usize;
@@ -101,22 +131,31 @@ fn nl_errno(payload: &[u8]) -> i32 {
 
 /// The sockids of every TCP socket (states [`STATES`]) whose remote address is `peer`.
 fn sockets_to(sock: &OwnedFd, peer: Ipv4Addr) -> io::Result<Vec<[u8; 48]>> {
-    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
-    send(sock, &request(SOCK_DIAG_BY_FAMILY, flags, 1, STATES, &[0; 48]))?;
+    dump(sock, peer).map(|(found, _)| found)
+}
+
+/// [`sockets_to`], also returning how many socket messages the kernel sent (the filter's
+/// proof: equal to the matches).
+fn dump(sock: &OwnedFd, peer: Ipv4Addr) -> io::Result<(Vec<[u8; 48]>, usize)> {
+    send(sock, &dump_request(peer))?;
     let mut found = Vec::new();
+    let mut sent = 0;
     let mut buf = vec![0u8; 32 * 1024];
     loop {
         let n = recv(sock, &mut buf)?;
         if n == 0 {
-            return Ok(found);
+            return Ok((found, sent));
         }
         for (kind, p) in messages(&buf[..n]) {
             match kind {
-                NLMSG_DONE => return Ok(found),
+                NLMSG_DONE => return Ok((found, sent)),
                 NLMSG_ERROR => return Err(io::Error::from_raw_os_error(nl_errno(p))),
                 SOCK_DIAG_BY_FAMILY if p.len() >= MSG_MIN && p[0] == libc::AF_INET as u8 => {
+                    sent += 1;
                     let id: [u8; 48] = p[MSG_ID..MSG_ID + 48].try_into().expect("48 bytes");
-                    // sockid: sport 0..2, dport 2..4, src 4..20, dst 20..36.
+                    // sockid: sport 0..2, dport 2..4, src 4..20, dst 20..36. The kernel's
+                    // filter already matched; checked again so a kernel that ignored it
+                    // never makes us abort another peer's socket.
                     if id[20..24] == peer.octets() {
                         found.push(id);
                     }
@@ -166,6 +205,45 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([r[4], r[5]]), SOCK_DESTROY);
         assert_eq!(r[16..18], [libc::AF_INET as u8, libc::IPPROTO_TCP as u8]);
         assert_eq!(r[24 + 20..24 + 24], [192, 168, 0, 2]);
+    }
+
+    #[test]
+    fn the_dump_carries_a_remote_address_filter_the_kernel_accepts() {
+        let r = dump_request(Ipv4Addr::new(192, 168, 0, 2));
+        assert_eq!(r.len(), 72 + 20);
+        assert_eq!(u32::from_ne_bytes(r[0..4].try_into().unwrap()), 92);
+        // rtattr {len 20, type INET_DIAG_REQ_BYTECODE}, then op {D_COND, yes 16, no 20}.
+        assert_eq!(u16::from_ne_bytes([r[72], r[73]]), 20);
+        assert_eq!(u16::from_ne_bytes([r[74], r[75]]), INET_DIAG_REQ_BYTECODE);
+        assert_eq!(r[76..78], [INET_DIAG_BC_D_COND, 16]);
+        assert_eq!(u16::from_ne_bytes([r[78], r[79]]), 20);
+        assert_eq!(r[80..84], [libc::AF_INET as u8, 32, 0, 0]);
+        assert_eq!(i32::from_ne_bytes(r[84..88].try_into().unwrap()), -1);
+        assert_eq!(r[88..92], [192, 168, 0, 2]);
+    }
+
+    /// Real kernel, this process's namespace, loopback only, read-only (nothing is aborted): a
+    /// connection to 127.0.0.2 and one to 127.0.0.3; the dump for 127.0.0.2 gets the former
+    /// and the kernel sends nothing else (its filter ran, not only ours).
+    #[test]
+    fn the_kernel_filters_the_dump_by_peer() {
+        use std::net::{TcpListener, TcpStream};
+        let pair = |ip: &str| {
+            let l = TcpListener::bind((ip, 0)).expect("bind loopback");
+            let port = l.local_addr().unwrap().port();
+            let c = TcpStream::connect((ip, port)).expect("connect");
+            let (s, _) = l.accept().expect("accept");
+            (port, c, s)
+        };
+        let (port, _c2, _s2) = pair("127.0.0.2");
+        let (_, _c3, _s3) = pair("127.0.0.3");
+        let sock = diag_socket().expect("sock_diag socket");
+        let (found, sent) = dump(&sock, Ipv4Addr::new(127, 0, 0, 2)).expect("dump");
+        assert_eq!(found.len(), sent, "the kernel sent sockets of other peers");
+        // At least the client socket (its remote port is the listener's); the accepted one
+        // peers with whatever source address the kernel chose for the client.
+        assert!(found.iter().any(|id| u16::from_be_bytes([id[2], id[3]]) == port), "{found:?}");
+        assert!(found.iter().all(|id| id[20..24] == [127, 0, 0, 2]));
     }
 
     #[test]
