@@ -17,7 +17,7 @@ use std::{collections::HashMap as StdHashMap, fs::File, sync::Mutex};
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{QuotaKey, floor, learned_floor, map};
 
-use crate::{Error, QuotaUsage, error::ok_absent, lock::Flock, quota::floor_ceiling};
+use crate::{Error, QuotaUsage, error::ok_absent, lock::Flock, quota::dead_versions, quota::floor_ceiling};
 
 /// The learned floor's state, as read from `learned_floor`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -154,26 +154,14 @@ impl LearnedFloor {
     /// Removes the entries of every version registered neither `before` nor `after` a scan
     /// (`{ifindex → version}`); returns how many versions were collected.
     pub(crate) fn collect(&self, before: &StdHashMap<u32, u32>, after: &StdHashMap<u32, u32>) -> Result<usize, Error> {
-        let dead =
-            |k: &QuotaKey| before.get(&k.ifindex) != Some(&k.version) && after.get(&k.ifindex) != Some(&k.version);
-        let mut keys = Vec::new();
-        {
+        let dead = {
             let g = self.inner.lock().expect("learned floor lock");
-            for k in g.opened.keys() {
-                keys.push(k.map_err(Error::map(map::LEARNED_OPENED, "iterate"))?);
-            }
-            for k in g.closed.keys() {
-                let k = k.map_err(Error::map(map::LEARNED_CLOSED, "iterate"))?;
-                if !keys.contains(&k) {
-                    keys.push(k);
-                }
-            }
-        }
-        let mut n = 0;
-        for k in keys.iter().filter(|k| dead(k)) {
+            dead_versions((&g.opened, map::LEARNED_OPENED), (&g.closed, map::LEARNED_CLOSED), before, after)?
+        };
+        for k in &dead {
             self.forget(k.ifindex, k.version)?;
-            n += 1;
         }
+        let n = dead.len();
         Ok(n)
     }
 }

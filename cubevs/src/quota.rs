@@ -234,27 +234,36 @@ impl QuotaMaps {
         after: &StdHashMap<u32, u32>,
     ) -> Result<usize, Error> {
         let dead =
-            |k: &QuotaKey| before.get(&k.ifindex) != Some(&k.version) && after.get(&k.ifindex) != Some(&k.version);
-        let mut keys = Vec::new();
-        for k in self.opened.keys() {
-            keys.push(k.map_err(Error::map(map::SESSION_OPENED, "iterate"))?);
-        }
-        for k in self.closed.keys() {
-            let k = k.map_err(Error::map(map::SESSION_CLOSED, "iterate"))?;
-            if !keys.contains(&k) {
-                keys.push(k);
-            }
-        }
-        let mut n = 0;
-        for k in keys.iter().filter(|k| dead(k)) {
+            dead_versions((&self.opened, map::SESSION_OPENED), (&self.closed, map::SESSION_CLOSED), before, after)?;
+        for k in &dead {
             self.forget(k)?;
-            n += 1;
         }
+        let n = dead.len();
         if let Some(t) = &self.track {
             t.collect(before, after)?;
         }
         Ok(n)
     }
+}
+
+/// The sandbox versions keyed in an opened/closed pair of count maps (each with its map name,
+/// for errors) that are registered neither `before` nor `after` a scan (`{ifindex →
+/// version}`), each once: what `collect` of the session, tracking and learned floors removes.
+/// O(entries) (a set, not a list search: up to 8,192 versions per map).
+pub(crate) fn dead_versions<V: aya::Pod>(
+    opened: (&HashMap<MapData, QuotaKey, V>, &'static str),
+    closed: (&HashMap<MapData, QuotaKey, V>, &'static str),
+    before: &StdHashMap<u32, u32>,
+    after: &StdHashMap<u32, u32>,
+) -> Result<Vec<QuotaKey>, Error> {
+    let mut seen = std::collections::HashSet::new();
+    for (m, name) in [opened, closed] {
+        for k in m.keys() {
+            seen.insert(k.map_err(Error::map(name, "iterate"))?);
+        }
+    }
+    let live = |k: &QuotaKey| before.get(&k.ifindex) == Some(&k.version) || after.get(&k.ifindex) == Some(&k.version);
+    Ok(seen.into_iter().filter(|k| !live(k)).collect())
 }
 
 #[cfg(test)]

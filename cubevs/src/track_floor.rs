@@ -20,7 +20,7 @@ use aya::maps::{HashMap, MapData};
 pub use cubevs_common::budget::{KIND_DNS_QUERY, KIND_FRAG};
 use cubevs_common::{QuotaKey, TrackCount, floor, map};
 
-use crate::{Error, error::ok_absent, lock::Flock, quota::floor_ceiling};
+use crate::{Error, error::ok_absent, lock::Flock, quota::dead_versions, quota::floor_ceiling};
 
 /// The tracking floor's parameters for one map.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -195,26 +195,14 @@ impl TrackFloor {
     /// Removes the entries of every version registered neither `before` nor `after` a scan
     /// (`{ifindex → version}`); returns how many versions were collected.
     pub(crate) fn collect(&self, before: &StdHashMap<u32, u32>, after: &StdHashMap<u32, u32>) -> Result<usize, Error> {
-        let dead =
-            |k: &QuotaKey| before.get(&k.ifindex) != Some(&k.version) && after.get(&k.ifindex) != Some(&k.version);
-        let mut keys = Vec::new();
-        {
+        let dead = {
             let g = self.inner.lock().expect("track lock");
-            for k in g.opened.keys() {
-                keys.push(k.map_err(Error::map(map::TRACK_OPENED, "iterate"))?);
-            }
-            for k in g.closed.keys() {
-                let k = k.map_err(Error::map(map::TRACK_CLOSED, "iterate"))?;
-                if !keys.contains(&k) {
-                    keys.push(k);
-                }
-            }
-        }
-        let mut n = 0;
-        for k in keys.iter().filter(|k| dead(k)) {
+            dead_versions((&g.opened, map::TRACK_OPENED), (&g.closed, map::TRACK_CLOSED), before, after)?
+        };
+        for k in &dead {
             self.forget(k.ifindex, k.version)?;
-            n += 1;
         }
+        let n = dead.len();
         if let Some(l) = &self.learned {
             l.collect(before, after)?;
         }
