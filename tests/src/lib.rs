@@ -49,6 +49,7 @@ pub mod servers;
 pub mod smol;
 pub mod tls;
 pub mod topology;
+pub mod veth_node;
 pub mod vm;
 
 /// Polls `f` every 50 ms for up to `timeout`; panics naming `what` when it never holds.

@@ -8,22 +8,17 @@
 //! sandbox shrank to 512-byte segments. Property: the only ICMP a guest sends its gateway is
 //! an echo request or reply; nothing a guest writes changes the node's routing state.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::time::Duration;
 
 use cubenet_tests::{
-    bpffs::BpfFs,
     capture::Capture,
-    ebpf_object,
     frames::icmp,
-    guest::VethGuest,
     packet::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IP, dotted},
+    topology::{CUBE_DEV_IP, NODE_IP, WORLD_IP, dotted},
+    veth_node::VethNode,
 };
-use cubevs::{Datapath, EgressPolicy, LoadOptions, SandboxEntry, SnatAddr};
 use etherparse::PacketBuilder;
-
-const A_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 3);
 /// Another sandbox's mvm IP (routed through cube-dev like every sandbox address).
 const B_IP: [u8; 4] = [192, 168, 0, 4];
 /// The smallest path MTU Linux accepts (`net.ipv4.route.min_pmtu`).
@@ -32,51 +27,6 @@ const ICMP_DEST_UNREACH: u8 = 3;
 const CODE_FRAG_NEEDED: u8 = 4;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_REDIRECT: u8 = 5;
-
-struct Node {
-    topo: Topology,
-    a: VethGuest,
-    dp: Option<Datapath>,
-    _bpffs: BpfFs,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.dp.take();
-    }
-}
-
-fn node() -> Node {
-    let mut topo = Topology::new();
-    topo.add_cube_dev();
-    let a = topo.add_veth_guest(0);
-    let bpffs = BpfFs::new();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let node_if = a.node_if.clone();
-    let dp = topo.node.run(move || {
-        let mut dp = dp;
-        dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-        dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-        dp.attach_sandbox(&node_if).expect("attach guest");
-        dp
-    });
-    let maps = dp.maps();
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(a.node_ifindex).expect("stats");
-    maps.sandboxes
-        .register(&SandboxEntry { ifindex: a.node_ifindex, ip: A_IP, version: 1, id: "sb-a".into() })
-        .unwrap();
-    let open = EgressPolicy { allow_out: vec!["0.0.0.0/0".into()], ..Default::default() };
-    maps.policy.replace(a.node_ifindex, &open).expect("policy A");
-    topo.node.ip(&["link", "set", "lo", "up"]);
-    Node { topo, a, dp: Some(dp), _bpffs: bpffs }
-}
 
 /// The IP header and first 8 bytes of an ICMP echo reply `src → dst` (what the node's kernel
 /// sends unasked, so Linux takes an error about it without a socket to match), as an error
@@ -101,7 +51,7 @@ fn icmp_error_to_gateway(ty: u8, code: u8, rest: [u8; 4], quoted: &[u8]) -> Vec<
 }
 
 /// The node's route to `dst` as `ip route get` prints it (cached exceptions included).
-fn route_get(n: &Node, dst: [u8; 4]) -> String {
+fn route_get(n: &VethNode, dst: [u8; 4]) -> String {
     n.topo.node.ip(&["-4", "route", "get", &dotted(dst)])
 }
 
@@ -110,7 +60,7 @@ fn a_guest_never_sets_the_nodes_path_mtu_through_its_gateway() {
     if !require_root("attack_gateway_icmp a_guest_never_sets_the_nodes_path_mtu_through_its_gateway") {
         return;
     }
-    let n = node();
+    let n = VethNode::new();
     let targets = [("a world host", WORLD_IP), ("another sandbox", B_IP)];
     for (name, dst) in targets {
         let before = route_get(&n, dst);
@@ -147,7 +97,7 @@ fn a_guest_never_sets_the_nodes_path_mtu_through_its_gateway() {
         .collect();
     assert_eq!(changed, Vec::<String>::new(), "a guest's ICMP error changed the node's routes");
     // Every error was the datapath's drop, not the node kernel's choice; the echo went through.
-    let a = n.dp.as_ref().unwrap().maps().sandbox_stats.get(n.a.node_ifindex).unwrap().unwrap();
+    let a = n.dp().maps().sandbox_stats.get(n.a.node_ifindex).unwrap().unwrap();
     assert_eq!(a.drops["gateway"], errors as u64, "{a:?}");
     assert_eq!(a.out_packets, 1, "{a:?}");
 }

@@ -6,76 +6,28 @@
 //! to the node's own sockets except through the node address (upstream's host service access),
 //! and nothing broadcast or multicast leaves on the node's wire.
 
-use std::{
-    net::{Ipv4Addr, UdpSocket},
-    time::Duration,
-};
+use std::{net::UdpSocket, time::Duration};
 
 use cubenet_tests::{
-    bpffs::BpfFs,
     capture::Capture,
-    ebpf_object,
     frames::udp,
-    guest::VethGuest,
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root, servers,
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
+    topology::{CUBE_DEV_IP, NODE_IP, WORLD_IF, WORLD_IP},
+    veth_node::VethNode,
 };
-use cubevs::{Datapath, EgressPolicy, LoadOptions, SandboxEntry, SnatAddr};
-
-const A_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 3);
 const PORT: u16 = 7000;
 /// An address of another interface of the node (a second NIC, a dummy for a node service).
 const OTHER_NODE_ADDR: [u8; 4] = [203, 0, 113, 77];
 
-struct Node {
-    topo: Topology,
-    a: VethGuest,
-    dp: Option<Datapath>,
-    _bpffs: BpfFs,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.dp.take();
-    }
-}
-
-fn node() -> Node {
-    let mut topo = Topology::new();
-    topo.add_cube_dev();
-    let a = topo.add_veth_guest(0);
-    let bpffs = BpfFs::new();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let node_if = a.node_if.clone();
-    let dp = topo.node.run(move || {
-        let mut dp = dp;
-        dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-        dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-        dp.attach_sandbox(&node_if).expect("attach guest");
-        dp
-    });
-    let maps = dp.maps();
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(a.node_ifindex).expect("stats");
-    maps.sandboxes
-        .register(&SandboxEntry { ifindex: a.node_ifindex, ip: A_IP, version: 1, id: "sb-a".into() })
-        .unwrap();
-    let open = EgressPolicy { allow_out: vec!["0.0.0.0/0".into()], ..Default::default() };
-    maps.policy.replace(a.node_ifindex, &open).expect("policy A");
+fn node() -> VethNode {
+    let n = VethNode::new();
     // No `dummy` module everywhere: a veth pair inside the node namespace serves as well.
-    topo.node.ip(&["link", "add", "svc0", "type", "veth", "peer", "name", "svc1"]);
-    topo.node.ip(&["link", "set", "svc1", "up"]);
-    topo.node.ip(&["addr", "add", "203.0.113.77/32", "dev", "svc0"]);
-    topo.node.ip(&["link", "set", "svc0", "up"]);
-    topo.node.ip(&["link", "set", "lo", "up"]);
-    Node { topo, a, dp: Some(dp), _bpffs: bpffs }
+    n.topo.node.ip(&["link", "add", "svc0", "type", "veth", "peer", "name", "svc1"]);
+    n.topo.node.ip(&["link", "set", "svc1", "up"]);
+    n.topo.node.ip(&["addr", "add", "203.0.113.77/32", "dev", "svc0"]);
+    n.topo.node.ip(&["link", "set", "svc0", "up"]);
+    n
 }
 
 fn guest_frames_never_reach_node_sockets(forwarding: bool) {
@@ -146,7 +98,7 @@ fn guest_frames_never_reach_node_sockets(forwarding: bool) {
     assert_eq!(left, Vec::<&str>::new(), "left on the node's wire");
     // Every attempt left A's interface through the datapath (none was lost in a guest stack:
     // the frames were written raw), so the datapath, not the guest, decided.
-    let a = n.dp.as_ref().unwrap().maps().sandbox_stats.get(n.a.node_ifindex).unwrap().unwrap();
+    let a = n.dp().maps().sandbox_stats.get(n.a.node_ifindex).unwrap().unwrap();
     assert!(a.out_packets + a.drops.values().sum::<u64>() > attempts.len() as u64, "{a:?}");
     // Those no flow may have are dropped by the datapath itself, whatever the policy (R47).
     assert_eq!(a.drops["protocol"], 7, "{a:?}");
