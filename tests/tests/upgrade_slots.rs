@@ -803,13 +803,7 @@ fn dns_learning_survives_switch_and_rollback() {
     let n = setup();
     let pin = n.pin_dir();
     let maps = n.dp.as_ref().unwrap().maps();
-    let policy = cubevs::EgressPolicy {
-        allow_internet_access: false,
-        allow_out: vec![format!("{WORLD}/32")],
-        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
-        ..Default::default()
-    };
-    maps.policy.replace(n.veth.node_ifindex, &policy).expect("policy");
+    maps.policy.replace(n.veth.node_ifindex, &world_and_api_policy()).expect("policy");
     let tmp = tmpdir("dns");
     let next = other_build(tmp.path());
     assert_eq!(slots::load_standby(&pin, &next).expect("load standby").slot, 1);
@@ -987,6 +981,17 @@ fn queries_through_slot(n: &Node, slot: usize, base: u16, count: u16) -> usize {
         .unwrap()
 }
 
+/// The DNS tests' policy: the world host by CIDR (its name server) and `api.example.com` on
+/// every port by name, nothing else.
+fn world_and_api_policy() -> cubevs::EgressPolicy {
+    cubevs::EgressPolicy {
+        allow_internet_access: false,
+        allow_out: vec![format!("{}/32", Ipv4Addr::from(cubenet_tests::topology::WORLD_IP))],
+        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
+        ..Default::default()
+    }
+}
+
 /// Switching to an object older than the tracking floor (decision Q6) and rolling back
 /// neither underflows nor drifts the DNS tracking counts: the older object's tracked queries
 /// are unmarked (`_pad` 0) and never subtracted, and after each step the node count equals
@@ -1002,13 +1007,7 @@ fn tracking_counts_survive_switch_to_older_object_and_rollback() {
     let pin = n.pin_dir();
     let maps = n.dp.as_ref().unwrap().maps();
     let sb = n.veth.node_ifindex;
-    let policy = cubevs::EgressPolicy {
-        allow_internet_access: false,
-        allow_out: vec![format!("{}/32", Ipv4Addr::from(cubenet_tests::topology::WORLD_IP))],
-        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
-        ..Default::default()
-    };
-    maps.policy.replace(sb, &policy).expect("dns policy");
+    maps.policy.replace(sb, &world_and_api_policy()).expect("dns policy");
     let node = |m: &cubevs::Maps| m.track.state(KIND_DNS_QUERY).unwrap();
     let queries = |m: &cubevs::Maps| m.policy.dns_queries(Some(sb));
     let charged = |m: &cubevs::Maps| queries(m).iter().filter(|(_, v)| v._pad == DNS_CHARGED).count() as i64;
@@ -1060,13 +1059,7 @@ fn learned_counts_survive_switch_to_older_object_and_rollback() {
     let pin = n.pin_dir();
     let maps = n.dp.as_ref().unwrap().maps();
     let sb = n.veth.node_ifindex;
-    let policy = cubevs::EgressPolicy {
-        allow_internet_access: false,
-        allow_out: vec![format!("{}/32", Ipv4Addr::from(cubenet_tests::topology::WORLD_IP))],
-        allow_fqdn: vec![cubevs::policy::FqdnAllow { name: "api.example.com".into(), ports: vec![] }],
-        ..Default::default()
-    };
-    maps.policy.replace(sb, &policy).expect("dns policy");
+    maps.policy.replace(sb, &world_and_api_policy()).expect("dns policy");
     let lf = maps.track.learned().expect("learned floor");
     let node = || lf.state().unwrap().node;
     // Charged entries, read from the map itself.
