@@ -14,7 +14,7 @@
 
 use aya::maps::{HashMap, Map};
 use cubenet_tests::{
-    frames::{Tcp as T, tcp},
+    frames::{Tcp as T, tcp, udp as udp_frame},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
     rig::{Rig, SB_IFINDEX, SB_IP, VERSION},
@@ -49,11 +49,42 @@ fn a_world_connection_to_a_released_host_port_never_reaches_its_next_owner_on_an
     reuse(SB_IFINDEX + 1);
 }
 
+/// The same with A's mappings deleted as the agent's release without a record does
+/// (`PortMaps::delete_of`, also A's UDP mapping of the same port number): the TCP port is
+/// stamped; UDP keeps D20's behaviour (a datagram to B's UDP mapping of that port number goes
+/// to B: every UDP datagram may open a flow).
+#[test]
+fn a_release_by_delete_of_stamps_the_tcp_host_port() {
+    if !require_root("attack_host_port_reuse_testrun delete_of") {
+        return;
+    }
+    let r = Rig::new();
+    let udp = PortMapping { proto: Proto::Udp, host_port: HOST_PORT, ifindex: SB_IFINDEX, guest_port: 53 };
+    r.maps.ports.add(&udp).unwrap();
+    let before = cubevs::reaper::monotonic_ns();
+    reuse_on(&r, B_IFINDEX, Release::DeleteOf);
+    let at = r.maps.ports.released_at(HOST_PORT).unwrap().expect("stamped by delete_of");
+    assert!(before <= at && at <= cubevs::reaper::monotonic_ns());
+    assert!(r.maps.ports.tracks_releases());
+    r.maps.ports.add(&PortMapping { ifindex: B_IFINDEX, ..udp }).unwrap();
+    let out = r.world(udp_frame(r.world_mac, r.up_mac, CLIENT, NODE_IP, CLIENT_PORT, HOST_PORT, b"q"));
+    assert_eq!(out.verdict, TC_ACT_REDIRECT, "UDP to the reused port number");
+}
+
+/// How A's mappings are deleted.
+#[derive(Clone, Copy)]
+enum Release {
+    /// `PortMaps::delete` of the one mapping (the agent's release with a record).
+    Delete,
+    /// `PortMaps::delete_of` A's interface (the agent's release without one, recovery).
+    DeleteOf,
+}
+
 /// A on the rig's TAP with the host port and a live client connection; A released; B on
 /// `b_ifindex` (with the rig's guest view) gets the host port.
 fn reuse(b_ifindex: u32) {
     let r = Rig::new();
-    reuse_on(&r, b_ifindex);
+    reuse_on(&r, b_ifindex, Release::Delete);
 }
 
 /// B's ifindex on another TAP, and B's mvm IP there.
@@ -61,7 +92,7 @@ const B_IFINDEX: u32 = SB_IFINDEX + 1;
 const B_IP: [u8; 4] = [192, 168, 0, 9];
 
 /// [`reuse`] on `r`; returns the stale client's segment (TCP, to the host port).
-fn reuse_on(r: &Rig, b_ifindex: u32) -> T {
+fn reuse_on(r: &Rig, b_ifindex: u32, release: Release) -> T {
     let mapping = PortMapping { proto: Proto::Tcp, host_port: HOST_PORT, ifindex: SB_IFINDEX, guest_port: GUEST_PORT };
     r.maps.ports.add(&mapping).unwrap();
     // The client opens a connection to A and sends a request.
@@ -75,7 +106,10 @@ fn reuse_on(r: &Rig, b_ifindex: u32) -> T {
 
     // A is released (unregistered, its mapping deleted); B gets the TAP and the same host port.
     r.maps.sandboxes.unregister(SB_IFINDEX).unwrap();
-    r.maps.ports.delete(&mapping).unwrap();
+    match release {
+        Release::Delete => r.maps.ports.delete(&mapping).unwrap(),
+        Release::DeleteOf => assert!(r.maps.ports.delete_of(SB_IFINDEX).unwrap() >= 2),
+    }
     let b_ip = if b_ifindex == SB_IFINDEX { SB_IP } else { B_IP };
     let b =
         SandboxEntry { ifindex: b_ifindex, ip: std::net::Ipv4Addr::from(b_ip), version: VERSION + 1, id: "b".into() };
@@ -125,7 +159,7 @@ fn a_new_connection_to_the_next_owner_on_another_tap_works_from_its_syn() {
         return;
     }
     let r = Rig::new();
-    reuse_on(&r, B_IFINDEX);
+    reuse_on(&r, B_IFINDEX, Release::Delete);
     let released = r.maps.ports.released_at(HOST_PORT).unwrap().expect("the host port's release was stamped");
     assert!(released <= cubevs::reaper::monotonic_ns());
     let cport = CLIENT_PORT + 7;
