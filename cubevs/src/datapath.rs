@@ -490,6 +490,8 @@ impl Datapath {
             ports: PortMaps::new(
                 (take(&mut ebpf, map::REMOTE_PORT_MAPPING)?, take(&mut ebpf, map::LOCAL_PORT_MAPPING)?),
                 (take(&mut ebpf, map::REMOTE_PORT_MAPPING_UDP)?, take(&mut ebpf, map::LOCAL_PORT_MAPPING_UDP)?),
+                // Optional (an object older than R74 has none): releases then go unstamped.
+                ebpf.take_map(map::HOST_PORT_RELEASED).and_then(|m| m.try_into().ok()),
             ),
             sessions,
             snat: SnatTable::new(take(&mut ebpf, map::SNAT_IPLIST)?),

@@ -1,6 +1,7 @@
 //! Host-port mappings: `remote_port_mapping` (host port → sandbox port) and
 //! `local_port_mapping` (sandbox port → host port), one pair of maps per protocol
-//! (`reference/upstream.md §3.6`; upstream maps only TCP).
+//! (`reference/upstream.md §3.6`; upstream maps only TCP). Deleting a TCP mapping stamps
+//! its host port in `host_port_released` (decision R74) before the mapping goes.
 
 use std::sync::Mutex;
 
@@ -55,9 +56,13 @@ struct Pair {
     local_name: &'static str,
 }
 
-/// Typed access to the four port-mapping maps.
+type Released = HashMap<MapData, u16, u64>;
+
+/// Typed access to the four port-mapping maps and `host_port_released` (`None` when the loaded
+/// object has no such map: an object older than R74, which then keeps R73's limit).
 pub struct PortMaps {
     inner: Mutex<[Pair; 2]>,
+    released: Option<Mutex<Released>>,
 }
 
 fn target(m: &PortMapping) -> MvmPort {
@@ -65,8 +70,9 @@ fn target(m: &PortMapping) -> MvmPort {
 }
 
 impl PortMaps {
-    pub(crate) fn new(tcp: (Remote, Local), udp: (Remote, Local)) -> Self {
+    pub(crate) fn new(tcp: (Remote, Local), udp: (Remote, Local), released: Option<Released>) -> Self {
         Self {
+            released: released.map(Mutex::new),
             inner: Mutex::new([
                 Pair {
                     remote: tcp.0,
@@ -81,6 +87,32 @@ impl PortMaps {
                     local_name: map::LOCAL_PORT_MAPPING_UDP,
                 },
             ]),
+        }
+    }
+
+    /// Whether the loaded object has `host_port_released` (objects older than R74 do not).
+    pub fn tracks_releases(&self) -> bool {
+        self.released.is_some()
+    }
+
+    /// Stamps TCP host port `hp` (NBO) as released now (CLOCK_MONOTONIC ns) in
+    /// `host_port_released`, so the datapath drops its previous owner's unrecorded connections
+    /// for D20's ESTABLISHED timeout (decision R74). No-op for UDP or without the map.
+    fn stamp_release(&self, proto: Proto, hp: u16) -> Result<(), Error> {
+        let (Proto::Tcp, Some(r)) = (proto, &self.released) else { return Ok(()) };
+        let mut r = r.lock().unwrap_or_else(|e| e.into_inner());
+        r.insert(hp, crate::reaper::monotonic_ns(), 0).map_err(Error::map(map::HOST_PORT_RELEASED, "update"))
+    }
+
+    /// When TCP host port `host_port` (host order) was last released (CLOCK_MONOTONIC ns), if
+    /// the object tracks releases and it ever was (decision R74).
+    pub fn released_at(&self, host_port: u16) -> Result<Option<u64>, Error> {
+        let Some(r) = &self.released else { return Ok(None) };
+        let r = r.lock().unwrap_or_else(|e| e.into_inner());
+        match r.get(&host_port.to_be(), 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(Error::map(map::HOST_PORT_RELEASED, "lookup")(e)),
         }
     }
 
@@ -161,11 +193,14 @@ impl PortMaps {
     }
 
     /// Deletes `m`; each side is removed only if it still points at the other. Absent: no-op.
+    /// A TCP host port is stamped released (R74) before its mapping is removed, so no next owner
+    /// can get it unstamped; a failed stamp is returned and the mapping is kept.
     pub fn delete(&self, m: &PortMapping) -> Result<(), Error> {
         let mut g = self.inner.lock().expect("port maps lock");
         let p = &mut g[Self::idx(m.proto)];
         let (hp, t) = (m.host_port.to_be(), target(m));
         if p.remote.get(&hp, 0).ok() == Some(t) {
+            self.stamp_release(m.proto, hp)?;
             p.remote
                 .remove(&hp)
                 .or_else(|e| if is_not_found(&e) { Ok(()) } else { Err(e) })
@@ -181,16 +216,19 @@ impl PortMaps {
     }
 
     /// Deletes every mapping of `ifindex` (both protocols, both directions); returns how many
-    /// map entries were removed.
+    /// map entries were removed. Each TCP host port is stamped released (R74) before its
+    /// mapping goes; a failed stamp keeps that mapping and is returned.
     pub fn delete_of(&self, ifindex: u32) -> Result<usize, Error> {
         let mut g = self.inner.lock().expect("port maps lock");
         let mut removed = 0;
-        for p in g.iter_mut() {
+        for (i, p) in g.iter_mut().enumerate() {
+            let proto = if i == 0 { Proto::Tcp } else { Proto::Udp };
             // Collect first, then delete: deleting while iterating skips entries.
             let remote: Vec<u16> =
                 p.remote.iter().filter_map(Result::ok).filter(|(_, v)| v.ifindex == ifindex).map(|(k, _)| k).collect();
             let local: Vec<MvmPort> = p.local.keys().filter_map(Result::ok).filter(|k| k.ifindex == ifindex).collect();
             for k in remote {
+                self.stamp_release(proto, k)?;
                 if p.remote.remove(&k).is_ok() {
                     removed += 1;
                 }

@@ -264,8 +264,9 @@ impl Rig {
 
     /// A second handle of the rig datapath's kernel map `name` (`cubevs_common::map::*`),
     /// found among the maps `program` uses, for tests that set map state no frame can set
-    /// quickly (e.g. a map nearly full of other sandboxes' entries). Panics when `program`
-    /// uses no map of that name.
+    /// quickly (e.g. a map nearly full of other sandboxes' entries). The kernel keeps the
+    /// first 15 bytes of a map's name (`BPF_OBJ_NAME_LEN`), so a longer `name` is matched on
+    /// those. Panics when `program` uses no map of that name.
     pub fn kernel_map(&self, program: &'static str, name: &str) -> aya::maps::MapData {
         let dp = self.dp.clone();
         let ids = self
@@ -276,10 +277,12 @@ impl Rig {
                 info.map_ids().expect("map ids").unwrap_or_default()
             })
             .expect("node thread");
+        let kernel_name = &name[..name.len().min(15)];
         let id = ids
             .into_iter()
             .find(|id| {
-                aya::maps::MapInfo::from_id(*id).ok().and_then(|i| i.name_as_str().map(|n| n == name)) == Some(true)
+                aya::maps::MapInfo::from_id(*id).ok().and_then(|i| i.name_as_str().map(|n| n == kernel_name))
+                    == Some(true)
             })
             .unwrap_or_else(|| panic!("{program} uses no map named {name}"));
         aya::maps::MapData::from_id(id).expect("open map by id")

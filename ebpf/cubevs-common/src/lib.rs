@@ -147,6 +147,15 @@ pub mod map {
     /// ([`super::floor::LIMITS`], library only); keys 3 to 7 hold the same for the tracking
     /// floor of `dns_query_track_v2` and `frag_sessions_v2` (decision Q6).
     pub const SESSION_FLOOR: &str = "session_floor";
+    /// Hash (not LRU): `u16` TCP host port (NBO) → `u64` CLOCK_MONOTONIC ns at which the
+    /// `cubevs` library last released (deleted) that host port's mapping (decision R74;
+    /// written by the library only, read by the datapath, not in upstream). A TCP segment that
+    /// is not a bare SYN, to a host port released less than
+    /// [`super::conntrack::timeout::TCP_ESTABLISHED`] ago, with no `portmap_sessions` entry, is
+    /// dropped: it belongs to a connection of the port's previous owner. At most one entry per
+    /// host port ([`super::limits::PORT_MAPPINGS`] entries cover every `u16`); an entry is
+    /// never deleted, only overwritten at the next release.
+    pub const HOST_PORT_RELEASED: &str = "host_port_released";
     /// Maps an older object may lack and still be loaded into a slot beside the pins (it runs
     /// without them; the `cubevs` library keeps them up to date for the objects that use
     /// them): `session_floor` (decision Q4), whose absence only means no node-wide check.
@@ -162,6 +171,9 @@ pub mod map {
     ///
     /// `learned_opened` / `learned_closed` / `learned_floor` (decision R66): without them an
     /// object learns with no floor (only its R60 budget).
+    ///
+    /// `host_port_released` (decision R74): without it a released host port's next owner on
+    /// another interface still gets the previous owner's world connections (R73's limit).
     pub const OPTIONAL: &[&str] = &[
         SESSION_FLOOR,
         TRACK_OPENED,
@@ -171,6 +183,7 @@ pub mod map {
         LEARNED_OPENED,
         LEARNED_CLOSED,
         LEARNED_FLOOR,
+        HOST_PORT_RELEASED,
     ];
     /// LPM trie: key `{prefixlen: u32, addr: u32 NBO}` (8 bytes) → `u8` 1, the node's extra
     /// always-denied destinations (agent key `always_denied_cidrs`, decision R30): checked
@@ -230,6 +243,7 @@ pub mod map {
         LEARNED_OPENED,
         LEARNED_CLOSED,
         LEARNED_FLOOR,
+        HOST_PORT_RELEASED,
     ];
 }
 
@@ -1016,7 +1030,9 @@ pub mod counter {
     /// from_world: reverse entry without egress session (stale), passed.
     pub const WORLD_STALE: u32 = 23;
     /// from_world: dropped, the session's sandbox version is no longer the one registered on
-    /// its interface (released or reused TAP).
+    /// its interface (released or reused TAP); or a host-port TCP segment (not a bare SYN) of
+    /// the port's previous owner: recorded for the interface's previous version (R73), or
+    /// unrecorded while the port was released less than 3 h ago (R74).
     pub const WORLD_DROP_STALE_VERSION: u32 = 24;
     /// from_world: RST outside the tracked window: dropped, session state kept.
     pub const WORLD_DROP_RST_WINDOW: u32 = 25;

@@ -26,6 +26,11 @@ pub static IFINDEX_TO_MVMMETA: HashMap<u32, MvmMeta> = HashMap::with_max_entries
 #[map(name = "remote_port_mapping")]
 pub static REMOTE_PORT_MAPPING: HashMap<u16, MvmPort> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);
 
+/// TCP host port (NBO) → CLOCK_MONOTONIC ns of its last release (userspace-written only,
+/// decision R74; optional: userspace may run an object without it).
+#[map(name = "host_port_released")]
+pub static HOST_PORT_RELEASED: HashMap<u16, u64> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);
+
 /// TCP sandbox port → host port (NBO).
 #[map(name = "local_port_mapping")]
 pub static LOCAL_PORT_MAPPING: HashMap<MvmPort, u16> = HashMap::with_max_entries(limits::PORT_MAPPINGS, 0);

@@ -12,15 +12,15 @@ use cubevs_common::{
     conntrack::{
         Dir,
         flags::{ACK, FIN, RST, SYN},
-        udp,
+        timeout, udp,
     },
     counter, proto,
 };
 
 use crate::{
     maps::{
-        EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, MVMIP_TO_IFINDEX, PORTMAP_SESSIONS, REMOTE_PORT_MAPPING,
-        REMOTE_PORT_MAPPING_UDP, count, node, sandbox_drop, sandbox_in,
+        EGRESS_SESSIONS, HOST_PORT_RELEASED, IFINDEX_TO_MVMMETA, INGRESS_SESSIONS, MVMIP_TO_IFINDEX, PORTMAP_SESSIONS,
+        REMOTE_PORT_MAPPING, REMOTE_PORT_MAPPING_UDP, count, node, sandbox_drop, sandbox_in,
     },
     nat,
     packet::{Frame, IP_DST_OFF, Ipv4, L4, set_ip, set_macs, set_port},
@@ -55,8 +55,9 @@ pub enum Outcome {
 /// host port goes to `169.254.68.6:<guest port>` on the sandbox interface, when it arrived on
 /// the registered uplink (`ingress_ifindex`) from a source a world host may have (R63, else
 /// dropped and counted `drop_to_sandbox`). Records the connection in `portmap_sessions`; a
-/// TCP segment of a connection recorded for the interface's previous sandbox version is
-/// dropped (`drop_stale_version`, R73).
+/// TCP segment of a connection recorded for the interface's previous sandbox version, or of
+/// an unrecorded connection while the host port was released less than D20's ESTABLISHED
+/// timeout ago, is dropped (`drop_stale_version`, R73, R74).
 #[inline(always)]
 pub fn host_port<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig, ingress_ifindex: u32) -> Outcome {
     let node = node();
@@ -200,26 +201,49 @@ pub fn reverse<C: Frame>(ctx: &C, ip: &Ipv4, l4: &L4, cfg: &DatapathConfig) -> O
 /// connection (a TCP SYN without ACK/FIN/RST, or UDP). Returns false, recording nothing, for a
 /// TCP segment that does not open one while `k` is recorded for another sandbox version: a
 /// connection the port's previous owner on this interface accepted, which the next owner must
-/// neither read nor answer (decision R73).
+/// neither read nor answer (decision R73); and for one while `k` is not recorded at all and
+/// `host_port` was released (`host_port_released`) less than the ESTABLISHED timeout ago:
+/// possibly a connection of the port's previous owner on another interface (decision R74).
+/// Only TCP reaches that check (`opens` is true for UDP), and only a segment without an entry,
+/// so established connections with an entry take no extra lookup.
 #[inline(always)]
 fn track_portmap(k: &PortmapKey, version: u32, host_port: u16, opens: bool) -> bool {
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(p) = PORTMAP_SESSIONS.get_ptr_mut(k) {
-        // SAFETY: valid map value pointer.
-        unsafe {
-            if (*p).version == version && (*p).host_port == host_port {
-                if now.wrapping_sub((*p).access_ns) > 1_000_000_000 {
-                    (*p).access_ns = now;
-                }
-                return true;
+    let Some(p) = PORTMAP_SESSIONS.get_ptr_mut(k) else {
+        if !opens && released_recently(host_port, now) {
+            return false;
+        }
+        let v = PortmapSession { access_ns: now, version, host_port, _pad: 0 };
+        let _ = PORTMAP_SESSIONS.insert(k, &v, 0);
+        return true;
+    };
+    // SAFETY: valid map value pointer.
+    unsafe {
+        if (*p).version == version && (*p).host_port == host_port {
+            if now.wrapping_sub((*p).access_ns) > 1_000_000_000 {
+                (*p).access_ns = now;
             }
-            if !opens && (*p).version != version {
-                return false;
-            }
+            return true;
+        }
+        if !opens && (*p).version != version {
+            return false;
         }
     }
     let v = PortmapSession { access_ns: now, version, host_port, _pad: 0 };
     let _ = PORTMAP_SESSIONS.insert(k, &v, 0);
     true
+}
+
+/// True when TCP `host_port` (NBO) was released less than
+/// [`timeout::TCP_ESTABLISHED`] before `now` (CLOCK_MONOTONIC ns), per `host_port_released`
+/// (decision R74). A release stamped after `now` (written between this packet's clock read
+/// and its lookup) counts as recent.
+#[inline(always)]
+fn released_recently(host_port: u16, now: u64) -> bool {
+    // SAFETY: plain map lookup; the value is copied out.
+    match unsafe { HOST_PORT_RELEASED.get(&host_port) } {
+        Some(&at) => at > now || now - at < timeout::TCP_ESTABLISHED,
+        None => false,
+    }
 }
