@@ -231,6 +231,10 @@ struct Inner {
     sandboxes: HashMap<String, SandboxRecord>,
     ipam: Ipam,
     ports: PortAllocator,
+    /// Scrubbed TAPs whose mvm IP's node sockets were aborted since their scrub (R72), so a
+    /// TAP a VMM still holds is not dumped for again in every maintenance pass. A name leaves
+    /// at its next scrub.
+    sockets_aborted: std::collections::HashSet<String>,
 }
 
 /// The agent.
@@ -299,6 +303,7 @@ impl Agent {
             sandboxes: HashMap::new(),
             ipam: Ipam::new(cfg.cidr),
             ports: PortAllocator::new(cfg.port_range.0, cfg.port_range.1, &reserved),
+            sockets_aborted: std::collections::HashSet::new(),
         };
         Self {
             cfg,

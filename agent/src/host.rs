@@ -96,11 +96,11 @@ pub trait Host: Send + Sync {
     /// of the namespace of the reading thread, so per-netns sysctls such as
     /// `ip_local_reserved_ports` must be read on a namespace thread, never the agent's own.
     fn read_netns_file(&self, path: &std::path::Path) -> io::Result<String>;
-    /// Aborts every TCP socket of the dataplane namespace connected to `ip` (a released
-    /// sandbox's mvm IP, before its TAP is reused: decision R72). Returns how many. Default: none
-    /// (hosts without sockets of their own).
-    fn abort_sockets_to(&self, ip: Ipv4Addr) -> io::Result<usize> {
-        let _ = ip;
+    /// Aborts every TCP socket of the dataplane namespace connected to one of `ips` (released
+    /// sandboxes' mvm IPs, before their TAPs are reused: decision R72), one sock_diag dump per
+    /// 256 addresses. Returns how many. Default: none (hosts without sockets of their own).
+    fn abort_sockets_to(&self, ips: &[Ipv4Addr]) -> io::Result<usize> {
+        let _ = ips;
         Ok(0)
     }
 }
@@ -443,8 +443,9 @@ impl Host for NetnsHost {
         })?
     }
 
-    fn abort_sockets_to(&self, ip: Ipv4Addr) -> io::Result<usize> {
-        self.run(move || cubenet_sys::sock_abort::abort_tcp_to(ip))?
+    fn abort_sockets_to(&self, ips: &[Ipv4Addr]) -> io::Result<usize> {
+        let ips = ips.to_vec();
+        self.run(move || cubenet_sys::sock_abort::abort_tcp_to(&ips))?
     }
 
     fn reopen_tap(&self, name: &str) -> io::Result<OwnedFd> {

@@ -245,8 +245,8 @@ fn a_released_sandboxs_l7_stream_never_reaches_the_next_sandbox_on_its_tap() {
 /// The same reuse with a node process instead of CubeEgress: a connection the node opened to
 /// A's mvm IP (as cubelet's exec or file channels do) with data in flight when A ends. Its
 /// retransmissions went to B on A's old address; the agent now aborts the node's TCP sockets
-/// to a sandbox's address when it scrubs the released TAP (R72), so its kernel sends a RST
-/// (dropped: the address is unregistered) and drops the data.
+/// to a released sandbox's address before its TAP goes Ready again (R72), so its kernel sends
+/// a RST (dropped: the address is unregistered) and drops the data.
 #[test]
 fn a_node_connection_to_a_released_sandbox_never_reaches_the_next_sandbox_on_its_tap() {
     if !require_root(
@@ -325,5 +325,5 @@ fn a_node_connection_to_a_released_sandbox_never_reaches_the_next_sandbox_on_its
     stop.store(true, Ordering::Relaxed);
     eprintln!("B read {frames} frames, {leaked} with A's data");
     assert_eq!(leaked, 0, "B read the node's data for A on A's old address\nagent log:\n{}", a.log());
-    assert!(a.log().contains("aborted the node's TCP connections to the released sandbox"), "{}", a.log());
+    assert!(a.log().contains("aborted the node's TCP connections to released sandboxes"), "{}", a.log());
 }

@@ -25,7 +25,45 @@ impl Agent {
     /// racing a Release must not scrub the TAP again after it went Ready and was handed to the
     /// next sandbox. Returns whether the TAP reached Ready; failures are recorded on the TAP.
     pub fn cleanup_tap(&self, name: &str) -> bool {
-        self.cleanup(name, None, false)
+        self.cleanup(name, None, false, true)
+    }
+
+    /// [`Agent::cleanup_tap`] for a TAP whose mvm IP the caller already passed to
+    /// [`Agent::abort_node_sockets`] after its scrub (a batch of released TAPs, R72).
+    pub(super) fn cleanup_tap_sockets_aborted(&self, name: &str) -> bool {
+        self.cleanup(name, None, false, false)
+    }
+
+    /// Aborts the node's TCP connections to the mvm IPs of `taps` (`(name, ip)`, each scrubbed:
+    /// unregistered, so nothing new reaches the old sandbox) in one sock_diag dump (R72): the
+    /// next sandbox on such a TAP gets the same address, and `from_envoy` delivers what any
+    /// host socket sends to the address's holder, so nothing CubeEgress or a node process still
+    /// holds for the old sandbox may be retransmitted to the next one. Runs before the TAPs can
+    /// go Ready, off the Release call (each dump walks the kernel's whole established hash,
+    /// ~1-2 ms whatever it finds). Best effort: a kernel without CONFIG_INET_DIAG_DESTROY keeps
+    /// them, logged.
+    /// A TAP already done since its scrub is skipped (a TAP a VMM holds stays Cleaning through
+    /// many passes).
+    pub(super) fn abort_node_sockets(&self, taps: &[(String, std::net::Ipv4Addr)]) {
+        let taps: Vec<&(String, std::net::Ipv4Addr)> = {
+            let mut inner = lock(&self.inner);
+            taps.iter().filter(|(n, _)| inner.sockets_aborted.insert(n.clone())).collect()
+        };
+        if taps.is_empty() {
+            return;
+        }
+        let ips: Vec<std::net::Ipv4Addr> = taps.iter().map(|(_, ip)| *ip).collect();
+        match self.host.abort_sockets_to(&ips) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                taps = taps.len(),
+                aborted = n,
+                "aborted the node's TCP connections to released sandboxes"
+            ),
+            Err(e) => {
+                tracing::warn!(taps = taps.len(), error = %e, "could not abort the node's TCP connections to released sandboxes")
+            }
+        }
     }
 
     /// The Release path's cleanup: the scrub only (its port maps deleted one by one from
@@ -35,10 +73,12 @@ impl Agent {
     /// Returns whether the scrub succeeded (else the TAP records the error, as in
     /// [`Agent::cleanup_tap`]).
     pub(super) fn scrub_released(&self, name: &str, ports: &[PortMapping]) -> bool {
-        self.cleanup(name, Some(ports), true)
+        self.cleanup(name, Some(ports), true, false)
     }
 
-    fn cleanup(&self, name: &str, ports: Option<&[PortMapping]>, defer_free_check: bool) -> bool {
+    /// The scrub (unless done), then, unless `defer_free_check`, the node's sockets to the mvm
+    /// IP aborted (when `abort_sockets`) and the free check; Ready only after all of them.
+    fn cleanup(&self, name: &str, ports: Option<&[PortMapping]>, defer_free_check: bool, abort_sockets: bool) -> bool {
         let (ifindex, ip, owner, scrubbed, hands_off) = {
             let mut inner = lock(&self.inner);
             if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
@@ -52,16 +92,21 @@ impl Agent {
                 self.reopen_if_free(name)?;
             }
             if !scrubbed {
-                self.scrub(name, ifindex, ip, owner.as_deref(), ports)?;
+                self.scrub(name, ifindex, owner.as_deref(), ports)?;
                 let mut inner = lock(&self.inner);
                 if let Some(o) = &owner {
                     inner.ports.release_owner(o);
                     inner.sandboxes.remove(o);
                 }
+                // Its mvm IP's node sockets are to be aborted again before it goes Ready.
+                inner.sockets_aborted.remove(name);
                 self.transit(&mut inner, name, Transition::Scrubbed).map_err(|e| e.to_string())?;
                 if defer_free_check {
                     return Ok(false);
                 }
+            }
+            if abort_sockets {
+                self.abort_node_sockets(&[(name.to_string(), ip)]);
             }
             self.reopen_if_free(name).map(|_| true)
         })();
@@ -89,7 +134,6 @@ impl Agent {
         &self,
         name: &str,
         ifindex: u32,
-        ip: std::net::Ipv4Addr,
         owner: Option<&str>,
         ports: Option<&[PortMapping]>,
     ) -> Result<(), String> {
@@ -97,20 +141,8 @@ impl Agent {
         // directions and its sessions are dead; the reaper purges them in its next batched
         // pass (decision D19), so Release costs O(1) in sessions.
         self.dp.unregister_sandbox(ifindex).map_err(|e| e.to_string())?;
-        // The next sandbox on this TAP gets the same mvm IP, and `from_envoy` delivers what
-        // any host socket sends to the address's holder: abort the node's connections to the
-        // old sandbox (CubeEgress's, a node process's) so nothing they still hold for it is
-        // retransmitted to the next one (R72). Best effort: a kernel without
-        // CONFIG_INET_DIAG_DESTROY keeps them, logged.
-        match self.host.abort_sockets_to(ip) {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::info!(tap = name, %ip, aborted = n, "aborted the node's TCP connections to the released sandbox")
-            }
-            Err(e) => {
-                tracing::warn!(tap = name, %ip, error = %e, "could not abort the node's TCP connections to the released sandbox")
-            }
-        }
+        // The node's TCP connections to the old sandbox are aborted after this, before the TAP
+        // can go Ready (`abort_node_sockets`, R72), off the Release call.
         match ports {
             // Only the agent writes mappings, always from the record: deleting the record's
             // mappings (each a compare-and-delete on the ifindex) deletes all of them, in

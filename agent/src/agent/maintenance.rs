@@ -218,19 +218,20 @@ impl Agent {
     /// new TAP per Ensure while the released ones wait for the pass (T2). `None` when none
     /// could be reclaimed.
     pub(super) fn reclaim_released(&self, id: &str) -> Result<Option<String>, AgentError> {
-        let candidates: Vec<String> = {
+        let candidates: Vec<(String, std::net::Ipv4Addr)> = {
             let inner = lock(&self.inner);
             inner
                 .pool
                 .names(TapState::Cleaning)
                 // Scrubbed: ownerless, never retiring or hands-off (the pool's invariants).
-                .filter(|n| inner.pool.get(n).is_some_and(|t| t.scrubbed() && !t.scrubbing()))
+                .filter_map(|n| inner.pool.get(n).filter(|t| t.scrubbed() && !t.scrubbing()).map(|t| (n.clone(), t.ip)))
                 .take(RECLAIM_TRIES)
-                .cloned()
                 .collect()
         };
-        for n in candidates {
-            if self.cleanup_tap(&n) {
+        // One sock_diag dump for all of them (R72), not one per TAP.
+        self.abort_node_sockets(&candidates);
+        for (n, _) in candidates {
+            if self.cleanup_tap_sockets_aborted(&n) {
                 // Another Ensure may take it first; any Ready TAP will do.
                 if let Some(got) = self.acquire_ready(id)? {
                     return Ok(Some(got));
@@ -261,17 +262,36 @@ impl Agent {
     /// Retries every Cleaning TAP no cleanup is running on: the scrub where it failed, and
     /// the free check (one reopen) of TAPs a Release scrubbed. Returns how many went Ready.
     pub fn finish_cleanups(&self) -> usize {
-        let cleaning: Vec<String> = {
+        // (name, mvm IP, scrubbed when listed).
+        let cleaning: Vec<(String, std::net::Ipv4Addr, bool)> = {
             let inner = lock(&self.inner);
             inner
                 .pool
                 .names(TapState::Cleaning)
-                .filter(|n| inner.pool.get(n).is_some_and(|t| !t.scrubbing() && !t.retiring()))
-                .cloned()
+                .filter_map(|n| {
+                    inner
+                        .pool
+                        .get(n)
+                        .filter(|t| !t.scrubbing() && !t.retiring())
+                        .map(|t| (n.clone(), t.ip, t.scrubbed()))
+                })
                 .collect()
         };
+        // The node's sockets to every scrubbed one's address in one sock_diag dump (R72); a TAP
+        // whose scrub is still to be done aborts its own after it.
+        let scrubbed: Vec<(String, std::net::Ipv4Addr)> =
+            cleaning.iter().filter(|(_, _, s)| *s).map(|(n, ip, _)| (n.clone(), *ip)).collect();
+        self.abort_node_sockets(&scrubbed);
         // Stops early for a call in flight while the pool is above its low watermark (F15);
         // the call's kick brings the loop back for the rest.
-        cleaning.into_iter().take_while(|_| !self.upkeep_should_yield()).filter(|n| self.cleanup_tap(n)).count()
+        cleaning
+            .into_iter()
+            .take_while(|_| !self.upkeep_should_yield())
+            .filter(
+                |(n, _, scrubbed)| {
+                    if *scrubbed { self.cleanup_tap_sockets_aborted(n) } else { self.cleanup_tap(n) }
+                },
+            )
+            .count()
     }
 }
