@@ -18,12 +18,8 @@ use std::{
     time::Duration,
 };
 
-use cubenet_tests::{
-    bpffs::BpfFs,
-    ebpf_object, require_root, servers,
-    topology::{NODE_IP, NODE_UPLINK, Topology},
-};
-use cubevs::{Datapath, LoadOptions, PortMapping, Proto, SandboxEntry, SnatAddr};
+use cubenet_tests::{require_root, servers, topology::NODE_IP, veth_node::VethNode};
+use cubevs::{PortMapping, Proto};
 use cubevs_common::counter;
 
 const B_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 4);
@@ -35,35 +31,18 @@ fn nothing_the_node_forwards_reaches_a_sandbox_by_its_mvm_ip() {
     if !require_root("attack_forwarded_e2e nothing_the_node_forwards_reaches_a_sandbox_by_its_mvm_ip") {
         return;
     }
-    let mut topo = Topology::new();
-    topo.add_cube_dev();
-    let b = topo.add_veth_guest(0);
-    let bpffs = BpfFs::new();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let dp = topo.attach_datapath(dp, &[&b]);
-    let maps = dp.maps();
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(b.node_ifindex).expect("stats");
-    maps.sandboxes
-        .register(&SandboxEntry { ifindex: b.node_ifindex, ip: B_IP, version: 1, id: "sb-b".into() })
-        .expect("reg");
-    maps.policy.install_default_deny(b.node_ifindex).expect("policy B");
+    let n = VethNode::with(B_IP, "sb-b", None);
+    let (topo, b, maps) = (&n.topo, &n.a, n.dp().maps());
     maps.ports
         .add(&PortMapping { proto: Proto::Udp, host_port: B_HOST_PORT, ifindex: b.node_ifindex, guest_port: B_PORT })
         .expect("B's host port");
-    let victim = topo.guest_ns(&b).run(|| {
+    let victim = topo.guest_ns(b).run(|| {
         let u = UdpSocket::bind(("0.0.0.0", B_PORT)).expect("B bind");
         u.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         u
     });
     // The guest's neighbour entry for its gateway, so its first answer is not held on ARP.
-    let _ = topo.guest_ns(&b).exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
+    let _ = topo.guest_ns(b).exec("ping", &["-c", "1", "-W", "1", "169.254.68.5"]);
 
     // A pod on the node: its own namespace, a veth to the node, the node as its default route.
     let pod = cubenet_tests::netns::TestNetns::new("pod");
@@ -91,11 +70,10 @@ fn nothing_the_node_forwards_reaches_a_sandbox_by_its_mvm_ip() {
         u.send_to(b"control", SocketAddr::from((NODE_IP, B_HOST_PORT))).unwrap();
     });
     let got: Vec<String> =
-        topo.guest_ns(&b).run(move || servers::udp_recv_until(&victim, "control", "the world's control to B"));
+        topo.guest_ns(b).run(move || servers::udp_recv_until(&victim, "control", "the world's control to B"));
     assert!(got.iter().any(|s| s == "node"), "the node's own datagram never reached B: {got:?}");
     assert!(!got.iter().any(|s| s == "attack-pod"), "a pod on the node reached B by its mvm IP: {got:?}");
     let dropped = maps.counters.get(counter::ENVOY_DROP_UNKNOWN).unwrap();
     assert!(dropped >= 1, "the forwarded datagram was not dropped by from_envoy (counted drop_unknown)");
     drop(pod);
-    drop(dp);
 }
