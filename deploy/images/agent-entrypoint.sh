@@ -24,7 +24,9 @@
 #
 # SIGHUP is passed on to the agent (it re-reads `always_denied_cidrs`, R51): without the trap
 # bash would die of it and the container's exit would kill the agent without a hand-over
-# (decision O17). Find the agent's PID in the pod with `busybox pidof network-agent`.
+# (decision O17). Find the agent's PID in the pod with `busybox pidof network-agent`. A SIGHUP
+# ignored when bash starts (a parent under `nohup`) cannot be trapped (POSIX); container
+# runtimes start PID 1 with every signal at its default action.
 set -euo pipefail
 bindir=${CUBENET_IMAGE_BIN:-/usr/local/bin}
 log() { printf '[agent-entrypoint] %s\n' "$*" >&2; }
@@ -63,12 +65,19 @@ elif [[ "$(owner)" != "$me" ]]; then
   stand_down "restarted after pod $(owner) took the node over"
 fi
 
-"$bindir/start-network-agent.sh" &
-pid=$!
+# The traps go in before the agent starts: a SIGHUP or SIGTERM in between would otherwise end
+# bash (the default action) while the agent runs on. A SIGHUP before the agent exists needs no
+# forwarding (the agent reads its config at start); a SIGTERM then stops it as soon as it exists.
+pid=
 termed=0
 sig=0
-trap 'sig=1; termed=1; kill -TERM "$pid" 2>/dev/null || true' TERM INT
-trap 'sig=1; log "SIGHUP: passed on to the agent (pid $pid)"; kill -HUP "$pid" 2>/dev/null || true' HUP
+trap 'sig=1; termed=1; [[ -z $pid ]] || kill -TERM "$pid" 2>/dev/null || true' TERM INT
+trap 'sig=1; if [[ -n $pid ]]; then log "SIGHUP: passed on to the agent (pid $pid)"; kill -HUP "$pid" 2>/dev/null || true; fi' HUP
+"$bindir/start-network-agent.sh" &
+pid=$!
+if ((termed)); then
+  kill -TERM "$pid" 2>/dev/null || true
+fi
 # `wait` returns early (>128) when a trapped signal arrives: wait again for the agent's own
 # status (bash keeps the status of a child it already reaped), not the interrupted wait's.
 while :; do

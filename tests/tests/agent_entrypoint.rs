@@ -115,9 +115,24 @@ fn sighup_reaches_the_agent_and_a_hand_over_still_stands_down() {
     write_exec(&bin.join("start-network-agent.sh"), &format!("#!/bin/bash\nexec python3 {}\n", stand_in.display()));
 
     let port = free_port();
+    let mut cmd = Command::new("bash");
+    // As a container runtime starts PID 1: every signal at its default action, none blocked.
+    // Inherited dispositions would change the test: under `nohup` (a CI runner started that
+    // way) SIGHUP arrives ignored, and a non-interactive bash can neither trap nor reset a
+    // signal ignored on entry (POSIX), so nothing was forwarded.
+    // SAFETY: only async-signal-safe calls (sigaction, sigprocmask) between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            use nix::sys::signal::{SigHandler, SigSet, SigmaskHow, sigprocmask};
+            for sig in [Signal::SIGHUP, Signal::SIGTERM, Signal::SIGINT] {
+                nix::sys::signal::signal(sig, SigHandler::SigDfl).map_err(std::io::Error::from)?;
+            }
+            sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None).map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
     let mut entry = ChildGuard::from_child(
-        Command::new("bash")
-            .arg(root().join("deploy/images/agent-entrypoint.sh"))
+        cmd.arg(root().join("deploy/images/agent-entrypoint.sh"))
             .env("CUBENET_IMAGE_BIN", &bin)
             .env("CUBENET_POD_UID", "pod-a")
             .env("CUBENET_HANDOVER_DIR", &handover)
