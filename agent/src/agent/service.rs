@@ -2,7 +2,9 @@
 
 use std::{os::fd::OwnedFd, sync::Arc, time::Instant};
 
-use super::{Agent, AgentError, EnsureRequest, NetworkView, TapState, Transition, internal, invalid, lock};
+use super::{
+    Agent, AgentError, EnsureRequest, NetworkView, PortRequest, TapState, Transition, internal, invalid, lock,
+};
 use crate::{
     dataplane::{EgressPolicy, PortMapping, SandboxEntry, compile_policy},
     ports::PortError,
@@ -66,14 +68,8 @@ impl Agent {
 
     fn ensure_inner(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
         validate_sandbox_id(&req.sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
-        let mut seen = std::collections::HashSet::new();
+        let ports = self.distinct_ports(&req.ports)?;
         for (i, p) in req.ports.iter().enumerate() {
-            if p.host_port != 0 && !seen.insert((p.proto, p.host_port)) {
-                return Err(invalid(
-                    format!("port_mappings[{i}].host_port"),
-                    format!("{} requested twice", p.host_port),
-                ));
-            }
             if p.host_port != 0 && (p.host_port < self.cfg.port_range.0 || p.host_port > self.cfg.port_range.1) {
                 return Err(invalid(
                     format!("port_mappings[{i}].host_port"),
@@ -118,7 +114,7 @@ impl Agent {
         let mut records = Vec::new();
         {
             let mut inner = lock(&self.inner);
-            for (i, p) in req.ports.iter().enumerate() {
+            for (i, p) in ports.iter().enumerate() {
                 match inner.ports.claim(&id, p.host_port) {
                     Ok(hp) => records.push(PortRecord {
                         proto: p.proto,
@@ -185,6 +181,41 @@ impl Agent {
         // The gateway gets the L7 rules before the guest can run (L3: never fails Ensure).
         self.push_egress(ip, Some(&rec.policy.rules));
         Ok(self.view(&rec))
+    }
+
+    /// The mappings to make (decision O23): an entry identical to an earlier one is dropped
+    /// (upstream dedupes); a guest port (protocol and `container_port`) mapped again with
+    /// another host port or `host_ip`, or a non-zero host port given twice (TCP and UDP alike:
+    /// a host port has one owner), is `INVALID_ARGUMENT` naming the later entry and the earlier
+    /// one. Checked before anything is taken, so such a request leaves nothing behind.
+    fn distinct_ports(&self, ports: &[PortRequest]) -> Result<Vec<PortRequest>, AgentError> {
+        let mut out: Vec<PortRequest> = Vec::with_capacity(ports.len());
+        for (i, p) in ports.iter().enumerate() {
+            if out.contains(p) {
+                continue;
+            }
+            let earlier = &ports[..i];
+            if let Some(j) = earlier.iter().position(|q| q.proto == p.proto && q.container_port == p.container_port) {
+                return Err(invalid(
+                    format!("port_mappings[{i}].container_port"),
+                    format!(
+                        "{}/{} is already mapped by port_mappings[{j}] (a guest port has one host port)",
+                        p.proto, p.container_port
+                    ),
+                ));
+            }
+            if let Some(j) = earlier.iter().position(|q| p.host_port != 0 && q.host_port == p.host_port) {
+                return Err(invalid(
+                    format!("port_mappings[{i}].host_port"),
+                    format!(
+                        "{} is already requested by port_mappings[{j}] (a host port serves one mapping, TCP or UDP)",
+                        p.host_port
+                    ),
+                ));
+            }
+            out.push(p.clone());
+        }
+        Ok(out)
     }
 
     /// Puts a TAP that was taken for `owner` but never programmed back to Ready.

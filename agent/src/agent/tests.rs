@@ -158,6 +158,49 @@ fn invalid_fields_are_named() {
     assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[0].host_port"), "{e}");
 }
 
+/// O23: a guest port mapped twice, or a host port given twice (TCP and UDP alike), is
+/// INVALID_ARGUMENT naming the later entry before a TAP or port is taken; identical entries
+/// collapse into one mapping.
+#[test]
+fn duplicate_port_mappings_are_refused_or_collapsed() {
+    let f = fixture("dupports");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let p = |proto: &str, guest: u32, host: u32| parse_port_request(0, proto, guest, host, "").unwrap();
+    let cases = [
+        (vec![p("tcp", 80, 20700), p("tcp", 80, 20701)], "port_mappings[1].container_port", "port_mappings[0]"),
+        (
+            vec![p("tcp", 81, 0), p("udp", 81, 0), p("", 81, 0), p("tcp", 81, 20702)],
+            "port_mappings[3].container_port",
+            "port_mappings[0]",
+        ),
+        (vec![p("tcp", 80, 20703), p("udp", 53, 20703)], "port_mappings[1].host_port", "port_mappings[0]"),
+        (
+            vec![p("udp", 53, 0), p("tcp", 80, 20704), p("tcp", 81, 20704)],
+            "port_mappings[2].host_port",
+            "port_mappings[1]",
+        ),
+    ];
+    for (ports, field, earlier) in cases {
+        let mut r = req("dup");
+        r.ports = ports;
+        let e = f.agent.ensure(r).unwrap_err();
+        assert!(matches!(&e, AgentError::Invalid { field: got, .. } if got == field), "{field}: {e}");
+        assert!(e.to_string().contains(earlier), "{e}");
+        assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1, "a refused request took its TAP");
+        assert_eq!(f.agent.host_ports_in_use(), 0);
+        assert!(f.dp.port_mappings().unwrap().is_empty());
+    }
+    // Identical entries (the protocol as spelt or defaulted) are one mapping.
+    let mut r = req("dup");
+    r.ports = vec![p("", 80, 0), p("tcp", 80, 0), p("TCP", 80, 0), p("udp", 80, 0), p("udp", 80, 0)];
+    let v = f.agent.ensure(r).unwrap();
+    let got: Vec<_> = v.record.port_mappings.iter().map(|m| (m.proto, m.container_port)).collect();
+    assert_eq!(got, vec![(Proto::Tcp, 80), (Proto::Udp, 80)]);
+    assert_eq!(f.dp.port_mappings().unwrap().len(), 2);
+    assert_eq!(f.agent.host_ports_in_use(), 2);
+}
+
 #[test]
 fn recovery_adopts_and_cleans() {
     let f = fixture("recover");
