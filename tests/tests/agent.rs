@@ -646,6 +646,14 @@ fn grpc_validation_and_health() {
         // host port for TCP and UDP.
         (pm_req(&[("tcp", 8080, 20700), ("tcp", 8080, 20701)]), "port_mappings[1].container_port"),
         (pm_req(&[("tcp", 53, 20702), ("udp", 53, 20702)]), "port_mappings[1].host_port"),
+        // O25: persist_metadata is bounded (64 KiB of keys and values).
+        (
+            pb::EnsureNetworkRequest {
+                persist_metadata: [("blob".to_string(), "x".repeat(70_000))].into(),
+                ..ensure_req("ok", &[])
+            },
+            "persist_metadata",
+        ),
     ];
     for (req, field) in cases {
         let e = rt.block_on(c.ensure_network(req)).unwrap_err();

@@ -68,6 +68,7 @@ impl Agent {
 
     fn ensure_inner(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
         validate_sandbox_id(&req.sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
+        super::check_metadata(&req.persist_metadata)?;
         let ports = self.distinct_ports(&req.ports)?;
         for (i, p) in req.ports.iter().enumerate() {
             if p.host_port != 0 && (p.host_port < self.cfg.port_range.0 || p.host_port > self.cfg.port_range.1) {
@@ -189,22 +190,33 @@ impl Agent {
     /// a host port has one owner), is `INVALID_ARGUMENT` naming the later entry and the earlier
     /// one. Checked before anything is taken, so such a request leaves nothing behind.
     fn distinct_ports(&self, ports: &[PortRequest]) -> Result<Vec<PortRequest>, AgentError> {
+        use std::collections::hash_map::{Entry, HashMap};
         let mut out: Vec<PortRequest> = Vec::with_capacity(ports.len());
+        // First index of each guest port and of each explicit host port: linear in the list
+        // (a request may carry 100,000 entries).
+        let mut guest: HashMap<(crate::dataplane::Proto, u16), usize> = HashMap::new();
+        let mut host: HashMap<u16, usize> = HashMap::new();
         for (i, p) in ports.iter().enumerate() {
-            if out.contains(p) {
-                continue;
+            match guest.entry((p.proto, p.container_port)) {
+                Entry::Occupied(j) if ports[*j.get()] == *p => continue,
+                Entry::Occupied(j) => {
+                    return Err(invalid(
+                        format!("port_mappings[{i}].container_port"),
+                        format!(
+                            "{}/{} is already mapped by port_mappings[{}] (a guest port has one host port)",
+                            p.proto,
+                            p.container_port,
+                            j.get()
+                        ),
+                    ));
+                }
+                Entry::Vacant(v) => {
+                    v.insert(i);
+                }
             }
-            let earlier = &ports[..i];
-            if let Some(j) = earlier.iter().position(|q| q.proto == p.proto && q.container_port == p.container_port) {
-                return Err(invalid(
-                    format!("port_mappings[{i}].container_port"),
-                    format!(
-                        "{}/{} is already mapped by port_mappings[{j}] (a guest port has one host port)",
-                        p.proto, p.container_port
-                    ),
-                ));
-            }
-            if let Some(j) = earlier.iter().position(|q| p.host_port != 0 && q.host_port == p.host_port) {
+            if p.host_port != 0
+                && let Some(j) = host.insert(p.host_port, i)
+            {
                 return Err(invalid(
                     format!("port_mappings[{i}].host_port"),
                     format!(

@@ -201,6 +201,35 @@ fn duplicate_port_mappings_are_refused_or_collapsed() {
     assert_eq!(f.agent.host_ports_in_use(), 2);
 }
 
+/// O25: `persist_metadata` is bounded in entries and bytes; over either, INVALID_ARGUMENT
+/// naming the field and no value, before anything is taken.
+#[test]
+fn persist_metadata_is_bounded() {
+    let f = fixture("meta");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let mut r = req("meta");
+    r.persist_metadata = (0..=MAX_METADATA_ENTRIES).map(|i| (format!("k{i}"), String::new())).collect();
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "persist_metadata"), "{e}");
+    let mut r = req("meta");
+    r.persist_metadata = BTreeMap::from([("secret".into(), "s".repeat(MAX_METADATA_BYTES))]);
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "persist_metadata"), "{e}");
+    assert!(!e.to_string().contains("sss"), "{e}");
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
+    assert_eq!(f.agent.store.count(), 0);
+    // At the limits it is stored and returned.
+    let mut r = req("meta");
+    let mut m: BTreeMap<String, String> =
+        (0..MAX_METADATA_ENTRIES - 1).map(|i| (format!("k{i:03}"), String::new())).collect();
+    let used: usize = m.keys().map(String::len).sum();
+    m.insert("big".into(), "v".repeat(MAX_METADATA_BYTES - used - 3));
+    r.persist_metadata = m.clone();
+    let v = f.agent.ensure(r).unwrap();
+    assert!(m.iter().all(|(k, val)| v.record.persist_metadata.get(k) == Some(val)));
+}
+
 #[test]
 fn recovery_adopts_and_cleans() {
     let f = fixture("recover");
