@@ -468,7 +468,17 @@ impl Agent {
             Some(fd) => fd,
             None => {
                 // Adopted after a restart: open lazily; EBUSY means a VMM holds it (no reopen).
-                let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| format!("open {name}: {e}"))?);
+                let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::ResourceBusy {
+                        format!(
+                            "{name} is held by another process (the sandbox's VMM, since before this agent \
+                             started without a hand-over): it cannot be handed out again until the sandbox \
+                             is released; its traffic is unaffected ({e})"
+                        )
+                    } else {
+                        format!("open {name}: {e}")
+                    }
+                })?);
                 lock(&self.inner).pool.set_fd(&name, Some(fd.clone()));
                 fd
             }

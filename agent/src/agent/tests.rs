@@ -246,6 +246,14 @@ fn recovery_adopts_and_cleans() {
     assert_eq!(a2.get("sb-1").unwrap(), v);
     assert_eq!(a2.pool_counts()[&TapState::Active], 1);
     assert_eq!(a2.host_ports_in_use(), 1);
+    // Its TAP, held by the VMM since before the restart, is refused with a reason an operator
+    // can act on (errCode -1); once nobody holds it, it is reopened and handed out.
+    let tap = v.record.tap_name.clone();
+    f.host.held.lock().unwrap().insert(tap.clone());
+    let e = a2.tap_fd(&tap, "sb-1").unwrap_err();
+    assert!(e.contains("held by another process") && e.contains("until the sandbox is released"), "{e}");
+    f.host.held.lock().unwrap().clear();
+    assert!(a2.tap_fd(&tap, "sb-1").unwrap().is_some());
     // A conflicting record makes recovery refuse.
     let mut bad = v.record.clone();
     bad.sandbox_id = "sb-evil".into();
