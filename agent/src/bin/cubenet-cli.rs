@@ -345,6 +345,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{j}");
             } else {
                 let items = j[key].as_array().cloned().unwrap_or_default();
+                if items.is_empty() {
+                    // A table needs a first row for its columns; say so rather than print nothing.
+                    println!("no {key}");
+                    return Ok(());
+                }
                 let mut header: Vec<String> = Vec::new();
                 if let Some(serde_json::Value::Object(m)) = items.first() {
                     header = m.keys().cloned().collect();
