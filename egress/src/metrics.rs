@@ -137,8 +137,12 @@ impl Metrics {
         registry.register(Box::new(upstream_seconds.clone())).expect("register");
         // Label values from a fixed set are exported at 0 from the start (decision O24): a
         // series that first appears at 1 shows no `increase()` to an alert.
-        let known: [(&IntCounterVec, &[&str]); 5] = [
+        let known: [(&IntCounterVec, &[&str]); 6] = [
             (&requests, &["allow", "deny"]),
+            (
+                &connections_refused,
+                &["sandbox_budget", "node_ceiling", "upstream_sandbox_budget", "upstream_node_ceiling"],
+            ),
             (&upstream_errors, &["timeout", "tls", "connect", "other"]),
             (&audit_refused, &["queue_share", "write_failed", "writer_gone"]),
             (&config_reloads, &["applied", "invalid", "no_file"]),
@@ -203,6 +207,8 @@ mod tests {
             "cube_egress_audit_refused_total{reason=\"write_failed\"} 0",
             "cube_egress_config_reloads_total{result=\"invalid\"} 0",
             "cube_egress_tls_handshakes_total{kind=\"resumed\"} 0",
+            "cube_egress_connections_refused_total{reason=\"node_ceiling\"} 0",
+            "cube_egress_connections_refused_total{reason=\"upstream_sandbox_budget\"} 0",
         ] {
             assert!(t.lines().any(|l| l == w), "missing {w:?} in\n{t}");
         }
