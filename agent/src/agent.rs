@@ -627,6 +627,11 @@ impl Agent {
         &self.dp
     }
 
+    /// `sessions_per_sandbox`: live sessions one sandbox version may hold.
+    pub fn session_budget(&self) -> u32 {
+        self.cfg.raw.sessions_per_sandbox
+    }
+
     /// Host ports held by sandboxes.
     pub fn host_ports_in_use(&self) -> usize {
         lock(&self.inner).ports.in_use()

@@ -184,6 +184,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     assert_eq!(row("out").unwrap()[1..], [4.to_string(), out_b.to_string()]);
     assert_eq!(row("in").unwrap()[1..], [3.to_string(), in_b.to_string()]);
     assert_eq!(row("policy").unwrap()[1], "2");
+    assert!(table.lines().any(|l| l.starts_with("live sessions: ") && l.ends_with(" of 16384")), "{table}");
 
     // /metrics: one series set for A.
     let (_, m) = a.http("/metrics").unwrap();
@@ -205,6 +206,10 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     let reg = a.http_json("/v1/dataplane/sandboxes");
     let a_if = reg["sandboxes"].as_array().unwrap().iter().find(|s| s["id"] == "sb-a").unwrap()["ifindex"].clone();
     assert!(mine.iter().all(|s| s["ifindex"] == a_if), "{mine:?}");
+    // Its live count against `sessions_per_sandbox` (Q1): A's UDP flow is charged.
+    let q = &counters(&a, "sb-a")["sessions"];
+    assert_eq!(q["budget"], 16384, "{q}");
+    assert!(q["live"].as_u64().is_some_and(|n| n >= 1), "{q}");
     // The tracking floor's gauges (decision Q6): 4 of each 65,536-entry map reserved for A.
     let ceiling = cubevs::quota::floor_ceiling(1 << 16, 1, 4, cubevs::quota::floor_margin());
     for map in ["dns_query_track", "frag_sessions"] {
@@ -250,6 +255,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     let zero = counters(&a, "sb-b");
     assert_eq!((zero["out"]["packets"].as_u64(), zero["in"]["packets"].as_u64()), (Some(0), Some(0)), "{zero}");
     assert!(zero["drops"].as_object().unwrap().values().all(|v| v == 0), "B inherits A's drops: {zero}");
+    assert_eq!(zero["sessions"]["live"], 0, "B inherits A's live session count: {zero}");
 
     // Attack: the world answers A's old flow now that B holds the TAP.
     let stale_before = global(&a, "drop_stale_version");

@@ -467,6 +467,11 @@ fn print_counters(sb: &serde_json::Value) {
         ["out", "in"].iter().map(|d| vec![d.to_string(), s(&sb[d]["packets"]), s(&sb[d]["bytes"])]).collect(),
     );
     println!();
+    // An agent before this view has no `sessions`.
+    if sb["sessions"].is_object() {
+        println!("live sessions: {} of {}", s(&sb["sessions"]["live"]), s(&sb["sessions"]["budget"]));
+        println!();
+    }
     let drops =
         sb["drops"].as_object().map(|m| m.iter().map(|(k, v)| vec![k.clone(), s(v)]).collect()).unwrap_or_default();
     table(&["DROP_REASON", "PACKETS"], drops);
