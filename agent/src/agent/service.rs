@@ -115,7 +115,7 @@ impl Agent {
         let mut records = Vec::new();
         {
             let mut inner = lock(&self.inner);
-            for (i, p) in ports.iter().enumerate() {
+            for (i, p) in &ports {
                 match inner.ports.claim(&id, p.host_port) {
                     Ok(hp) => records.push(PortRecord {
                         proto: p.proto,
@@ -188,10 +188,11 @@ impl Agent {
     /// (upstream dedupes); a guest port (protocol and `container_port`) mapped again with
     /// another host port or `host_ip`, or a non-zero host port given twice (TCP and UDP alike:
     /// a host port has one owner), is `INVALID_ARGUMENT` naming the later entry and the earlier
-    /// one. Checked before anything is taken, so such a request leaves nothing behind.
-    fn distinct_ports(&self, ports: &[PortRequest]) -> Result<Vec<PortRequest>, AgentError> {
+    /// one. Checked before anything is taken, so such a request leaves nothing behind. Each
+    /// mapping kept comes with its index in the request (for the errors of later steps).
+    fn distinct_ports(&self, ports: &[PortRequest]) -> Result<Vec<(usize, PortRequest)>, AgentError> {
         use std::collections::hash_map::{Entry, HashMap};
-        let mut out: Vec<PortRequest> = Vec::with_capacity(ports.len());
+        let mut out = Vec::with_capacity(ports.len());
         // First index of each guest port and of each explicit host port: linear in the list
         // (a request may carry 100,000 entries).
         let mut guest: HashMap<(crate::dataplane::Proto, u16), usize> = HashMap::new();
@@ -225,7 +226,7 @@ impl Agent {
                     ),
                 ));
             }
-            out.push(p.clone());
+            out.push((i, p.clone()));
         }
         Ok(out)
     }

@@ -199,6 +199,12 @@ fn duplicate_port_mappings_are_refused_or_collapsed() {
     assert_eq!(got, vec![(Proto::Tcp, 80), (Proto::Udp, 80)]);
     assert_eq!(f.dp.port_mappings().unwrap().len(), 2);
     assert_eq!(f.agent.host_ports_in_use(), 2);
+    // A later error still names the entry by its index in the request, collapsed ones counted.
+    let mut r = req("dup2");
+    let taken = v.record.port_mappings[0].host_port.into();
+    r.ports = vec![p("tcp", 80, 0), p("tcp", 80, 0), p("tcp", 81, taken)];
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[2].host_port"), "{e}");
 }
 
 /// O25: `persist_metadata` is bounded in entries and bytes; over either, INVALID_ARGUMENT
