@@ -195,6 +195,30 @@ pub fn parse_port_request(
     Ok(PortRequest { proto, container_port: container as u16, host_port: host as u16, host_ip: host_ip.to_string() })
 }
 
+/// Most `persist_metadata` entries one Ensure may store (decision O25).
+pub const MAX_METADATA_ENTRIES: usize = 256;
+
+/// Most bytes of `persist_metadata` keys and values together one Ensure may store (decision
+/// O25): the map lives in the sandbox's state file (tmpfs by default) and in the agent's memory
+/// for the sandbox's life, and comes back in every Ensure/Get/Reconcile response.
+pub const MAX_METADATA_BYTES: usize = 64 * 1024;
+
+/// Checks the caller's `persist_metadata` against [`MAX_METADATA_ENTRIES`] and
+/// [`MAX_METADATA_BYTES`]; the error names the field, never a value.
+pub fn check_metadata(meta: &BTreeMap<String, String>) -> Result<(), AgentError> {
+    if meta.len() > MAX_METADATA_ENTRIES {
+        return Err(invalid("persist_metadata", format!("{} entries, at most {MAX_METADATA_ENTRIES}", meta.len())));
+    }
+    let bytes: usize = meta.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if bytes > MAX_METADATA_BYTES {
+        return Err(invalid(
+            "persist_metadata",
+            format!("{bytes} bytes of keys and values, at most {MAX_METADATA_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
 /// A validated Ensure request.
 #[derive(Clone, Debug, Default)]
 pub struct EnsureRequest {
@@ -601,6 +625,11 @@ impl Agent {
     /// The datapath handle (CLI dumps).
     pub fn dataplane(&self) -> &Arc<dyn Dataplane> {
         &self.dp
+    }
+
+    /// `sessions_per_sandbox`: live sessions one sandbox version may hold.
+    pub fn session_budget(&self) -> u32 {
+        self.cfg.raw.sessions_per_sandbox
     }
 
     /// Host ports held by sandboxes.

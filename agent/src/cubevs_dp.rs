@@ -295,6 +295,9 @@ impl Dataplane for CubeVsDataplane {
     fn all_sandbox_counters(&self) -> Result<BTreeMap<u32, SandboxCounters>, DataplaneError> {
         self.maps.sandbox_stats.list().map_err(err)
     }
+    fn session_quota_live(&self, ifindex: u32, version: u32) -> Result<Option<i64>, DataplaneError> {
+        Ok(self.maps.sessions.quota_usage(ifindex, version).map_err(err)?.map(|u| u.live()))
+    }
     fn counters(&self) -> Result<Counters, DataplaneError> {
         let mut c: Counters = self
             .maps

@@ -209,6 +209,13 @@ pub trait Dataplane: Send + Sync {
     fn sandbox_counters(&self, ifindex: u32) -> Result<Option<SandboxCounters>, DataplaneError>;
     /// Per-sandbox counters of every interface that has them, by ifindex.
     fn all_sandbox_counters(&self) -> Result<BTreeMap<u32, SandboxCounters>, DataplaneError>;
+    /// Live sessions charged to the sandbox version (`ifindex`, `version`) against
+    /// `sessions_per_sandbox` (`session_opened − session_closed`, decision Q2; transiently
+    /// negative while a charge is on its way). `None` when none was ever charged, or the
+    /// datapath has no session budget maps.
+    fn session_quota_live(&self, _ifindex: u32, _version: u32) -> Result<Option<i64>, DataplaneError> {
+        Ok(None)
+    }
     /// Every `dns_learned` entry (expired ones included until the DNS reaper deletes them).
     fn learned(&self) -> Result<Vec<cubevs::policy::LearnedEntry>, DataplaneError> {
         Ok(Vec::new())

@@ -163,11 +163,14 @@ async fn route(
                             .iter()
                             .map(|s| {
                                 let c = counters.get(&s.ifindex).cloned().unwrap_or_default();
+                                // Best effort: a failed lookup shows no live count, not a 500.
+                                let live = dp.session_quota_live(s.ifindex, s.version).ok().flatten();
                                 serde_json::json!({
                                     "sandboxID": s.id, "ifindex": s.ifindex, "ip": s.ip, "version": s.version,
                                     "out": {"packets": c.out_packets, "bytes": c.out_bytes},
                                     "in": {"packets": c.in_packets, "bytes": c.in_bytes},
                                     "drops": c.drops,
+                                    "sessions": {"live": live.unwrap_or(0).max(0), "budget": a.session_budget()},
                                 })
                             })
                             .collect();

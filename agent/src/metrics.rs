@@ -14,6 +14,16 @@ use crate::dataplane::Dataplane;
 
 mod sandbox;
 
+/// `stage` values of `cubenet_tap_create_failures_total`: the TAP could not be made
+/// (`create`: tuntap, sysctls, link, neighbour) or `from_cube` not attached to it (`attach`).
+pub const TAP_CREATE_STAGES: &[&str] = &["create", "attach"];
+
+/// `result` values of `cubenet_egress_push_total` and `cubenet_egress_learned_push_total`.
+pub const PUSH_RESULTS: &[&str] = &["ok", "retry", "refused"];
+
+/// `result` values of `cubenet_config_reloads_total` (decision R51).
+pub const RELOAD_RESULTS: &[&str] = &["applied", "invalid", "failed", "no_file", "handed_over"];
+
 /// The agent's metrics and their registry.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -29,7 +39,7 @@ pub struct Metrics {
     pub ensure_seconds: Histogram,
     /// `cubenet_release_seconds`.
     pub release_seconds: Histogram,
-    /// `cubenet_fd_handoffs_total{result}` (errCode).
+    /// `cubenet_fd_handoffs_total{err_code}` (`0`, `1001`, `1002`, `-1`).
     pub fd_handoffs: IntCounterVec,
     /// `cubenet_sessions_in_use`.
     pub sessions: IntGauge,
@@ -45,7 +55,7 @@ pub struct Metrics {
     /// `cubenet_tracking_node_ceiling{map}`: node-wide count at which a sandbox at or over its
     /// tracking floor gets no new entry in that map (decision Q6).
     pub tracking_node_ceiling: IntGaugeVec,
-    /// `cubenet_tap_create_failures_total`.
+    /// `cubenet_tap_create_failures_total{stage}` ([`TAP_CREATE_STAGES`]).
     pub tap_create_failures: IntCounterVec,
     /// `cubenet_tap_create_phase_seconds{phase}`: time per step of one TAP creation
     /// (`tuntap`, `sysctl`, `link`, `neighbour` in the dataplane netns, then `attach` of
@@ -175,6 +185,25 @@ impl Metrics {
         ] {
             registry.register(c).unwrap();
         }
+        // Every label value a counter can take is exported from the start at 0 (O24): a series
+        // that first appears at 1 shows no `increase()`/`rate()` in Prometheus, so the first
+        // failure of a node would never fire an alert, and an absent series reads as "no data".
+        use crate::fdserver::codes;
+        let known: [(&IntCounterVec, &[&str]); 8] = [
+            (&ensure, &["ok", "error"]),
+            (&release, &["ok", "error"]),
+            (&fd_handoffs, &[codes::OK.0, codes::PARSE.0, codes::NOT_FOUND.0, codes::UNKNOWN.0]),
+            (&tap_create_failures, TAP_CREATE_STAGES),
+            (&egress_push, PUSH_RESULTS),
+            (&egress_learned_push, PUSH_RESULTS),
+            (&config_reloads, RELOAD_RESULTS),
+            (&fqdn_backfill, &["named", "sealed_out"]),
+        ];
+        for (c, values) in known {
+            for v in values {
+                c.with_label_values(&[v]);
+            }
+        }
         Self {
             registry,
             pool,
@@ -284,6 +313,37 @@ impl Collector for DatapathCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// O24: every label value a counter can take is a series at 0 before anything happened,
+    /// so the first failure is an `increase()` an alert sees.
+    #[test]
+    fn labelled_counters_start_at_zero_for_every_known_label() {
+        let t = Metrics::new().render();
+        let mut want = vec![
+            "cubenet_ensure_total{result=\"ok\"} 0".to_string(),
+            "cubenet_ensure_total{result=\"error\"} 0".into(),
+            "cubenet_release_total{result=\"ok\"} 0".into(),
+            "cubenet_release_total{result=\"error\"} 0".into(),
+            "cubenet_fqdn_name_backfill_total{result=\"named\"} 0".into(),
+            "cubenet_fqdn_name_backfill_total{result=\"sealed_out\"} 0".into(),
+        ];
+        for c in ["0", "1001", "1002", "-1"] {
+            want.push(format!("cubenet_fd_handoffs_total{{err_code=\"{c}\"}} 0"));
+        }
+        for s in ["create", "attach"] {
+            want.push(format!("cubenet_tap_create_failures_total{{stage=\"{s}\"}} 0"));
+        }
+        for r in ["ok", "retry", "refused"] {
+            want.push(format!("cubenet_egress_push_total{{result=\"{r}\"}} 0"));
+            want.push(format!("cubenet_egress_learned_push_total{{result=\"{r}\"}} 0"));
+        }
+        for r in ["applied", "invalid", "failed", "no_file", "handed_over"] {
+            want.push(format!("cubenet_config_reloads_total{{result=\"{r}\"}} 0"));
+        }
+        for w in want {
+            assert!(t.lines().any(|l| l == w), "missing {w:?} in\n{t}");
+        }
+    }
 
     #[test]
     fn datapath_counters_are_prometheus_counters() {

@@ -135,6 +135,24 @@ impl Metrics {
         registry.register(Box::new(upstream_errors.clone())).expect("register");
         registry.register(Box::new(request_seconds.clone())).expect("register");
         registry.register(Box::new(upstream_seconds.clone())).expect("register");
+        // Label values from a fixed set are exported at 0 from the start (decision O24): a
+        // series that first appears at 1 shows no `increase()` to an alert.
+        let known: [(&IntCounterVec, &[&str]); 6] = [
+            (&requests, &["allow", "deny"]),
+            (
+                &connections_refused,
+                &["sandbox_budget", "node_ceiling", "upstream_sandbox_budget", "upstream_node_ceiling"],
+            ),
+            (&upstream_errors, &["timeout", "tls", "connect", "other"]),
+            (&audit_refused, &["queue_share", "write_failed", "writer_gone"]),
+            (&config_reloads, &["applied", "invalid", "no_file"]),
+            (&tls_handshakes, &["full", "resumed"]),
+        ];
+        for (c, values) in known {
+            for v in values {
+                c.with_label_values(&[v]);
+            }
+        }
         Metrics {
             registry,
             requests,
@@ -170,5 +188,29 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// O24: fixed label values are series at 0 before anything happened.
+    #[test]
+    fn fixed_label_values_start_at_zero() {
+        let t = Metrics::new().render();
+        for w in [
+            "cube_egress_requests_total{decision=\"allow\"} 0",
+            "cube_egress_requests_total{decision=\"deny\"} 0",
+            "cube_egress_upstream_errors_total{kind=\"timeout\"} 0",
+            "cube_egress_upstream_errors_total{kind=\"connect\"} 0",
+            "cube_egress_audit_refused_total{reason=\"write_failed\"} 0",
+            "cube_egress_config_reloads_total{result=\"invalid\"} 0",
+            "cube_egress_tls_handshakes_total{kind=\"resumed\"} 0",
+            "cube_egress_connections_refused_total{reason=\"node_ceiling\"} 0",
+            "cube_egress_connections_refused_total{reason=\"upstream_sandbox_budget\"} 0",
+        ] {
+            assert!(t.lines().any(|l| l == w), "missing {w:?} in\n{t}");
+        }
     }
 }

@@ -51,6 +51,22 @@ fn ensure_req(id: &str, ports: &[u32]) -> pb::EnsureNetworkRequest {
     }
 }
 
+/// An Ensure of sandbox `ok` with `(protocol, container_port, host_port)` mappings.
+fn pm_req(ports: &[(&str, u32, u32)]) -> pb::EnsureNetworkRequest {
+    pb::EnsureNetworkRequest {
+        port_mappings: ports
+            .iter()
+            .map(|&(protocol, container_port, host_port)| pb::PortMapping {
+                protocol: protocol.into(),
+                container_port,
+                host_port,
+                host_ip: String::new(),
+            })
+            .collect(),
+        ..ensure_req("ok", &[])
+    }
+}
+
 fn state_counts(a: &AgentUnderTest) -> (u64, u64, u64) {
     let j = a.http_json("/v1/network/taps");
     let c = &j["stateCounts"];
@@ -493,6 +509,50 @@ fn fifty_concurrent_ensures_and_releases_return_to_baseline() {
     );
 }
 
+/// What a VMM sees of a handed-out fd, as the README's TAP fd section says: a single-queue
+/// TAP in TAP mode without packet info, with a 12-byte vnet header, CSUM/TSO offloads and the
+/// configured MTU; the fd arrives blocking and shares its open file description with the
+/// agent's queue fd (so a second request sees a flag the first fd's owner set); closing every
+/// handed-out fd leaves the TAP to be handed out again.
+fn vmm_view_of_the_fd(a: &AgentUnderTest, fd: std::os::fd::OwnedFd, tap: &str, sandbox: &str) {
+    use std::os::fd::AsRawFd;
+    const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
+    const TUNGETVNETHDRSZ: libc::c_ulong = 0x8004_54d7;
+    const IFF_MULTI_QUEUE: i32 = 0x0100;
+    let mut ifr = [0u8; 40];
+    // SAFETY: TUNGETIFF fills a struct ifreq (40 bytes); TUNGETVNETHDRSZ an int.
+    assert_eq!(unsafe { libc::ioctl(fd.as_raw_fd(), TUNGETIFF, ifr.as_mut_ptr()) }, 0, "TUNGETIFF");
+    let name = String::from_utf8_lossy(&ifr[..16]).trim_end_matches('\0').to_string();
+    let flags = i32::from(i16::from_ne_bytes([ifr[16], ifr[17]]));
+    assert_eq!(name, tap);
+    let want = i32::from(cubenet_sys::tap::IFF_TAP | cubenet_sys::tap::IFF_NO_PI | cubenet_sys::tap::IFF_VNET_HDR);
+    assert_eq!(flags & want, want, "flags {flags:#x}");
+    assert_eq!(flags & IFF_MULTI_QUEUE, 0, "flags {flags:#x}");
+    let mut hdr: libc::c_int = 0;
+    assert_eq!(unsafe { libc::ioctl(fd.as_raw_fd(), TUNGETVNETHDRSZ, &mut hdr) }, 0, "TUNGETVNETHDRSZ");
+    assert_eq!(hdr as usize, VNET_HDR_LEN);
+    let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    assert_eq!(fl & libc::O_NONBLOCK, 0, "the fd arrives blocking");
+    // The VMM sets O_NONBLOCK (upstream's client does): the same open file description.
+    assert_eq!(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) }, 0);
+    let (reply, fd2) = tap_fd(&a.tap_socket(), tap, sandbox);
+    assert_eq!(reply["errCode"], "0");
+    let fd2 = fd2.expect("second fd");
+    assert_ne!(unsafe { libc::fcntl(fd2.as_raw_fd(), libc::F_GETFL) } & libc::O_NONBLOCK, 0);
+    assert_eq!(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl) }, 0);
+    let k = a.topo.node.exec("ethtool", &["-k", tap]);
+    let k = String::from_utf8_lossy(&k.stdout).into_owned();
+    for f in ["tx-checksumming: on", "tcp-segmentation-offload: on"] {
+        assert!(k.lines().any(|l| l.trim() == f), "{f} in {k}");
+    }
+    let link = a.topo.node.ip(&["link", "show", "dev", tap]);
+    assert!(link.contains("mtu 1500 "), "{link}");
+    drop((fd, fd2));
+    let (reply, fd3) = tap_fd(&a.tap_socket(), tap, sandbox);
+    assert_eq!(reply["errCode"], "0", "after the VMM closed its fds");
+    assert!(fd3.is_some());
+}
+
 #[test]
 fn fd_socket_bad_input_gets_error_codes_and_no_fd() {
     if !require_root("fd_socket_bad_input_gets_error_codes_and_no_fd") {
@@ -514,6 +574,7 @@ fn fd_socket_bad_input_gets_error_codes_and_no_fd() {
     assert!(fd.is_some());
     assert!(t.elapsed() < Duration::from_millis(500), "blocked behind a silent client: {:?}", t.elapsed());
     drop(silent);
+    vmm_view_of_the_fd(&a, fd.unwrap(), &r1.interfaces[0].name, "sb-1");
 
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (b"{not json".to_vec(), "1001"),
@@ -581,6 +642,18 @@ fn grpc_validation_and_health() {
             },
             "cubevs_context.allow_out[1]",
         ),
+        // O23: one guest port to two host ports (was INTERNAL after a TAP was taken), and one
+        // host port for TCP and UDP.
+        (pm_req(&[("tcp", 8080, 20700), ("tcp", 8080, 20701)]), "port_mappings[1].container_port"),
+        (pm_req(&[("tcp", 53, 20702), ("udp", 53, 20702)]), "port_mappings[1].host_port"),
+        // O25: persist_metadata is bounded (64 KiB of keys and values).
+        (
+            pb::EnsureNetworkRequest {
+                persist_metadata: [("blob".to_string(), "x".repeat(70_000))].into(),
+                ..ensure_req("ok", &[])
+            },
+            "persist_metadata",
+        ),
     ];
     for (req, field) in cases {
         let e = rt.block_on(c.ensure_network(req)).unwrap_err();
@@ -603,6 +676,19 @@ fn grpc_validation_and_health() {
     assert!(r.unwrap().into_inner().released);
     let h = rt.block_on(c.health(pb::HealthRequest::default())).unwrap().into_inner();
     assert!(h.ok, "{h:?}");
+    // O23: identical mappings (grpcio/grpc-go send what the caller listed) are one mapping.
+    let r = rt
+        .block_on(c.ensure_network(pm_req(&[("tcp", 8080, 0), ("", 8080, 0), ("udp", 8080, 0)])))
+        .unwrap()
+        .into_inner();
+    let got: Vec<_> = r.port_mappings.iter().map(|m| (m.protocol.as_str(), m.container_port)).collect();
+    assert_eq!(got, vec![("tcp", 8080), ("udp", 8080)], "{r:?}");
+    assert!(
+        rt.block_on(c.release_network(pb::ReleaseNetworkRequest { sandbox_id: "ok".into(), ..Default::default() }))
+            .unwrap()
+            .into_inner()
+            .released
+    );
     // grpc.health.v1 reports SERVING for "".
     let ch = rt.block_on(async {
         let c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();

@@ -74,6 +74,28 @@ try:
 except grpc.RpcError as e:
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
 assert s.Health(pb.HealthRequest()).ok
+# What the README promises a cubelet developer: a repeated Ensure returns the network as it is
+# (its new ports, policy and metadata are ignored); the agent's four keys win over the caller's;
+# a field this .proto does not know (tag 99) is ignored; a call past its deadline is safe to retry.
+again = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-1",
+    port_mappings=[pb.PortMapping(protocol="udp", container_port=53)],
+    cubevs_context=pb.CubeVSContext(allow_internet_access=False), persist_metadata={"k": "v"}))
+assert again == r, again
+m = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-2",
+    persist_metadata={"sandbox_ip": "1.2.3.4", "cubelet": "x"})).persist_metadata
+assert m["sandbox_ip"].startswith("192.168.0.") and m["cubelet"] == "x", m
+raw_ensure = ch.unary_unary("/network_agent.api.v1.NetworkAgent/EnsureNetwork",
+    request_serializer=lambda b: b, response_deserializer=pb.EnsureNetworkResponse.FromString)
+u = raw_ensure(pb.EnsureNetworkRequest(sandbox_id="py-2").SerializeToString() + bytes([0x98, 0x06, 0x01]))
+assert u.sandbox_id == "py-2" and u.persist_metadata == m, u
+try:
+    s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-3"), timeout=0.000001)
+except grpc.RpcError as e:
+    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+t = s.EnsureNetwork(pb.EnsureNetworkRequest(sandbox_id="py-3"))
+assert t.sandbox_id == "py-3" and s.GetNetwork(pb.GetNetworkRequest(sandbox_id="py-3")).interfaces == t.interfaces
+for i in ["py-2", "py-3"]:
+    assert s.ReleaseNetwork(pb.ReleaseNetworkRequest(sandbox_id=i)).released
 # grpc-java's default: the raw socket path as :authority.
 raw = grpc.insecure_channel(sys.argv[2], options=[("grpc.default_authority", sys.argv[2][len("unix://"):])])
 assert rpc.NetworkAgentStub(raw).Health(pb.HealthRequest()).ok

@@ -357,7 +357,8 @@ fn l7_agent_pushes_rules_to_the_gateway() {
         let m = metrics(&a);
         m.contains("cubenet_egress_pending 0")
             && m.contains("cubenet_egress_up 1")
-            && m.contains("cubenet_egress_push_total{result=\"ok\"}")
+            && m.contains("cubenet_egress_push_total{result=\"ok\"} ")
+            && !m.contains("cubenet_egress_push_total{result=\"ok\"} 0\n")
     });
 
     // 2. Gateway up: Reconcile's new rules are there when it returns.

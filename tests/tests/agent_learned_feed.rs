@@ -140,7 +140,12 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
         learned(&ag.topo.node, &ip_a).as_ref() == Some(&want)
     });
     let m = ag.http("/metrics").expect("metrics").1;
-    assert!(m.contains("cubenet_egress_learned_push_total{result=\"ok\"}"), "{m}");
+    // Exported at 0 from the start (O24): the count must have moved.
+    assert!(
+        m.contains("cubenet_egress_learned_push_total{result=\"ok\"} ")
+            && !m.contains("cubenet_egress_learned_push_total{result=\"ok\"} 0\n"),
+        "{m}"
+    );
 
     // Attack: B has the same patterns and rules and learned nothing; it never gets A's
     // addresses, under any name (the feed runs every second: wait two more rounds).

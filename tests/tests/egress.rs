@@ -1526,7 +1526,12 @@ fn egress_gateway_audit_flood_starves_no_other_sandbox() {
     });
     // The flood was refused for its own requests only, and counted by reason.
     let m = metrics();
-    assert!(m.contains("cube_egress_audit_refused_total{reason=\"queue_share\"}"), "{m}");
+    // Every fixed label value is exported from the start at 0 (O24): the count must have moved.
+    assert!(
+        m.contains("cube_egress_audit_refused_total{reason=\"queue_share\"} ")
+            && !m.contains("cube_egress_audit_refused_total{reason=\"queue_share\"} 0\n"),
+        "{m}"
+    );
     stop.store(true, Ordering::SeqCst);
     reader.join().unwrap();
     drop(held);

@@ -91,6 +91,19 @@ fn cli(a: &AgentUnderTest, json: bool, id: &str) -> (bool, String, String) {
     )
 }
 
+/// `cubenet-cli --json sessions --sandbox ID` in the agent namespace: the sessions it lists.
+fn sessions_cli(a: &AgentUnderTest, id: &str) -> Vec<serde_json::Value> {
+    let o =
+        a.ns.command(workspace_bin("cubenet-cli").to_str().unwrap())
+            .args(["--http", HEALTH, "--json", "sessions", "--sandbox", id])
+            .output()
+            .expect("run cubenet-cli");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "cubenet-cli sessions --sandbox {id}: {}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("cli json: {e}: {out}"));
+    j["sessions"].as_array().cloned().unwrap_or_default()
+}
+
 fn counters(a: &AgentUnderTest, id: &str) -> serde_json::Value {
     let (ok, out, err) = cli(a, true, id);
     assert!(ok, "cubenet-cli sandbox {id}: {err}");
@@ -171,6 +184,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     assert_eq!(row("out").unwrap()[1..], [4.to_string(), out_b.to_string()]);
     assert_eq!(row("in").unwrap()[1..], [3.to_string(), in_b.to_string()]);
     assert_eq!(row("policy").unwrap()[1], "2");
+    assert!(table.lines().any(|l| l.starts_with("live sessions: ") && l.ends_with(" of 16384")), "{table}");
 
     // /metrics: one series set for A.
     let (_, m) = a.http("/metrics").unwrap();
@@ -186,6 +200,16 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     let live = a.http_json("/v1/dataplane/sessions")["sessions"].as_array().unwrap().len() as u64;
     assert!(live >= 1, "A's UDP flow is a session");
     assert_eq!(metric(&m, "cubenet_sessions_node_charged"), Some(live), "{m}");
+    // `cubenet-cli sessions --sandbox sb-a`: A's sessions only, its UDP flow among them.
+    let mine = sessions_cli(&a, "sb-a");
+    assert!(mine.iter().any(|s| s["snat"].as_str() == Some(&a_snat.to_string())), "{mine:?}");
+    let reg = a.http_json("/v1/dataplane/sandboxes");
+    let a_if = reg["sandboxes"].as_array().unwrap().iter().find(|s| s["id"] == "sb-a").unwrap()["ifindex"].clone();
+    assert!(mine.iter().all(|s| s["ifindex"] == a_if), "{mine:?}");
+    // Its live count against `sessions_per_sandbox` (Q1): A's UDP flow is charged.
+    let q = &counters(&a, "sb-a")["sessions"];
+    assert_eq!(q["budget"], 16384, "{q}");
+    assert!(q["live"].as_u64().is_some_and(|n| n >= 1), "{q}");
     // The tracking floor's gauges (decision Q6): 4 of each 65,536-entry map reserved for A.
     let ceiling = cubevs::quota::floor_ceiling(1 << 16, 1, 4, cubevs::quota::floor_margin());
     for map in ["dns_query_track", "frag_sessions"] {
@@ -231,6 +255,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     let zero = counters(&a, "sb-b");
     assert_eq!((zero["out"]["packets"].as_u64(), zero["in"]["packets"].as_u64()), (Some(0), Some(0)), "{zero}");
     assert!(zero["drops"].as_object().unwrap().values().all(|v| v == 0), "B inherits A's drops: {zero}");
+    assert_eq!(zero["sessions"]["live"], 0, "B inherits A's live session count: {zero}");
 
     // Attack: the world answers A's old flow now that B holds the TAP.
     let stale_before = global(&a, "drop_stale_version");
@@ -252,6 +277,9 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     if a_session_alive {
         assert_eq!(stale, 3, "the stale replies must be dropped by the version check");
     }
+    // B's session view never shows A's flow on the same TAP (another version).
+    let b_sessions = sessions_cli(&a, "sb-b");
+    assert!(!b_sessions.iter().any(|s| s["snat"].as_str() == Some(&a_snat.to_string())), "{b_sessions:?}");
     let after = counters(&a, "sb-b");
     assert_eq!((after["out"]["packets"].as_u64(), after["in"]["packets"].as_u64()), (Some(0), Some(0)), "{after}");
     assert!(after["drops"].as_object().unwrap().values().all(|v| v == 0), "A's traffic charged to B: {after}");

@@ -2,7 +2,9 @@
 
 use std::{os::fd::OwnedFd, sync::Arc, time::Instant};
 
-use super::{Agent, AgentError, EnsureRequest, NetworkView, TapState, Transition, internal, invalid, lock};
+use super::{
+    Agent, AgentError, EnsureRequest, NetworkView, PortRequest, TapState, Transition, internal, invalid, lock,
+};
 use crate::{
     dataplane::{EgressPolicy, PortMapping, SandboxEntry, compile_policy},
     ports::PortError,
@@ -66,14 +68,9 @@ impl Agent {
 
     fn ensure_inner(&self, req: EnsureRequest) -> Result<NetworkView, AgentError> {
         validate_sandbox_id(&req.sandbox_id).map_err(|r| invalid("sandbox_id", r))?;
-        let mut seen = std::collections::HashSet::new();
+        super::check_metadata(&req.persist_metadata)?;
+        let ports = self.distinct_ports(&req.ports)?;
         for (i, p) in req.ports.iter().enumerate() {
-            if p.host_port != 0 && !seen.insert((p.proto, p.host_port)) {
-                return Err(invalid(
-                    format!("port_mappings[{i}].host_port"),
-                    format!("{} requested twice", p.host_port),
-                ));
-            }
             if p.host_port != 0 && (p.host_port < self.cfg.port_range.0 || p.host_port > self.cfg.port_range.1) {
                 return Err(invalid(
                     format!("port_mappings[{i}].host_port"),
@@ -118,7 +115,7 @@ impl Agent {
         let mut records = Vec::new();
         {
             let mut inner = lock(&self.inner);
-            for (i, p) in req.ports.iter().enumerate() {
+            for (i, p) in &ports {
                 match inner.ports.claim(&id, p.host_port) {
                     Ok(hp) => records.push(PortRecord {
                         proto: p.proto,
@@ -185,6 +182,53 @@ impl Agent {
         // The gateway gets the L7 rules before the guest can run (L3: never fails Ensure).
         self.push_egress(ip, Some(&rec.policy.rules));
         Ok(self.view(&rec))
+    }
+
+    /// The mappings to make (decision O23): an entry identical to an earlier one is dropped
+    /// (upstream dedupes); a guest port (protocol and `container_port`) mapped again with
+    /// another host port or `host_ip`, or a non-zero host port given twice (TCP and UDP alike:
+    /// a host port has one owner), is `INVALID_ARGUMENT` naming the later entry and the earlier
+    /// one. Checked before anything is taken, so such a request leaves nothing behind. Each
+    /// mapping kept comes with its index in the request (for the errors of later steps).
+    fn distinct_ports(&self, ports: &[PortRequest]) -> Result<Vec<(usize, PortRequest)>, AgentError> {
+        use std::collections::hash_map::{Entry, HashMap};
+        let mut out = Vec::with_capacity(ports.len());
+        // First index of each guest port and of each explicit host port: linear in the list
+        // (a request may carry 100,000 entries).
+        let mut guest: HashMap<(crate::dataplane::Proto, u16), usize> = HashMap::new();
+        let mut host: HashMap<u16, usize> = HashMap::new();
+        for (i, p) in ports.iter().enumerate() {
+            match guest.entry((p.proto, p.container_port)) {
+                Entry::Occupied(j) if ports[*j.get()] == *p => continue,
+                Entry::Occupied(j) => {
+                    return Err(invalid(
+                        format!("port_mappings[{i}].container_port"),
+                        format!(
+                            "{}/{} is already mapped by port_mappings[{}] (a guest port has one host port)",
+                            p.proto,
+                            p.container_port,
+                            j.get()
+                        ),
+                    ));
+                }
+                Entry::Vacant(v) => {
+                    v.insert(i);
+                }
+            }
+            if p.host_port != 0
+                && let Some(j) = host.insert(p.host_port, i)
+            {
+                return Err(invalid(
+                    format!("port_mappings[{i}].host_port"),
+                    format!(
+                        "{} is already requested by port_mappings[{j}] (a host port serves one mapping, TCP or UDP)",
+                        p.host_port
+                    ),
+                ));
+            }
+            out.push((i, p.clone()));
+        }
+        Ok(out)
     }
 
     /// Puts a TAP that was taken for `owner` but never programmed back to Ready.
@@ -425,7 +469,17 @@ impl Agent {
             Some(fd) => fd,
             None => {
                 // Adopted after a restart: open lazily; EBUSY means a VMM holds it (no reopen).
-                let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| format!("open {name}: {e}"))?);
+                let fd = Arc::new(self.host.reopen_tap(&name).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::ResourceBusy {
+                        format!(
+                            "{name} is held by another process (the sandbox's VMM, since before this agent \
+                             started without a hand-over): it cannot be handed out again until the sandbox \
+                             is released; its traffic is unaffected ({e})"
+                        )
+                    } else {
+                        format!("open {name}: {e}")
+                    }
+                })?);
                 lock(&self.inner).pool.set_fd(&name, Some(fd.clone()));
                 fd
             }

@@ -158,6 +158,84 @@ fn invalid_fields_are_named() {
     assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[0].host_port"), "{e}");
 }
 
+/// O23: a guest port mapped twice, or a host port given twice (TCP and UDP alike), is
+/// INVALID_ARGUMENT naming the later entry before a TAP or port is taken; identical entries
+/// collapse into one mapping.
+#[test]
+fn duplicate_port_mappings_are_refused_or_collapsed() {
+    let f = fixture("dupports");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let p = |proto: &str, guest: u32, host: u32| parse_port_request(0, proto, guest, host, "").unwrap();
+    let cases = [
+        (vec![p("tcp", 80, 20700), p("tcp", 80, 20701)], "port_mappings[1].container_port", "port_mappings[0]"),
+        (
+            vec![p("tcp", 81, 0), p("udp", 81, 0), p("", 81, 0), p("tcp", 81, 20702)],
+            "port_mappings[3].container_port",
+            "port_mappings[0]",
+        ),
+        (vec![p("tcp", 80, 20703), p("udp", 53, 20703)], "port_mappings[1].host_port", "port_mappings[0]"),
+        (
+            vec![p("udp", 53, 0), p("tcp", 80, 20704), p("tcp", 81, 20704)],
+            "port_mappings[2].host_port",
+            "port_mappings[1]",
+        ),
+    ];
+    for (ports, field, earlier) in cases {
+        let mut r = req("dup");
+        r.ports = ports;
+        let e = f.agent.ensure(r).unwrap_err();
+        assert!(matches!(&e, AgentError::Invalid { field: got, .. } if got == field), "{field}: {e}");
+        assert!(e.to_string().contains(earlier), "{e}");
+        assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1, "a refused request took its TAP");
+        assert_eq!(f.agent.host_ports_in_use(), 0);
+        assert!(f.dp.port_mappings().unwrap().is_empty());
+    }
+    // Identical entries (the protocol as spelt or defaulted) are one mapping.
+    let mut r = req("dup");
+    r.ports = vec![p("", 80, 0), p("tcp", 80, 0), p("TCP", 80, 0), p("udp", 80, 0), p("udp", 80, 0)];
+    let v = f.agent.ensure(r).unwrap();
+    let got: Vec<_> = v.record.port_mappings.iter().map(|m| (m.proto, m.container_port)).collect();
+    assert_eq!(got, vec![(Proto::Tcp, 80), (Proto::Udp, 80)]);
+    assert_eq!(f.dp.port_mappings().unwrap().len(), 2);
+    assert_eq!(f.agent.host_ports_in_use(), 2);
+    // A later error still names the entry by its index in the request, collapsed ones counted.
+    let mut r = req("dup2");
+    let taken = v.record.port_mappings[0].host_port.into();
+    r.ports = vec![p("tcp", 80, 0), p("tcp", 80, 0), p("tcp", 81, taken)];
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "port_mappings[2].host_port"), "{e}");
+}
+
+/// O25: `persist_metadata` is bounded in entries and bytes; over either, INVALID_ARGUMENT
+/// naming the field and no value, before anything is taken.
+#[test]
+fn persist_metadata_is_bounded() {
+    let f = fixture("meta");
+    f.agent.recover().unwrap();
+    f.agent.warm(1, 1);
+    let mut r = req("meta");
+    r.persist_metadata = (0..=MAX_METADATA_ENTRIES).map(|i| (format!("k{i}"), String::new())).collect();
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "persist_metadata"), "{e}");
+    let mut r = req("meta");
+    r.persist_metadata = BTreeMap::from([("secret".into(), "s".repeat(MAX_METADATA_BYTES))]);
+    let e = f.agent.ensure(r).unwrap_err();
+    assert!(matches!(&e, AgentError::Invalid { field, .. } if field == "persist_metadata"), "{e}");
+    assert!(!e.to_string().contains("sss"), "{e}");
+    assert_eq!(f.agent.pool_counts()[&TapState::Ready], 1);
+    assert_eq!(f.agent.store.count(), 0);
+    // At the limits it is stored and returned.
+    let mut r = req("meta");
+    let mut m: BTreeMap<String, String> =
+        (0..MAX_METADATA_ENTRIES - 1).map(|i| (format!("k{i:03}"), String::new())).collect();
+    let used: usize = m.keys().map(String::len).sum();
+    m.insert("big".into(), "v".repeat(MAX_METADATA_BYTES - used - 3));
+    r.persist_metadata = m.clone();
+    let v = f.agent.ensure(r).unwrap();
+    assert!(m.iter().all(|(k, val)| v.record.persist_metadata.get(k) == Some(val)));
+}
+
 #[test]
 fn recovery_adopts_and_cleans() {
     let f = fixture("recover");
@@ -174,6 +252,14 @@ fn recovery_adopts_and_cleans() {
     assert_eq!(a2.get("sb-1").unwrap(), v);
     assert_eq!(a2.pool_counts()[&TapState::Active], 1);
     assert_eq!(a2.host_ports_in_use(), 1);
+    // Its TAP, held by the VMM since before the restart, is refused with a reason an operator
+    // can act on (errCode -1); once nobody holds it, it is reopened and handed out.
+    let tap = v.record.tap_name.clone();
+    f.host.held.lock().unwrap().insert(tap.clone());
+    let e = a2.tap_fd(&tap, "sb-1").unwrap_err();
+    assert!(e.contains("held by another process") && e.contains("until the sandbox is released"), "{e}");
+    f.host.held.lock().unwrap().clear();
+    assert!(a2.tap_fd(&tap, "sb-1").unwrap().is_some());
     // A conflicting record makes recovery refuse.
     let mut bad = v.record.clone();
     bad.sandbox_id = "sb-evil".into();

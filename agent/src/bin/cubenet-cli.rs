@@ -75,8 +75,12 @@ enum Cmd {
         /// Sandbox id.
         sandbox_id: String,
     },
-    /// Dump datapath sessions.
-    Sessions,
+    /// Dump datapath sessions (flows: protocol, sandbox and remote address, SNAT address, state).
+    Sessions {
+        /// Only the sessions of this sandbox (its TAP's ifindex and current version).
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
     /// Dump the datapath's sandbox registry.
     Sandboxes,
     /// Dump datapath port mappings.
@@ -326,18 +330,26 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::Sessions | Cmd::Sandboxes | Cmd::Portmaps | Cmd::Policies => {
+        Cmd::Sessions { .. } | Cmd::Sandboxes | Cmd::Portmaps | Cmd::Policies => {
             let (path, key) = match cli.cmd {
-                Cmd::Sessions => ("/v1/dataplane/sessions", "sessions"),
+                Cmd::Sessions { .. } => ("/v1/dataplane/sessions", "sessions"),
                 Cmd::Sandboxes => ("/v1/dataplane/sandboxes", "sandboxes"),
                 Cmd::Portmaps => ("/v1/dataplane/portmaps", "portMappings"),
                 _ => ("/v1/dataplane/policies", "policies"),
             };
-            let j = http_json(&cli.http, path)?;
+            let mut j = http_json(&cli.http, path)?;
+            if let Cmd::Sessions { sandbox: Some(id) } = &cli.cmd {
+                j = sessions_of(&cli.http, j, id)?;
+            }
             if cli.json {
                 println!("{j}");
             } else {
                 let items = j[key].as_array().cloned().unwrap_or_default();
+                if items.is_empty() {
+                    // A table needs a first row for its columns; say so rather than print nothing.
+                    println!("no {key}");
+                    return Ok(());
+                }
                 let mut header: Vec<String> = Vec::new();
                 if let Some(serde_json::Value::Object(m)) = items.first() {
                     header = m.keys().cloned().collect();
@@ -360,6 +372,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `{"sessions": […]}` reduced to the sessions of sandbox `id`: those keyed by its TAP's
+/// ifindex and its current version (a previous owner's leftovers on the TAP are not its own).
+fn sessions_of(http: &str, mut j: serde_json::Value, id: &str) -> anyhow::Result<serde_json::Value> {
+    let reg = http_json(http, "/v1/dataplane/sandboxes")?;
+    let Some(sb) = reg["sandboxes"].as_array().and_then(|a| a.iter().find(|s| s["id"] == id)) else {
+        bail!("sandbox {id:?} is not registered in the datapath");
+    };
+    let (ifindex, version) = (sb["ifindex"].clone(), sb["version"].clone());
+    if let Some(a) = j["sessions"].as_array_mut() {
+        a.retain(|s| s["ifindex"] == ifindex && s["version"] == version);
+    }
+    Ok(j)
 }
 
 fn print_network(
@@ -441,6 +467,11 @@ fn print_counters(sb: &serde_json::Value) {
         ["out", "in"].iter().map(|d| vec![d.to_string(), s(&sb[d]["packets"]), s(&sb[d]["bytes"])]).collect(),
     );
     println!();
+    // An agent before this view has no `sessions`.
+    if sb["sessions"].is_object() {
+        println!("live sessions: {} of {}", s(&sb["sessions"]["live"]), s(&sb["sessions"]["budget"]));
+        println!();
+    }
     let drops =
         sb["drops"].as_object().map(|m| m.iter().map(|(k, v)| vec![k.clone(), s(v)]).collect()).unwrap_or_default();
     table(&["DROP_REASON", "PACKETS"], drops);
