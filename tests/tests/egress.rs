@@ -1417,6 +1417,73 @@ fn egress_gateway_colluding_sandboxes_starve_no_other_sandbox() {
     drop(rt);
 }
 
+/// The leaf `sb` is served from `src` for `name` (resolved to [`WORLD`]), as `curl -w
+/// %{certs}` prints it (subject, serial, dates, PEM), or `None` when the gateway refused the
+/// handshake.
+fn served_leaf(sb: &TestNetns, ca: &str, src: &str, name: &str) -> Option<String> {
+    let resolve = format!("{name}:443:{WORLD}");
+    let url = format!("https://{name}/");
+    let o = sb.exec(
+        "curl",
+        &["-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{certs}", "--cacert", ca, "--interface", src]
+            .into_iter()
+            .chain(["--resolve", &resolve, &url])
+            .collect::<Vec<_>>(),
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    // The chain's first certificate is the leaf (the CA follows, after the leaf's PEM).
+    let leaf = out.split("-----END CERTIFICATE-----").next().unwrap_or("").to_string();
+    leaf.contains("Serial Number").then_some(leaf)
+}
+
+/// Attack (R81): sandbox B learns whether, and when, another sandbox on the node reached a
+/// name over HTTPS. Before R81 the gateway cached one leaf per name for every sandbox: B, its
+/// mint budget spent, still completed a handshake for a name another sandbox had reached
+/// (cached, free) while any name nobody reached was refused, and the leaf it got was the
+/// other sandbox's (same serial; notBefore = that sandbox's first visit, to the second). Now
+/// every sandbox mints its own leaves: both probes are refused alike, and no leaf B is served
+/// is A's.
+#[test]
+fn egress_gateway_leaves_tell_no_sandbox_about_another() {
+    if !require_root("egress_gateway_leaves_tell_no_sandbox_about_another") {
+        return;
+    }
+    let (rt, tmp) = scratch("leaves");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let node = &topo.node;
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let ca = dir.join("ca/cube-root-ca.crt");
+    let ca = ca.to_str().unwrap();
+    // One mint per sandbox, and no refill within the test.
+    let extra = ["--mint-rate-per-sec", "0.001", "--mint-burst", "1"];
+    let _gw = start_gateway(
+        node,
+        node.command(egress_bin().to_str().unwrap()),
+        dir,
+        dir.join("log/access.jsonl").to_str().unwrap(),
+        &extra,
+    );
+    let pol = json!({"policy_id": "p", "rules": [
+        {"id": "any", "match": {"sni": "*.example.test"}, "action": {"allow": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    put_policy(node, UNKNOWN_IP, &pol);
+
+    // A reaches a name (the handshake is all it takes; no world server answers).
+    let a_leaf = served_leaf(&sb, ca, SANDBOX_IP, "visited.example.test").expect("A's handshake");
+    // B spends its one mint on a name of its own, then probes A's name and a name nobody reached.
+    let b_own = served_leaf(&sb, ca, UNKNOWN_IP, "own.example.test").expect("B's handshake");
+    let b_visited = served_leaf(&sb, ca, UNKNOWN_IP, "visited.example.test");
+    let b_unvisited = served_leaf(&sb, ca, UNKNOWN_IP, "unvisited.example.test");
+    assert_eq!(b_unvisited, None, "over its budget B mints nothing");
+    assert!(b_visited.is_none(), "B was served the leaf A's visit left behind:\n{}", b_visited.unwrap_or_default());
+    let serial = |leaf: &str| leaf.lines().find(|l| l.starts_with("Serial Number")).map(str::to_string);
+    assert!(serial(&a_leaf).is_some() && serial(&a_leaf) != serial(&b_own), "{a_leaf}\n{b_own}");
+    drop(rt);
+}
+
 /// Attack (R22): one sandbox floods allowed requests while the audit sink is stalled (a FIFO
 /// the test does not read yet), so every record it may queue is queued. Before R22 the shared
 /// queue was full and the victim's allowed request got 503 at once (fail closed, but for the
