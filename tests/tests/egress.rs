@@ -60,6 +60,7 @@ const SECRET: &str = "sk-live-TOPSECRET-0123456789";
 /// One request as the world server saw it.
 #[derive(Debug, Clone)]
 struct Seen {
+    method: String,
     path: String,
     version: hyper::Version,
     headers: Vec<(String, String)>,
@@ -111,7 +112,8 @@ async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response
     let path = req.uri().path().to_string();
     let headers =
         req.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
-    seen.lock().unwrap().push(Seen { path: path.clone(), version: req.version(), headers });
+    let method = req.method().as_str().to_string();
+    seen.lock().unwrap().push(Seen { method, path: path.clone(), version: req.version(), headers });
     if path.starts_with("/v1/hang/") {
         // Held past the test (the runtime is dropped at its end), within the gateway's 60 s.
         tokio::time::sleep(Duration::from_secs(50)).await;
@@ -989,6 +991,47 @@ fn egress_gateway_fails_closed_without_audit() {
     assert!(seen.lock().unwrap().is_empty(), "a request reached the world without its audit record");
     let (_, metrics) = admin(&["http://127.0.0.1:9091/metrics"]);
     assert!(metrics.contains("cube_egress_audit_refused_total{reason=\"write_failed\"} 2"), "{metrics}");
+}
+
+/// Attack (R82): a sandbox reads back its own injected credential with `TRACE`, whose
+/// response reflects the request's fields (RFC 9110 §9.3.8: a client must not send
+/// credentials in one). The gateway injected into any method the rule allows; now a `TRACE`
+/// (any case) is forwarded without the credential and logged as a security event, while
+/// other methods still get it.
+#[test]
+fn egress_gateway_never_injects_into_trace() {
+    if !require_root("egress_gateway_never_injects_into_trace") {
+        return;
+    }
+    let (rt, tmp) = scratch("trace");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let audit = dir.join("log/access.jsonl");
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "trace", "rules": [
+        {"id": "plain", "match": {"host": WORLD, "scheme": "http"},
+         "action": {"allow": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}], "inject_plain_http": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+
+    let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/v1/get")]);
+    assert_eq!(code, 200, "{}", text(&o));
+    for m in ["TRACE", "trace"] {
+        let (code, _, o) = curl(&sb, &["-X", m, "-H", "X-Api-Key: mine", &format!("http://{WORLD}/v1/{m}")]);
+        assert_eq!(code, 200, "{}", text(&o));
+    }
+    let seen = seen.lock().unwrap().clone();
+    let got = |m: &str| seen.iter().find(|r| r.method == m).unwrap_or_else(|| panic!("{m} not forwarded: {seen:?}"));
+    assert_eq!(got("GET").header("x-api-key"), vec![SECRET], "control: a GET carries the credential");
+    for m in ["TRACE", "trace"] {
+        assert!(got(m).header("x-api-key").is_empty(), "{m} carried a credential: {:?}", got(m));
+    }
+    let lines = audit_when(&audit, |l| l.iter().filter(|r| r["event"] == "http_request").count() >= 3);
+    assert!(has_event(&lines, "security_event", "inject_trace_method"), "{lines:?}");
 }
 
 /// Sends `raw` from the sandbox namespace to `to` over plain TCP, half-closes, and returns
