@@ -449,6 +449,13 @@ impl CertCache {
         .map(|m| m.cfg.clone())
     }
 
+    /// Drops `sandbox`'s leaves (its policy was deleted, R81: the next sandbox on the address
+    /// must not find them, nor learn from them which names it reached).
+    pub fn forget_sandbox(&self, sandbox: Ipv4Addr) {
+        let prefix = format!("{sandbox}/");
+        self.slots.lock().expect("cache lock").retain(|k, _| !k.starts_with(&prefix));
+    }
+
     /// Mints a leaf for `name` served under the cache key `scope` (its TLS 1.2 sessions' view).
     async fn mint_config(&self, name: CertName, scope: String) -> Result<Arc<Minted>, MintError> {
         let ca = self.ca.clone();
@@ -774,6 +781,10 @@ mod tests {
         assert_eq!(fresh.install_leaves(&[old]), 0);
         assert_eq!(fresh.premint(&["visited.test".into(), "ip:203.0.113.5".into()]).await, 0);
         assert_eq!(fresh.install_leaves(&leaves), 2, "this version's keys install");
+        // A's policy deleted (Release): the address's next sandbox finds none of A's leaves.
+        fresh.forget_sandbox(a);
+        let left: Vec<String> = fresh.export_leaves(10).into_iter().map(|l| l.name).collect();
+        assert_eq!(left, vec!["192.168.0.3/visited.test".to_string()]);
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

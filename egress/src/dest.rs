@@ -332,6 +332,13 @@ impl Destinations {
         Ok(())
     }
 
+    /// Forgets everything kept for `sandbox`: its learned names and its resolver answers (its
+    /// policy was deleted, R83: the next sandbox on the address must not learn what it resolved).
+    pub fn forget_sandbox(&self, sandbox: Ipv4Addr) {
+        self.clear_learned(sandbox);
+        self.resolved.lock().expect("dns cache lock").retain(|k, _| k.0 != sandbox);
+    }
+
     /// Forgets the learned addresses of `sandbox` (policy deleted, sandbox released).
     pub fn clear_learned(&self, sandbox: Ipv4Addr) {
         self.learned.write().expect("learned lock").remove(&sandbox);
@@ -427,6 +434,9 @@ mod tests {
         // A's answers still serve A (no new query).
         assert_eq!(d.check(a, "visited.test", DST).await, Ok(Binding::Resolved));
         assert_eq!(queries.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A's policy deleted (Release): the address's next sandbox finds none of A's answers.
+        d.forget_sandbox(a);
+        assert!(matches!(d.check(a, "visited.test", DST).await, Err(Unbound::ResolveFailed(_))));
     }
 
     /// A `*.` learned name binds the suffix's subdomains at any depth, never the suffix itself

@@ -148,12 +148,13 @@ impl Drop for UpstreamPlace {
     }
 }
 
-fn new_client(app: &App, dst: IpAddr) -> UpstreamClient {
+fn new_client(app: &App, sandbox: Ipv4Addr, dst: IpAddr) -> UpstreamClient {
     let mut http = HttpConnector::new_with_resolver(FixedResolver(dst));
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(app.connect_timeout));
-    let https = hyper_rustls::HttpsConnector::from((http, app.upstream_tls.clone()));
+    // The sandbox's own TLS session store: it never resumes another sandbox's session (R84).
+    let https = hyper_rustls::HttpsConnector::from((http, app.upstream_tls.for_sandbox(sandbox)));
     // One idle upstream socket per connection: the others close when their response ends, so a
     // connection's sockets are its requests in flight (R24) plus at most one.
     Client::builder(TokioExecutor::new())
@@ -255,7 +256,7 @@ async fn serve_conn_inner(
 ) {
     match scheme {
         Scheme::Http => {
-            let client = new_client(&app, IpAddr::V4(*dst.ip()));
+            let client = new_client(&app, sandbox, IpAddr::V4(*dst.ip()));
             let ctx = Arc::new(Conn {
                 sandbox,
                 dst,
@@ -379,7 +380,7 @@ async fn serve_tls(
         cipher: server.negotiated_cipher_suite().and_then(|c| c.suite().as_str().map(str::to_string)),
         client_alpn,
     };
-    let client = new_client(&app, IpAddr::V4(*dst.ip()));
+    let client = new_client(&app, sandbox, IpAddr::V4(*dst.ip()));
     let ctx = Arc::new(Conn {
         sandbox,
         dst,
