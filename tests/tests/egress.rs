@@ -121,6 +121,16 @@ async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response
     if path == "/v1/slow" {
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
+    if let Some(to) = path.strip_prefix("/v1/redirect/") {
+        // A redirect to another host (`/v1/redirect/<host>`): a client that followed it would
+        // carry the request, and an injected credential, there.
+        let r = Response::builder()
+            .status(302)
+            .header("location", format!("http://{to}/v1/stolen"))
+            .body(Full::new(Bytes::from_static(b"moved\n")).boxed_unsync())
+            .unwrap();
+        return Ok(r);
+    }
     if path == "/v1/stream" {
         let body = Dribble { step: 0, sleep: Box::pin(tokio::time::sleep(Duration::from_secs(6))) };
         return Ok(Response::new(body.boxed_unsync()));
@@ -1032,6 +1042,38 @@ fn egress_gateway_never_injects_into_trace() {
     }
     let lines = audit_when(&audit, |l| l.iter().filter(|r| r["event"] == "http_request").count() >= 3);
     assert!(has_event(&lines, "security_event", "inject_trace_method"), "{lines:?}");
+    drop(rt);
+}
+
+/// Held (candidate attack, round 6): an allowed host answers a credentialed request with a
+/// redirect to another host; the gateway hands the 302 to the sandbox as it is and never
+/// follows it, so neither the request nor the credential reaches the other host.
+#[test]
+fn egress_gateway_never_follows_a_redirect() {
+    if !require_root("egress_gateway_never_follows_a_redirect") {
+        return;
+    }
+    let (rt, tmp) = scratch("redirect");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let foreign = world_server(&rt, world, format!("{WORLD_BAD}:80").parse().unwrap(), None);
+    let audit = dir.join("log/access.jsonl");
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "redirect", "rules": [
+        {"id": "plain", "match": {"host": WORLD, "scheme": "http"},
+         "action": {"allow": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}], "inject_plain_http": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    let (code, _, o) = curl(&sb, &["-D", "-", &format!("http://{WORLD}/v1/redirect/{WORLD_BAD}")]);
+    assert_eq!(code, 302, "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("http://{WORLD_BAD}/v1/stolen")), "{}", text(&o));
+    assert_eq!(seen.lock().unwrap()[0].header("x-api-key"), vec![SECRET], "control: the allowed host got it");
+    assert!(foreign.lock().unwrap().is_empty(), "the redirect was followed: {:?}", foreign.lock().unwrap());
+    drop(rt);
 }
 
 /// Sends `raw` from the sandbox namespace to `to` over plain TCP, half-closes, and returns
