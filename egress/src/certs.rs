@@ -337,6 +337,12 @@ impl RateLimiter {
         RateLimiter { rate, burst: f64::from(burst), buckets: Mutex::new(HashMap::new()) }
     }
 
+    /// Forgets `who`'s bucket: its next take starts from a full burst (the address's next
+    /// sandbox never inherits what its predecessor spent, R86).
+    pub(crate) fn forget(&self, who: Ipv4Addr) {
+        self.buckets.lock().expect("limiter lock").remove(&who);
+    }
+
     /// Takes one token of `who`; false when none is left.
     pub(crate) fn take(&self, who: Ipv4Addr) -> bool {
         let now = Instant::now();
@@ -450,10 +456,12 @@ impl CertCache {
     }
 
     /// Drops `sandbox`'s leaves (its policy was deleted, R81: the next sandbox on the address
-    /// must not find them, nor learn from them which names it reached).
+    /// must not find them, nor learn from them which names it reached) and refills its mint
+    /// budget (R86: nor start with its predecessor's spent budget).
     pub fn forget_sandbox(&self, sandbox: Ipv4Addr) {
         let prefix = format!("{sandbox}/");
         self.slots.lock().expect("cache lock").retain(|k, _| !k.starts_with(&prefix));
+        self.limiter.forget(sandbox);
     }
 
     /// Mints a leaf for `name` served under the cache key `scope` (its TLS 1.2 sessions' view).
@@ -785,6 +793,12 @@ mod tests {
         fresh.forget_sandbox(a);
         let left: Vec<String> = fresh.export_leaves(10).into_iter().map(|l| l.name).collect();
         assert_eq!(left, vec!["192.168.0.3/visited.test".to_string()]);
+        // R86: a sandbox whose mint budget is spent leaves a full one to the address's next.
+        let spent = CertCache::new(Arc::new(Ca::load(&d).unwrap()), 100, 0.001, 1, Metrics::new());
+        spent.server_config(a, CertName::Dns("one.test".into())).await.unwrap();
+        assert!(matches!(spent.server_config(a, CertName::Dns("two.test".into())).await, Err(MintError::RateLimited)));
+        spent.forget_sandbox(a);
+        spent.server_config(a, CertName::Dns("two.test".into())).await.expect("the next sandbox's first mint");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

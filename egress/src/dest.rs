@@ -332,11 +332,13 @@ impl Destinations {
         Ok(())
     }
 
-    /// Forgets everything kept for `sandbox`: its learned names and its resolver answers (its
-    /// policy was deleted, R83: the next sandbox on the address must not learn what it resolved).
+    /// Forgets everything kept for `sandbox`: its learned names, its resolver answers (its
+    /// policy was deleted, R83: the next sandbox on the address must not learn what it resolved)
+    /// and its spent lookup budget (R86).
     pub fn forget_sandbox(&self, sandbox: Ipv4Addr) {
         self.clear_learned(sandbox);
         self.resolved.lock().expect("dns cache lock").retain(|k, _| k.0 != sandbox);
+        self.lookups.forget(sandbox);
     }
 
     /// Forgets the learned addresses of `sandbox` (policy deleted, sandbox released).
@@ -436,7 +438,9 @@ mod tests {
         assert_eq!(queries.load(std::sync::atomic::Ordering::SeqCst), 2);
         // A's policy deleted (Release): the address's next sandbox finds none of A's answers.
         d.forget_sandbox(a);
-        assert!(matches!(d.check(a, "visited.test", DST).await, Err(Unbound::ResolveFailed(_))));
+        // R86: and with a full lookup budget, not the one A spent.
+        assert_eq!(d.check(a, "visited.test", DST).await, Ok(Binding::Resolved));
+        assert_eq!(queries.load(std::sync::atomic::Ordering::SeqCst), 3, "a new lookup, not A's answer");
     }
 
     /// A `*.` learned name binds the suffix's subdomains at any depth, never the suffix itself
