@@ -1566,6 +1566,14 @@ fn egress_gateway_leaves_tell_no_sandbox_about_another() {
     assert!(b_visited.is_none(), "B was served the leaf A's visit left behind:\n{}", b_visited.unwrap_or_default());
     let serial = |leaf: &str| leaf.lines().find(|l| l.starts_with("Serial Number")).map(str::to_string);
     assert!(serial(&a_leaf).is_some() && serial(&a_leaf) != serial(&b_own), "{a_leaf}\n{b_own}");
+
+    // A is released (the agent's DELETE) and the next sandbox on A's address gets a policy:
+    // it is served a leaf of its own, within a full budget (R81, R86), not A's.
+    let url = format!("http://127.0.0.1:9091/admin/v1/policies/{SANDBOX_IP}");
+    assert_eq!(admin_curl(node, &["-X", "DELETE", &url]).0, 200);
+    put_policy(node, SANDBOX_IP, &pol);
+    let next = served_leaf(&sb, ca, SANDBOX_IP, "visited.example.test").expect("the next sandbox's handshake");
+    assert_ne!(serial(&next), serial(&a_leaf), "the address's next sandbox was served A's leaf");
     drop(rt);
 }
 
