@@ -214,7 +214,8 @@ pub struct Config {
     /// learned FQDN addresses, static L7 entries) and never learned from a DNS answer; written
     /// to the pinned `node_deny` map at every start, replacing what a previous run wrote, and
     /// again on SIGHUP from the re-read file (the one key a reload applies, decision R51).
-    /// Default `["100.100.100.200/32"]` (Alibaba Cloud's metadata service, decision R30);
+    /// Default `["100.100.100.200/32", "169.254.169.254/32"]` (the instance metadata services
+    /// of Alibaba Cloud and of AWS, GCP, Azure, OpenStack, Oracle; decisions R30, R85);
     /// `[]` = baseline only. CubeEgress has its own key of the same name: keep them equal.
     pub always_denied_cidrs: Vec<String>,
     /// Uids besides root and the agent's own that may use the gRPC socket (`grpc_listen` as
@@ -285,7 +286,7 @@ impl Default for Config {
 }
 
 /// Default `always_denied_cidrs`: Alibaba Cloud's instance metadata service (decision R30).
-pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32"];
+pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32", "169.254.169.254/32"];
 
 /// Most `allowed_peer_uids` entries.
 pub const MAX_ALLOWED_PEER_UIDS: usize = 64;
@@ -653,7 +654,13 @@ mod tests {
     #[test]
     fn always_denied_cidrs_default_and_limits() {
         let v = Config::default().validate().unwrap();
-        assert_eq!(v.always_denied, [cubevs::Cidr::new(Ipv4Addr::new(100, 100, 100, 200), 32)]);
+        assert_eq!(
+            v.always_denied,
+            [
+                cubevs::Cidr::new(Ipv4Addr::new(100, 100, 100, 200), 32),
+                cubevs::Cidr::new(Ipv4Addr::new(169, 254, 169, 254), 32)
+            ]
+        );
         let v = Config::parse("always_denied_cidrs = []").unwrap().validate().unwrap();
         assert!(v.always_denied.is_empty());
         let v = Config::parse("always_denied_cidrs = [\"10.96.0.1\", \"100.64.0.0/10\"]").unwrap().validate().unwrap();

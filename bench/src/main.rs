@@ -8,6 +8,7 @@ mod agent_cpu;
 mod agent_sessions;
 mod cpu;
 mod dns;
+mod fairness;
 mod gateway_swap;
 mod l7;
 mod per_packet;
@@ -37,7 +38,8 @@ struct Cli {
     /// gateway-swap: the `gateway swap` rows of the upgrade table, CubeEgress slot swap under HTTPS load;
     /// upgrade: datapath switch/rollback, agent upgrade/restart and gateway swap under load;
     /// xdp: the XDP fast path beside the TC reverse path, ns/pkt and world → guest throughput;
-    /// l7: HTTPS req/s and p99 through guest → CubeVS → CubeEgress → world beside guest → SNAT → world).
+    /// l7: HTTPS req/s and p99 through guest → CubeVS → CubeEgress → world beside guest → SNAT → world;
+    /// fairness: one sandbox's TCP stream alone and beside another sandbox's 8, bare and capped uplink).
     names: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
@@ -102,6 +104,7 @@ fn main() -> anyhow::Result<()> {
             "gateway-swap" => rows.extend(gateway_swap::run(cli.rounds)),
             "xdp" => rows.extend(xdp::run(cli.rounds)),
             "dns" => rows.extend(dns::run()),
+            "fairness" => rows.extend(fairness::run(cli.rounds)),
             "l7" => rows.extend(l7::run()),
             other => anyhow::bail!("unknown benchmark {other:?} (known: {})", ALL.join(", ")),
         }

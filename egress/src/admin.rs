@@ -167,8 +167,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, trusted: bool) -> Res
                 }
                 Method::DELETE => mutate(&app, || {
                     app.store.delete(ip);
-                    // A reused sandbox IP must not inherit the old sandbox's learned names.
-                    app.dest.clear_learned(ip);
+                    // A reused sandbox IP must not inherit the old sandbox's learned names, nor
+                    // what its requests left in the per-sandbox caches: resolver answers (R83),
+                    // leaves (R81), upstream TLS sessions (R84).
+                    app.dest.forget_sandbox(ip);
+                    app.certs.forget_sandbox(ip);
+                    app.upstream_tls.forget(ip);
                     reply(StatusCode::OK, json!({"ok": true}))
                 }),
                 _ => not_allowed("GET, PUT, PATCH, DELETE"),

@@ -212,20 +212,33 @@ pub enum CertName {
 }
 
 impl CertName {
-    fn cache_key(&self) -> String {
+    /// The name's part of a cache key: the host name, or `ip:<addr>`.
+    fn name_key(&self) -> String {
         match self {
             CertName::Dns(n) => n.clone(),
             CertName::Ip(ip) => format!("ip:{ip}"),
         }
     }
+
+    /// The cache key of this name's leaf for `sandbox`: `<sandbox>/<name key>` (decision R81:
+    /// every sandbox has its own leaves, so a leaf never tells one sandbox that, or when,
+    /// another one reached the name).
+    fn cache_key(&self, sandbox: Ipv4Addr) -> String {
+        format!("{sandbox}/{}", self.name_key())
+    }
 }
 
-/// The name of a cache key (`ip:<addr>` or a host name); `None` for anything else.
-fn name_of_key(k: &str) -> Option<CertName> {
-    match k.strip_prefix("ip:") {
+/// The sandbox and name of a cache key (`<sandbox>/ip:<addr>` or `<sandbox>/<host name>`);
+/// `None` for anything else, such as the unscoped keys (`api.x`, `ip:<addr>`) of a
+/// predecessor before R81, whose leaves are minted again on demand.
+fn name_of_key(k: &str) -> Option<(Ipv4Addr, CertName)> {
+    let (sandbox, name) = k.split_once('/')?;
+    let sandbox: Ipv4Addr = sandbox.parse().ok()?;
+    let name = match name.strip_prefix("ip:") {
         Some(ip) => ip.parse().ok().map(CertName::Ip),
-        None => crate::dest::normalize_dns_name(k).map(CertName::Dns),
-    }
+        None => crate::dest::normalize_dns_name(name).filter(|n| n == name).map(CertName::Dns),
+    }?;
+    Some((sandbox, name))
 }
 
 /// Why no certificate could be produced.
@@ -258,7 +271,8 @@ struct Slot {
 /// key (DER, lower-case hex), age. `Debug` omits the key.
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub struct LeafMaterial {
-    /// Cache key: the SNI name or `ip:<addr>`.
+    /// Cache key: `<sandbox>/<SNI name>` or `<sandbox>/ip:<addr>` (R81; a key without the
+    /// sandbox, from a predecessor before R81, is skipped).
     pub name: String,
     /// Leaf certificate, DER as hex (the chain's CA is the successor's own).
     pub cert: String,
@@ -323,6 +337,12 @@ impl RateLimiter {
         RateLimiter { rate, burst: f64::from(burst), buckets: Mutex::new(HashMap::new()) }
     }
 
+    /// Forgets `who`'s bucket: its next take starts from a full burst (the address's next
+    /// sandbox never inherits what its predecessor spent, R86).
+    pub(crate) fn forget(&self, who: Ipv4Addr) {
+        self.buckets.lock().expect("limiter lock").remove(&who);
+    }
+
     /// Takes one token of `who`; false when none is left.
     pub(crate) fn take(&self, who: Ipv4Addr) -> bool {
         let now = Instant::now();
@@ -376,7 +396,10 @@ impl CertCache {
         &self.sessions
     }
 
-    /// The server config for `name`, minting it if needed (charged to `sandbox`).
+    /// The server config for `name` as served to `sandbox`, minting it if needed (charged to
+    /// `sandbox`). Leaves are cached per (sandbox, name) (R81): another sandbox's leaf for the
+    /// same name is never served, so a handshake costs a sandbox the same whether or not some
+    /// other sandbox reached the name before.
     ///
     /// A name not cached costs `sandbox` one token of its mint budget before anything in the
     /// cache changes, so a sandbox over its budget evicts nothing (R62: before, each refused
@@ -385,7 +408,7 @@ impl CertCache {
     /// mint again, within its own small budget, for each connection). A full cache drops an
     /// expired slot, else the inserting sandbox's own oldest, else the oldest of all.
     pub async fn server_config(&self, sandbox: Ipv4Addr, name: CertName) -> Result<Arc<ServerConfig>, MintError> {
-        let key = name.cache_key();
+        let key = name.cache_key(sandbox);
         let (cell, charged) = {
             let mut slots = self.slots.lock().expect("cache lock");
             let fresh = slots.get(&key).is_some_and(|s| s.created.elapsed() < LEAF_CACHE_TTL);
@@ -412,7 +435,7 @@ impl CertCache {
                     }
                 }
                 let cell = Arc::new(tokio::sync::OnceCell::new());
-                slots.insert(key, Slot { cell: cell.clone(), created: Instant::now(), owner: Some(sandbox) });
+                slots.insert(key.clone(), Slot { cell: cell.clone(), created: Instant::now(), owner: Some(sandbox) });
                 (cell, true)
             }
         };
@@ -426,20 +449,30 @@ impl CertCache {
                 self.metrics.mint_rate_limited.inc();
                 return Err(MintError::RateLimited);
             }
-            self.mint_config(name.clone()).await
+            self.mint_config(name.clone(), key.clone()).await
         })
         .await
         .map(|m| m.cfg.clone())
     }
 
-    async fn mint_config(&self, name: CertName) -> Result<Arc<Minted>, MintError> {
+    /// Drops `sandbox`'s leaves (its policy was deleted, R81: the next sandbox on the address
+    /// must not find them, nor learn from them which names it reached) and refills its mint
+    /// budget (R86: nor start with its predecessor's spent budget).
+    pub fn forget_sandbox(&self, sandbox: Ipv4Addr) {
+        let prefix = format!("{sandbox}/");
+        self.slots.lock().expect("cache lock").retain(|k, _| !k.starts_with(&prefix));
+        self.limiter.forget(sandbox);
+    }
+
+    /// Mints a leaf for `name` served under the cache key `scope` (its TLS 1.2 sessions' view).
+    async fn mint_config(&self, name: CertName, scope: String) -> Result<Arc<Minted>, MintError> {
         let ca = self.ca.clone();
         let (tickets, sessions) = (self.tickets.clone(), self.sessions.clone());
         let m = tokio::task::spawn_blocking(move || -> anyhow::Result<Minted> {
             let (chain, key) = ca.mint(&name)?;
             let PrivateKeyDer::Pkcs8(pk) = &key else { bail!("minted key is not PKCS#8") };
             let (leaf, pk) = (chain[0].clone(), pk.clone_key());
-            let cfg = leaf_config(chain, key, tickets, &sessions, &name.cache_key())?;
+            let cfg = leaf_config(chain, key, tickets, &sessions, &scope)?;
             Ok(Minted { cfg: Arc::new(cfg), leaf, key: pk })
         })
         .await
@@ -484,7 +517,7 @@ impl CertCache {
     pub fn install_leaves(&self, leaves: &[LeafMaterial]) -> usize {
         let mut n = 0;
         for l in leaves {
-            let Some(key_name) = name_of_key(&l.name).map(|n| n.cache_key()) else { continue };
+            let Some(key_name) = name_of_key(&l.name).map(|(sb, n)| n.cache_key(sb)) else { continue };
             let age = Duration::from_secs(l.age_secs);
             let Some(created) = (age < LEAF_CACHE_TTL).then(|| Instant::now().checked_sub(age)).flatten() else {
                 continue;
@@ -522,7 +555,8 @@ impl CertCache {
     }
 
     /// Cache keys of the (at most `max`) most recently minted fresh leaves, newest first: what a
-    /// successor mints before it takes over (E18). Keys are SNI names or `ip:<addr>`.
+    /// successor mints before it takes over (E18). Keys are `<sandbox>/<SNI name>` or
+    /// `<sandbox>/ip:<addr>` (R81).
     pub fn recent_names(&self, max: usize) -> Vec<String> {
         let slots = self.slots.lock().expect("cache lock");
         let mut v: Vec<(&String, Instant)> = slots
@@ -536,24 +570,25 @@ impl CertCache {
 
     /// Mints leaves for cache keys from [`Self::recent_names`] (not charged to any sandbox:
     /// the predecessor already admitted them); returns how many are cached afterwards. Keys
-    /// that are neither a host name nor `ip:<addr>` are skipped.
+    /// other than `<sandbox>/<host name>` or `<sandbox>/ip:<addr>` are skipped.
     pub async fn premint(&self, keys: &[String]) -> usize {
         let mut n = 0;
         for k in keys {
-            let Some(name) = name_of_key(k) else { continue };
+            let Some((sandbox, name)) = name_of_key(k) else { continue };
+            let key = name.cache_key(sandbox);
             let cell = {
                 let mut slots = self.slots.lock().expect("cache lock");
                 if slots.len() >= self.capacity {
                     break;
                 }
-                let slot = slots.entry(name.cache_key()).or_insert_with(|| Slot {
+                let slot = slots.entry(key.clone()).or_insert_with(|| Slot {
                     cell: Arc::new(tokio::sync::OnceCell::new()),
                     created: Instant::now(),
                     owner: None,
                 });
                 slot.cell.clone()
             };
-            match cell.get_or_try_init(|| self.mint_config(name.clone())).await {
+            match cell.get_or_try_init(|| self.mint_config(name.clone(), key.clone())).await {
                 Ok(_) => n += 1,
                 Err(e) => tracing::warn!(name = %k, error = %e, "pre-mint failed"),
             }
@@ -715,7 +750,55 @@ mod tests {
         }
         assert_eq!(cache.len(), 4);
         let keys = cache.recent_names(4);
-        assert!(keys.contains(&"api.b.test".to_string()), "B's leaf evicted: {keys:?}");
+        assert!(keys.contains(&"192.168.0.3/api.b.test".to_string()), "B's leaf evicted: {keys:?}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Attack (R81): before, leaves were cached per name for every sandbox, so sandbox B
+    /// learned whether, and when, another sandbox had reached a name: B spent its mint budget,
+    /// then a handshake for a name some other sandbox had reached still succeeded (a cached
+    /// leaf costs nothing) while any other name was refused, and the leaf B got was the other
+    /// sandbox's, its notBefore the moment that sandbox first reached the name. Now each
+    /// sandbox has its own leaves: B pays for the name as for any other, and never gets A's.
+    #[tokio::test]
+    async fn a_sandbox_learns_nothing_from_another_sandboxs_leaves() {
+        let d = tmp("ca-oracle");
+        write_ca(&d, 365);
+        let (a, b) = (Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(192, 168, 0, 3));
+        let cache = CertCache::new(Arc::new(Ca::load(&d).unwrap()), 100, 0.001, 1, Metrics::new());
+        cache.server_config(a, CertName::Dns("visited.test".into())).await.unwrap();
+        // B spends its one token, then probes the name A reached and one nobody reached.
+        cache.server_config(b, CertName::Dns("own.test".into())).await.unwrap();
+        let visited = cache.server_config(b, CertName::Dns("visited.test".into())).await;
+        let unvisited = cache.server_config(b, CertName::Dns("unvisited.test".into())).await;
+        assert!(matches!(unvisited, Err(MintError::RateLimited)));
+        assert!(
+            matches!(visited, Err(MintError::RateLimited)),
+            "a name another sandbox reached answers differently from one nobody reached"
+        );
+        // Within budget B gets a leaf of its own for the name, never A's.
+        let cache = CertCache::new(Arc::new(Ca::load(&d).unwrap()), 100, 0.001, 5, Metrics::new());
+        cache.server_config(a, CertName::Dns("visited.test".into())).await.unwrap();
+        cache.server_config(b, CertName::Dns("visited.test".into())).await.unwrap();
+        let leaves = cache.export_leaves(10);
+        assert_eq!(leaves.len(), 2, "one leaf per sandbox");
+        assert_ne!(leaves[0].cert, leaves[1].cert, "B was served A's leaf");
+        // Keys of a predecessor before R81 (no sandbox) are not served to anyone.
+        let old = LeafMaterial { name: "visited.test".into(), ..leaves[0].clone() };
+        let fresh = CertCache::new(Arc::new(Ca::load(&d).unwrap()), 100, 0.001, 5, Metrics::new());
+        assert_eq!(fresh.install_leaves(&[old]), 0);
+        assert_eq!(fresh.premint(&["visited.test".into(), "ip:203.0.113.5".into()]).await, 0);
+        assert_eq!(fresh.install_leaves(&leaves), 2, "this version's keys install");
+        // A's policy deleted (Release): the address's next sandbox finds none of A's leaves.
+        fresh.forget_sandbox(a);
+        let left: Vec<String> = fresh.export_leaves(10).into_iter().map(|l| l.name).collect();
+        assert_eq!(left, vec!["192.168.0.3/visited.test".to_string()]);
+        // R86: a sandbox whose mint budget is spent leaves a full one to the address's next.
+        let spent = CertCache::new(Arc::new(Ca::load(&d).unwrap()), 100, 0.001, 1, Metrics::new());
+        spent.server_config(a, CertName::Dns("one.test".into())).await.unwrap();
+        assert!(matches!(spent.server_config(a, CertName::Dns("two.test".into())).await, Err(MintError::RateLimited)));
+        spent.forget_sandbox(a);
+        spent.server_config(a, CertName::Dns("two.test".into())).await.expect("the next sandbox's first mint");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

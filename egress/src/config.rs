@@ -74,7 +74,8 @@ pub struct Config {
     /// Destinations the gateway never dials, whatever a rule or a learned name says: IPv4
     /// addresses (/32) or CIDRs (host bits zero), at most 64. The same list as the agent's
     /// `always_denied_cidrs` (decision R30): keep them equal. Default
-    /// `["100.100.100.200/32"]` (Alibaba Cloud's metadata service); `[]` = none. The one key
+    /// `["100.100.100.200/32", "169.254.169.254/32"]` (cloud instance metadata services, R85);
+    /// `[]` = none. The one key
     /// a SIGHUP re-reads (R51).
     pub always_denied_cidrs: Vec<String>,
     /// Proxy connections each sandbox with a policy may always hold, whatever other sandboxes
@@ -95,7 +96,7 @@ pub struct Config {
 }
 
 /// Default `always_denied_cidrs`, the agent's default too (decision R30).
-pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32"];
+pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32", "169.254.169.254/32"];
 
 /// Most `allowed_peer_uids` entries.
 pub const MAX_ALLOWED_PEER_UIDS: usize = 64;
@@ -438,7 +439,10 @@ mod tests {
         assert!(e.to_string().contains("loopback"), "{e}");
         let cli = Cli::parse_from(["cube-egress", "--dns-server", "10.0.0.53:53,10.0.0.54:5353"]);
         assert_eq!(Config::load(cli).unwrap().dns_servers.len(), 2);
-        assert_eq!(Config::load(Cli::parse_from(["cube-egress"])).unwrap().always_denied_cidrs, ["100.100.100.200/32"]);
+        assert_eq!(
+            Config::load(Cli::parse_from(["cube-egress"])).unwrap().always_denied_cidrs,
+            ["100.100.100.200/32", "169.254.169.254/32"]
+        );
         let cli = Cli::parse_from(["cube-egress", "--always-denied-cidr", "10.96.0.1,100.64.0.0/10"]);
         let d = Config::load(cli).unwrap().always_denied().unwrap();
         assert_eq!(d, [(Ipv4Addr::new(10, 96, 0, 1), u32::MAX), (Ipv4Addr::new(100, 64, 0, 0), 0xffc0_0000)]);

@@ -4,8 +4,9 @@
 //! A name belongs to an address when it is that IPv4 literal, when the agent told us the
 //! sandbox learned it ([`Destinations::set_learned`], admin `PUT /admin/v1/learned/<ip>`), or
 //! when the gateway's own resolver ([`crate::dns`]) answered it. Resolver answers are kept per
-//! name as a union with a TTL floor ([`TTL_FLOOR`]), so round-robin answers that rotate between
-//! the sandbox's lookup and ours still match. Decision E14.
+//! sandbox and name as a union with a TTL floor ([`TTL_FLOOR`]), so round-robin answers that
+//! rotate between the sandbox's lookup and ours still match (E14), and what one sandbox's
+//! requests made the gateway resolve never answers another's (R83).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -28,7 +29,8 @@ pub const TTL_FLOOR: Duration = Duration::from_secs(60);
 pub const TTL_CAP: Duration = Duration::from_secs(24 * 3600);
 /// A name is not asked again sooner than this after a lookup (a miss answers from the cache).
 pub const MIN_REQUERY: Duration = Duration::from_secs(2);
-/// Most names in the resolver cache (expired ones are evicted first).
+/// Most (sandbox, name) entries in the resolver cache (expired ones are evicted first, then
+/// one of the inserting sandbox's own).
 pub const MAX_CACHED_NAMES: usize = 10_000;
 /// DNS lookups one sandbox may cause per second (burst [`LOOKUP_BURST`]).
 pub const LOOKUP_RATE: f64 = 20.0;
@@ -111,7 +113,9 @@ struct Resolved {
 pub struct Destinations {
     servers: Vec<SocketAddr>,
     timeout: Duration,
-    resolved: Mutex<HashMap<String, Resolved>>,
+    /// Resolver answers per (sandbox, name): a sandbox never sees what another one's requests
+    /// made the gateway resolve (R83).
+    resolved: Mutex<HashMap<(Ipv4Addr, String), Resolved>>,
     learned: RwLock<HashMap<Ipv4Addr, HashMap<String, AddrSet>>>,
     lookups: RateLimiter,
 }
@@ -155,12 +159,22 @@ fn wildcards_of(name: &str) -> impl Iterator<Item = String> + '_ {
 impl Destinations {
     /// A checker asking `servers` (each at most `timeout` per lookup).
     pub fn new(servers: Vec<SocketAddr>, timeout: Duration) -> Destinations {
+        Self::with_lookup_budget(servers, timeout, LOOKUP_RATE, LOOKUP_BURST)
+    }
+
+    /// [`Self::new`] with another per-sandbox lookup budget (`rate` per second, `burst`).
+    pub(crate) fn with_lookup_budget(
+        servers: Vec<SocketAddr>,
+        timeout: Duration,
+        rate: f64,
+        burst: u32,
+    ) -> Destinations {
         Destinations {
             servers,
             timeout,
             resolved: Mutex::new(HashMap::new()),
             learned: RwLock::new(HashMap::new()),
-            lookups: RateLimiter::new(LOOKUP_RATE, LOOKUP_BURST),
+            lookups: RateLimiter::new(rate, burst),
         }
     }
 
@@ -187,9 +201,10 @@ impl Destinations {
                 return Ok(Binding::Learned);
             }
         }
+        let key = (sandbox, name);
         {
             let cache = self.resolved.lock().expect("dns cache lock");
-            if let Some(r) = cache.get(&name) {
+            if let Some(r) = cache.get(&key) {
                 if live(Some(&r.addrs)) {
                     return Ok(Binding::Resolved);
                 }
@@ -201,20 +216,22 @@ impl Destinations {
         if !self.lookups.take(sandbox) {
             return Err(Unbound::ResolveFailed("DNS lookup budget of the sandbox spent".into()));
         }
-        let answers = crate::dns::resolve_a(&self.servers, &name, self.timeout)
+        let answers = crate::dns::resolve_a(&self.servers, &key.1, self.timeout)
             .await
             .map_err(|e| Unbound::ResolveFailed(format!("{e:#}")))?;
         let now = Instant::now();
         let mut cache = self.resolved.lock().expect("dns cache lock");
-        if !cache.contains_key(&name) && cache.len() >= MAX_CACHED_NAMES {
+        if !cache.contains_key(&key) && cache.len() >= MAX_CACHED_NAMES {
             cache.retain(|_, r| r.addrs.values().any(|exp| *exp > now));
+            // Still full: the sandbox gives up one of its own entries, else any (R62's order).
+            let victim = cache.keys().find(|k| k.0 == sandbox).or_else(|| cache.keys().next()).cloned();
             if cache.len() >= MAX_CACHED_NAMES
-                && let Some(k) = cache.keys().next().cloned()
+                && let Some(k) = victim
             {
                 cache.remove(&k);
             }
         }
-        let entry = cache.entry(name).or_insert_with(|| Resolved { addrs: HashMap::new(), queried: now });
+        let entry = cache.entry(key).or_insert_with(|| Resolved { addrs: HashMap::new(), queried: now });
         entry.queried = now;
         entry.addrs.retain(|_, exp| *exp > now);
         for (ip, ttl) in answers {
@@ -315,6 +332,15 @@ impl Destinations {
         Ok(())
     }
 
+    /// Forgets everything kept for `sandbox`: its learned names, its resolver answers (its
+    /// policy was deleted, R83: the next sandbox on the address must not learn what it resolved)
+    /// and its spent lookup budget (R86).
+    pub fn forget_sandbox(&self, sandbox: Ipv4Addr) {
+        self.clear_learned(sandbox);
+        self.resolved.lock().expect("dns cache lock").retain(|k, _| k.0 != sandbox);
+        self.lookups.forget(sandbox);
+    }
+
     /// Forgets the learned addresses of `sandbox` (policy deleted, sandbox released).
     pub fn clear_learned(&self, sandbox: Ipv4Addr) {
         self.learned.write().expect("learned lock").remove(&sandbox);
@@ -323,6 +349,8 @@ impl Destinations {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     const SB: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
@@ -357,6 +385,62 @@ mod tests {
             let spec: LearnedSpec = serde_json::from_str(bad).unwrap();
             assert_eq!(d.set_learned(SB, &spec).unwrap_err().field, field, "{bad}");
         }
+    }
+
+    /// A DNS server on loopback answering every `A` query with 198.51.100.1 (TTL 300); returns
+    /// its address and the number of queries it got.
+    async fn dns_server() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        use simple_dns::{CLASS, Packet, ResourceRecord, rdata::RData};
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = sock.local_addr().unwrap();
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = count.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 1500];
+            while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Ok(q) = Packet::parse(&buf[..n]) else { continue };
+                let Some(question) = q.questions.first().cloned() else { continue };
+                let mut reply = q.into_reply();
+                let a = simple_dns::rdata::A { address: u32::from(DST) };
+                reply.answers.push(ResourceRecord::new(question.qname.clone(), CLASS::IN, 300, RData::A(a)));
+                let _ = sock.send_to(&reply.build_bytes_vec().unwrap(), from).await;
+            }
+        });
+        (addr, count)
+    }
+
+    /// Attack (R83): the resolver cache was shared by name, so sandbox B learned whether
+    /// another sandbox had made the gateway resolve a name (within the answer's TTL, 60 s to
+    /// 24 h): with its lookup budget spent, B's request for a name nobody resolved was refused
+    /// `destination_resolve_failed` (no lookup) while one someone else resolved was answered
+    /// from the cache, `destination_not_resolved` (the 403 body names the reason). Now each
+    /// sandbox has its own answers: both probes answer alike, and B's own lookup is its own.
+    #[tokio::test]
+    async fn a_sandbox_learns_nothing_from_another_sandboxs_lookups() {
+        let (server, queries) = dns_server().await;
+        let (a, b) = (SB, Ipv4Addr::new(192, 168, 0, 3));
+        let other = Ipv4Addr::new(198, 51, 100, 9);
+        // One lookup per sandbox, no refill within the test.
+        let d = Destinations::with_lookup_budget(vec![server], Duration::from_secs(2), 0.001, 1);
+        assert_eq!(d.check(a, "visited.test", DST).await, Ok(Binding::Resolved));
+        assert_eq!(d.check(b, "own.test", DST).await, Ok(Binding::Resolved), "B spends its one lookup");
+        let visited = d.check(b, "visited.test", other).await;
+        let unvisited = d.check(b, "unvisited.test", other).await;
+        assert!(matches!(unvisited, Err(Unbound::ResolveFailed(_))), "{unvisited:?}");
+        assert!(
+            matches!(visited, Err(Unbound::ResolveFailed(_))),
+            "a name another sandbox resolved answers differently from one nobody resolved: {visited:?}"
+        );
+        assert_eq!(queries.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A's answers still serve A (no new query).
+        assert_eq!(d.check(a, "visited.test", DST).await, Ok(Binding::Resolved));
+        assert_eq!(queries.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A's policy deleted (Release): the address's next sandbox finds none of A's answers.
+        d.forget_sandbox(a);
+        // R86: and with a full lookup budget, not the one A spent.
+        assert_eq!(d.check(a, "visited.test", DST).await, Ok(Binding::Resolved));
+        assert_eq!(queries.load(std::sync::atomic::Ordering::SeqCst), 3, "a new lookup, not A's answer");
     }
 
     /// A `*.` learned name binds the suffix's subdomains at any depth, never the suffix itself

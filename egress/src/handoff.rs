@@ -448,7 +448,7 @@ mod tests {
         let sb = "192.168.0.2".parse().unwrap();
         rt.block_on(old.certs.server_config(sb, crate::certs::CertName::Dns("api.example.test".into()))).unwrap();
         let state = HandoffState::capture(&old);
-        assert_eq!(state.leaf_names, vec!["api.example.test".to_string()]);
+        assert_eq!(state.leaf_names, vec!["192.168.0.2/api.example.test".to_string()]);
         let pred = std::thread::spawn(move || {
             let (c, _) = hl.accept().unwrap();
             let r = offer(&c, &l, &state, HandoffExtras::default);
@@ -485,7 +485,7 @@ mod tests {
             bootstrap_status: "ready".into(),
             policies: BTreeMap::new(),
             learned: Vec::new(),
-            leaf_names: vec!["api.example.test".into()],
+            leaf_names: vec!["192.168.0.2/api.example.test".into()],
         }
     }
 
@@ -732,7 +732,7 @@ mod tests {
         });
         let taken = take(&sock, false).unwrap().unwrap();
         assert!(taken.extras.is_none());
-        assert_eq!(st_names(&taken), vec!["api.example.test".to_string()]);
+        assert_eq!(st_names(&taken), vec!["192.168.0.2/api.example.test".to_string()]);
         taken.ready.send().unwrap();
         let (first, second) = pred.join().unwrap();
         assert!(first.is_err(), "the old predecessor refused the extras request");

@@ -30,6 +30,7 @@ pub mod proxy;
 pub mod sessions;
 pub mod store;
 pub mod tickets;
+pub mod upstream;
 
 use std::{
     net::Ipv4Addr,
@@ -64,8 +65,8 @@ pub struct App {
     pub audit: AuditLog,
     /// Leaf cache / minting.
     pub certs: CertCache,
-    /// Upstream TLS client config (ALPN h2, http/1.1).
-    pub upstream_tls: Arc<rustls::ClientConfig>,
+    /// Upstream TLS client configs (ALPN h2, http/1.1), one session store per sandbox (R84).
+    pub upstream_tls: upstream::UpstreamTls,
     /// Upstream connect timeout.
     pub connect_timeout: Duration,
     /// Destination binding (resolver cache, learned addresses).
@@ -132,7 +133,7 @@ impl App {
             certs: CertCache::new(ca, cfg.cert_cache_size, cfg.mint_rate_per_sec, cfg.mint_burst, metrics.clone()),
             metrics,
             audit,
-            upstream_tls: Arc::new(tls),
+            upstream_tls: upstream::UpstreamTls::new(tls),
             connect_timeout: cfg.connect_timeout(),
             dest: dest::Destinations::new(cfg.dns_servers()?, Duration::from_millis(cfg.dns_timeout_ms)),
             admin_frozen: RwLock::new(false),

@@ -148,12 +148,13 @@ impl Drop for UpstreamPlace {
     }
 }
 
-fn new_client(app: &App, dst: IpAddr) -> UpstreamClient {
+fn new_client(app: &App, sandbox: Ipv4Addr, dst: IpAddr) -> UpstreamClient {
     let mut http = HttpConnector::new_with_resolver(FixedResolver(dst));
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(app.connect_timeout));
-    let https = hyper_rustls::HttpsConnector::from((http, app.upstream_tls.clone()));
+    // The sandbox's own TLS session store: it never resumes another sandbox's session (R84).
+    let https = hyper_rustls::HttpsConnector::from((http, app.upstream_tls.for_sandbox(sandbox)));
     // One idle upstream socket per connection: the others close when their response ends, so a
     // connection's sockets are its requests in flight (R24) plus at most one.
     Client::builder(TokioExecutor::new())
@@ -255,7 +256,7 @@ async fn serve_conn_inner(
 ) {
     match scheme {
         Scheme::Http => {
-            let client = new_client(&app, IpAddr::V4(*dst.ip()));
+            let client = new_client(&app, sandbox, IpAddr::V4(*dst.ip()));
             let ctx = Arc::new(Conn {
                 sandbox,
                 dst,
@@ -379,7 +380,7 @@ async fn serve_tls(
         cipher: server.negotiated_cipher_suite().and_then(|c| c.suite().as_str().map(str::to_string)),
         client_alpn,
     };
-    let client = new_client(&app, IpAddr::V4(*dst.ip()));
+    let client = new_client(&app, sandbox, IpAddr::V4(*dst.ip()));
     let ctx = Arc::new(Conn {
         sandbox,
         dst,
@@ -578,8 +579,20 @@ async fn refuse(
     plain(status, &format!("{what} by cube-egress: {reason}"))
 }
 
-/// Why an injection gate failed, or `None` when credentials may be injected.
-fn inject_gate(scheme: Scheme, sni: Option<&str>, host: Option<&str>, plain_http_ok: bool) -> Option<&'static str> {
+/// Why an injection gate failed, or `None` when credentials may be injected. A `TRACE`
+/// request (any case: some servers match methods case-insensitively) never gets them: its
+/// response reflects the request's fields, so the sandbox would read the secret (RFC 9110
+/// §9.3.8: a client must not send credentials in a TRACE request; decision R82).
+fn inject_gate(
+    method: &str,
+    scheme: Scheme,
+    sni: Option<&str>,
+    host: Option<&str>,
+    plain_http_ok: bool,
+) -> Option<&'static str> {
+    if method.eq_ignore_ascii_case("TRACE") {
+        return Some("inject_trace_method");
+    }
     match scheme {
         Scheme::Https => match (sni, host) {
             (Some(s), Some(h)) if normalize_request_host(s) == normalize_request_host(h) => None,
@@ -611,7 +624,8 @@ async fn forward(
         while parts.headers.remove(&inj.header).is_some() {}
     }
     if !rule.inject.is_empty() {
-        let mut gate = inject_gate(ctx.scheme, ctx.sni.as_deref(), host.as_deref(), rule.inject_plain_http);
+        let mut gate =
+            inject_gate(parts.method.as_str(), ctx.scheme, ctx.sni.as_deref(), host.as_deref(), rule.inject_plain_http);
         // The credential only goes to an address of the name it is for (E14); plain HTTP was
         // checked before forwarding.
         if gate.is_none()
@@ -823,15 +837,24 @@ mod tests {
 
     #[test]
     fn gates() {
-        assert_eq!(inject_gate(Scheme::Https, Some("api.test"), Some("API.test:443"), false), None);
+        assert_eq!(inject_gate("GET", Scheme::Https, Some("api.test"), Some("API.test:443"), false), None);
         assert_eq!(
-            inject_gate(Scheme::Https, Some("api.test"), Some("evil.test"), false),
+            inject_gate("GET", Scheme::Https, Some("api.test"), Some("evil.test"), false),
             Some("g4_host_sni_mismatch")
         );
-        assert_eq!(inject_gate(Scheme::Https, None, Some("api.test"), false), Some("inject_missing_sni"));
-        assert_eq!(inject_gate(Scheme::Http, None, Some("api.test"), false), Some("inject_plain_http_not_allowed"));
-        assert_eq!(inject_gate(Scheme::Http, None, Some("api.test"), true), None);
-        assert_eq!(inject_gate(Scheme::Http, None, None, true), Some("inject_missing_host"));
+        assert_eq!(inject_gate("GET", Scheme::Https, None, Some("api.test"), false), Some("inject_missing_sni"));
+        assert_eq!(
+            inject_gate("GET", Scheme::Http, None, Some("api.test"), false),
+            Some("inject_plain_http_not_allowed")
+        );
+        assert_eq!(inject_gate("POST", Scheme::Http, None, Some("api.test"), true), None);
+        assert_eq!(inject_gate("GET", Scheme::Http, None, None, true), Some("inject_missing_host"));
+        for m in ["TRACE", "trace", "Trace"] {
+            assert_eq!(
+                inject_gate(m, Scheme::Https, Some("api.test"), Some("api.test"), false),
+                Some("inject_trace_method")
+            );
+        }
     }
 
     #[test]

@@ -226,3 +226,42 @@ fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
     assert!(ping(&g, 2), "the ping stayed refused after the reload that unlisted it");
     assert_eq!(reloads(&a, "applied"), 2);
 }
+
+/// Attack (R85): the link-local instance metadata service of most clouds (AWS, GCP, Azure,
+/// OpenStack, Oracle) answers at 169.254.169.254 with the node's credentials. The baseline
+/// denies 169.254.0.0/16, but `allow_out` beats the baseline, so a sandbox allowed
+/// `0.0.0.0/0` (or `169.254.0.0/16`) reached it as the node (SNAT) with the agent's default
+/// list, which named Alibaba Cloud's address only. Now the default list has 169.254.169.254/32
+/// too: with no key in the TOML, nothing reaches a host there, while the same guest's
+/// datagram to another world address does.
+#[test]
+fn the_default_list_closes_the_cloud_metadata_address_to_allow_everything_policies() {
+    if !require_root("the_default_list_closes_the_cloud_metadata_address_to_allow_everything_policies") {
+        return;
+    }
+    const IMDS: [u8; 4] = [169, 254, 169, 254];
+    let mut a = AgentUnderTest::prepare("imds", 2, "");
+    a.start();
+    a.topo.add_world_address(IMDS, 32);
+    let bind = |ip: [u8; 4]| {
+        a.topo.world.run(move || {
+            let s = UdpSocket::bind(SocketAddr::from((ip, PORT))).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            s
+        })
+    };
+    let (imds, control) = (bind(IMDS), bind(WORLD_IP));
+    let mut buf = [0u8; 64];
+    for (id, allow, sport) in [("sb-all", "0.0.0.0/0", 40101), ("sb-ll", "169.254.0.0/16", 40102)] {
+        let r = ensure(&a, id, true, &[allow]);
+        let g = guest(&a, &r);
+        g.send(&packet::udp(IMDS, sport, PORT, id.as_bytes()));
+        g.send(&packet::udp(WORLD_IP, sport, PORT, id.as_bytes()));
+        let n = control.recv(&mut buf).unwrap_or_else(|e| panic!("{id}: control datagram lost: {e}"));
+        assert_eq!(&buf[..n], id.as_bytes());
+        imds.set_nonblocking(true).unwrap();
+        let got = imds.recv(&mut buf).ok().map(|n| String::from_utf8_lossy(&buf[..n]).into_owned());
+        imds.set_nonblocking(false).unwrap();
+        assert_eq!(got, None, "allow_out {allow} reached the cloud metadata address with the default list");
+    }
+}

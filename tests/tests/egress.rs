@@ -60,6 +60,7 @@ const SECRET: &str = "sk-live-TOPSECRET-0123456789";
 /// One request as the world server saw it.
 #[derive(Debug, Clone)]
 struct Seen {
+    method: String,
     path: String,
     version: hyper::Version,
     headers: Vec<(String, String)>,
@@ -111,13 +112,24 @@ async fn world_handler(seen: SeenLog, req: Request<Incoming>) -> Result<Response
     let path = req.uri().path().to_string();
     let headers =
         req.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
-    seen.lock().unwrap().push(Seen { path: path.clone(), version: req.version(), headers });
+    let method = req.method().as_str().to_string();
+    seen.lock().unwrap().push(Seen { method, path: path.clone(), version: req.version(), headers });
     if path.starts_with("/v1/hang/") {
         // Held past the test (the runtime is dropped at its end), within the gateway's 60 s.
         tokio::time::sleep(Duration::from_secs(50)).await;
     }
     if path == "/v1/slow" {
         tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    if let Some(to) = path.strip_prefix("/v1/redirect/") {
+        // A redirect to another host (`/v1/redirect/<host>`): a client that followed it would
+        // carry the request, and an injected credential, there.
+        let r = Response::builder()
+            .status(302)
+            .header("location", format!("http://{to}/v1/stolen"))
+            .body(Full::new(Bytes::from_static(b"moved\n")).boxed_unsync())
+            .unwrap();
+        return Ok(r);
     }
     if path == "/v1/stream" {
         let body = Dribble { step: 0, sleep: Box::pin(tokio::time::sleep(Duration::from_secs(6))) };
@@ -991,6 +1003,79 @@ fn egress_gateway_fails_closed_without_audit() {
     assert!(metrics.contains("cube_egress_audit_refused_total{reason=\"write_failed\"} 2"), "{metrics}");
 }
 
+/// Attack (R82): a sandbox reads back its own injected credential with `TRACE`, whose
+/// response reflects the request's fields (RFC 9110 §9.3.8: a client must not send
+/// credentials in one). The gateway injected into any method the rule allows; now a `TRACE`
+/// (any case) is forwarded without the credential and logged as a security event, while
+/// other methods still get it.
+#[test]
+fn egress_gateway_never_injects_into_trace() {
+    if !require_root("egress_gateway_never_injects_into_trace") {
+        return;
+    }
+    let (rt, tmp) = scratch("trace");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let audit = dir.join("log/access.jsonl");
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "trace", "rules": [
+        {"id": "plain", "match": {"host": WORLD, "scheme": "http"},
+         "action": {"allow": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}], "inject_plain_http": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+
+    let (code, _, o) = curl(&sb, &[&format!("http://{WORLD}/v1/get")]);
+    assert_eq!(code, 200, "{}", text(&o));
+    for m in ["TRACE", "trace"] {
+        let (code, _, o) = curl(&sb, &["-X", m, "-H", "X-Api-Key: mine", &format!("http://{WORLD}/v1/{m}")]);
+        assert_eq!(code, 200, "{}", text(&o));
+    }
+    let seen = seen.lock().unwrap().clone();
+    let got = |m: &str| seen.iter().find(|r| r.method == m).unwrap_or_else(|| panic!("{m} not forwarded: {seen:?}"));
+    assert_eq!(got("GET").header("x-api-key"), vec![SECRET], "control: a GET carries the credential");
+    for m in ["TRACE", "trace"] {
+        assert!(got(m).header("x-api-key").is_empty(), "{m} carried a credential: {:?}", got(m));
+    }
+    let lines = audit_when(&audit, |l| l.iter().filter(|r| r["event"] == "http_request").count() >= 3);
+    assert!(has_event(&lines, "security_event", "inject_trace_method"), "{lines:?}");
+    drop(rt);
+}
+
+/// Held (candidate attack, round 6): an allowed host answers a credentialed request with a
+/// redirect to another host; the gateway hands the 302 to the sandbox as it is and never
+/// follows it, so neither the request nor the credential reaches the other host.
+#[test]
+fn egress_gateway_never_follows_a_redirect() {
+    if !require_root("egress_gateway_never_follows_a_redirect") {
+        return;
+    }
+    let (rt, tmp) = scratch("redirect");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let (node, world) = (&topo.node, &topo.world);
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let seen = world_server(&rt, world, format!("{WORLD}:80").parse().unwrap(), None);
+    let foreign = world_server(&rt, world, format!("{WORLD_BAD}:80").parse().unwrap(), None);
+    let audit = dir.join("log/access.jsonl");
+    let _gw = start_gateway(node, node.command(egress_bin().to_str().unwrap()), dir, audit.to_str().unwrap(), &[]);
+    let pol = json!({"policy_id": "redirect", "rules": [
+        {"id": "plain", "match": {"host": WORLD, "scheme": "http"},
+         "action": {"allow": true, "inject": [{"header": "X-Api-Key", "secret": SECRET}], "inject_plain_http": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    let (code, _, o) = curl(&sb, &["-D", "-", &format!("http://{WORLD}/v1/redirect/{WORLD_BAD}")]);
+    assert_eq!(code, 302, "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("http://{WORLD_BAD}/v1/stolen")), "{}", text(&o));
+    assert_eq!(seen.lock().unwrap()[0].header("x-api-key"), vec![SECRET], "control: the allowed host got it");
+    assert!(foreign.lock().unwrap().is_empty(), "the redirect was followed: {:?}", foreign.lock().unwrap());
+    drop(rt);
+}
+
 /// Sends `raw` from the sandbox namespace to `to` over plain TCP, half-closes, and returns
 /// everything the gateway answered until it closed (or 10 s passed).
 fn raw_http(ns: &TestNetns, to: &str, raw: &[u8]) -> String {
@@ -1414,6 +1499,81 @@ fn egress_gateway_colluding_sandboxes_starve_no_other_sandbox() {
     let want = "cube_egress_connections_refused_total{reason=\"node_ceiling\"} 294";
     assert!(metrics.contains(want), "{want} missing:\n{metrics}");
     drop(held);
+    drop(rt);
+}
+
+/// The leaf `sb` is served from `src` for `name` (resolved to [`WORLD`]), as `curl -w
+/// %{certs}` prints it (subject, serial, dates, PEM), or `None` when the gateway refused the
+/// handshake.
+fn served_leaf(sb: &TestNetns, ca: &str, src: &str, name: &str) -> Option<String> {
+    let resolve = format!("{name}:443:{WORLD}");
+    let url = format!("https://{name}/");
+    let o = sb.exec(
+        "curl",
+        &["-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{certs}", "--cacert", ca, "--interface", src]
+            .into_iter()
+            .chain(["--resolve", &resolve, &url])
+            .collect::<Vec<_>>(),
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    // The chain's first certificate is the leaf (the CA follows, after the leaf's PEM).
+    let leaf = out.split("-----END CERTIFICATE-----").next().unwrap_or("").to_string();
+    leaf.contains("Serial Number").then_some(leaf)
+}
+
+/// Attack (R81): sandbox B learns whether, and when, another sandbox on the node reached a
+/// name over HTTPS. Before R81 the gateway cached one leaf per name for every sandbox: B, its
+/// mint budget spent, still completed a handshake for a name another sandbox had reached
+/// (cached, free) while any name nobody reached was refused, and the leaf it got was the
+/// other sandbox's (same serial; notBefore = that sandbox's first visit, to the second). Now
+/// every sandbox mints its own leaves: both probes are refused alike, and no leaf B is served
+/// is A's.
+#[test]
+fn egress_gateway_leaves_tell_no_sandbox_about_another() {
+    if !require_root("egress_gateway_leaves_tell_no_sandbox_about_another") {
+        return;
+    }
+    let (rt, tmp) = scratch("leaves");
+    let dir = &tmp.0;
+    let topo = Topology::new();
+    let node = &topo.node;
+    let sb = sandbox_net(&topo);
+    gateway_ca(dir);
+    let ca = dir.join("ca/cube-root-ca.crt");
+    let ca = ca.to_str().unwrap();
+    // One mint per sandbox, and no refill within the test.
+    let extra = ["--mint-rate-per-sec", "0.001", "--mint-burst", "1"];
+    let _gw = start_gateway(
+        node,
+        node.command(egress_bin().to_str().unwrap()),
+        dir,
+        dir.join("log/access.jsonl").to_str().unwrap(),
+        &extra,
+    );
+    let pol = json!({"policy_id": "p", "rules": [
+        {"id": "any", "match": {"sni": "*.example.test"}, "action": {"allow": true}}
+    ]});
+    put_policy(node, SANDBOX_IP, &pol);
+    put_policy(node, UNKNOWN_IP, &pol);
+
+    // A reaches a name (the handshake is all it takes; no world server answers).
+    let a_leaf = served_leaf(&sb, ca, SANDBOX_IP, "visited.example.test").expect("A's handshake");
+    // B spends its one mint on a name of its own, then probes A's name and a name nobody reached.
+    let b_own = served_leaf(&sb, ca, UNKNOWN_IP, "own.example.test").expect("B's handshake");
+    let b_visited = served_leaf(&sb, ca, UNKNOWN_IP, "visited.example.test");
+    let b_unvisited = served_leaf(&sb, ca, UNKNOWN_IP, "unvisited.example.test");
+    assert_eq!(b_unvisited, None, "over its budget B mints nothing");
+    assert!(b_visited.is_none(), "B was served the leaf A's visit left behind:\n{}", b_visited.unwrap_or_default());
+    let serial = |leaf: &str| leaf.lines().find(|l| l.starts_with("Serial Number")).map(str::to_string);
+    assert!(serial(&a_leaf).is_some() && serial(&a_leaf) != serial(&b_own), "{a_leaf}\n{b_own}");
+
+    // A is released (the agent's DELETE) and the next sandbox on A's address gets a policy:
+    // it is served a leaf of its own, within a full budget (R81, R86), not A's.
+    let url = format!("http://127.0.0.1:9091/admin/v1/policies/{SANDBOX_IP}");
+    assert_eq!(admin_curl(node, &["-X", "DELETE", &url]).0, 200);
+    put_policy(node, SANDBOX_IP, &pol);
+    let next = served_leaf(&sb, ca, SANDBOX_IP, "visited.example.test").expect("the next sandbox's handshake");
+    assert_ne!(serial(&next), serial(&a_leaf), "the address's next sandbox was served A's leaf");
     drop(rt);
 }
 
