@@ -285,7 +285,7 @@ impl Default for Config {
     }
 }
 
-/// Default `always_denied_cidrs`: Alibaba Cloud's instance metadata service (decision R30).
+/// Default `always_denied_cidrs`: the cloud instance metadata services (decisions R30, R85).
 pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32", "169.254.169.254/32"];
 
 /// Most `allowed_peer_uids` entries.

@@ -95,7 +95,7 @@ pub struct Config {
     pub allowed_peer_uids: Vec<u32>,
 }
 
-/// Default `always_denied_cidrs`, the agent's default too (decision R30).
+/// Default `always_denied_cidrs`, the agent's default too (decisions R30, R85).
 pub const DEFAULT_ALWAYS_DENIED: &[&str] = &["100.100.100.200/32", "169.254.169.254/32"];
 
 /// Most `allowed_peer_uids` entries.
