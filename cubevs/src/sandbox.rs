@@ -118,8 +118,11 @@ impl SandboxTable {
         {
             self.sessions.forget_quota(e.ifindex, o.version)?;
         }
+        drop(g);
         if old.is_none() {
-            // One more registered sandbox: its floor is reserved (decision Q4).
+            // One more registered sandbox: its floor is reserved (decision Q4) before this
+            // returns, by a recount shared with concurrent registrations and run outside the
+            // sandbox maps' lock, so other registrations and unregisters go on meanwhile (F23).
             self.sessions.refresh_floor()?;
         }
         Ok(())
@@ -151,6 +154,11 @@ impl SandboxTable {
                 Err(e) => return Err(Error::map(map::MVMIP_TO_IFINDEX, "delete")(e)),
             }
         }
+        // The budget entries outside the sandbox maps' lock (decision F24): they are keyed by
+        // this version, which no registration reuses (a new registration of the interface has
+        // a new version and `old` = none), so nothing here races the maps this lock guards; it
+        // only kept every other register/unregister waiting behind the budget maps' flocks.
+        drop(g);
         self.sessions.forget_quota(ifindex, m.version)
     }
 
