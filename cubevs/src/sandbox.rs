@@ -129,7 +129,9 @@ impl SandboxTable {
     }
 
     /// Removes the sandbox on `ifindex`; the IP entry is removed only if it still points at
-    /// this interface; its version's session-budget entries go too. Its floor stays reserved
+    /// this interface; its version's session-budget entries go too, after the sandbox maps'
+    /// lock is released (decision F24): a caller must not register the same (ifindex, version)
+    /// again before this returns (the agent never reuses a version). Its floor stays reserved
     /// until the next recount (the next registration of a new sandbox, or the reaper's sweep,
     /// every `reaper_interval_secs`): a ceiling lower than needed only narrows the shared room
     /// for that long, and the Release path skips a scan of every registration (decision F14).
