@@ -760,8 +760,14 @@ fn ensure_rate(a: &AgentUnderTest, ids: Vec<String>, clients: usize, refused: bo
 /// two runs. A second row: the same 50 clients' rate on this build's agents when every Ensure
 /// is refused in the gRPC handler (`ensure_rate`'s `refused`), measured right after each of
 /// this build's runs: the rate gRPC and the clients allow on this machine.
+/// A third row: the agent's CPU (utime + stime of all its threads, 10 ms ticks, so ±10 µs per
+/// Ensure over 1,000) per Ensure over each sustained run, beside the baseline's: it does not
+/// depend on how much of this shared machine a run got, which the rate does (issue 15, F23).
 pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
     let floors = std::cell::RefCell::new(Vec::new());
+    // Agent CPU per Ensure over each sustained run (µs), this build's and the baseline's: unlike
+    // the rate, it does not depend on how much of the shared machine the run got.
+    let cpu_us = std::cell::RefCell::new((Vec::new(), Vec::new()));
     let measure = |bin: Option<&std::path::Path>, tag: &str| {
         let mut a = AgentUnderTest::prepare(tag, n + 8, "cidr = \"192.168.0.0/21\"\n");
         a.agent_bin = bin.map(|b| b.to_path_buf());
@@ -771,7 +777,17 @@ pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
         if bin.is_none() {
             wait_metric_zero(&a, "cubenet_tap_warmup_filters", Duration::from_secs(600));
         }
+        let pid = agent_pid(&mut a);
+        let c0 = cpu_s(pid);
         let rate = ensure_rate(&a, (0..n).map(|i| format!("rate-{i}")).collect(), 50, false);
+        let per_call = (cpu_s(pid) - c0) * 1e6 / n as f64;
+        let mut c = cpu_us.borrow_mut();
+        if bin.is_none() {
+            c.0.push(per_call)
+        } else {
+            c.1.push(per_call)
+        }
+        drop(c);
         if bin.is_none() {
             floors.borrow_mut().push(ensure_rate(&a, (0..n).map(|i| format!("floor-{i}")).collect(), 50, true));
         }
@@ -794,6 +810,10 @@ pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
             ((r1 + r2) / 2.0, Some((b1 + b2) / 2.0), (r1.min(r2), r1.max(r2)))
         }
     };
+    let (cpu_ours, cpu_base) = cpu_us.into_inner();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let cpu_spread = cpu_ours.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &f| (lo.min(f), hi.max(f)));
+    eprintln!("  agent CPU per Ensure in the sustained runs: this build {cpu_ours:.0?}; baseline {cpu_base:.0?} µs");
     let floors = floors.into_inner();
     let floor = floors.iter().sum::<f64>() / floors.len() as f64;
     let floor_spread = floors.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &f| (lo.min(f), hi.max(f)));
@@ -806,6 +826,15 @@ pub fn run_rate(n: usize, baseline_bin: Option<&std::path::Path>) -> Vec<Row> {
             unit: "Ensure/s".into(),
             baseline: base.map(|b| ("main agent".to_string(), b)),
             target: Some(">= 5000 Ensure/s".into()),
+        },
+        Row {
+            bench: "agent".into(),
+            case: format!("agent CPU per Ensure in the sustained rate run, 50 clients ({n} sandboxes)"),
+            value: mean(&cpu_ours),
+            spread: cpu_spread,
+            unit: "µs".into(),
+            baseline: (!cpu_base.is_empty()).then(|| ("main agent".to_string(), mean(&cpu_base))),
+            target: None,
         },
         Row {
             bench: "agent".into(),

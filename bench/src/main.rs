@@ -208,7 +208,8 @@ with INVALID_ARGUMENT by the gRPC handler, then an fd request for a TAP the sand
 the same agent: what gRPC, the fd socket and 50 clients cost on this machine alone. Then each of those clients, at \
 once, a ReleaseNetwork whose `network_handle` is not its `sandbox_id` (INVALID_ARGUMENT in the handler): the Release \
 rows' floor, gRPC alone. `agent-rate` adds the sustained rate's floor: the same 50 clients on this build's agents, \
-each Ensure refused in the handler.\n\
+each Ensure refused in the handler, and the agent's CPU per Ensure over each sustained run (utime + stime, beside \
+the baseline's; F23).\n\
 - agent-sessions: the same agent with 100 sandboxes; 50 are released with empty session maps (baseline), then \
 1,000,000 ESTABLISHED sessions spread over the other 50 are written into the agent's pinned maps with \
 BPF_MAP_UPDATE_BATCH, RSS is read after two reaper passes, and the 50 are released one at a time over gRPC.\n\

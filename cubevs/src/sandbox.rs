@@ -118,15 +118,20 @@ impl SandboxTable {
         {
             self.sessions.forget_quota(e.ifindex, o.version)?;
         }
+        drop(g);
         if old.is_none() {
-            // One more registered sandbox: its floor is reserved (decision Q4).
+            // One more registered sandbox: its floor is reserved (decision Q4) before this
+            // returns, by a recount shared with concurrent registrations and run outside the
+            // sandbox maps' lock, so other registrations and unregisters go on meanwhile (F23).
             self.sessions.refresh_floor()?;
         }
         Ok(())
     }
 
     /// Removes the sandbox on `ifindex`; the IP entry is removed only if it still points at
-    /// this interface; its version's session-budget entries go too. Its floor stays reserved
+    /// this interface; its version's session-budget entries go too, after the sandbox maps'
+    /// lock is released (decision F24): a caller must not register the same (ifindex, version)
+    /// again before this returns (the agent never reuses a version). Its floor stays reserved
     /// until the next recount (the next registration of a new sandbox, or the reaper's sweep,
     /// every `reaper_interval_secs`): a ceiling lower than needed only narrows the shared room
     /// for that long, and the Release path skips a scan of every registration (decision F14).
@@ -151,6 +156,11 @@ impl SandboxTable {
                 Err(e) => return Err(Error::map(map::MVMIP_TO_IFINDEX, "delete")(e)),
             }
         }
+        // The budget entries outside the sandbox maps' lock (decision F24): they are keyed by
+        // this version, which no registration reuses (a new registration of the interface has
+        // a new version and `old` = none), so nothing here races the maps this lock guards; it
+        // only kept every other register/unregister waiting behind the budget maps' flocks.
+        drop(g);
         self.sessions.forget_quota(ifindex, m.version)
     }
 

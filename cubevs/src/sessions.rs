@@ -1,6 +1,10 @@
 //! Conntrack/NAT sessions: `egress_sessions` (guest side) and `ingress_sessions` (world side).
 
-use std::{net::Ipv4Addr, os::fd::OwnedFd, sync::Mutex};
+use std::{
+    net::Ipv4Addr,
+    os::fd::OwnedFd,
+    sync::{Condvar, Mutex, MutexGuard},
+};
 
 use aya::maps::{HashMap, MapData};
 use cubevs_common::{IngressValue, NatSession, SessionKey, conntrack, map, proto};
@@ -104,6 +108,34 @@ impl SessionMaps {
 /// Typed access to the two session maps.
 pub struct Sessions {
     pub(crate) inner: Mutex<SessionMaps>,
+    /// Coalesces concurrent floor recounts ([`Sessions::refresh_floor`], decision F23).
+    recounts: Mutex<Recounts>,
+    /// Signalled when a recount ends (waiters check whether it covered them).
+    recounted: Condvar,
+}
+
+/// Bookkeeping of [`Sessions::refresh_floor`]'s shared recounts: requests are numbered in the
+/// order they arrive; a recount covers every request numbered before it started.
+#[derive(Debug, Default)]
+struct Recounts {
+    /// Requests so far (the last request's number).
+    requested: u64,
+    /// Every request up to this number is covered by a recount that has completed.
+    covered: u64,
+    /// A recount is running.
+    running: bool,
+    /// The ceiling the last completed recount wrote.
+    ceiling: Option<u32>,
+}
+
+/// Ends a running recount even if it panics, so waiters never wait for a recount that stopped.
+struct RecountRun<'a>(&'a Sessions);
+
+impl Drop for RecountRun<'_> {
+    fn drop(&mut self) {
+        self.0.recounts().running = false;
+        self.0.recounted.notify_all();
+    }
 }
 
 impl Sessions {
@@ -113,7 +145,15 @@ impl Sessions {
         registrations: Option<OwnedFd>,
         quota: Option<QuotaMaps>,
     ) -> Self {
-        Self { inner: Mutex::new(SessionMaps { egress, ingress, registrations, quota }) }
+        Self {
+            inner: Mutex::new(SessionMaps { egress, ingress, registrations, quota }),
+            recounts: Mutex::new(Recounts::default()),
+            recounted: Condvar::new(),
+        }
+    }
+
+    fn recounts(&self) -> MutexGuard<'_, Recounts> {
+        self.recounts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Live-session budget use of the sandbox version (`ifindex`, `version`), `None` when the
@@ -139,7 +179,43 @@ impl Sessions {
     /// Q4); returns it (`None` without a floor map). Called on every registration of a sandbox
     /// new to its interface, at load and by the reaper (an unregister leaves the count to the
     /// next of these: decision F14).
+    ///
+    /// When it returns `Ok`, a recount that *started after this call began* has completed and
+    /// written `LIMITS`, so every registration made before the call is counted. Concurrent
+    /// callers share recounts (decision F23): while one runs, the callers that arrive wait and
+    /// the first of them then runs one recount for all of them (each recount walks the whole
+    /// sandbox map, so one per caller made a burst of registrations O(n²) and serialized them).
+    /// On an error the caller that ran the recount gets it; the callers it would have covered
+    /// run their own.
     pub fn refresh_floor(&self) -> Result<Option<u32>, Error> {
+        let mut r = self.recounts();
+        r.requested += 1;
+        let ticket = r.requested;
+        loop {
+            if r.covered >= ticket {
+                return Ok(r.ceiling);
+            }
+            if !r.running {
+                r.running = true;
+                // Every request numbered so far was made before this recount starts.
+                let cover = r.requested;
+                drop(r);
+                let run = RecountRun(self);
+                let res = self.recount_floor();
+                if let Ok(c) = res {
+                    let mut r = self.recounts();
+                    r.covered = r.covered.max(cover);
+                    r.ceiling = c;
+                }
+                drop(run);
+                return res;
+            }
+            r = self.recounted.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// One recount of the floor's registrations (the work behind [`Sessions::refresh_floor`]).
+    fn recount_floor(&self) -> Result<Option<u32>, Error> {
         let mut g = self.inner.lock().expect("sessions lock");
         let SessionMaps { registrations, quota, .. } = &mut *g;
         match quota {

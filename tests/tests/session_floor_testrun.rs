@@ -284,3 +284,69 @@ fn floor_limits() {
     assert_eq!(MapLimits { sessions: 4096, ..Default::default() }.session_floor(4).unwrap(), 0);
     assert_eq!(MapLimits { session_floor: 0, ..Default::default() }.session_floor(4).unwrap(), 0);
 }
+
+/// Concurrent registrations share the floor's recounts (decision F23), and none returns
+/// before its own floor is reserved: 8 threads register 128 new sandboxes at once, and after
+/// each registration returns, `LIMITS` already counts at least every registration that has
+/// returned (a recount that started before a registration's insert and covered it would
+/// leave the ceiling one floor too high). Unregisters run beside them (F24: outside the
+/// sandbox maps' lock) and are counted by the next recount.
+#[test]
+fn concurrent_registrations_each_reserve_their_floor_before_returning() {
+    if !require_root("session_floor_testrun concurrent_registrations_each_reserve_their_floor_before_returning") {
+        return;
+    }
+    const CAP: u32 = 4096;
+    const SANDBOXES: u32 = 256;
+    let limits = MapLimits {
+        sessions: CAP,
+        sandboxes: SANDBOXES,
+        sessions_per_sandbox: BUDGET,
+        session_floor: FLOOR,
+        ..Default::default()
+    };
+    let margin = floor_margin();
+    assert_eq!(limits.session_floor(margin).unwrap(), FLOOR, "floor not capped by these sizes");
+    let r = Rig::with_limits(limits);
+    let maps = &r.maps;
+    let state = || maps.sessions.floor_state().expect("floor state").expect("floor map");
+    // The rig's own sandbox is registered; 16 more that the threads release as they go.
+    let base = (0..=u32::from(u8::MAX)).find(|&n| state().ceiling == floor_ceiling(CAP, n, FLOOR, margin));
+    let base = base.expect("the ceiling counts the rig's registrations");
+    let entry = |ifindex: u32| SandboxEntry {
+        ifindex,
+        ip: Ipv4Addr::new(10, 1, (ifindex >> 8) as u8, ifindex as u8),
+        version: 1,
+        id: format!("c{ifindex}"),
+    };
+    for i in 0..16 {
+        maps.sandboxes.register(&entry(1000 + i)).expect("register");
+    }
+    let returned = std::sync::atomic::AtomicU32::new(0);
+    std::thread::scope(|s| {
+        for t in 0..8u32 {
+            let (returned, state, entry) = (&returned, &state, &entry);
+            s.spawn(move || {
+                for k in 0..16u32 {
+                    maps.sandboxes.register(&entry(2000 + t * 16 + k)).expect("register");
+                    let done = returned.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    let ceiling = state().ceiling;
+                    // At any recount at least `base + done` are registered: the 16 registered
+                    // first cover the (at most 16) unregisters below.
+                    let at_most = floor_ceiling(CAP, base + done, FLOOR, margin);
+                    assert!(
+                        ceiling <= at_most,
+                        "registration {done} returned with the ceiling at {ceiling} (at most {at_most})"
+                    );
+                    if k % 8 == 0 {
+                        maps.sandboxes.unregister(1000 + t * 2 + k / 8).expect("unregister");
+                    }
+                }
+            });
+        }
+    });
+    // Every registration new, the 16 first ones released: the next recount is exact.
+    maps.sessions.refresh_floor().expect("recount");
+    assert_eq!(state().ceiling, floor_ceiling(CAP, base + 128, FLOOR, margin));
+    assert_eq!(maps.sandboxes.list().expect("list").len() as u32, base + 128);
+}
