@@ -203,6 +203,17 @@ impl AgentUnderTest {
         self.dir.join("cube/tap.sock")
     }
 
+    /// The sandbox's TAP fd from the fd socket (as a VMM asks for it: its first interface's name
+    /// and its id) as a raw-frame guest with the pool's 12-byte vnet header, drained of what
+    /// the kernel queued before. Panics unless the agent answers errCode 0 with an fd.
+    pub fn guest(&self, r: &cubenet_proto::v1::EnsureNetworkResponse) -> crate::guest::TapGuest {
+        let (reply, fd) = tap_fd(&self.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
+        assert_eq!(reply["errCode"], "0", "{reply}");
+        let g = crate::guest::TapGuest::new(fd.expect("errCode 0 without an fd"), cubenet_sys::tap::VNET_HDR_LEN);
+        g.drain();
+        g
+    }
+
     /// The state directory.
     pub fn state_dir(&self) -> PathBuf {
         self.dir.join("state")

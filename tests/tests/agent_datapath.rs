@@ -14,9 +14,8 @@ use std::{
 };
 
 use cubenet_proto::v1 as pb;
-use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
-    agent::{AgentUnderTest, tap_fd},
+    agent::AgentUnderTest,
     guest::TapGuest,
     packet::{self, Transport},
     require_root, servers, smol,
@@ -52,14 +51,6 @@ fn ensure(a: &AgentUnderTest, id: &str, udp_port: Option<u32>) -> pb::EnsureNetw
     })
 }
 
-fn guest_for(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
-    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
-    assert_eq!(reply["errCode"], "0", "{reply}");
-    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
-    g.drain();
-    g
-}
-
 fn ping_world(g: &TapGuest, seq: u16) -> bool {
     g.send(&packet::icmp_echo_request(WORLD_IP, 0x99, seq));
     g.recv_matching(Duration::from_secs(2), |f| {
@@ -78,7 +69,7 @@ fn guest_on_agent_tap_reaches_world_and_host_port_reaches_guest() {
     let _http = servers::http(&a.topo.world, WORLD_IP, 80);
     let r = ensure(&a, "sb-w", Some(5353));
     let hp = r.port_mappings[0].host_port as u16;
-    let g = guest_for(&a, &r);
+    let g = a.guest(&r);
     assert!(g.arp(packet::GATEWAY_IP, Duration::from_secs(2)).is_some());
     assert!(ping_world(&g, 1), "no echo reply from world");
     let body = tcp_request(&g, 80, b"GET / HTTP/1.0\r\n\r\n");
@@ -122,7 +113,7 @@ fn guest_on_agent_tap_reaches_world_and_host_port_reaches_guest() {
     assert!(sessions["sessions"].as_array().unwrap().is_empty(), "old flows of {old_ifindex} survived: {sessions}");
     let r2 = ensure(&a, "sb-w2", None);
     assert_eq!(r2.interfaces[0].name, r.interfaces[0].name);
-    let g2 = guest_for(&a, &r2);
+    let g2 = a.guest(&r2);
     assert!(ping_world(&g2, 2));
     sock.send_to(b"to-guest", SocketAddr::from((NODE_IP, hp))).unwrap();
     assert!(
@@ -266,7 +257,7 @@ fn kill9_keeps_long_tcp_and_ping_without_loss() {
         })
     };
     let before = get(&a);
-    let g = guest_for(&a, &r);
+    let g = a.guest(&r);
     let stop = Arc::new(AtomicBool::new(false));
     let st = stop.clone();
     let driver = std::thread::spawn(move || drive(g, st));

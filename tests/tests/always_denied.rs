@@ -19,9 +19,8 @@ use std::{
 };
 
 use cubenet_proto::v1 as pb;
-use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
-    agent::{AgentUnderTest, tap_fd},
+    agent::AgentUnderTest,
     guest::TapGuest,
     packet::{self, Transport},
     require_root,
@@ -51,14 +50,6 @@ fn ensure(a: &AgentUnderTest, id: &str, internet: bool, allow: &[&str]) -> pb::E
         .expect("ensure")
         .into_inner()
     })
-}
-
-fn guest(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
-    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
-    assert_eq!(reply["errCode"], "0", "{reply}");
-    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
-    g.drain();
-    g
 }
 
 /// The two listeners in the world namespace: the "metadata" host and a control address.
@@ -119,7 +110,7 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
     let hosts = Hosts::new(&a);
     let ra = ensure(&a, "sb-all", true, &["0.0.0.0/0"]);
     let rb = ensure(&a, "sb-cgnat", false, &["100.64.0.0/10", "198.51.100.1/32"]);
-    let (ga, gb) = (guest(&a, &ra), guest(&a, &rb));
+    let (ga, gb) = (a.guest(&ra), a.guest(&rb));
 
     assert!(!hosts.probe(&ga, 40001, "a1"), "allow_out 0.0.0.0/0 reached the always-denied address");
     assert!(!hosts.probe(&gb, 40002, "b1"), "allow_out 100.64.0.0/10 reached the always-denied address");
@@ -178,7 +169,7 @@ fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
     let original = std::fs::read_to_string(&cfg).unwrap();
     let hosts = Hosts::new(&a);
     let r = ensure(&a, "sb-hup", true, &["0.0.0.0/0"]);
-    let g = guest(&a, &r);
+    let g = a.guest(&r);
     // Unlisted: the flow (UDP, guest port 41001) reaches the host.
     assert!(hosts.probe(&g, 41001, "h1"), "unlisted, the address must be reachable:\n{}", a.log());
 
@@ -254,7 +245,7 @@ fn the_default_list_closes_the_cloud_metadata_address_to_allow_everything_polici
     let mut buf = [0u8; 64];
     for (id, allow, sport) in [("sb-all", "0.0.0.0/0", 40101), ("sb-ll", "169.254.0.0/16", 40102)] {
         let r = ensure(&a, id, true, &[allow]);
-        let g = guest(&a, &r);
+        let g = a.guest(&r);
         g.send(&packet::udp(IMDS, sport, PORT, id.as_bytes()));
         g.send(&packet::udp(WORLD_IP, sport, PORT, id.as_bytes()));
         let n = control.recv(&mut buf).unwrap_or_else(|e| panic!("{id}: control datagram lost: {e}"));

@@ -21,9 +21,8 @@ use std::{
 };
 
 use cubenet_proto::v1 as pb;
-use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
-    agent::{AgentUnderTest, tap_fd},
+    agent::AgentUnderTest,
     guest::TapGuest,
     packet::{self, Transport},
     require_root, smol,
@@ -63,14 +62,6 @@ fn release(a: &AgentUnderTest, id: &str) {
             .await
             .unwrap_or_else(|e| panic!("release {id}: {e}"));
     });
-}
-
-fn guest_for(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
-    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
-    assert_eq!(reply["errCode"], "0", "{reply}");
-    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
-    g.drain();
-    g
 }
 
 /// A guest TCP echo server on `GUEST_PORT` (smoltcp on the TAP fd) until `stop`; returns the
@@ -141,7 +132,7 @@ fn reuse(tag: &str, tap_init_num: usize, same_tap: bool) {
     let ra = ensure(&a, "sb-a");
     assert_eq!(ra.port_mappings[0].host_port, u32::from(HOST_PORT));
     let stop = Arc::new(AtomicBool::new(false));
-    let server = echo_guest(guest_for(&a, &ra), stop.clone());
+    let server = echo_guest(a.guest(&ra), stop.clone());
     let mut client = a
         .topo
         .world
@@ -174,7 +165,7 @@ fn reuse(tag: &str, tap_init_num: usize, same_tap: bool) {
         rb.interfaces[0].name,
         ra.interfaces[0].name
     );
-    let gb = guest_for(&a, &rb);
+    let gb = a.guest(&rb);
 
     // The old client writes on its connection; its kernel retransmits for as long as we wait.
     client.write_all(b"for A only").unwrap();

@@ -12,9 +12,8 @@
 use std::{net::UdpSocket, time::Duration};
 
 use cubenet_proto::v1 as pb;
-use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
-    agent::{AgentUnderTest, HEALTH, tap_fd, workspace_bin},
+    agent::{AgentUnderTest, HEALTH, workspace_bin},
     frames,
     guest::TapGuest,
     packet::{self, GATEWAY_MAC, GUEST_MAC, Transport},
@@ -54,14 +53,6 @@ fn release(a: &AgentUnderTest, id: &str) {
             .await
             .expect("release");
     });
-}
-
-fn guest_for(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
-    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
-    assert_eq!(reply["errCode"], "0", "{reply}");
-    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
-    g.drain();
-    g
 }
 
 /// Pings world once; returns (request frame length, reply frame length).
@@ -131,7 +122,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
 
     // --- sandbox A: exact traffic each way, drops by reason --------------------------------
     let ra = ensure(&a, "sb-a", &["203.0.113.0/24"]);
-    let ga = guest_for(&a, &ra);
+    let ga = a.guest(&ra);
     let (mut out_b, mut in_b) = (0, 0);
     for seq in 1..=3 {
         let (o, i) = ping(&ga, seq);
@@ -251,7 +242,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
     }
     let rb = ensure(&a, "sb-b", &[]);
     assert_eq!(rb.interfaces[0].name, ra.interfaces[0].name, "B must reuse A's TAP for this test");
-    let gb = guest_for(&a, &rb);
+    let gb = a.guest(&rb);
     let zero = counters(&a, "sb-b");
     assert_eq!((zero["out"]["packets"].as_u64(), zero["in"]["packets"].as_u64()), (Some(0), Some(0)), "{zero}");
     assert!(zero["drops"].as_object().unwrap().values().all(|v| v == 0), "B inherits A's drops: {zero}");
