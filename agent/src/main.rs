@@ -322,9 +322,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             _ => cubevs::AttachMode::TcxDeferred,
         };
         let dp = CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?;
-        // Before any TAP is adopted or created: the node's list holds for every sandbox (R30).
-        let cut = dp.set_always_denied(&cfg.always_denied)?;
-        tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
+        // Checked here, written once it is known whether a running agent hands over (H10).
+        dp.check_always_denied(&cfg.always_denied)?;
         Ok(Arc::new(dp))
     })?;
 
@@ -360,27 +359,56 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     })?;
 
     // Live upgrade: ask a running agent for its listeners and TAP fds (handover/). Any
-    // failure before READY leaves the old agent serving; this process exits.
+    // failure before READY leaves the old agent serving; this process exits. A running agent
+    // that vanishes before its offer is complete (killed meanwhile) is a crash: fresh start (H11).
     let mut handover_conn = None;
     let mut adopted_listeners = None;
     let mut received = HashMap::new();
     if !raw.handover_socket.as_os_str().is_empty() {
         let sock = &raw.handover_socket;
-        match handover::begin(sock).with_context(|| format!("hand-over socket {}", sock.display()))? {
-            None => tracing::info!(socket = %sock.display(), "no running agent to take over from: fresh start"),
-            Some(conn) => {
-                let (listeners, taps) = step("receive hand-over", || {
-                    let (m, fds) = handover::recv_offer(&conn)?;
-                    let (l, taps) = handover::split_offer(m, fds)?;
-                    // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
-                    Ok((Listeners::adopt(raw, l)?, taps))
-                })?;
-                tracing::info!(taps = taps.len(), "received listeners and TAP fds from the running agent");
+        let t = Instant::now();
+        let offer = handover::begin(sock).and_then(|conn| {
+            let Some(conn) = conn else { return Ok(None) };
+            tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
+            let (m, fds) = handover::recv_offer(&conn)?;
+            let (l, taps) = handover::split_offer(m, fds)?;
+            Ok(Some((conn, l, taps)))
+        });
+        match offer {
+            Ok(None) => tracing::info!(socket = %sock.display(), "no running agent to take over from: fresh start"),
+            Ok(Some((conn, l, taps))) => {
+                // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
+                let listeners = step("receive hand-over", || Listeners::adopt(raw, l))?;
+                tracing::info!(
+                    taps = taps.len(),
+                    ms = t.elapsed().as_secs_f64() * 1e3,
+                    "received listeners and TAP fds from the running agent"
+                );
                 adopted_listeners = Some(listeners);
                 received = taps;
                 handover_conn = Some(conn);
             }
+            Err(e) if handover::predecessor_gone(&e, sock) => tracing::warn!(
+                socket = %sock.display(),
+                "the running agent vanished before its hand-over offer was complete ({e}): nobody serves, fresh start"
+            ),
+            Err(e) => {
+                tracing::error!(step = "receive hand-over", "startup step failed: {e}");
+                return Err(anyhow::Error::new(e))
+                    .with_context(|| format!("hand-over socket {}", sock.display()))
+                    .context("startup step `receive hand-over`");
+            }
         }
+    }
+    // The node's always-denied list (R30): on a fresh start now, before any TAP is adopted or
+    // created; on a hand-over only once this agent has taken over (below), so a successor that
+    // gives up or dies before that never changes the list the running agent enforces (H10).
+    if handover_conn.is_none() {
+        step("always-denied list", || {
+            let cut = dp.set_always_denied(&cfg.always_denied)?;
+            tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
+            Ok(())
+        })?;
     }
 
     let listeners = match adopted_listeners {
@@ -408,6 +436,20 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         // STOPPED, then this one starts accepting (connections wait in the shared backlog).
         step("hand-over commit", || Ok(handover::commit(&conn)?))?;
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
+        // Ours now: this configuration's list replaces the previous agent's in place. As on a
+        // SIGHUP (R51), only sessions toward newly listed entries are cut, and a failed write
+        // keeps the previous list (this agent serves anyway: nobody else does any more).
+        match dp.update_always_denied(&cfg.always_denied) {
+            Ok(cut) => tracing::info!(
+                always_denied = ?raw.always_denied_cidrs,
+                sessions_deleted = cut,
+                "node always-denied list written"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "writing always_denied_cidrs after the hand-over failed; the previous agent's list stays in force"
+            ),
+        }
     }
 
     // 5. Listeners (adopted from the previous agent, or bound before recovery: a second agent

@@ -78,6 +78,22 @@ pub fn commit(s: &UnixStream) -> io::Result<bool> {
     }
 }
 
+/// Whether `err`, from [`begin`] or [`super::recv_offer`], means the running agent vanished
+/// before its offer was complete (killed mid-transfer: the connection ended without `REFUSE`
+/// or `ABORT`) and nobody accepts on `path` any more. Then nothing was handed over and nobody
+/// serves: the successor starts fresh, as after a crash (decision H11); its own start still
+/// refuses sockets a live process serves (H7). `false` for a refusal, a bad offer, or when a
+/// process accepts on `path` again (e.g. another successor took over meanwhile).
+pub fn predecessor_gone(err: &io::Error, path: &Path) -> bool {
+    let vanished =
+        matches!(err.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe);
+    vanished
+        && match UnixStream::connect(path) {
+            Ok(_) => false,
+            Err(e) => matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED)),
+        }
+}
+
 /// How long the successor waits for `STOPPED` after `READY` (the old agent only has to stop
 /// its accept loops).
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);

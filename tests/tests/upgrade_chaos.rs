@@ -1,0 +1,233 @@
+//! The adversary of the agent's live upgrade (task "upchaos"): faults a running sandbox must
+//! not notice, with the real agent binaries started by the start script, a guest on the TAP
+//! fd the agent handed out and test hosts in the world namespace the test creates.
+//!
+//! - A successor whose configuration changes `always_denied_cidrs` but is refused (here its
+//!   `tap_fd_listen` does not fit the handed-over socket) must not change the list the running
+//!   agent enforces: before H10 it wrote its list into the shared `node_deny` map at its start,
+//!   before asking for the hand-over, so the metadata address the running agent denies became
+//!   reachable for every sandbox. After a successful hand-over the successor's list applies.
+//! - The running agent killed while a successor waits for its offer (`kill -9` between
+//!   `BEGIN` and the offer, made deterministic by stopping it with SIGSTOP first and killing
+//!   it once the successor's connection waits in its hand-over socket's backlog): before H11
+//!   the successor exited on the broken connection and nobody served; now it starts fresh as
+//!   after a crash, with the sandbox's identity, state and traffic unchanged.
+
+use std::{
+    net::{SocketAddr, UdpSocket},
+    path::Path,
+    time::Duration,
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_sys::tap::VNET_HDR_LEN;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    agent_upgrade::{handover_socket, spawn_agent, start, upgrade, wait_exit, wait_until},
+    guest::TapGuest,
+    netns::ChildGuard,
+    packet, require_root,
+    topology::WORLD_IP,
+};
+use nix::{sys::signal::Signal, unistd::Pid};
+
+/// Alibaba Cloud's metadata address: in the agent's default `always_denied_cidrs`.
+const METADATA: [u8; 4] = [100, 100, 100, 200];
+const PORT: u16 = 7100;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn ensure(a: &AgentUnderTest, id: &str) -> pb::EnsureNetworkResponse {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest {
+            sandbox_id: id.into(),
+            cubevs_context: Some(pb::CubeVsContext {
+                allow_internet_access: Some(true),
+                allow_out: vec!["0.0.0.0/0".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("ensure {id}: {e}\n{}", a.log()))
+        .into_inner()
+    })
+}
+
+fn list(a: &AgentUnderTest) -> Vec<pb::NetworkState> {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.list_networks(pb::ListNetworksRequest::default()).await.expect("list").into_inner().networks
+    })
+}
+
+fn release(a: &AgentUnderTest, id: &str) {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() })
+            .await
+            .unwrap_or_else(|e| panic!("release {id}: {e}\n{}", a.log()));
+    })
+}
+
+/// The guest of `r` on the TAP fd the agent hands out (the test holds it, as a VMM does).
+fn guest(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    g.drain();
+    g
+}
+
+/// UDP listeners in the world namespace: the "metadata" host and a control address.
+struct Hosts {
+    metadata: UdpSocket,
+    control: UdpSocket,
+}
+
+impl Hosts {
+    fn new(a: &AgentUnderTest) -> Self {
+        a.topo.add_world_address(METADATA, 32);
+        let bind = |ip: [u8; 4]| {
+            a.topo.world.run(move || {
+                let s = UdpSocket::bind(SocketAddr::from((ip, PORT))).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                s
+            })
+        };
+        Self { metadata: bind(METADATA), control: bind(WORLD_IP) }
+    }
+
+    /// Sends `tag` to the metadata host, then to the control address, from `g`; the control
+    /// datagram must arrive (the sandbox's path works). Returns whether the metadata host got
+    /// its datagram (sent first on the same path, so it is there by then if at all).
+    fn probe(&self, g: &TapGuest, sport: u16, tag: &str) -> bool {
+        g.send(&packet::udp(METADATA, sport, PORT, tag.as_bytes()));
+        g.send(&packet::udp(WORLD_IP, sport, PORT, tag.as_bytes()));
+        let mut buf = [0u8; 256];
+        let n = self.control.recv(&mut buf).unwrap_or_else(|e| panic!("control datagram {tag} lost: {e}"));
+        assert_eq!(&buf[..n], tag.as_bytes());
+        self.metadata.set_nonblocking(true).unwrap();
+        let mut got = false;
+        while let Ok(n) = self.metadata.recv(&mut buf) {
+            got |= &buf[..n] == tag.as_bytes();
+        }
+        self.metadata.set_nonblocking(false).unwrap();
+        got
+    }
+}
+
+/// Connections waiting, not yet accepted, in the backlog of the listening Unix socket the
+/// agent with PID `pid` placed at `path` (`ss`'s Recv-Q of a listening socket; `ss` names it
+/// by its bound name, `<path>.tmp-<pid>`, renamed into place since, H6); `None` when no such
+/// socket listens.
+fn backlog(a: &AgentUnderTest, path: &Path, pid: u32) -> Option<usize> {
+    let bound = format!("{}.tmp-{pid}", path.display());
+    let out = a.agent_ns().command("ss").arg("-xlnH").output().expect("ss");
+    assert!(out.status.success(), "ss: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 5 && f[4] == bound).then(|| f[2].parse::<usize>().ok()).flatten()
+        })
+        .next()
+}
+
+#[test]
+fn a_refused_successor_never_changes_the_always_denied_list() {
+    if !require_root("a_refused_successor_never_changes_the_always_denied_list") {
+        return;
+    }
+    // The running agent enforces its default list (100.100.100.200/32).
+    let mut a = AgentUnderTest::prepare("chaos-deny", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-all");
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 41001, "p1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+
+    // The next version's file empties the list; a successor started with it whose
+    // tap_fd_listen does not fit the running agent's socket is refused and exits.
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap() + "always_denied_cidrs = []\n";
+    std::fs::write(&cfg, toml).unwrap();
+    let other = a.dir.join("cube/other-tap.sock");
+    let mut bad = spawn_agent(&a, &format!("--tap-fd-listen {}", other.display()));
+    let st = wait_exit(&mut bad, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(!st.success(), "a successor on another tap_fd_listen took over:\n{}", a.log());
+    let log = a.log();
+    assert!(log.contains("handed-over tap_fd_listen socket is bound to"), "{log}");
+    assert!(log.contains("hand-over aborted, this agent keeps serving"), "{log}");
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    // The running agent's list still holds for the running sandbox, and for a new one.
+    assert!(!hosts.probe(&g, 41002, "p2"), "a refused successor opened the running agent's always-denied address");
+    let r2 = ensure(&a, "sb-new");
+    let g2 = guest(&a, &r2);
+    assert!(!hosts.probe(&g2, 41003, "p3"), "a refused successor opened the always-denied address to a new sandbox");
+
+    // A successor with that file that takes over: its list applies from then on.
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(hosts.probe(&g, 41004, "p4"), "the successor's emptied list did not apply after the hand-over");
+    assert!(hosts.probe(&g2, 41005, "p5"), "the successor's emptied list did not apply after the hand-over");
+    drop((g, g2));
+    release(&a, "sb-all");
+    release(&a, "sb-new");
+}
+
+#[test]
+fn the_running_agent_killed_before_its_offer_leaves_the_successor_serving() {
+    if !require_root("the_running_agent_killed_before_its_offer_leaves_the_successor_serving") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-vanish", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-live");
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 42001, "v1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let before: Vec<pb::NetworkState> = list(&a);
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    // The running agent is stopped, so the successor's BEGIN waits in its hand-over socket's
+    // backlog; it is killed once the successor waits for the offer.
+    let mut old = a.child.take().expect("agent running");
+    let old_pid = Pid::from_raw(old.id() as i32);
+    nix::sys::signal::kill(old_pid, Signal::SIGSTOP).unwrap();
+    let sock = handover_socket(&a);
+    assert_eq!(backlog(&a, &sock, old.id()), Some(0), "the running agent's hand-over listener");
+    let mut next: ChildGuard = spawn_agent(&a, "");
+    wait_until("successor's connection in the hand-over backlog", Duration::from_secs(60), || {
+        backlog(&a, &sock, old_pid.as_raw() as u32).unwrap_or(0) > 0
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    nix::sys::signal::kill(old_pid, Signal::SIGKILL).unwrap();
+    wait_exit(&mut old, Duration::from_secs(10)).unwrap();
+
+    // Somebody serves: the successor, started fresh (not an exit leaving the node without agent).
+    let exited = std::cell::Cell::new(None);
+    wait_until("successor ready", Duration::from_secs(60), || {
+        exited.set(next.child().try_wait().unwrap());
+        exited.get().is_some() || matches!(a.http("/readyz"), Some((200, _)))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(exited.get().is_none(), "the successor exited ({:?}): nobody serves\n{}", exited.get(), a.log());
+    let log = a.log();
+    assert!(log.contains("the running agent vanished before its hand-over offer was complete"), "{log}");
+    a.child = Some(next);
+
+    // The sandbox kept its identity (TAP, ifindex, address, handle), its policy, the node's
+    // list and its traffic; new calls are served.
+    assert_eq!(list(&a), before, "the sandbox's state changed across the crash during the hand-over");
+    assert!(!hosts.probe(&g, 42002, "v2"), "the always-denied address opened after the crash");
+    let r2 = ensure(&a, "sb-after");
+    let g2 = guest(&a, &r2);
+    assert!(!hosts.probe(&g2, 42003, "v3"), "the always-denied address is open to a new sandbox");
+    drop((g, g2));
+    release(&a, "sb-live");
+    release(&a, "sb-after");
+    assert!(list(&a).is_empty(), "{:?}", list(&a));
+}
