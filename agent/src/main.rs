@@ -250,6 +250,30 @@ fn check_bpffs(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses a start whose `cidr` does not contain the address of every sandbox recorded in
+/// `state_dir` (decision H12): such a sandbox would be left alone by recovery — neither
+/// adopted nor released, its TAP fd request and Release refused — and cube-dev would get
+/// another gateway address under the running sandboxes (a successor does this before it
+/// asks for the hand-over, so the running agent keeps serving unchanged). Reads the records
+/// without changing anything. Errors name the first sandbox, its address and the key.
+fn check_records_in_cidr(state_dir: &std::path::Path, cidr: network_agent::config::Cidr) -> anyhow::Result<()> {
+    let (records, _) =
+        StateStore::peek(state_dir).with_context(|| format!("read state_dir {}", state_dir.display()))?;
+    let outside: Vec<_> = records.iter().filter(|(_, r)| cidr.index_of(r.sandbox_ip).is_none()).collect();
+    if let Some((_, r)) = outside.first() {
+        bail!(
+            "cidr {cidr} does not contain sandbox {} ({}, TAP {}) recorded in {} ({} record(s) outside it): \
+             release the sandboxes of the previous cidr (or start with it) before changing cidr; nothing was changed",
+            r.sandbox_id,
+            r.sandbox_ip,
+            r.tap_name,
+            state_dir.display(),
+            outside.len()
+        );
+    }
+    Ok(())
+}
+
 /// What to do when a start failed on a permission error and the agent is not root: it
 /// creates TAPs and cube-dev, loads and pins eBPF and enters `dataplane_netns`, which needs
 /// root (decision O3). `None` for any other failure.
@@ -292,6 +316,10 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         let params = HostParams { mtu: raw.mtu, mvm_mac: cfg.mvm_mac, cube_dev: raw.cube_dev_name.clone() };
         Ok(Arc::new(NetnsHost::new(ns.as_ref(), raw.warm_parallelism, params)?))
     })?;
+
+    // 0. Before anything on the node changes (the running agent may still serve it): every
+    //    sandbox recorded in state_dir must lie in this configuration's cidr (H12).
+    step("state within cidr", || check_records_in_cidr(&raw.state_dir, cfg.cidr))?;
 
     // 1. Datapath: load the programs; pinned links are adopted by the attaches below.
     let dp = step("load datapath", || {
@@ -367,8 +395,10 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     if !raw.handover_socket.as_os_str().is_empty() {
         let sock = &raw.handover_socket;
         let t = Instant::now();
+        let mut old_pid = None;
         let offer = handover::begin(sock).and_then(|conn| {
             let Some(conn) = conn else { return Ok(None) };
+            old_pid = handover::peer_pid(&conn);
             tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
             let (m, fds) = handover::recv_offer(&conn)?;
             let (l, taps) = handover::split_offer(m, fds)?;
@@ -388,10 +418,19 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
                 received = taps;
                 handover_conn = Some(conn);
             }
-            Err(e) if handover::predecessor_gone(&e, sock) => tracing::warn!(
-                socket = %sock.display(),
-                "the running agent vanished before its hand-over offer was complete ({e}): nobody serves, fresh start"
-            ),
+            Err(e) if handover::predecessor_gone(&e, sock) => {
+                tracing::warn!(
+                    socket = %sock.display(),
+                    pid = ?old_pid,
+                    "the running agent vanished before its hand-over offer was complete ({e}): nobody serves, fresh start"
+                );
+                // Its other sockets close as its exit goes on: bind them once it has exited.
+                if let Some(pid) = old_pid
+                    && !handover::wait_exited(pid, handover::STEP_TIMEOUT)
+                {
+                    tracing::warn!(pid, "the previous agent has not exited yet; binding anyway");
+                }
+            }
             Err(e) => {
                 tracing::error!(step = "receive hand-over", "startup step failed: {e}");
                 return Err(anyhow::Error::new(e))

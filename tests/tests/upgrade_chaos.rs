@@ -12,6 +12,9 @@
 //!   it once the successor's connection waits in its hand-over socket's backlog): before H11
 //!   the successor exited on the broken connection and nobody served; now it starts fresh as
 //!   after a crash, with the sandbox's identity, state and traffic unchanged.
+//! - A successor with another `cidr` while a sandbox runs in the old one: before H12 it took
+//!   over, moved cube-dev's gateway address and left the sandbox's TAP alone (not adopted: its
+//!   fd request, Release and listing lost); now it is refused before it changes anything.
 
 use std::{
     net::{SocketAddr, UdpSocket},
@@ -230,4 +233,66 @@ fn the_running_agent_killed_before_its_offer_leaves_the_successor_serving() {
     release(&a, "sb-live");
     release(&a, "sb-after");
     assert!(list(&a).is_empty(), "{:?}", list(&a));
+}
+
+/// cube-dev's IPv4 addresses in the dataplane namespace (`ip -4 -o addr`), as text.
+fn cube_dev_addrs(a: &AgentUnderTest) -> String {
+    let out = a.topo.node.command("ip").args(["-4", "-o", "addr", "show", "dev", "cube-dev"]).output().unwrap();
+    assert!(out.status.success(), "ip addr: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().filter_map(|l| l.split_whitespace().nth(3)).collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn a_successor_with_another_cidr_is_refused_before_it_changes_the_node() {
+    if !require_root("a_successor_with_another_cidr_is_refused_before_it_changes_the_node") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-cidr", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-cidr");
+    let tap = r.interfaces[0].name.clone();
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 43001, "c1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let before = list(&a);
+    let dev = cube_dev_addrs(&a);
+    assert_eq!(dev, "192.168.0.1/24");
+
+    // The next version's start moves the node to another cidr while sb-cidr runs in the old.
+    const DONE: &str = "hand-over complete";
+    let done = a.log().matches(DONE).count();
+    let mut next = spawn_agent(&a, "--cidr 192.168.1.0/24");
+    let exited = std::cell::Cell::new(None);
+    wait_until("the successor's exit or hand-over", Duration::from_secs(60), || {
+        exited.set(next.child().try_wait().unwrap());
+        exited.get().is_some() || a.log().matches(DONE).count() > done
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(
+        exited.get().is_some_and(|st| !st.success()),
+        "a successor whose cidr leaves out a running sandbox took over:\n{}",
+        a.log()
+    );
+    let log = a.log();
+    assert!(
+        log.contains("cidr 192.168.1.0/24 does not contain sandbox sb-cidr (192.168.0.2, TAP z192.168.0.2)"),
+        "the refusal must name the key and the sandbox:\n{log}"
+    );
+
+    // Nothing changed: the running agent serves the sandbox on the same TAP, address and
+    // gateway; its fd request, traffic and Release work; new sandboxes are served.
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    assert_eq!(cube_dev_addrs(&a), dev, "the refused successor changed cube-dev's address");
+    assert_eq!(list(&a), before);
+    let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-cidr");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    drop(fd);
+    assert!(!hosts.probe(&g, 43002, "c2"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-next");
+    assert!(r2.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r2:?}");
+    drop(g);
+    release(&a, "sb-cidr");
+    release(&a, "sb-next");
+    assert!(list(&a).is_empty());
 }

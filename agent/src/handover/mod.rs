@@ -46,7 +46,7 @@ mod wire;
 
 pub use gate::{Entry, MutationGate};
 pub use predecessor::{StopAccepting, serve};
-pub use successor::{STOP_TIMEOUT, begin, commit, predecessor_gone, split_offer};
+pub use successor::{STOP_TIMEOUT, begin, commit, peer_pid, predecessor_gone, split_offer, wait_exited};
 pub use wire::{bind, peer_allowed, read_line, recv_offer, send_offer, verify_tap};
 
 /// Version of the hand-over protocol and manifest; a successor refuses any other.
