@@ -418,30 +418,43 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
                 received = taps;
                 handover_conn = Some(conn);
             }
-            Err(e) if handover::predecessor_gone(&e, sock) => {
+            // Its other sockets close as its exit goes on: fresh start once it has exited. One
+            // that still runs closed the connection for another reason (it handed over to
+            // another successor meanwhile): not ours to replace.
+            Err(e)
+                if handover::predecessor_gone(&e, sock)
+                    && old_pid.is_none_or(|pid| handover::wait_exited(pid, handover::STOP_TIMEOUT)) =>
+            {
                 tracing::warn!(
                     socket = %sock.display(),
                     pid = ?old_pid,
-                    "the running agent vanished before its hand-over offer was complete ({e}): nobody serves, fresh start"
+                    "the running agent vanished before its hand-over offer was complete ({e}): fresh start (if another \
+                     successor took over meanwhile, binding its sockets below refuses)"
                 );
-                // Its other sockets close as its exit goes on: bind them once it has exited.
-                if let Some(pid) = old_pid
-                    && !handover::wait_exited(pid, handover::STEP_TIMEOUT)
-                {
-                    tracing::warn!(pid, "the previous agent has not exited yet; binding anyway");
-                }
             }
             Err(e) => {
-                tracing::error!(step = "receive hand-over", "startup step failed: {e}");
-                return Err(anyhow::Error::new(e))
+                let hint = if handover::predecessor_gone(&e, sock) || e.kind() == std::io::ErrorKind::ConnectionReset {
+                    " (the running agent closed the hand-over without an offer: another successor may have taken over)"
+                } else {
+                    ""
+                };
+                tracing::error!(step = "receive hand-over", "startup step failed: {e}{hint}");
+                return Err(anyhow::anyhow!("{e}{hint}"))
                     .with_context(|| format!("hand-over socket {}", sock.display()))
                     .context("startup step `receive hand-over`");
             }
         }
     }
-    // The node's always-denied list (R30): on a fresh start now, before any TAP is adopted or
-    // created; on a hand-over only once this agent has taken over (below), so a successor that
-    // gives up or dies before that never changes the list the running agent enforces (H10).
+    let listeners = match adopted_listeners {
+        Some(l) => l,
+        None => step("bind listeners", || Listeners::bind(raw))?,
+    };
+
+    // The node's always-denied list (R30): on a fresh start now that the sockets are ours (an
+    // agent started next to a running one stopped at the bind above, H7), before any TAP is
+    // adopted or created; on a hand-over only once this agent has taken over (below), so a
+    // successor that gives up or dies before that never changes the list the running agent
+    // enforces (H10).
     if handover_conn.is_none() {
         step("always-denied list", || {
             let cut = dp.set_always_denied(&cfg.always_denied)?;
@@ -449,11 +462,6 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             Ok(())
         })?;
     }
-
-    let listeners = match adopted_listeners {
-        Some(l) => l,
-        None => step("bind listeners", || Listeners::bind(raw))?,
-    };
 
     // 4. State and recovery.
     let agent = step("recover", || {

@@ -15,6 +15,10 @@
 //! - A successor with another `cidr` while a sandbox runs in the old one: before H12 it took
 //!   over, moved cube-dev's gateway address and left the sandbox's TAP alone (not adopted: its
 //!   fd request, Release and listing lost); now it is refused before it changes anything.
+//! - Two successors started at once: exactly one agent serves afterwards (the loser exits
+//!   with the reason, or takes over from the winner in turn), and the sandbox keeps its
+//!   listing, TAP fd, traffic and policy. No gap on the old code; it guards H11's fresh start,
+//!   which must never let the loser replace the winner.
 
 use std::{
     net::{SocketAddr, UdpSocket},
@@ -294,5 +298,70 @@ fn a_successor_with_another_cidr_is_refused_before_it_changes_the_node() {
     drop(g);
     release(&a, "sb-cidr");
     release(&a, "sb-next");
+    assert!(list(&a).is_empty());
+}
+
+#[test]
+fn two_successors_at_once_leave_exactly_one_agent_serving() {
+    if !require_root("two_successors_at_once_leave_exactly_one_agent_serving") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-two", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-two");
+    let tap = r.interfaces[0].name.clone();
+    let g = guest(&a, &r);
+    let before = list(&a);
+
+    // Two upgrades started together (e.g. an operator's retry beside a supervisor's): each asks
+    // whoever listens on the hand-over socket; the old agent serves one hand-over at a time.
+    let old = a.child.take().expect("agent running");
+    let mut procs = [old, spawn_agent(&a, ""), spawn_agent(&a, "")];
+    let mut status: [Option<std::process::ExitStatus>; 3] = [None; 3];
+    wait_until("two of the three agents to exit", Duration::from_secs(120), || {
+        for (p, st) in procs.iter_mut().zip(status.iter_mut()) {
+            if st.is_none() {
+                *st = p.child().try_wait().unwrap();
+            }
+        }
+        status.iter().filter(|s| s.is_some()).count() >= 2
+    })
+    .unwrap_or_else(|e| panic!("{e}: {status:?}\n{}", a.log()));
+    // Give a third exit (none must come) no chance to hide: the survivor serves.
+    wait_until("the survivor ready", Duration::from_secs(30), || matches!(a.http("/readyz"), Some((200, _))))
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    for (p, st) in procs.iter_mut().zip(status.iter_mut()) {
+        if st.is_none() {
+            *st = p.child().try_wait().unwrap();
+        }
+    }
+    let alive: Vec<usize> = (0..3).filter(|&i| status[i].is_none()).collect();
+    for l in a.log().lines().filter(|l| l.contains("hand-over complete") || l.contains("startup step failed")) {
+        eprintln!("{l}");
+    }
+    eprintln!("exits (old, first, second): {status:?}");
+    assert_eq!(alive.len(), 1, "exactly one agent must serve: {status:?}\n{}", a.log());
+    let log = a.log();
+    assert!(log.contains("hand-over complete"), "{log}");
+    // The old agent handed over (status 0); a successor that lost the race exited with an error
+    // saying why, or handed over in turn (0).
+    assert_eq!(status[0].map(|s| s.success()), Some(true), "the old agent: {status:?}\n{log}");
+    let [old, s1, s2] = procs;
+    drop(old);
+    let survivor = if alive[0] == 1 { s1 } else { s2 };
+    a.child = Some(survivor);
+
+    // The sandbox noticed nothing: same listing, its fd (the survivor holds the handed-over
+    // queue), traffic and policy; new calls are served.
+    assert_eq!(list(&a), before);
+    let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-two");
+    assert_eq!(reply["errCode"], "0", "{reply}\n{log}");
+    drop(fd);
+    assert!(!hosts.probe(&g, 44001, "t1"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-two-next");
+    drop(g);
+    release(&a, "sb-two");
+    release(&a, &r2.sandbox_id);
     assert!(list(&a).is_empty());
 }
