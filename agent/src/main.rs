@@ -321,7 +321,10 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     //    sandbox recorded in state_dir must lie in this configuration's cidr (H12).
     step("state within cidr", || check_records_in_cidr(&raw.state_dir, cfg.cidr))?;
 
-    // 1. Datapath: load the programs; pinned links are adopted by the attaches below.
+    // 1. Datapath: load the programs; pinned links are adopted by the attaches below. Another
+    //    object than the active slot's is switched to at once; a hand-over that fails before
+    //    READY switches back (U11).
+    let active_before = handover::SlotRollback::active(&raw.bpffs_dir);
     let dp = step("load datapath", || {
         check_bpffs(&raw.bpffs_dir)?;
         let dcfg = DatapathConfig {
@@ -354,6 +357,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         dp.check_always_denied(&cfg.always_denied)?;
         Ok(Arc::new(dp))
     })?;
+
+    let mut slot_rollback = handover::SlotRollback::after_load(&raw.bpffs_dir, active_before);
 
     // 2. cube-dev.
     let gw = cfg.gateway_ip();
@@ -398,6 +403,10 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         let mut old_pid = None;
         let offer = handover::begin(sock).and_then(|conn| {
             let Some(conn) = conn else { return Ok(None) };
+            // A running agent serves: from here a failure leaves the node to it (U11).
+            if let Some(g) = slot_rollback.as_mut() {
+                g.arm();
+            }
             old_pid = handover::peer_pid(&conn);
             tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
             let (m, fds) = handover::recv_offer(&conn)?;
@@ -425,6 +434,10 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
                 if handover::predecessor_gone(&e, sock)
                     && old_pid.is_none_or(|pid| handover::wait_exited(pid, handover::STOP_TIMEOUT)) =>
             {
+                // Nobody serves: this start's datapath stays.
+                if let Some(g) = slot_rollback.as_mut() {
+                    g.disarm();
+                }
                 tracing::warn!(
                     socket = %sock.display(),
                     pid = ?old_pid,
@@ -482,6 +495,9 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         // The state is ours once the previous agent reads READY; it stops accepting and says
         // STOPPED, then this one starts accepting (connections wait in the shared backlog).
         step("hand-over commit", || Ok(handover::commit(&conn)?))?;
+        if let Some(mut g) = slot_rollback.take() {
+            g.disarm();
+        }
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
         // Ours now: this configuration's list replaces the previous agent's in place. As on a
         // SIGHUP (R51), only sessions toward newly listed entries are cut, and a failed write

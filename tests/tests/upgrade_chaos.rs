@@ -15,6 +15,9 @@
 //! - A successor with another `cidr` while a sandbox runs in the old one: before H12 it took
 //!   over, moved cube-dev's gateway address and left the sandbox's TAP alone (not adopted: its
 //!   fd request, Release and listing lost); now it is refused before it changes anything.
+//! - A successor that brings another eBPF object (switched to at its start, U5) and is then
+//!   refused: before U11 the running agent stayed on the refused version's programs; now the
+//!   previous slot is active again on every pinned link. A successful upgrade keeps the new.
 //! - Two successors started at once: exactly one agent serves afterwards (the loser exits
 //!   with the reason, or takes over from the winner in turn), and the sandbox keeps its
 //!   listing, TAP fd, traffic and policy. No gap on the old code; it guards H11's fresh start,
@@ -364,4 +367,71 @@ fn two_successors_at_once_leave_exactly_one_agent_serving() {
     release(&a, "sb-two");
     release(&a, &r2.sandbox_id);
     assert!(list(&a).is_empty());
+}
+
+/// The real object with one byte appended: the same programs, another sha256, so a start with
+/// it pins and switches to the standby slot (as `upgrade_slots.rs` builds it).
+fn other_build(dir: &Path) -> std::path::PathBuf {
+    let mut elf = std::fs::read(cubenet_tests::ebpf_object()).unwrap();
+    elf.push(0);
+    let p = dir.join("cubevs-other.o");
+    std::fs::write(&p, elf).unwrap();
+    p
+}
+
+/// The active slot and the slot each pinned link runs.
+fn slots_in_use(a: &AgentUnderTest) -> (Option<usize>, Vec<Option<usize>>) {
+    let st = cubevs::slots::status(&a.pin_dir()).expect("datapath status");
+    (st.meta.active, st.attach.iter().map(|p| p.slot).collect())
+}
+
+#[test]
+fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
+    if !require_root("a_refused_successor_with_another_object_leaves_the_datapath_as_it_was") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-object", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-obj");
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 45001, "o1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let (active, links) = slots_in_use(&a);
+    let active = active.expect("an active slot");
+    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+
+    // The next version brings another eBPF object; its start switches the node to it, then
+    // its hand-over is refused (its tap_fd_listen does not fit): the running agent must keep
+    // the datapath it had.
+    let obj = other_build(&a.dir);
+    let other = a.dir.join("cube/other-tap.sock");
+    let mut bad = spawn_agent(&a, &format!("--bpf-object {} --tap-fd-listen {}", obj.display(), other.display()));
+    let st = wait_exit(&mut bad, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(!st.success(), "a successor on another tap_fd_listen took over:\n{}", a.log());
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    let (now, links_now) = slots_in_use(&a);
+    assert_eq!(now, Some(active), "a refused successor left its datapath active:\n{}", a.log());
+    assert!(
+        links_now.len() >= links.len() && links_now.iter().all(|s| *s == Some(active)),
+        "every pinned link must run slot {active} again: {links_now:?}"
+    );
+    assert!(a.log().contains("was rolled back"), "{}", a.log());
+    assert!(!hosts.probe(&g, 45002, "o2"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-obj-next");
+    let g2 = guest(&a, &r2);
+    assert!(!hosts.probe(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");
+
+    // The same object in an upgrade that succeeds: the node runs it afterwards.
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap();
+    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
+    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let (after, links_after) = slots_in_use(&a);
+    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
+    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+    assert!(!hosts.probe(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
+    drop((g, g2));
+    release(&a, "sb-obj");
+    release(&a, "sb-obj-next");
 }
