@@ -358,7 +358,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         Ok(Arc::new(dp))
     })?;
 
+    // Until this process owns its sockets (bound fresh, or handed over), another agent may
+    // serve on this node: any failure until then switches back (U11).
     let mut slot_rollback = handover::SlotRollback::after_load(&raw.bpffs_dir, active_before);
+    if let Some(g) = slot_rollback.as_mut() {
+        g.arm();
+    }
 
     // 2. cube-dev.
     let gw = cfg.gateway_ip();
@@ -403,10 +408,6 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         let mut old_pid = None;
         let offer = handover::begin(sock).and_then(|conn| {
             let Some(conn) = conn else { return Ok(None) };
-            // A running agent serves: from here a failure leaves the node to it (U11).
-            if let Some(g) = slot_rollback.as_mut() {
-                g.arm();
-            }
             old_pid = handover::peer_pid(&conn);
             tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
             let (m, fds) = handover::recv_offer(&conn)?;
@@ -434,10 +435,6 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
                 if handover::predecessor_gone(&e, sock)
                     && old_pid.is_none_or(|pid| handover::wait_exited(pid, handover::STOP_TIMEOUT)) =>
             {
-                // Nobody serves: this start's datapath stays.
-                if let Some(g) = slot_rollback.as_mut() {
-                    g.disarm();
-                }
                 tracing::warn!(
                     socket = %sock.display(),
                     pid = ?old_pid,
@@ -462,6 +459,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         Some(l) => l,
         None => step("bind listeners", || Listeners::bind(raw))?,
     };
+    if handover_conn.is_none()
+        && let Some(mut g) = slot_rollback.take()
+    {
+        // The sockets are ours: no other agent serves here, this start's datapath stays.
+        g.disarm();
+    }
 
     // The node's always-denied list (R30): on a fresh start now that the sockets are ours (an
     // agent started next to a running one stopped at the bind above, H7), before any TAP is

@@ -17,7 +17,8 @@
 //!   fd request, Release and listing lost); now it is refused before it changes anything.
 //! - A successor that brings another eBPF object (switched to at its start, U5) and is then
 //!   refused: before U11 the running agent stayed on the refused version's programs; now the
-//!   previous slot is active again on every pinned link. A successful upgrade keeps the new.
+//!   previous slot is active again on every pinned link; so after an agent with it started
+//!   without the hand-over socket stops at the bind (H7). A successful upgrade keeps the new.
 //! - Two successors started at once: exactly one agent serves afterwards (the loser exits
 //!   with the reason, or takes over from the winner in turn), and the sandbox keeps its
 //!   listing, TAP fd, traffic and policy. No gap on the old code; it guards H11's fresh start,
@@ -417,6 +418,20 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     );
     assert!(a.log().contains("was rolled back"), "{}", a.log());
     assert!(!hosts.probe(&g, 45002, "o2"), "the always-denied address opened");
+
+    // An agent with that object started without the hand-over socket (an old start command)
+    // stops at binding the sockets the running agent serves (H7): its switch is undone too.
+    let rolled = a.log().matches("was rolled back").count();
+    let mut cmd = a.script_command();
+    cmd.env("NETWORK_AGENT_ARGS", format!("--bpf-object {} --health-listen 127.0.0.1:19091", obj.display()));
+    let mut second = ChildGuard::from_child(cmd.spawn().unwrap());
+    let st = wait_exit(&mut second, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(!st.success());
+    assert!(a.log().contains("is served by a running process"), "{}", a.log());
+    assert!(a.log().matches("was rolled back").count() > rolled, "{}", a.log());
+    let (now, links_now) = slots_in_use(&a);
+    assert_eq!(now, Some(active), "an agent stopped at the bind left its datapath active");
+    assert!(links_now.iter().all(|s| *s == Some(active)), "{links_now:?}");
     let r2 = ensure(&a, "sb-obj-next");
     let g2 = guest(&a, &r2);
     assert!(!hosts.probe(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");

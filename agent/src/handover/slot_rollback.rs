@@ -1,19 +1,19 @@
-//! The datapath slot a successor switched at its start, switched back when its hand-over
-//! fails (decision U11).
+//! The datapath slot an agent switched at its start, switched back when the start fails
+//! before the agent serves, e.g. a refused hand-over (decision U11).
 
 use std::{
     path::{Path, PathBuf},
     time::Duration,
 };
 
-/// A successor's start loads its eBPF object like any start: another object than the active
-/// slot's is self-tested, pinned into the standby slot and switched to on every pinned link
-/// (U5) — while the running agent still serves. If the hand-over then fails before `READY`
-/// (refused, aborted, a bad offer, a failed recovery), the running agent keeps serving and
-/// this guard, when dropped armed, makes the previous slot active again
-/// ([`cubevs::slots::rollback`]: same links, its programs stayed pinned), so a refused
-/// upgrade leaves the node on the datapath it had. Not covered: a successor killed
-/// (`kill -9`) between its load and `READY` (`cubenet-cli datapath rollback` then).
+/// An agent's start loads its eBPF object before it knows whether another agent serves the
+/// node: another object than the active slot's is self-tested, pinned into the standby slot
+/// and switched to on every pinned link (U5). Until this process owns its sockets (a
+/// committed hand-over, or a fresh bind), a failure — a refused or aborted hand-over, a bad
+/// offer, a failed recovery, a bind refused because a running agent holds the socket (H7) —
+/// leaves the node to the running agent, and this guard, dropped armed, makes the previous
+/// slot active again ([`cubevs::slots::rollback`]: same links, its programs stayed pinned).
+/// Not covered: a process killed (`kill -9`) in that window (`cubenet-cli datapath rollback`).
 #[derive(Debug)]
 pub struct SlotRollback {
     pin_dir: PathBuf,
@@ -40,13 +40,13 @@ impl SlotRollback {
         (from != to).then(|| Self { pin_dir: pin_dir.to_path_buf(), from, to, armed: false })
     }
 
-    /// A running agent serves on this node from now until the hand-over commits: a failure
-    /// before that switches back.
+    /// Another agent may serve on this node until this one owns its sockets: a failure before
+    /// [`SlotRollback::disarm`] switches back.
     pub fn arm(&mut self) {
         self.armed = true;
     }
 
-    /// The hand-over committed (or nobody else serves): the new slot stays.
+    /// This agent owns its sockets (hand-over committed, or bound fresh): the new slot stays.
     pub fn disarm(&mut self) {
         self.armed = false;
     }
@@ -78,14 +78,14 @@ impl Drop for SlotRollback {
             Ok(()) => tracing::warn!(
                 from = to,
                 to = from,
-                "hand-over failed: the datapath this agent switched to at its start was rolled back; the running \
+                "start failed before this agent served: the datapath it switched to was rolled back; a running \
                  agent keeps its datapath"
             ),
             Err(e) => tracing::error!(
                 slot = to,
                 previous = from,
-                "hand-over failed and the datapath switch of this agent's start could not be rolled back ({e}): \
-                 the running agent serves on the new programs; `cubenet-cli datapath rollback` restores the previous"
+                "start failed before this agent served and its datapath switch could not be rolled back ({e}): \
+                 a running agent serves on the new programs; `cubenet-cli datapath rollback` restores the previous"
             ),
         }
     }
