@@ -501,6 +501,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         if let Some(mut g) = slot_rollback.take() {
             g.disarm();
         }
+        agent.adopt_warm_pool();
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
         // Ours now: this configuration's list replaces the previous agent's in place. As on a
         // SIGHUP (R51), only sessions toward newly listed entries are cut, and a failed write

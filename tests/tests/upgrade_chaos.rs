@@ -19,6 +19,9 @@
 //!   refused: before U11 the running agent stayed on the refused version's programs; now the
 //!   previous slot is active again on every pinned link; so after an agent with it started
 //!   without the hand-over socket stops at the bind (H7). A successful upgrade keeps the new.
+//! - A successor on a node that cannot refill its pool to `tap_init_num` (a nearly full CIDR):
+//!   before H13 it stayed not ready (`/readyz` 503) although its predecessor was ready and
+//!   Ensures succeed; now it is ready as its predecessor was.
 //! - Two successors started at once: exactly one agent serves afterwards (the loser exits
 //!   with the reason, or takes over from the winner in turn), and the sandbox keeps its
 //!   listing, TAP fd, traffic and policy. No gap on the old code; it guards H11's fresh start,
@@ -449,4 +452,45 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     drop((g, g2));
     release(&a, "sb-obj");
     release(&a, "sb-obj-next");
+}
+
+#[test]
+fn a_successor_on_a_full_node_is_ready_as_its_predecessor_was() {
+    if !require_root("a_successor_on_a_full_node_is_ready_as_its_predecessor_was") {
+        return;
+    }
+    // A /24 (253 addresses) nearly full of sandboxes: after 250 the pool keeps the 3 left
+    // Ready and cannot refill to tap_init_num = 4.
+    let mut a = AgentUnderTest::prepare("chaos-full", 4, "");
+    start(&mut a);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let ep = a.grpc_endpoint();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for k in 0..10 {
+            let ep = ep.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut c = network_agent::client::connect(&ep).await.unwrap();
+                for i in 0..25 {
+                    let req = pb::EnsureNetworkRequest { sandbox_id: format!("sb-full-{k}-{i}"), ..Default::default() };
+                    c.ensure_network(req).await.expect("ensure");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    wait_until("3 Ready TAPs", Duration::from_secs(60), || {
+        a.http_json("/v1/network/taps")["stateCounts"]["Ready"].as_u64() == Some(3)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {}", a.http_json("/v1/network/taps")["stateCounts"]));
+    assert!(matches!(a.http("/readyz"), Some((200, _))), "the running agent can serve an Ensure: ready");
+
+    // The successor takes over the same pool: as ready as its predecessor (before H13 it
+    // waited for 4 Ready TAPs the node cannot give it: /readyz 503, gRPC health NOT_SERVING).
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}: {:?}\n{}", a.http("/readyz"), a.log()));
+    let r = ensure(&a, "sb-after-upgrade");
+    assert!(r.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r:?}");
+    release(&a, "sb-after-upgrade");
 }
