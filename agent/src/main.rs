@@ -322,8 +322,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     step("state within cidr", || check_records_in_cidr(&raw.state_dir, cfg.cidr))?;
 
     // 1. Datapath: load the programs; pinned links are adopted by the attaches below. Another
-    //    object than the active slot's is switched to at once; a hand-over that fails before
-    //    READY switches back (U11).
+    //    object than the active slot's is switched to at once; a start that fails before this
+    //    agent owns its sockets (e.g. a refused hand-over) switches back (U11).
     let active_before = handover::SlotRollback::active(&raw.bpffs_dir);
     let dp = step("load datapath", || {
         check_bpffs(&raw.bpffs_dir)?;
