@@ -586,6 +586,16 @@ impl Agent {
         }
     }
 
+    /// Marks the cold start's pool warm-up as done without one: after a hand-over the pool is
+    /// the previous agent's, which had warmed it (its offer waits for a running warm-up), so
+    /// readiness follows the pool as on that agent (a Ready TAP, or a pool that can refill)
+    /// instead of waiting for `tap_init_num` Ready TAPs a busy or full node may not get back
+    /// (decision H13).
+    pub fn adopt_warm_pool(&self) {
+        self.warmed.store(true, Ordering::Relaxed);
+        self.publish_readiness();
+    }
+
     /// Marks startup complete (servers up).
     pub fn set_started(&self) {
         self.started.store(true, Ordering::Relaxed);

@@ -108,6 +108,14 @@ impl CubeVsDataplane {
         self.maps.sessions.delete_to(list).map_err(err)
     }
 
+    /// Checks that [`CubeVsDataplane::set_always_denied`] can write `list` (not over
+    /// `cubevs_common::limits::NODE_DENY` entries; a non-empty list needs an object with
+    /// `node_deny`, R30) without writing anything: a successor checks this before a hand-over
+    /// and writes the list only once it has taken over (H10). Errors as `set_always_denied`.
+    pub fn check_always_denied(&self, list: &[cubevs::Cidr]) -> Result<(), DataplaneError> {
+        self.maps.node_deny.check(list).map_err(err)
+    }
+
     /// A running agent's change of the list (SIGHUP, decision R51): makes `node_deny` hold
     /// exactly `list` as [`CubeVsDataplane::set_always_denied`] does (new entries inserted before
     /// dropped ones are deleted), then deletes the sessions toward the entries that were not in

@@ -250,6 +250,30 @@ fn check_bpffs(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses a start whose `cidr` does not contain the address of every sandbox recorded in
+/// `state_dir` (decision H12): such a sandbox would be left alone by recovery — neither
+/// adopted nor released, its TAP fd request and Release refused — and cube-dev would get
+/// another gateway address under the running sandboxes (a successor does this before it
+/// asks for the hand-over, so the running agent keeps serving unchanged). Reads the records
+/// without changing anything. Errors name the first sandbox, its address and the key.
+fn check_records_in_cidr(state_dir: &std::path::Path, cidr: network_agent::config::Cidr) -> anyhow::Result<()> {
+    let (records, _) =
+        StateStore::peek(state_dir).with_context(|| format!("read state_dir {}", state_dir.display()))?;
+    let outside: Vec<_> = records.iter().filter(|(_, r)| cidr.index_of(r.sandbox_ip).is_none()).collect();
+    if let Some((_, r)) = outside.first() {
+        bail!(
+            "cidr {cidr} does not contain sandbox {} ({}, TAP {}) recorded in {} ({} record(s) outside it): \
+             release the sandboxes of the previous cidr (or start with it) before changing cidr; nothing was changed",
+            r.sandbox_id,
+            r.sandbox_ip,
+            r.tap_name,
+            state_dir.display(),
+            outside.len()
+        );
+    }
+    Ok(())
+}
+
 /// What to do when a start failed on a permission error and the agent is not root: it
 /// creates TAPs and cube-dev, loads and pins eBPF and enters `dataplane_netns`, which needs
 /// root (decision O3). `None` for any other failure.
@@ -293,7 +317,14 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         Ok(Arc::new(NetnsHost::new(ns.as_ref(), raw.warm_parallelism, params)?))
     })?;
 
-    // 1. Datapath: load the programs; pinned links are adopted by the attaches below.
+    // 0. Before anything on the node changes (the running agent may still serve it): every
+    //    sandbox recorded in state_dir must lie in this configuration's cidr (H12).
+    step("state within cidr", || check_records_in_cidr(&raw.state_dir, cfg.cidr))?;
+
+    // 1. Datapath: load the programs; pinned links are adopted by the attaches below. Another
+    //    object than the active slot's is switched to at once; a start that fails before this
+    //    agent owns its sockets (e.g. a refused hand-over) switches back (U11).
+    let active_before = handover::SlotRollback::active(&raw.bpffs_dir);
     let dp = step("load datapath", || {
         check_bpffs(&raw.bpffs_dir)?;
         let dcfg = DatapathConfig {
@@ -322,11 +353,17 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             _ => cubevs::AttachMode::TcxDeferred,
         };
         let dp = CubeVsDataplane::load(host.clone(), obj, dcfg, attach, raw.bpffs_dir.clone(), reaper, limits)?;
-        // Before any TAP is adopted or created: the node's list holds for every sandbox (R30).
-        let cut = dp.set_always_denied(&cfg.always_denied)?;
-        tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
+        // Checked here, written once it is known whether a running agent hands over (H10).
+        dp.check_always_denied(&cfg.always_denied)?;
         Ok(Arc::new(dp))
     })?;
+
+    // Until this process owns its sockets (bound fresh, or handed over), another agent may
+    // serve on this node: any failure until then switches back (U11).
+    let mut slot_rollback = handover::SlotRollback::after_load(&raw.bpffs_dir, active_before);
+    if let Some(g) = slot_rollback.as_mut() {
+        g.arm();
+    }
 
     // 2. cube-dev.
     let gw = cfg.gateway_ip();
@@ -360,33 +397,87 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     })?;
 
     // Live upgrade: ask a running agent for its listeners and TAP fds (handover/). Any
-    // failure before READY leaves the old agent serving; this process exits.
+    // failure before READY leaves the old agent serving; this process exits. A running agent
+    // that vanishes before its offer is complete (killed meanwhile) is a crash: fresh start (H11).
     let mut handover_conn = None;
     let mut adopted_listeners = None;
     let mut received = HashMap::new();
     if !raw.handover_socket.as_os_str().is_empty() {
         let sock = &raw.handover_socket;
-        match handover::begin(sock).with_context(|| format!("hand-over socket {}", sock.display()))? {
-            None => tracing::info!(socket = %sock.display(), "no running agent to take over from: fresh start"),
-            Some(conn) => {
-                let (listeners, taps) = step("receive hand-over", || {
-                    let (m, fds) = handover::recv_offer(&conn)?;
-                    let (l, taps) = handover::split_offer(m, fds)?;
-                    // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
-                    Ok((Listeners::adopt(raw, l)?, taps))
-                })?;
-                tracing::info!(taps = taps.len(), "received listeners and TAP fds from the running agent");
+        let t = Instant::now();
+        let mut old_pid = None;
+        let offer = handover::begin(sock).and_then(|conn| {
+            let Some(conn) = conn else { return Ok(None) };
+            old_pid = handover::peer_pid(&conn);
+            tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
+            let (m, fds) = handover::recv_offer(&conn)?;
+            let (l, taps) = handover::split_offer(m, fds)?;
+            Ok(Some((conn, l, taps)))
+        });
+        match offer {
+            Ok(None) => tracing::info!(socket = %sock.display(), "no running agent to take over from: fresh start"),
+            Ok(Some((conn, l, taps))) => {
+                // Checked before recovery touches anything: a mismatch leaves the old agent as it was.
+                let listeners = step("receive hand-over", || Listeners::adopt(raw, l))?;
+                tracing::info!(
+                    taps = taps.len(),
+                    ms = t.elapsed().as_secs_f64() * 1e3,
+                    "received listeners and TAP fds from the running agent"
+                );
                 adopted_listeners = Some(listeners);
                 received = taps;
                 handover_conn = Some(conn);
             }
+            // Its other sockets close as its exit goes on: fresh start once it has exited. One
+            // that still runs closed the connection for another reason (it handed over to
+            // another successor meanwhile): not ours to replace.
+            Err(e)
+                if handover::predecessor_gone(&e, sock)
+                    && old_pid.is_none_or(|pid| handover::wait_exited(pid, handover::STOP_TIMEOUT)) =>
+            {
+                tracing::warn!(
+                    socket = %sock.display(),
+                    pid = ?old_pid,
+                    "the running agent vanished before its hand-over offer was complete ({e}): fresh start (if another \
+                     successor took over meanwhile, binding its sockets below refuses)"
+                );
+            }
+            Err(e) => {
+                let hint = if handover::predecessor_gone(&e, sock) || e.kind() == std::io::ErrorKind::ConnectionReset {
+                    " (the running agent closed the hand-over without an offer: another successor may have taken over)"
+                } else {
+                    ""
+                };
+                tracing::error!(step = "receive hand-over", "startup step failed: {e}{hint}");
+                return Err(anyhow::anyhow!("{e}{hint}"))
+                    .with_context(|| format!("hand-over socket {}", sock.display()))
+                    .context("startup step `receive hand-over`");
+            }
         }
     }
-
     let listeners = match adopted_listeners {
         Some(l) => l,
         None => step("bind listeners", || Listeners::bind(raw))?,
     };
+    if handover_conn.is_none()
+        && let Some(mut g) = slot_rollback.take()
+    {
+        // The sockets are ours: no other agent serves here, this start's datapath stays.
+        g.disarm();
+    }
+
+    // The node's always-denied list (R30): on a fresh start now that the sockets are ours (an
+    // agent started next to a running one stopped at the bind above, H7), before any TAP is
+    // adopted or created; on a hand-over only once this agent has taken over (below), so a
+    // successor that gives up or dies before that never changes the list the running agent
+    // enforces (H10).
+    if handover_conn.is_none() {
+        step("always-denied list", || {
+            let cut = dp.set_always_denied(&cfg.always_denied)?;
+            tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
+            Ok(())
+        })?;
+    }
 
     // 4. State and recovery.
     let agent = step("recover", || {
@@ -407,7 +498,25 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         // The state is ours once the previous agent reads READY; it stops accepting and says
         // STOPPED, then this one starts accepting (connections wait in the shared backlog).
         step("hand-over commit", || Ok(handover::commit(&conn)?))?;
+        if let Some(mut g) = slot_rollback.take() {
+            g.disarm();
+        }
+        agent.adopt_warm_pool();
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
+        // Ours now: this configuration's list replaces the previous agent's in place. As on a
+        // SIGHUP (R51), only sessions toward newly listed entries are cut, and a failed write
+        // keeps the previous list (this agent serves anyway: nobody else does any more).
+        match dp.update_always_denied(&cfg.always_denied) {
+            Ok(cut) => tracing::info!(
+                always_denied = ?raw.always_denied_cidrs,
+                sessions_deleted = cut,
+                "node always-denied list written"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "writing always_denied_cidrs after the hand-over failed; the previous agent's list stays in force"
+            ),
+        }
     }
 
     // 5. Listeners (adopted from the previous agent, or bound before recovery: a second agent

@@ -230,35 +230,54 @@ impl StateStore {
     /// Reads every record; leftover `tmp` files are deleted; unreadable files are returned as
     /// errors (path, message) so recovery can refuse to start.
     pub fn scan(&self) -> std::io::Result<Scan> {
-        let mut out = Vec::new();
-        let mut bad = Vec::new();
-        for e in fs::read_dir(&self.dir)? {
-            let e = e?;
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(stem) = name.strip_suffix(".json") else { continue };
-            let Some((id, phase)) = stem.rsplit_once('.') else { continue };
-            if phase == "tmp" {
-                let _ = fs::remove_file(e.path());
-                continue;
-            }
-            let Some(phase) = Phase::parse(phase) else { continue };
-            match fs::read(e.path())
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()))
-            {
-                Ok(rec) if rec.sandbox_id == id => out.push((phase, rec)),
-                Ok(rec) => bad.push((e.path(), format!("file names sandbox {id:?} but holds {:?}", rec.sandbox_id))),
-                Err(m) => bad.push((e.path(), m)),
-            }
+        scan_dir(&self.dir, true)
+    }
+
+    /// Reads every record under `dir` without changing anything (no directory created, no
+    /// `tmp` file removed: a running agent may be writing one), for the checks an agent makes
+    /// before it touches the node (decision H12). A missing directory holds no records.
+    /// Errors: the directory cannot be read; unreadable files are returned as by
+    /// [`StateStore::scan`].
+    pub fn peek(dir: &Path) -> std::io::Result<Scan> {
+        match fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vec::new(), Vec::new())),
+            _ => scan_dir(dir, false),
         }
-        out.sort_by(|a, b| a.1.sandbox_id.cmp(&b.1.sandbox_id));
-        Ok((out, bad))
     }
 
     /// Number of record files (any phase), for leak checks.
     pub fn count(&self) -> usize {
         fs::read_dir(&self.dir).map(|d| d.flatten().count()).unwrap_or(0)
     }
+}
+
+/// [`StateStore::scan`] of `dir`; `remove_tmp` deletes leftover `tmp` files.
+fn scan_dir(dir: &Path, remove_tmp: bool) -> std::io::Result<Scan> {
+    let mut out = Vec::new();
+    let mut bad = Vec::new();
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".json") else { continue };
+        let Some((id, phase)) = stem.rsplit_once('.') else { continue };
+        if phase == "tmp" {
+            if remove_tmp {
+                let _ = fs::remove_file(e.path());
+            }
+            continue;
+        }
+        let Some(phase) = Phase::parse(phase) else { continue };
+        match fs::read(e.path())
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()))
+        {
+            Ok(rec) if rec.sandbox_id == id => out.push((phase, rec)),
+            Ok(rec) => bad.push((e.path(), format!("file names sandbox {id:?} but holds {:?}", rec.sandbox_id))),
+            Err(m) => bad.push((e.path(), m)),
+        }
+    }
+    out.sort_by(|a, b| a.1.sandbox_id.cmp(&b.1.sandbox_id));
+    Ok((out, bad))
 }
 
 /// Fault injection for the reliability suite (issue 14): tmpfs gives a real ENOSPC, but no

@@ -38,22 +38,9 @@ impl NodeDenyTable {
     /// (field `always_denied_cidrs`) for more than [`limits::NODE_DENY`] entries, or a
     /// non-empty list when the object lacks the map; map syscall errors otherwise.
     pub fn replace(&self, list: &[Cidr]) -> Result<(), Error> {
+        self.check(list)?;
         let want: BTreeSet<(u8, u32)> = list.iter().map(|c| (c.len, nbo(c))).collect();
-        if want.len() > limits::NODE_DENY as usize {
-            return Err(Error::invalid(
-                "always_denied_cidrs",
-                format!("{} entries exceed the limit of {}", want.len(), limits::NODE_DENY),
-            ));
-        }
-        let Some(inner) = &self.inner else {
-            if want.is_empty() {
-                return Ok(());
-            }
-            return Err(Error::invalid(
-                "always_denied_cidrs",
-                "the loaded eBPF object has no node_deny map (older than decision R30)",
-            ));
-        };
+        let Some(inner) = &self.inner else { return Ok(()) };
         let mut t = inner.lock().unwrap_or_else(|e| e.into_inner());
         for &(len, addr) in &want {
             t.insert(&Key::new(len as u32, addr), 1, 0).map_err(Error::map(map::NODE_DENY, "update"))?;
@@ -67,6 +54,26 @@ impl NodeDenyTable {
                     Err(e) => return Err(Error::map(map::NODE_DENY, "delete")(e)),
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Whether [`NodeDenyTable::replace`] would accept `list`, without writing: the same
+    /// [`Error::InvalidArgument`] errors (field `always_denied_cidrs`) for more than
+    /// [`limits::NODE_DENY`] distinct entries or a non-empty list without the map.
+    pub fn check(&self, list: &[Cidr]) -> Result<(), Error> {
+        let want: BTreeSet<(u8, u32)> = list.iter().map(|c| (c.len, nbo(c))).collect();
+        if want.len() > limits::NODE_DENY as usize {
+            return Err(Error::invalid(
+                "always_denied_cidrs",
+                format!("{} entries exceed the limit of {}", want.len(), limits::NODE_DENY),
+            ));
+        }
+        if self.inner.is_none() && !want.is_empty() {
+            return Err(Error::invalid(
+                "always_denied_cidrs",
+                "the loaded eBPF object has no node_deny map (older than decision R30)",
+            ));
         }
         Ok(())
     }

@@ -6,6 +6,13 @@
 //! At the end everything is released and the node must be back to its baseline.
 //! CI: 10 crash points, 8 clients; `CUBENET_RELIABILITY_LONG=1`: 100 crash points, 50 clients.
 //!
+//! The same storm across live upgrades (`handover_during_ensure_release_storm`, task
+//! "upchaos"): a hand-over to a new agent binary at random moments instead of the kill; every
+//! call is answered — one whose HTTP/2 connection the old agent closed before it was sent
+//! (tonic has no transparent retry: `CANCELLED` "connection closed", about one per hand-over)
+//! is retried once as gRPC-core/grpc-go clients do by themselves, and must then succeed — and
+//! the same invariants hold after every hand-over.
+//!
 //! Prints one `RELIABILITY {json}` line (read by `cargo xtask reliability`).
 
 use std::{
@@ -20,6 +27,7 @@ use std::{
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
     agent::{AgentUnderTest, tap_fd},
+    agent_upgrade,
     fuzz::rng::Rng,
     require_root,
 };
@@ -40,6 +48,8 @@ struct Ledger {
     answered: u64,
     /// In-flight calls at a kill, retried (as a Release) after the restart.
     retried: u64,
+    /// Calls that failed (expected at a kill; a violation at a hand-over, which refuses none).
+    failed: u64,
     /// Per client: its sandboxes still alive, oldest first (each client keeps up to
     /// [`KEEP`] alive across crash points, so there is always something to lose).
     kept: Vec<std::collections::VecDeque<String>>,
@@ -68,15 +78,30 @@ async fn client_loop(
     point: usize,
     stop: Arc<AtomicBool>,
     ledger: Arc<Mutex<Ledger>>,
+    retry: bool,
 ) {
     let Ok(mut c) = network_agent::client::connect(&endpoint).await else { return };
+    // With `retry`, a call that never got an answer (the transport failed: CANCELLED or
+    // UNAVAILABLE, e.g. its HTTP/2 connection closed under it at a hand-over) is retried once
+    // on a new connection, as gRPC-core and grpc-go clients do transparently; its answer binds.
+    let retryable = |e: &tonic::Status| retry && matches!(e.code(), tonic::Code::Cancelled | tonic::Code::Unavailable);
     let mut n = 0;
     while !stop.load(Ordering::Relaxed) {
         let new = format!("c{k}-p{point}-{n}");
         n += 1;
         let id = new.clone();
         ledger.lock().unwrap().unknown.insert(id.clone());
-        match c.ensure_network(ensure_req(&id)).await {
+        let mut r = c.ensure_network(ensure_req(&id)).await;
+        if let Err(e) = &r
+            && retryable(e)
+        {
+            eprintln!("Ensure {id} retried: {e}");
+            ledger.lock().unwrap().retried += 1;
+            let Ok(c2) = network_agent::client::connect(&endpoint).await else { return };
+            c = c2;
+            r = c.ensure_network(ensure_req(&id)).await;
+        }
+        match r {
             Ok(r) => {
                 let r = r.into_inner();
                 {
@@ -88,7 +113,11 @@ async fn client_loop(
                 let (name, sock, i2) = (r.interfaces[0].name.clone(), sock.clone(), id.clone());
                 let _ = tokio::task::spawn_blocking(move || quiet_tap_fd(&sock, &name, &i2)).await;
             }
-            Err(_) => return,
+            Err(e) => {
+                eprintln!("Ensure {id} failed: {e}");
+                ledger.lock().unwrap().failed += 1;
+                return;
+            }
         }
         // Keep the new one; release the oldest once more than KEEP are alive.
         let id = {
@@ -105,7 +134,18 @@ async fn client_loop(
             l.exists.remove(&id);
             l.unknown.insert(id.clone());
         }
-        match c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.clone(), ..Default::default() }).await {
+        let release = pb::ReleaseNetworkRequest { sandbox_id: id.clone(), ..Default::default() };
+        let mut r = c.release_network(release.clone()).await;
+        if let Err(e) = &r
+            && retryable(e)
+        {
+            eprintln!("Release {id} retried: {e}");
+            ledger.lock().unwrap().retried += 1;
+            let Ok(c2) = network_agent::client::connect(&endpoint).await else { return };
+            c = c2;
+            r = c.release_network(release).await;
+        }
+        match r {
             Ok(r) if r.get_ref().released => {
                 let mut l = ledger.lock().unwrap();
                 l.unknown.remove(&id);
@@ -113,7 +153,11 @@ async fn client_loop(
                 l.gone.insert(id);
                 l.answered += 1;
             }
-            _ => return,
+            r => {
+                eprintln!("Release {id} failed: {r:?}");
+                ledger.lock().unwrap().failed += 1;
+                return;
+            }
         }
     }
 }
@@ -229,7 +273,9 @@ fn kill9_during_ensure_release_storm() {
     for point in 0..points {
         let stop = Arc::new(AtomicBool::new(false));
         let handles: Vec<_> = (0..clients)
-            .map(|k| rt.spawn(client_loop(a.grpc_endpoint(), a.tap_socket(), k, point, stop.clone(), ledger.clone())))
+            .map(|k| {
+                rt.spawn(client_loop(a.grpc_endpoint(), a.tap_socket(), k, point, stop.clone(), ledger.clone(), false))
+            })
             .collect();
         std::thread::sleep(Duration::from_millis(100 + rng.below(1400) as u64));
         a.kill(nix::sys::signal::Signal::SIGKILL);
@@ -324,4 +370,79 @@ fn kill9_during_ensure_release_storm() {
         let log = a.log();
         log[log.len().saturating_sub(4000)..].to_string()
     });
+}
+
+#[test]
+fn handover_during_ensure_release_storm() {
+    if !require_root("reliability_crash handover_during_ensure_release_storm") {
+        return;
+    }
+    let (points, clients) = (6, 8);
+    let mut rng = Rng::new(std::env::var("CUBENET_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(12));
+    // A /20: the storm's churn may outgrow a /24's addresses whatever the hand-over does.
+    let mut a = AgentUnderTest::prepare("handover-storm", POOL, "cidr = \"192.168.0.0/20\"\n");
+    agent_upgrade::start(&mut a);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let ledger = Arc::new(Mutex::new(Ledger { kept: vec![Default::default(); clients], ..Default::default() }));
+    let mut violations = Vec::new();
+    for point in 0..points {
+        let stop = Arc::new(AtomicBool::new(false));
+        let handles: Vec<_> = (0..clients)
+            .map(|k| {
+                rt.spawn(client_loop(a.grpc_endpoint(), a.tap_socket(), k, point, stop.clone(), ledger.clone(), true))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100 + rng.below(1400) as u64));
+        if let Err(e) = agent_upgrade::upgrade(&mut a) {
+            violations.push(format!("hand-over {point}: {e}"));
+            break;
+        }
+        // A little more load on the new agent, then every client finishes its call.
+        std::thread::sleep(Duration::from_millis(200));
+        stop.store(true, Ordering::Relaxed);
+        for h in handles {
+            let _ = rt.block_on(h);
+        }
+        let mut l = ledger.lock().unwrap();
+        if l.failed > 0 || !l.unknown.is_empty() {
+            violations.push(format!(
+                "hand-over {point}: {} call(s) failed, unanswered: {:?}",
+                std::mem::take(&mut l.failed),
+                std::mem::take(&mut l.unknown)
+            ));
+        }
+        for x in check(&a, &rt, &l) {
+            violations.push(format!("hand-over {point}: {x}"));
+        }
+        // The pool's growth under the storm (released TAPs wait for a maintenance pass while
+        // calls flow), printed for the report, not asserted.
+        eprintln!("hand-over {point}: {} node TAPs, pool {}", a.node_taps().len(), taps_json(&a)["stateCounts"]);
+    }
+    let l = ledger.lock().unwrap();
+    let report = serde_json::json!({
+        "case": "handover-storm",
+        "inputs": points,
+        "violations": if violations.is_empty() { serde_json::json!({}) } else { serde_json::json!({"consistency": violations.len()}) },
+        "clients": clients,
+        "answered_calls": l.answered,
+        "told_exists": l.exists.len(),
+        "told_gone": l.gone.len(),
+    });
+    println!("RELIABILITY {report}");
+    assert!(violations.is_empty(), "{} violations:\n{}\nlog tail:\n{}", violations.len(), violations.join("\n"), {
+        let log = a.log();
+        log[log.len().saturating_sub(4000)..].to_string()
+    });
+    assert!(l.answered > 0, "the storm made no call");
+    drop(l);
+    // Everything released: the node returns to its pool.
+    let mut c = rt.block_on(network_agent::client::connect(&a.grpc_endpoint())).expect("connect");
+    let nets = rt.block_on(c.list_networks(pb::ListNetworksRequest::default())).unwrap().into_inner().networks;
+    for n in &nets {
+        let r = rt.block_on(
+            c.release_network(pb::ReleaseNetworkRequest { sandbox_id: n.sandbox_id.clone(), ..Default::default() }),
+        );
+        assert!(r.is_ok_and(|r| r.into_inner().released), "final release of {}", n.sandbox_id);
+    }
+    assert_eq!(std::fs::read_dir(a.state_dir()).unwrap().count(), 0, "state files left");
 }

@@ -32,7 +32,8 @@
 //! requests are only ever accepted by one agent at a time, so none sees a stale pool.
 //!
 //! Files: this one (constants and the manifest), `gate.rs` (the mutation gate), `wire.rs` (the
-//! socket, its lines and the offer on the wire), `successor.rs` (the new agent's steps) and
+//! socket, its lines and the offer on the wire), `successor.rs` (the new agent's steps),
+//! `slot_rollback.rs` (the datapath switch of a successor whose hand-over fails, undone) and
 //! `predecessor.rs` (the old agent's loop).
 
 use std::{collections::HashMap, io, os::fd::OwnedFd, time::Duration};
@@ -41,12 +42,14 @@ use serde::{Deserialize, Serialize};
 
 mod gate;
 mod predecessor;
+mod slot_rollback;
 mod successor;
 mod wire;
 
 pub use gate::{Entry, MutationGate};
 pub use predecessor::{StopAccepting, serve};
-pub use successor::{STOP_TIMEOUT, begin, commit, split_offer};
+pub use slot_rollback::SlotRollback;
+pub use successor::{STOP_TIMEOUT, begin, commit, peer_pid, predecessor_gone, split_offer, wait_exited};
 pub use wire::{bind, peer_allowed, read_line, recv_offer, send_offer, verify_tap};
 
 /// Version of the hand-over protocol and manifest; a successor refuses any other.

@@ -78,6 +78,57 @@ pub fn commit(s: &UnixStream) -> io::Result<bool> {
     }
 }
 
+/// Whether `err`, from [`begin`] or [`super::recv_offer`], means the running agent vanished
+/// before its offer was complete (killed mid-transfer: the connection ended without `REFUSE`
+/// or `ABORT`) and nobody accepts on `path` any more. Then nothing was handed over and nobody
+/// serves: the successor starts fresh, as after a crash (decision H11); its own start still
+/// refuses sockets a live process serves (H7). `false` for a refusal, a bad offer, or when a
+/// process accepts on `path` again (e.g. another successor took over meanwhile).
+pub fn predecessor_gone(err: &io::Error, path: &Path) -> bool {
+    let vanished =
+        matches!(err.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe);
+    vanished
+        && match UnixStream::connect(path) {
+            Ok(_) => false,
+            Err(e) => matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED)),
+        }
+}
+
+/// The peer's PID on the hand-over connection (SO_PEERCRED), `None` when unknown (e.g. a
+/// process in a PID namespace this one cannot see reports 0).
+pub fn peer_pid(s: &UnixStream) -> Option<i32> {
+    nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::PeerCredentials).ok().map(|c| c.pid()).filter(|&p| p > 0)
+}
+
+/// Waits until process `pid` has exited, every thread of it (a pidfd turns readable then:
+/// its files are closed by that time; the leader alone being a zombie is not enough, the
+/// other threads may still be closing them), for at most `timeout`; `false` on timeout. A
+/// process killed mid-hand-over closes its hand-over socket first and its listeners a moment
+/// later: the successor's fresh start binds them after this (H11). A process that is gone
+/// already (`ESRCH`) counts as exited.
+pub fn wait_exited(pid: i32, timeout: Duration) -> bool {
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    // SAFETY: `fd` was just returned by pidfd_open and is owned here only.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    let mut p = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&fd), events: libc::POLLIN, revents: 0 };
+    let t = std::time::Instant::now();
+    loop {
+        let left = timeout.saturating_sub(t.elapsed()).as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, left) };
+        if n > 0 {
+            return true;
+        }
+        if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return false;
+        }
+    }
+}
+
 /// How long the successor waits for `STOPPED` after `READY` (the old agent only has to stop
 /// its accept loops).
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -105,6 +156,18 @@ mod tests {
         assert!(e.to_string().contains("fd for z10.0.0.2"), "{e}");
         let one: Vec<OwnedFd> = vec![std::fs::File::open("/dev/null").unwrap().into()];
         assert!(split_offer(m, one).is_err(), "fd count must match the manifest");
+    }
+
+    #[test]
+    fn wait_exited_sees_an_ended_process_and_times_out_on_a_live_one() {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        // Not reaped yet: a zombie once it ended (every thread gone), which counts as exited.
+        assert!(wait_exited(c.id() as i32, Duration::from_secs(10)));
+        c.wait().unwrap();
+        assert!(wait_exited(c.id() as i32, Duration::ZERO), "a reaped process is gone");
+        assert!(!wait_exited(std::process::id() as i32, Duration::from_millis(30)), "this process runs");
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert_eq!(peer_pid(&a), Some(std::process::id() as i32));
     }
 
     #[test]

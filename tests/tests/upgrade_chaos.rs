@@ -1,0 +1,496 @@
+//! The adversary of the agent's live upgrade (task "upchaos"): faults a running sandbox must
+//! not notice, with the real agent binaries started by the start script, a guest on the TAP
+//! fd the agent handed out and test hosts in the world namespace the test creates.
+//!
+//! - A successor whose configuration changes `always_denied_cidrs` but is refused (here its
+//!   `tap_fd_listen` does not fit the handed-over socket) must not change the list the running
+//!   agent enforces: before H10 it wrote its list into the shared `node_deny` map at its start,
+//!   before asking for the hand-over, so the metadata address the running agent denies became
+//!   reachable for every sandbox. After a successful hand-over the successor's list applies.
+//! - The running agent killed while a successor waits for its offer (`kill -9` between
+//!   `BEGIN` and the offer, made deterministic by stopping it with SIGSTOP first and killing
+//!   it once the successor's connection waits in its hand-over socket's backlog): before H11
+//!   the successor exited on the broken connection and nobody served; now it starts fresh as
+//!   after a crash, with the sandbox's identity, state and traffic unchanged.
+//! - A successor with another `cidr` while a sandbox runs in the old one: before H12 it took
+//!   over, moved cube-dev's gateway address and left the sandbox's TAP alone (not adopted: its
+//!   fd request, Release and listing lost); now it is refused before it changes anything.
+//! - A successor that brings another eBPF object (switched to at its start, U5) and is then
+//!   refused: before U11 the running agent stayed on the refused version's programs; now the
+//!   previous slot is active again on every pinned link; so after an agent with it started
+//!   without the hand-over socket stops at the bind (H7). A successful upgrade keeps the new.
+//! - A successor on a node that cannot refill its pool to `tap_init_num` (a nearly full CIDR):
+//!   before H13 it stayed not ready (`/readyz` 503) although its predecessor was ready and
+//!   Ensures succeed; now it is ready as its predecessor was.
+//! - Two successors started at once: exactly one agent serves afterwards (the loser exits
+//!   with the reason, or takes over from the winner in turn), and the sandbox keeps its
+//!   listing, TAP fd, traffic and policy. No gap on the old code; it guards H11's fresh start,
+//!   which must never let the loser replace the winner.
+
+use std::{
+    net::{SocketAddr, UdpSocket},
+    path::Path,
+    time::Duration,
+};
+
+use cubenet_proto::v1 as pb;
+use cubenet_sys::tap::VNET_HDR_LEN;
+use cubenet_tests::{
+    agent::{AgentUnderTest, tap_fd},
+    agent_upgrade::{handover_socket, spawn_agent, start, upgrade, wait_exit, wait_until},
+    guest::TapGuest,
+    netns::ChildGuard,
+    packet, require_root,
+    topology::WORLD_IP,
+};
+use nix::{sys::signal::Signal, unistd::Pid};
+
+/// Alibaba Cloud's metadata address: in the agent's default `always_denied_cidrs`.
+const METADATA: [u8; 4] = [100, 100, 100, 200];
+const PORT: u16 = 7100;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn ensure(a: &AgentUnderTest, id: &str) -> pb::EnsureNetworkResponse {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.ensure_network(pb::EnsureNetworkRequest {
+            sandbox_id: id.into(),
+            cubevs_context: Some(pb::CubeVsContext {
+                allow_internet_access: Some(true),
+                allow_out: vec!["0.0.0.0/0".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("ensure {id}: {e}\n{}", a.log()))
+        .into_inner()
+    })
+}
+
+fn list(a: &AgentUnderTest) -> Vec<pb::NetworkState> {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.list_networks(pb::ListNetworksRequest::default()).await.expect("list").into_inner().networks
+    })
+}
+
+fn release(a: &AgentUnderTest, id: &str) {
+    rt().block_on(async {
+        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
+        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() })
+            .await
+            .unwrap_or_else(|e| panic!("release {id}: {e}\n{}", a.log()));
+    })
+}
+
+/// The guest of `r` on the TAP fd the agent hands out (the test holds it, as a VMM does).
+fn guest(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
+    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
+    g.drain();
+    g
+}
+
+/// UDP listeners in the world namespace: the "metadata" host and a control address.
+struct Hosts {
+    metadata: UdpSocket,
+    control: UdpSocket,
+}
+
+impl Hosts {
+    fn new(a: &AgentUnderTest) -> Self {
+        a.topo.add_world_address(METADATA, 32);
+        let bind = |ip: [u8; 4]| {
+            a.topo.world.run(move || {
+                let s = UdpSocket::bind(SocketAddr::from((ip, PORT))).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                s
+            })
+        };
+        Self { metadata: bind(METADATA), control: bind(WORLD_IP) }
+    }
+
+    /// Sends `tag` to the metadata host, then to the control address, from `g`; the control
+    /// datagram must arrive (the sandbox's path works). Returns whether the metadata host got
+    /// its datagram (sent first on the same path, so it is there by then if at all).
+    fn probe(&self, g: &TapGuest, sport: u16, tag: &str) -> bool {
+        g.send(&packet::udp(METADATA, sport, PORT, tag.as_bytes()));
+        g.send(&packet::udp(WORLD_IP, sport, PORT, tag.as_bytes()));
+        let mut buf = [0u8; 256];
+        let n = self.control.recv(&mut buf).unwrap_or_else(|e| panic!("control datagram {tag} lost: {e}"));
+        assert_eq!(&buf[..n], tag.as_bytes());
+        self.metadata.set_nonblocking(true).unwrap();
+        let mut got = false;
+        while let Ok(n) = self.metadata.recv(&mut buf) {
+            got |= &buf[..n] == tag.as_bytes();
+        }
+        self.metadata.set_nonblocking(false).unwrap();
+        got
+    }
+}
+
+/// Connections waiting, not yet accepted, in the backlog of the listening Unix socket the
+/// agent with PID `pid` placed at `path` (`ss`'s Recv-Q of a listening socket; `ss` names it
+/// by its bound name, `<path>.tmp-<pid>`, renamed into place since, H6); `None` when no such
+/// socket listens.
+fn backlog(a: &AgentUnderTest, path: &Path, pid: u32) -> Option<usize> {
+    let bound = format!("{}.tmp-{pid}", path.display());
+    let out = a.agent_ns().command("ss").arg("-xlnH").output().expect("ss");
+    assert!(out.status.success(), "ss: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 5 && f[4] == bound).then(|| f[2].parse::<usize>().ok()).flatten()
+        })
+        .next()
+}
+
+#[test]
+fn a_refused_successor_never_changes_the_always_denied_list() {
+    if !require_root("a_refused_successor_never_changes_the_always_denied_list") {
+        return;
+    }
+    // The running agent enforces its default list (100.100.100.200/32).
+    let mut a = AgentUnderTest::prepare("chaos-deny", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-all");
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 41001, "p1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+
+    // The next version's file empties the list; a successor started with it whose
+    // tap_fd_listen does not fit the running agent's socket is refused and exits.
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap() + "always_denied_cidrs = []\n";
+    std::fs::write(&cfg, toml).unwrap();
+    let other = a.dir.join("cube/other-tap.sock");
+    let mut bad = spawn_agent(&a, &format!("--tap-fd-listen {}", other.display()));
+    let st = wait_exit(&mut bad, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(!st.success(), "a successor on another tap_fd_listen took over:\n{}", a.log());
+    let log = a.log();
+    assert!(log.contains("handed-over tap_fd_listen socket is bound to"), "{log}");
+    assert!(log.contains("hand-over aborted, this agent keeps serving"), "{log}");
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    // The running agent's list still holds for the running sandbox, and for a new one.
+    assert!(!hosts.probe(&g, 41002, "p2"), "a refused successor opened the running agent's always-denied address");
+    let r2 = ensure(&a, "sb-new");
+    let g2 = guest(&a, &r2);
+    assert!(!hosts.probe(&g2, 41003, "p3"), "a refused successor opened the always-denied address to a new sandbox");
+
+    // A successor with that file that takes over: its list applies from then on.
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(hosts.probe(&g, 41004, "p4"), "the successor's emptied list did not apply after the hand-over");
+    assert!(hosts.probe(&g2, 41005, "p5"), "the successor's emptied list did not apply after the hand-over");
+    drop((g, g2));
+    release(&a, "sb-all");
+    release(&a, "sb-new");
+}
+
+#[test]
+fn the_running_agent_killed_before_its_offer_leaves_the_successor_serving() {
+    if !require_root("the_running_agent_killed_before_its_offer_leaves_the_successor_serving") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-vanish", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-live");
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 42001, "v1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let before: Vec<pb::NetworkState> = list(&a);
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    // The running agent is stopped, so the successor's BEGIN waits in its hand-over socket's
+    // backlog; it is killed once the successor waits for the offer.
+    let mut old = a.child.take().expect("agent running");
+    let old_pid = Pid::from_raw(old.id() as i32);
+    nix::sys::signal::kill(old_pid, Signal::SIGSTOP).unwrap();
+    let sock = handover_socket(&a);
+    assert_eq!(backlog(&a, &sock, old.id()), Some(0), "the running agent's hand-over listener");
+    let mut next: ChildGuard = spawn_agent(&a, "");
+    wait_until("successor's connection in the hand-over backlog", Duration::from_secs(60), || {
+        backlog(&a, &sock, old_pid.as_raw() as u32).unwrap_or(0) > 0
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    nix::sys::signal::kill(old_pid, Signal::SIGKILL).unwrap();
+    wait_exit(&mut old, Duration::from_secs(10)).unwrap();
+
+    // Somebody serves: the successor, started fresh (not an exit leaving the node without agent).
+    let exited = std::cell::Cell::new(None);
+    wait_until("successor ready", Duration::from_secs(60), || {
+        exited.set(next.child().try_wait().unwrap());
+        exited.get().is_some() || matches!(a.http("/readyz"), Some((200, _)))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(exited.get().is_none(), "the successor exited ({:?}): nobody serves\n{}", exited.get(), a.log());
+    let log = a.log();
+    assert!(log.contains("the running agent vanished before its hand-over offer was complete"), "{log}");
+    a.child = Some(next);
+
+    // The sandbox kept its identity (TAP, ifindex, address, handle), its policy, the node's
+    // list and its traffic; new calls are served.
+    assert_eq!(list(&a), before, "the sandbox's state changed across the crash during the hand-over");
+    assert!(!hosts.probe(&g, 42002, "v2"), "the always-denied address opened after the crash");
+    let r2 = ensure(&a, "sb-after");
+    let g2 = guest(&a, &r2);
+    assert!(!hosts.probe(&g2, 42003, "v3"), "the always-denied address is open to a new sandbox");
+    drop((g, g2));
+    release(&a, "sb-live");
+    release(&a, "sb-after");
+    assert!(list(&a).is_empty(), "{:?}", list(&a));
+}
+
+/// cube-dev's IPv4 addresses in the dataplane namespace (`ip -4 -o addr`), as text.
+fn cube_dev_addrs(a: &AgentUnderTest) -> String {
+    let out = a.topo.node.command("ip").args(["-4", "-o", "addr", "show", "dev", "cube-dev"]).output().unwrap();
+    assert!(out.status.success(), "ip addr: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().filter_map(|l| l.split_whitespace().nth(3)).collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn a_successor_with_another_cidr_is_refused_before_it_changes_the_node() {
+    if !require_root("a_successor_with_another_cidr_is_refused_before_it_changes_the_node") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-cidr", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-cidr");
+    let tap = r.interfaces[0].name.clone();
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 43001, "c1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let before = list(&a);
+    let dev = cube_dev_addrs(&a);
+    assert_eq!(dev, "192.168.0.1/24");
+
+    // The next version's start moves the node to another cidr while sb-cidr runs in the old.
+    const DONE: &str = "hand-over complete";
+    let done = a.log().matches(DONE).count();
+    let mut next = spawn_agent(&a, "--cidr 192.168.1.0/24");
+    let exited = std::cell::Cell::new(None);
+    wait_until("the successor's exit or hand-over", Duration::from_secs(60), || {
+        exited.set(next.child().try_wait().unwrap());
+        exited.get().is_some() || a.log().matches(DONE).count() > done
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(
+        exited.get().is_some_and(|st| !st.success()),
+        "a successor whose cidr leaves out a running sandbox took over:\n{}",
+        a.log()
+    );
+    let log = a.log();
+    assert!(
+        log.contains("cidr 192.168.1.0/24 does not contain sandbox sb-cidr (192.168.0.2, TAP z192.168.0.2)"),
+        "the refusal must name the key and the sandbox:\n{log}"
+    );
+
+    // Nothing changed: the running agent serves the sandbox on the same TAP, address and
+    // gateway; its fd request, traffic and Release work; new sandboxes are served.
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    assert_eq!(cube_dev_addrs(&a), dev, "the refused successor changed cube-dev's address");
+    assert_eq!(list(&a), before);
+    let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-cidr");
+    assert_eq!(reply["errCode"], "0", "{reply}");
+    drop(fd);
+    assert!(!hosts.probe(&g, 43002, "c2"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-next");
+    assert!(r2.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r2:?}");
+    drop(g);
+    release(&a, "sb-cidr");
+    release(&a, "sb-next");
+    assert!(list(&a).is_empty());
+}
+
+#[test]
+fn two_successors_at_once_leave_exactly_one_agent_serving() {
+    if !require_root("two_successors_at_once_leave_exactly_one_agent_serving") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-two", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-two");
+    let tap = r.interfaces[0].name.clone();
+    let g = guest(&a, &r);
+    let before = list(&a);
+
+    // Two upgrades started together (e.g. an operator's retry beside a supervisor's): each asks
+    // whoever listens on the hand-over socket; the old agent serves one hand-over at a time.
+    let old = a.child.take().expect("agent running");
+    let mut procs = [old, spawn_agent(&a, ""), spawn_agent(&a, "")];
+    let mut status: [Option<std::process::ExitStatus>; 3] = [None; 3];
+    wait_until("two of the three agents to exit", Duration::from_secs(120), || {
+        for (p, st) in procs.iter_mut().zip(status.iter_mut()) {
+            if st.is_none() {
+                *st = p.child().try_wait().unwrap();
+            }
+        }
+        status.iter().filter(|s| s.is_some()).count() >= 2
+    })
+    .unwrap_or_else(|e| panic!("{e}: {status:?}\n{}", a.log()));
+    // Give a third exit (none must come) no chance to hide: the survivor serves.
+    wait_until("the survivor ready", Duration::from_secs(30), || matches!(a.http("/readyz"), Some((200, _))))
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    for (p, st) in procs.iter_mut().zip(status.iter_mut()) {
+        if st.is_none() {
+            *st = p.child().try_wait().unwrap();
+        }
+    }
+    let alive: Vec<usize> = (0..3).filter(|&i| status[i].is_none()).collect();
+    for l in a.log().lines().filter(|l| l.contains("hand-over complete") || l.contains("startup step failed")) {
+        eprintln!("{l}");
+    }
+    eprintln!("exits (old, first, second): {status:?}");
+    assert_eq!(alive.len(), 1, "exactly one agent must serve: {status:?}\n{}", a.log());
+    let log = a.log();
+    assert!(log.contains("hand-over complete"), "{log}");
+    // The old agent handed over (status 0); a successor that lost the race exited with an error
+    // saying why, or handed over in turn (0).
+    assert_eq!(status[0].map(|s| s.success()), Some(true), "the old agent: {status:?}\n{log}");
+    let [old, s1, s2] = procs;
+    drop(old);
+    let survivor = if alive[0] == 1 { s1 } else { s2 };
+    a.child = Some(survivor);
+
+    // The sandbox noticed nothing: same listing, its fd (the survivor holds the handed-over
+    // queue), traffic and policy; new calls are served.
+    assert_eq!(list(&a), before);
+    let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-two");
+    assert_eq!(reply["errCode"], "0", "{reply}\n{log}");
+    drop(fd);
+    assert!(!hosts.probe(&g, 44001, "t1"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-two-next");
+    drop(g);
+    release(&a, "sb-two");
+    release(&a, &r2.sandbox_id);
+    assert!(list(&a).is_empty());
+}
+
+/// The real object with one byte appended: the same programs, another sha256, so a start with
+/// it pins and switches to the standby slot (as `upgrade_slots.rs` builds it).
+fn other_build(dir: &Path) -> std::path::PathBuf {
+    let mut elf = std::fs::read(cubenet_tests::ebpf_object()).unwrap();
+    elf.push(0);
+    let p = dir.join("cubevs-other.o");
+    std::fs::write(&p, elf).unwrap();
+    p
+}
+
+/// The active slot and the slot each pinned link runs.
+fn slots_in_use(a: &AgentUnderTest) -> (Option<usize>, Vec<Option<usize>>) {
+    let st = cubevs::slots::status(&a.pin_dir()).expect("datapath status");
+    (st.meta.active, st.attach.iter().map(|p| p.slot).collect())
+}
+
+#[test]
+fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
+    if !require_root("a_refused_successor_with_another_object_leaves_the_datapath_as_it_was") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-object", 2, "");
+    start(&mut a);
+    let hosts = Hosts::new(&a);
+    let r = ensure(&a, "sb-obj");
+    let g = guest(&a, &r);
+    assert!(!hosts.probe(&g, 45001, "o1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let (active, links) = slots_in_use(&a);
+    let active = active.expect("an active slot");
+    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+
+    // The next version brings another eBPF object; its start switches the node to it, then
+    // its hand-over is refused (its tap_fd_listen does not fit): the running agent must keep
+    // the datapath it had.
+    let obj = other_build(&a.dir);
+    let other = a.dir.join("cube/other-tap.sock");
+    let mut bad = spawn_agent(&a, &format!("--bpf-object {} --tap-fd-listen {}", obj.display(), other.display()));
+    let st = wait_exit(&mut bad, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(!st.success(), "a successor on another tap_fd_listen took over:\n{}", a.log());
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    let (now, links_now) = slots_in_use(&a);
+    assert_eq!(now, Some(active), "a refused successor left its datapath active:\n{}", a.log());
+    assert!(
+        links_now.len() >= links.len() && links_now.iter().all(|s| *s == Some(active)),
+        "every pinned link must run slot {active} again: {links_now:?}"
+    );
+    assert!(a.log().contains("was rolled back"), "{}", a.log());
+    assert!(!hosts.probe(&g, 45002, "o2"), "the always-denied address opened");
+
+    // An agent with that object started without the hand-over socket (an old start command)
+    // stops at binding the sockets the running agent serves (H7): its switch is undone too.
+    let rolled = a.log().matches("was rolled back").count();
+    let mut cmd = a.script_command();
+    cmd.env("NETWORK_AGENT_ARGS", format!("--bpf-object {} --health-listen 127.0.0.1:19091", obj.display()));
+    let mut second = ChildGuard::from_child(cmd.spawn().unwrap());
+    let st = wait_exit(&mut second, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(!st.success());
+    assert!(a.log().contains("is served by a running process"), "{}", a.log());
+    assert!(a.log().matches("was rolled back").count() > rolled, "{}", a.log());
+    let (now, links_now) = slots_in_use(&a);
+    assert_eq!(now, Some(active), "an agent stopped at the bind left its datapath active");
+    assert!(links_now.iter().all(|s| *s == Some(active)), "{links_now:?}");
+    let r2 = ensure(&a, "sb-obj-next");
+    let g2 = guest(&a, &r2);
+    assert!(!hosts.probe(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");
+
+    // The same object in an upgrade that succeeds: the node runs it afterwards.
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap();
+    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
+    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let (after, links_after) = slots_in_use(&a);
+    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
+    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+    assert!(!hosts.probe(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
+    drop((g, g2));
+    release(&a, "sb-obj");
+    release(&a, "sb-obj-next");
+}
+
+#[test]
+fn a_successor_on_a_full_node_is_ready_as_its_predecessor_was() {
+    if !require_root("a_successor_on_a_full_node_is_ready_as_its_predecessor_was") {
+        return;
+    }
+    // A /24 (253 addresses) nearly full of sandboxes: after 250 the pool keeps the 3 left
+    // Ready and cannot refill to tap_init_num = 4.
+    let mut a = AgentUnderTest::prepare("chaos-full", 4, "");
+    start(&mut a);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let ep = a.grpc_endpoint();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for k in 0..10 {
+            let ep = ep.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut c = network_agent::client::connect(&ep).await.unwrap();
+                for i in 0..25 {
+                    let req = pb::EnsureNetworkRequest { sandbox_id: format!("sb-full-{k}-{i}"), ..Default::default() };
+                    c.ensure_network(req).await.expect("ensure");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    wait_until("3 Ready TAPs", Duration::from_secs(60), || {
+        a.http_json("/v1/network/taps")["stateCounts"]["Ready"].as_u64() == Some(3)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {}", a.http_json("/v1/network/taps")["stateCounts"]));
+    assert!(matches!(a.http("/readyz"), Some((200, _))), "the running agent can serve an Ensure: ready");
+
+    // The successor takes over the same pool: as ready as its predecessor (before H13 it
+    // waited for 4 Ready TAPs the node cannot give it: /readyz 503, gRPC health NOT_SERVING).
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}: {:?}\n{}", a.http("/readyz"), a.log()));
+    let r = ensure(&a, "sb-after-upgrade");
+    assert!(r.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r:?}");
+    release(&a, "sb-after-upgrade");
+}
