@@ -79,12 +79,30 @@ impl Agent {
     /// The scrub (unless done), then, unless `defer_free_check`, the node's sockets to the mvm
     /// IP aborted (when `abort_sockets`) and the free check; Ready only after all of them.
     fn cleanup(&self, name: &str, ports: Option<&[PortMapping]>, defer_free_check: bool, abort_sockets: bool) -> bool {
+        if self.transit(&mut lock(&self.inner), name, Transition::BeginScrub).is_err() {
+            return false;
+        }
+        self.cleanup_claimed(name, ports, defer_free_check, abort_sockets)
+    }
+
+    /// [`Agent::cleanup_tap_sockets_aborted`] for a TAP the caller already moved to scrubbing
+    /// (`Transition::BeginScrub`) in the critical section where it chose it, so concurrent
+    /// callers choosing among the same released TAPs never pick the same one (T3).
+    pub(super) fn cleanup_claimed_sockets_aborted(&self, name: &str) -> bool {
+        self.cleanup_claimed(name, None, false, false)
+    }
+
+    /// The body of [`Agent::cleanup`] once `BeginScrub` is done.
+    fn cleanup_claimed(
+        &self,
+        name: &str,
+        ports: Option<&[PortMapping]>,
+        defer_free_check: bool,
+        abort_sockets: bool,
+    ) -> bool {
         let (ifindex, ip, owner, scrubbed, hands_off) = {
-            let mut inner = lock(&self.inner);
-            if self.transit(&mut inner, name, Transition::BeginScrub).is_err() {
-                return false;
-            }
-            let t = inner.pool.get(name).expect("just transitioned");
+            let inner = lock(&self.inner);
+            let t = inner.pool.get(name).expect("scrubbing TAPs stay in the pool");
             (t.ifindex, t.ip, t.owner().map(str::to_string), t.scrubbed(), t.is_hands_off())
         };
         let res = (|| -> Result<bool, String> {

@@ -219,26 +219,38 @@ impl Agent {
     /// could be reclaimed.
     pub(super) fn reclaim_released(&self, id: &str) -> Result<Option<String>, AgentError> {
         let candidates: Vec<(String, std::net::Ipv4Addr)> = {
-            let inner = lock(&self.inner);
-            inner
+            let mut inner = lock(&self.inner);
+            let listed: Vec<(String, std::net::Ipv4Addr)> = inner
                 .pool
                 .names(TapState::Cleaning)
                 // Scrubbed: ownerless, never retiring or hands-off (the pool's invariants).
                 .filter_map(|n| inner.pool.get(n).filter(|t| t.scrubbed() && !t.scrubbing()).map(|t| (n.clone(), t.ip)))
                 .take(RECLAIM_TRIES)
-                .collect()
+                .collect();
+            // Claimed here (scrubbing), in the section that chose them: concurrent Ensures
+            // choose the next ones instead of failing on the same two and creating TAPs (T3).
+            listed.into_iter().filter(|(n, _)| self.transit(&mut inner, n, Transition::BeginScrub).is_ok()).collect()
         };
         // One sock_diag dump for all of them (R72), not one per TAP.
         self.abort_node_sockets(&candidates);
+        let mut got = None;
         for (n, _) in candidates {
-            if self.cleanup_tap_sockets_aborted(&n) {
-                // Another Ensure may take it first; any Ready TAP will do.
-                if let Some(got) = self.acquire_ready(id)? {
-                    return Ok(Some(got));
+            // Every claimed TAP is finished (Ready, or Cleaning for the next pass), even after
+            // one went to `id`.
+            if self.cleanup_claimed_sockets_aborted(&n) && got.is_none() {
+                let mut inner = lock(&self.inner);
+                // This one, unless another Ensure's `acquire_ready` took it meanwhile.
+                let ready = inner.pool.get(&n).is_some_and(|t| t.state() == TapState::Ready);
+                if ready && self.transit(&mut inner, &n, Transition::Acquire(id)).is_ok() {
+                    got = Some(n);
                 }
             }
         }
-        Ok(None)
+        match got {
+            Some(n) => Ok(Some(n)),
+            // Any Ready TAP will do (another Ensure may have reclaimed one).
+            None => self.acquire_ready(id),
+        }
     }
 
     /// Moves up to `max` TAPs from their warm-up filter to their tcx link (F5), each ~one
