@@ -31,6 +31,9 @@ use crate::{netns::TestNetns, tls};
 pub enum FloodKind {
     /// A full TLS 1.3 handshake (client resumption off), then close.
     Handshake,
+    /// A full handshake, one `GET /flood` with `Connection: close` read to its end (the
+    /// gateway's upstream handshake for it included), then close.
+    Request,
     /// A canned ClientHello; once the gateway answers (ServerHello… sent: it has done the key
     /// exchange and signed), reset the connection.
     HelloAbort,
@@ -41,7 +44,7 @@ pub enum FloodKind {
 /// A running flood; [`Flood::stop`] ends it.
 pub struct Flood {
     stop: Arc<AtomicBool>,
-    /// Handshakes completed (kind `Handshake`) or gateway answers received (`HelloAbort`),
+    /// Handshakes completed (kind `Handshake`), requests answered 200 (`Request`), gateway answers received (`HelloAbort`),
     /// or garbage connections made (`Garbage`).
     pub done: Arc<AtomicU64>,
     /// Connects or handshakes that failed.
@@ -146,6 +149,20 @@ async fn flood_once(
                 .await
                 .map_err(|_| "TLS timeout")??;
             drop(t);
+        }
+        FloodKind::Request => {
+            let sni = rustls::pki_types::ServerName::try_from(name.to_string())?;
+            let mut t = tokio::time::timeout(Duration::from_secs(10), tls.connect(sni, tcp))
+                .await
+                .map_err(|_| "TLS timeout")??;
+            t.write_all(format!("GET /flood HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+            let mut resp = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), t.read_to_end(&mut resp))
+                .await
+                .map_err(|_| "no answer")??;
+            if !resp.starts_with(b"HTTP/1.1 200") {
+                return Err(format!("answer: {}", String::from_utf8_lossy(&resp[..resp.len().min(80)])).into());
+            }
         }
         FloodKind::HelloAbort => {
             tcp.write_all(hello).await?;
