@@ -94,8 +94,9 @@ pub struct Config {
     /// local client; the handoff socket stays root and our uid only.
     pub allowed_peer_uids: Vec<u32>,
     /// Client TLS handshakes one sandbox may have in progress at a time, from its ClientHello
-    /// to the end of the handshake (mint included); its further connections wait for a turn
-    /// without being served, never another sandbox's (decision R90; default 4, 1–1024).
+    /// to the end of the handshake (mint included) or 1 s at most; its further connections
+    /// wait for a turn (up to 10 s, then closed) without being served, never another
+    /// sandbox's (decision R90; default 1, 1–1024).
     pub handshakes_per_sandbox: usize,
 }
 
@@ -425,6 +426,17 @@ mod tests {
         let e = err("http_port = \"x\"\n");
         assert!(!e.contains('\n') && e.contains("line 1 (http_port = \"x\"): invalid type"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn handshakes_per_sandbox_is_bounded() {
+        let ok = |n: usize| Config { handshakes_per_sandbox: n, ..Config::default() }.validate();
+        assert_eq!(Config::default().handshakes_per_sandbox, 1);
+        assert!(ok(1).is_ok() && ok(crate::handshakes::MAX_PER_SANDBOX).is_ok());
+        for n in [0, crate::handshakes::MAX_PER_SANDBOX + 1] {
+            let e = ok(n).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("handshakes_per_sandbox: {n} is outside 1..=1024")), "{e}");
+        }
     }
 
     #[test]
