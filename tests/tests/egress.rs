@@ -2631,13 +2631,18 @@ fn egress_gateway_handshake_flood_starves_no_other_sandbox() {
         // Handshake floods: the victim keeps at least a fifth of the flood's count and of its
         // own alone, a tenth of alone when every flood connection also costs an upstream
         // handshake and a request (before R90: 1–3 % of either). Garbage costs no handshake,
-        // only accepts: a tenth of alone (before R90 as now: 25–88 %, the kernel's and the
-        // accept loop's share).
+        // only accepts: a twentieth of alone (before R90 as now: 25–88 % with the debug
+        // gateway, 12–14 % with a release one at 13,000–20,000 connects/s: the kernel's, the
+        // clients' and the accept loop's share, which R90 does not bound).
         let handshakes = kind != FloodKind::Garbage;
         if handshakes && v.ok * 5 < flooded {
             failures.push(format!("{kind:?}: victim {} requests, flood {flooded}", v.ok));
         }
-        let share = if matches!(kind, FloodKind::Handshake | FloodKind::HelloAbort) { 5 } else { 10 };
+        let share = match kind {
+            FloodKind::Handshake | FloodKind::HelloAbort => 5,
+            FloodKind::Request => 10,
+            FloodKind::Garbage => 20,
+        };
         if v.ok * share < alone.ok {
             failures.push(format!("{kind:?}: victim {} requests under flood, {} alone", v.ok, alone.ok));
         }
