@@ -93,6 +93,11 @@ pub struct Config {
     /// running as another non-root user. `/metrics` and `/admin/v1/health` stay open to every
     /// local client; the handoff socket stays root and our uid only.
     pub allowed_peer_uids: Vec<u32>,
+    /// Client TLS handshakes one sandbox may have in progress at a time, from its ClientHello
+    /// to the end of the handshake (mint included) or 1 s at most; its further connections
+    /// wait for a turn (up to 10 s, then closed) without being served, never another
+    /// sandbox's (decision R90; default 1, 1–1024).
+    pub handshakes_per_sandbox: usize,
 }
 
 /// Default `always_denied_cidrs`, the agent's default too (decisions R30, R85).
@@ -134,6 +139,7 @@ impl Default for Config {
             conn_floor_per_sandbox: crate::conns::DEFAULT_FLOOR,
             audit_floor_per_sandbox: 8,
             allowed_peer_uids: Vec::new(),
+            handshakes_per_sandbox: crate::handshakes::DEFAULT_PER_SANDBOX,
         }
     }
 }
@@ -184,6 +190,9 @@ pub struct Cli {
     /// Mint burst per sandbox.
     #[arg(long, env = "CUBE_EGRESS_MINT_BURST")]
     pub mint_burst: Option<u32>,
+    /// Client TLS handshakes one sandbox may have in progress (R90).
+    #[arg(long, env = "CUBE_EGRESS_HANDSHAKES_PER_SANDBOX")]
+    pub handshakes_per_sandbox: Option<usize>,
     /// Drain deadline on SIGTERM (seconds).
     #[arg(long, env = "CUBE_EGRESS_DRAIN_TIMEOUT_SECS")]
     pub drain_timeout_secs: Option<u64>,
@@ -221,6 +230,7 @@ impl Config {
         }
         over!(sandbox_cidr, http_port, https_port, admin_addr, ca_dir, audit_file, bootstrap_url, bootstrap_attempts);
         over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs, dns_servers);
+        over!(handshakes_per_sandbox);
         if let Some(v) = cli.always_denied_cidrs {
             c.always_denied_cidrs = v.into_iter().filter(|s| !s.is_empty()).collect();
         }
@@ -279,6 +289,13 @@ impl Config {
             if self.allowed_peer_uids[..i].contains(u) {
                 bail!("allowed_peer_uids[{i}]: {u} is listed twice");
             }
+        }
+        if !(1..=crate::handshakes::MAX_PER_SANDBOX).contains(&self.handshakes_per_sandbox) {
+            bail!(
+                "handshakes_per_sandbox: {} is outside 1..={}",
+                self.handshakes_per_sandbox,
+                crate::handshakes::MAX_PER_SANDBOX
+            );
         }
         if self.dns_timeout_ms == 0 || self.audit_queue_capacity == 0 {
             bail!("dns_timeout_ms and audit_queue_capacity must be positive");
@@ -409,6 +426,17 @@ mod tests {
         let e = err("http_port = \"x\"\n");
         assert!(!e.contains('\n') && e.contains("line 1 (http_port = \"x\"): invalid type"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn handshakes_per_sandbox_is_bounded() {
+        let ok = |n: usize| Config { handshakes_per_sandbox: n, ..Config::default() }.validate();
+        assert_eq!(Config::default().handshakes_per_sandbox, 1);
+        assert!(ok(1).is_ok() && ok(crate::handshakes::MAX_PER_SANDBOX).is_ok());
+        for n in [0, crate::handshakes::MAX_PER_SANDBOX + 1] {
+            let e = ok(n).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("handshakes_per_sandbox: {n} is outside 1..=1024")), "{e}");
+        }
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod dest;
 pub mod dns;
 pub mod floor;
 pub mod handoff;
+pub mod handshakes;
 pub mod metrics;
 pub mod net;
 /// The rule model lives in the shared `egress-policy` crate (the agent validates with it too).
@@ -84,6 +85,8 @@ pub struct App {
     allowed_peer_uids: Vec<u32>,
     /// Live proxy connections per sandbox, bounded by budget (R18), floor and ceiling (R22).
     pub conns: Arc<conns::ConnBudget>,
+    /// Client TLS handshakes in progress per sandbox, at most `handshakes_per_sandbox` (R90).
+    pub handshakes: Arc<handshakes::HandshakeGate>,
     /// When the drain started (set once, just before `drain` turns `true`).
     pub drain_at: std::sync::OnceLock<std::time::Instant>,
     ids: AtomicU64,
@@ -142,6 +145,7 @@ impl App {
             always_denied: watch::channel(Arc::new(cfg.always_denied()?)).0,
             allowed_peer_uids: cfg.allowed_peer_uids.clone(),
             conns,
+            handshakes: handshakes::HandshakeGate::new(cfg.handshakes_per_sandbox),
             drain_at: std::sync::OnceLock::new(),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()

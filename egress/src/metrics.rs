@@ -22,6 +22,9 @@ pub struct Metrics {
     pub mint_rate_limited: IntCounter,
     /// TLS connections refused before minting (SNI denied or no policy).
     pub handshakes_refused: IntCounter,
+    /// Client TLS handshakes that waited for their sandbox's turn (`handshakes_per_sandbox`
+    /// were in progress, R90).
+    pub handshakes_waited: IntCounter,
     /// Completed client TLS handshakes by `kind`: `full` or `resumed` (a session ticket, also
     /// one a predecessor issued, E23).
     pub tls_handshakes: IntCounterVec,
@@ -72,6 +75,10 @@ impl Metrics {
         let cert_cache_hits = c("cube_egress_cert_cache_hits_total", "Leaf certificate cache hits");
         let mint_rate_limited = c("cube_egress_cert_mint_rate_limited_total", "Mints refused by the per-sandbox limit");
         let handshakes_refused = c("cube_egress_tls_handshakes_refused_total", "TLS handshakes refused before minting");
+        let handshakes_waited = c(
+            "cube_egress_tls_handshakes_waited_total",
+            "TLS handshakes that waited for their sandbox's turn (handshakes_per_sandbox in progress)",
+        );
         let vec = |n: &str, h: &str, l: &str| IntCounterVec::new(Opts::new(n, h), &[l]).expect("metric");
         let gauges = |n: &str, h: &str| IntGaugeVec::new(Opts::new(n, h), &["pool"]).expect("metric");
         let connections_refused = vec(
@@ -119,6 +126,7 @@ impl Metrics {
             &cert_cache_hits,
             &mint_rate_limited,
             &handshakes_refused,
+            &handshakes_waited,
             &audit_dropped,
         ] {
             registry.register(Box::new(m.clone())).expect("register");
@@ -162,6 +170,7 @@ impl Metrics {
             cert_cache_hits,
             mint_rate_limited,
             handshakes_refused,
+            handshakes_waited,
             tls_handshakes,
             connections_refused,
             connections,

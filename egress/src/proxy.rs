@@ -352,6 +352,23 @@ async fn serve_tls(
     if policy.admit_sni(sni.as_deref(), *dst.ip(), dst.port()) == SniAdmission::Refuse {
         return refuse("sni_not_allowed".into());
     }
+    // The costly part (mint, key exchange, signature) runs on the sandbox's turn: at most
+    // `handshakes_per_sandbox` of its handshakes at a time, whatever it opens (R90). A turn
+    // waited for longer than a handshake may take ends the connection. The turn ends with the
+    // handshake, or after `TURN_HOLD` (a stalled client keeps no turn).
+    let turn = match tokio::time::timeout(HELLO_TIMEOUT, app.handshakes.enter(sandbox)).await {
+        Ok((turn, waited)) => {
+            if waited {
+                app.metrics.handshakes_waited.inc();
+            }
+            turn
+        }
+        Err(_) => {
+            app.metrics.handshakes_waited.inc();
+            tracing::debug!(%sandbox, "client TLS handshake: no turn in time");
+            return;
+        }
+    };
     let name = match &sni {
         Some(s) => CertName::Dns(s.clone()),
         None => CertName::Ip(IpAddr::V4(*dst.ip())),
@@ -361,7 +378,18 @@ async fn serve_tls(
         Err(MintError::RateLimited) => return refuse("cert_mint_rate_limited".into()),
         Err(e) => return refuse(e.to_string()),
     };
-    let tls = match tokio::time::timeout(HELLO_TIMEOUT, start.into_stream(cfg)).await {
+    let handshake = tokio::time::timeout(HELLO_TIMEOUT, start.into_stream(cfg));
+    tokio::pin!(handshake);
+    let done = tokio::select! {
+        r = &mut handshake => Some(r),
+        () = tokio::time::sleep(crate::handshakes::TURN_HOLD) => None,
+    };
+    drop(turn);
+    let done = match done {
+        Some(r) => r,
+        None => handshake.await,
+    };
+    let tls = match done {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
             tracing::debug!(%sandbox, error = %e, "client TLS handshake failed");

@@ -39,6 +39,7 @@ pub mod frames;
 pub mod fuzz;
 pub mod grpcio;
 pub mod guest;
+pub mod hsflood;
 pub mod l7;
 pub mod mntns;
 pub mod netns;
