@@ -63,6 +63,18 @@ impl UpdateLock {
     }
 }
 
+impl Drop for UpdateLock {
+    /// Unlocks before the fd closes: a `flock` belongs to the open file description, and a
+    /// child this process forks (a `Command` of any thread) holds a copy of every fd from the
+    /// fork until its exec closes the `O_CLOEXEC` ones, so closing ours alone could leave the
+    /// lock held for that window and fail the next updater's `try_acquire` with `Busy`.
+    /// `LOCK_UN` releases it for every copy.
+    fn drop(&mut self) {
+        // SAFETY: unlock of an fd we own.
+        unsafe { libc::flock(self._dir.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
 /// An exclusive `flock(2)` on the pinned maps' directory (`<pin_dir>/maps`, not the updater
 /// lock's `<pin_dir>`) while alive: serialises the read-modify-write of a userspace-only count
 /// map (`session_closed`, `track_closed`) across processes sharing the pins (decisions Q2, Q5,
@@ -95,5 +107,34 @@ impl Drop for Flock<'_> {
             // SAFETY: unlock of an fd we own.
             unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A child forked while the lock is held (and not yet exec'd, as any `Command` is for a
+    /// moment) must not keep the lock after the guard drops.
+    #[test]
+    fn a_forked_child_never_keeps_the_update_lock() {
+        let dir = std::env::temp_dir().join(format!("cubevs-lock-test-{}", std::process::id()));
+        let lock = UpdateLock::try_acquire(&dir).unwrap();
+        // SAFETY: the child only sleeps and exits (async-signal-safe calls only).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            unsafe {
+                libc::usleep(500_000);
+                libc::_exit(0);
+            }
+        }
+        drop(lock);
+        let again = UpdateLock::try_acquire(&dir);
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        let _ = std::fs::remove_dir(&dir);
+        assert!(again.is_ok(), "the lock stayed with the forked child: {:?}", again.err());
     }
 }
