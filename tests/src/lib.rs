@@ -32,6 +32,7 @@ pub mod agent;
 pub mod agent_upgrade;
 pub mod bpffs;
 pub mod capture;
+pub mod deny_probe;
 pub mod dns;
 pub mod egress;
 pub mod egress_swap;

@@ -21,6 +21,7 @@ use std::{
 use cubenet_proto::v1 as pb;
 use cubenet_tests::{
     agent::AgentUnderTest,
+    deny_probe::DenyProbe,
     guest::TapGuest,
     packet::{self, Transport},
     require_root,
@@ -52,44 +53,6 @@ fn ensure(a: &AgentUnderTest, id: &str, internet: bool, allow: &[&str]) -> pb::E
     })
 }
 
-/// The two listeners in the world namespace: the "metadata" host and a control address.
-struct Hosts {
-    metadata: UdpSocket,
-    control: UdpSocket,
-}
-
-impl Hosts {
-    fn new(a: &AgentUnderTest) -> Self {
-        a.topo.add_world_address(METADATA, 32);
-        let bind = |ip: [u8; 4]| {
-            a.topo.world.run(move || {
-                let s = UdpSocket::bind(SocketAddr::from((ip, PORT))).unwrap();
-                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-                s
-            })
-        };
-        Self { metadata: bind(METADATA), control: bind(WORLD_IP) }
-    }
-
-    /// Sends `tag` to the metadata host, then `tag` to the control address, from `g` (UDP,
-    /// source port `sport`); waits for the control datagram. Returns whether the metadata
-    /// host got its datagram (sent first on the same path, so it arrives first if at all).
-    fn probe(&self, g: &TapGuest, sport: u16, tag: &str) -> bool {
-        g.send(&packet::udp(METADATA, sport, PORT, tag.as_bytes()));
-        g.send(&packet::udp(WORLD_IP, sport, PORT, tag.as_bytes()));
-        let mut buf = [0u8; 256];
-        let n = self.control.recv(&mut buf).unwrap_or_else(|e| panic!("control datagram {tag} lost: {e}"));
-        assert_eq!(&buf[..n], tag.as_bytes());
-        self.metadata.set_nonblocking(true).unwrap();
-        let mut got = false;
-        while let Ok(n) = self.metadata.recv(&mut buf) {
-            got |= &buf[..n] == tag.as_bytes();
-        }
-        self.metadata.set_nonblocking(false).unwrap();
-        got
-    }
-}
-
 /// Pings the metadata host from `g`: whether an echo reply comes back.
 fn ping(g: &TapGuest, seq: u16) -> bool {
     g.send(&packet::icmp_echo_request(METADATA, 0x77, seq));
@@ -107,13 +70,13 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
     // The agent's default list (no key in the TOML): 100.100.100.200/32.
     let mut a = AgentUnderTest::prepare("always-denied", 2, "");
     a.start();
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let ra = ensure(&a, "sb-all", true, &["0.0.0.0/0"]);
     let rb = ensure(&a, "sb-cgnat", false, &["100.64.0.0/10", "198.51.100.1/32"]);
     let (ga, gb) = (a.guest(&ra), a.guest(&rb));
 
-    assert!(!hosts.probe(&ga, 40001, "a1"), "allow_out 0.0.0.0/0 reached the always-denied address");
-    assert!(!hosts.probe(&gb, 40002, "b1"), "allow_out 100.64.0.0/10 reached the always-denied address");
+    assert!(!hosts.reaches(&ga, 40001, "a1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    assert!(!hosts.reaches(&gb, 40002, "b1"), "allow_out 100.64.0.0/10 reached the always-denied address");
     assert!(!ping(&ga, 1), "a ping from sb-all was answered by the always-denied address");
     assert!(!ping(&gb, 2), "a ping from sb-cgnat was answered by the always-denied address");
     // Counted as what they are: each sandbox's datagram and ping are policy drops.
@@ -132,8 +95,8 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
     let toml = std::fs::read_to_string(&cfg).unwrap() + "always_denied_cidrs = []\n";
     std::fs::write(&cfg, toml).unwrap();
     a.start();
-    assert!(hosts.probe(&ga, 40003, "a2"), "without the list, allow_out 0.0.0.0/0 must reach it:\n{}", a.log());
-    assert!(hosts.probe(&gb, 40004, "b2"), "without the list, allow_out 100.64.0.0/10 must reach it");
+    assert!(hosts.reaches(&ga, 40003, "a2"), "without the list, allow_out 0.0.0.0/0 must reach it:\n{}", a.log());
+    assert!(hosts.reaches(&gb, 40004, "b2"), "without the list, allow_out 100.64.0.0/10 must reach it");
     assert!(ping(&ga, 3), "without the list, sb-all's ping must be answered");
 
     // And back: a restart with the entry again closes it for the running sandboxes, also the
@@ -144,9 +107,9 @@ fn always_denied_list_beats_every_allow_and_a_restart_without_it_reopens() {
         .replace("always_denied_cidrs = []\n", "always_denied_cidrs = [\"203.0.113.0/24\", \"100.100.100.200\"]\n");
     std::fs::write(&cfg, toml).unwrap();
     a.start();
-    assert!(!hosts.probe(&ga, 40003, "a3"), "a flow opened while the list was empty outlived the restart");
-    assert!(!hosts.probe(&ga, 40005, "a4"), "the list restored at restart was not enforced");
-    assert!(!hosts.probe(&gb, 40006, "b3"), "the list restored at restart was not enforced");
+    assert!(!hosts.reaches(&ga, 40003, "a3"), "a flow opened while the list was empty outlived the restart");
+    assert!(!hosts.reaches(&ga, 40005, "a4"), "the list restored at restart was not enforced");
+    assert!(!hosts.reaches(&gb, 40006, "b3"), "the list restored at restart was not enforced");
 }
 
 /// The `result` series of `cubenet_config_reloads_total` on `/metrics` (0 when absent).
@@ -167,11 +130,11 @@ fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
     a.start();
     let cfg = a.dir.join("agent.toml");
     let original = std::fs::read_to_string(&cfg).unwrap();
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let r = ensure(&a, "sb-hup", true, &["0.0.0.0/0"]);
     let g = a.guest(&r);
     // Unlisted: the flow (UDP, guest port 41001) reaches the host.
-    assert!(hosts.probe(&g, 41001, "h1"), "unlisted, the address must be reachable:\n{}", a.log());
+    assert!(hosts.reaches(&g, 41001, "h1"), "unlisted, the address must be reachable:\n{}", a.log());
 
     // Listed in the file, plus a key that is read only at start.
     let listed = original
@@ -181,8 +144,8 @@ fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
     a.signal(nix::sys::signal::Signal::SIGHUP);
     let n = a.wait_log_count(RELOADED, 0, Duration::from_secs(20));
     // The running flow (same ports: its session existed) is cut, and a new one is refused.
-    assert!(!hosts.probe(&g, 41001, "h2"), "the flow opened while unlisted outlived the reload");
-    assert!(!hosts.probe(&g, 41002, "h3"), "a new flow reached the address listed by the reload");
+    assert!(!hosts.reaches(&g, 41001, "h2"), "the flow opened while unlisted outlived the reload");
+    assert!(!hosts.reaches(&g, 41002, "h3"), "a new flow reached the address listed by the reload");
     assert!(!ping(&g, 1), "a ping reached the address listed by the reload");
     let log = a.log();
     assert!(log.contains("needs a restart") && log.contains("maintenance_interval_secs"), "{log}");
@@ -206,14 +169,14 @@ fn sighup_reloads_the_list_and_cuts_flows_to_newly_listed_addresses() {
     a.signal(nix::sys::signal::Signal::SIGHUP);
     a.wait_log_count(INVALID, 0, Duration::from_secs(20));
     assert!(a.log().contains("always_denied_cidrs"), "the error names the key:\n{}", a.log());
-    assert!(!hosts.probe(&g, 41003, "h4"), "a bad file opened the listed address");
+    assert!(!hosts.reaches(&g, 41003, "h4"), "a bad file opened the listed address");
     assert_eq!(reloads(&a, "invalid"), 1);
 
     // Unlisted again: the same guest reaches the address, on the port that was cut too.
     std::fs::write(&cfg, &original).unwrap();
     a.signal(nix::sys::signal::Signal::SIGHUP);
     a.wait_log_count(RELOADED, n, Duration::from_secs(20));
-    assert!(hosts.probe(&g, 41001, "h5"), "the address stayed closed after the reload that unlisted it");
+    assert!(hosts.reaches(&g, 41001, "h5"), "the address stayed closed after the reload that unlisted it");
     assert!(ping(&g, 2), "the ping stayed refused after the reload that unlisted it");
     assert_eq!(reloads(&a, "applied"), 2);
 }

@@ -27,21 +27,15 @@
 //!   listing, TAP fd, traffic and policy. No gap on the old code; it guards H11's fresh start,
 //!   which must never let the loser replace the winner.
 
-use std::{
-    net::{SocketAddr, UdpSocket},
-    path::Path,
-    time::Duration,
-};
+use std::{path::Path, time::Duration};
 
 use cubenet_proto::v1 as pb;
-use cubenet_sys::tap::VNET_HDR_LEN;
 use cubenet_tests::{
     agent::{AgentUnderTest, tap_fd},
     agent_upgrade::{handover_socket, spawn_agent, start, upgrade, wait_exit, wait_until},
-    guest::TapGuest,
+    deny_probe::DenyProbe,
     netns::ChildGuard,
-    packet, require_root,
-    topology::WORLD_IP,
+    require_root,
 };
 use nix::{sys::signal::Signal, unistd::Pid};
 
@@ -87,53 +81,6 @@ fn release(a: &AgentUnderTest, id: &str) {
     })
 }
 
-/// The guest of `r` on the TAP fd the agent hands out (the test holds it, as a VMM does).
-fn guest(a: &AgentUnderTest, r: &pb::EnsureNetworkResponse) -> TapGuest {
-    let (reply, fd) = tap_fd(&a.tap_socket(), &r.interfaces[0].name, &r.sandbox_id);
-    assert_eq!(reply["errCode"], "0", "{reply}");
-    let g = TapGuest::new(fd.unwrap(), VNET_HDR_LEN);
-    g.drain();
-    g
-}
-
-/// UDP listeners in the world namespace: the "metadata" host and a control address.
-struct Hosts {
-    metadata: UdpSocket,
-    control: UdpSocket,
-}
-
-impl Hosts {
-    fn new(a: &AgentUnderTest) -> Self {
-        a.topo.add_world_address(METADATA, 32);
-        let bind = |ip: [u8; 4]| {
-            a.topo.world.run(move || {
-                let s = UdpSocket::bind(SocketAddr::from((ip, PORT))).unwrap();
-                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-                s
-            })
-        };
-        Self { metadata: bind(METADATA), control: bind(WORLD_IP) }
-    }
-
-    /// Sends `tag` to the metadata host, then to the control address, from `g`; the control
-    /// datagram must arrive (the sandbox's path works). Returns whether the metadata host got
-    /// its datagram (sent first on the same path, so it is there by then if at all).
-    fn probe(&self, g: &TapGuest, sport: u16, tag: &str) -> bool {
-        g.send(&packet::udp(METADATA, sport, PORT, tag.as_bytes()));
-        g.send(&packet::udp(WORLD_IP, sport, PORT, tag.as_bytes()));
-        let mut buf = [0u8; 256];
-        let n = self.control.recv(&mut buf).unwrap_or_else(|e| panic!("control datagram {tag} lost: {e}"));
-        assert_eq!(&buf[..n], tag.as_bytes());
-        self.metadata.set_nonblocking(true).unwrap();
-        let mut got = false;
-        while let Ok(n) = self.metadata.recv(&mut buf) {
-            got |= &buf[..n] == tag.as_bytes();
-        }
-        self.metadata.set_nonblocking(false).unwrap();
-        got
-    }
-}
-
 /// Connections waiting, not yet accepted, in the backlog of the listening Unix socket the
 /// agent with PID `pid` placed at `path` (`ss`'s Recv-Q of a listening socket; `ss` names it
 /// by its bound name, `<path>.tmp-<pid>`, renamed into place since, H6); `None` when no such
@@ -159,10 +106,10 @@ fn a_refused_successor_never_changes_the_always_denied_list() {
     // The running agent enforces its default list (100.100.100.200/32).
     let mut a = AgentUnderTest::prepare("chaos-deny", 2, "");
     start(&mut a);
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let r = ensure(&a, "sb-all");
-    let g = guest(&a, &r);
-    assert!(!hosts.probe(&g, 41001, "p1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let g = a.guest(&r);
+    assert!(!hosts.reaches(&g, 41001, "p1"), "allow_out 0.0.0.0/0 reached the always-denied address");
 
     // The next version's file empties the list; a successor started with it whose
     // tap_fd_listen does not fit the running agent's socket is refused and exits.
@@ -178,15 +125,15 @@ fn a_refused_successor_never_changes_the_always_denied_list() {
     assert!(log.contains("hand-over aborted, this agent keeps serving"), "{log}");
     assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
     // The running agent's list still holds for the running sandbox, and for a new one.
-    assert!(!hosts.probe(&g, 41002, "p2"), "a refused successor opened the running agent's always-denied address");
+    assert!(!hosts.reaches(&g, 41002, "p2"), "a refused successor opened the running agent's always-denied address");
     let r2 = ensure(&a, "sb-new");
-    let g2 = guest(&a, &r2);
-    assert!(!hosts.probe(&g2, 41003, "p3"), "a refused successor opened the always-denied address to a new sandbox");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 41003, "p3"), "a refused successor opened the always-denied address to a new sandbox");
 
     // A successor with that file that takes over: its list applies from then on.
     upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
-    assert!(hosts.probe(&g, 41004, "p4"), "the successor's emptied list did not apply after the hand-over");
-    assert!(hosts.probe(&g2, 41005, "p5"), "the successor's emptied list did not apply after the hand-over");
+    assert!(hosts.reaches(&g, 41004, "p4"), "the successor's emptied list did not apply after the hand-over");
+    assert!(hosts.reaches(&g2, 41005, "p5"), "the successor's emptied list did not apply after the hand-over");
     drop((g, g2));
     release(&a, "sb-all");
     release(&a, "sb-new");
@@ -199,10 +146,10 @@ fn the_running_agent_killed_before_its_offer_leaves_the_successor_serving() {
     }
     let mut a = AgentUnderTest::prepare("chaos-vanish", 2, "");
     start(&mut a);
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let r = ensure(&a, "sb-live");
-    let g = guest(&a, &r);
-    assert!(!hosts.probe(&g, 42001, "v1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let g = a.guest(&r);
+    assert!(!hosts.reaches(&g, 42001, "v1"), "allow_out 0.0.0.0/0 reached the always-denied address");
     let before: Vec<pb::NetworkState> = list(&a);
     assert_eq!(before.len(), 1, "{before:?}");
 
@@ -236,10 +183,10 @@ fn the_running_agent_killed_before_its_offer_leaves_the_successor_serving() {
     // The sandbox kept its identity (TAP, ifindex, address, handle), its policy, the node's
     // list and its traffic; new calls are served.
     assert_eq!(list(&a), before, "the sandbox's state changed across the crash during the hand-over");
-    assert!(!hosts.probe(&g, 42002, "v2"), "the always-denied address opened after the crash");
+    assert!(!hosts.reaches(&g, 42002, "v2"), "the always-denied address opened after the crash");
     let r2 = ensure(&a, "sb-after");
-    let g2 = guest(&a, &r2);
-    assert!(!hosts.probe(&g2, 42003, "v3"), "the always-denied address is open to a new sandbox");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 42003, "v3"), "the always-denied address is open to a new sandbox");
     drop((g, g2));
     release(&a, "sb-live");
     release(&a, "sb-after");
@@ -261,11 +208,11 @@ fn a_successor_with_another_cidr_is_refused_before_it_changes_the_node() {
     }
     let mut a = AgentUnderTest::prepare("chaos-cidr", 2, "");
     start(&mut a);
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let r = ensure(&a, "sb-cidr");
     let tap = r.interfaces[0].name.clone();
-    let g = guest(&a, &r);
-    assert!(!hosts.probe(&g, 43001, "c1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let g = a.guest(&r);
+    assert!(!hosts.reaches(&g, 43001, "c1"), "allow_out 0.0.0.0/0 reached the always-denied address");
     let before = list(&a);
     let dev = cube_dev_addrs(&a);
     assert_eq!(dev, "192.168.0.1/24");
@@ -299,7 +246,7 @@ fn a_successor_with_another_cidr_is_refused_before_it_changes_the_node() {
     let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-cidr");
     assert_eq!(reply["errCode"], "0", "{reply}");
     drop(fd);
-    assert!(!hosts.probe(&g, 43002, "c2"), "the always-denied address opened");
+    assert!(!hosts.reaches(&g, 43002, "c2"), "the always-denied address opened");
     let r2 = ensure(&a, "sb-next");
     assert!(r2.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r2:?}");
     drop(g);
@@ -315,10 +262,10 @@ fn two_successors_at_once_leave_exactly_one_agent_serving() {
     }
     let mut a = AgentUnderTest::prepare("chaos-two", 2, "");
     start(&mut a);
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let r = ensure(&a, "sb-two");
     let tap = r.interfaces[0].name.clone();
-    let g = guest(&a, &r);
+    let g = a.guest(&r);
     let before = list(&a);
 
     // Two upgrades started together (e.g. an operator's retry beside a supervisor's): each asks
@@ -365,7 +312,7 @@ fn two_successors_at_once_leave_exactly_one_agent_serving() {
     let (reply, fd) = tap_fd(&a.tap_socket(), &tap, "sb-two");
     assert_eq!(reply["errCode"], "0", "{reply}\n{log}");
     drop(fd);
-    assert!(!hosts.probe(&g, 44001, "t1"), "the always-denied address opened");
+    assert!(!hosts.reaches(&g, 44001, "t1"), "the always-denied address opened");
     let r2 = ensure(&a, "sb-two-next");
     drop(g);
     release(&a, "sb-two");
@@ -396,10 +343,10 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     }
     let mut a = AgentUnderTest::prepare("chaos-object", 2, "");
     start(&mut a);
-    let hosts = Hosts::new(&a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
     let r = ensure(&a, "sb-obj");
-    let g = guest(&a, &r);
-    assert!(!hosts.probe(&g, 45001, "o1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let g = a.guest(&r);
+    assert!(!hosts.reaches(&g, 45001, "o1"), "allow_out 0.0.0.0/0 reached the always-denied address");
     let (active, links) = slots_in_use(&a);
     let active = active.expect("an active slot");
     assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
@@ -420,7 +367,7 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
         "every pinned link must run slot {active} again: {links_now:?}"
     );
     assert!(a.log().contains("was rolled back"), "{}", a.log());
-    assert!(!hosts.probe(&g, 45002, "o2"), "the always-denied address opened");
+    assert!(!hosts.reaches(&g, 45002, "o2"), "the always-denied address opened");
 
     // An agent with that object started without the hand-over socket (an old start command)
     // stops at binding the sockets the running agent serves (H7): its switch is undone too.
@@ -436,8 +383,8 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     assert_eq!(now, Some(active), "an agent stopped at the bind left its datapath active");
     assert!(links_now.iter().all(|s| *s == Some(active)), "{links_now:?}");
     let r2 = ensure(&a, "sb-obj-next");
-    let g2 = guest(&a, &r2);
-    assert!(!hosts.probe(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");
 
     // The same object in an upgrade that succeeds: the node runs it afterwards.
     let cfg = a.dir.join("agent.toml");
@@ -448,7 +395,7 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     let (after, links_after) = slots_in_use(&a);
     assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
     assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
-    assert!(!hosts.probe(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
+    assert!(!hosts.reaches(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
     drop((g, g2));
     release(&a, "sb-obj");
     release(&a, "sb-obj-next");
