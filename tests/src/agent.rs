@@ -214,6 +214,18 @@ impl AgentUnderTest {
         g
     }
 
+    /// ReleaseNetwork of `id` over gRPC (the agent's own client, a fresh connection); returns
+    /// the answer's `released`. Panics, with the agent's log, when the call fails.
+    pub fn release(&self, id: &str) -> bool {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let r = rt.block_on(async {
+            let mut c = network_agent::client::connect(&self.grpc_endpoint()).await?;
+            let req = cubenet_proto::v1::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() };
+            Ok::<_, Box<dyn std::error::Error>>(c.release_network(req).await?.into_inner().released)
+        });
+        r.unwrap_or_else(|e| panic!("release {id}: {e}\n{}", self.log()))
+    }
+
     /// The state directory.
     pub fn state_dir(&self) -> PathBuf {
         self.dir.join("state")

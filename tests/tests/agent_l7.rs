@@ -96,14 +96,6 @@ fn reconcile(
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        let r = cl.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await;
-        assert!(r.expect("release").into_inner().released);
-    })
-}
-
 /// A client generated from the frozen pre-CubeNet schema, over the agent's Unix socket.
 async fn old_client(a: &AgentUnderTest) -> old::network_agent_client::NetworkAgentClient<tonic::transport::Channel> {
     let path = a.grpc_endpoint().strip_prefix("unix://").unwrap().to_string();
@@ -252,7 +244,7 @@ fn l7_fields_validate_and_old_clients_are_unchanged() {
     let sf = state_record(&a, "sb-fqdn");
     assert_eq!(sf["policy"]["allow_fqdn"], json!([{"name": "*.example.com", "ports": [443]}]));
     assert_eq!(sf["policy"]["rules"][0]["id"], "api");
-    release(&a, "sb-fqdn");
+    assert!(a.release("sb-fqdn"));
     drop(rf);
     // The released TAP's free check and the pool trim run in the maintenance pass the Release
     // wakes: let the pool settle (3 Ready, nothing Cleaning) before "nothing changes" is checked.
@@ -398,7 +390,7 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     // 6. Gateway down: Release and a new Ensure; a fresh gateway gets exactly the live set.
     gw.stop(&a.topo.node);
     let t = Instant::now();
-    release(&a, "sb-1");
+    assert!(a.release("sb-1"));
     let r3 = ensure(&a, "sb-3", Some(l7_ctx(vec![inject_rule("three", "three.example.com", SECRET)]))).unwrap();
     assert!(t.elapsed() < Duration::from_secs(2), "calls waited for a gateway that is down: {:?}", t.elapsed());
     let ip3 = sandbox_ip(&r3);
@@ -423,15 +415,15 @@ fn l7_agent_pushes_rules_to_the_gateway() {
     let r4 = ensure(&a, "sb-4", Some(l7_ctx(vec![inject_rule("four", "four.example.com", SECRET)]))).unwrap();
     let ip4 = sandbox_ip(&r4);
     assert_eq!(rule_ids(&gateway_policy(&a.topo.node, &ip4).expect("pushed before Ensure returned")), ["four"]);
-    release(&a, "sb-4");
+    assert!(a.release("sb-4"));
     assert_eq!(gateway_policy(&a.topo.node, &ip4), None);
 
     // 9. Release with the gateway up: gone when Release returns.
     let dump = a.http("/v1/policies/dump").unwrap().1;
     assert!(dump.contains(SECRET), "the loopback dump carries the secret for the gateway");
-    release(&a, "sb-3");
+    assert!(a.release("sb-3"));
     assert_eq!(gateway_policy(&a.topo.node, &ip3), None);
-    release(&a, "sb-2");
+    assert!(a.release("sb-2"));
 
     // Secrets: never in the agent's log; state files are 0600 in a 0700 directory.
     let log = a.log();
@@ -523,7 +515,7 @@ fn l7_dump_bootstraps_the_gateway_and_is_loopback_only() {
     assert_eq!(rule_ids(&p), ["api"]);
     assert_eq!(p["rules"][0]["match"], json!({"host": "api.example.com", "path": "/v1/*"}));
     drop(gw);
-    release(&a, "sb-1");
+    assert!(a.release("sb-1"));
     assert!(!a.log().contains(SECRET), "the agent logged the secret");
     assert!(!std::fs::read_to_string(tmp.0.join("gateway.log")).unwrap_or_default().contains(SECRET));
 }

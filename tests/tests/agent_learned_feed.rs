@@ -72,14 +72,6 @@ fn ensure(a: &AgentUnderTest, id: &str) -> pb::EnsureNetworkResponse {
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        let r = cl.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await;
-        assert!(r.expect("release").into_inner().released);
-    })
-}
-
 /// The gateway's learned names of `ip` (`None` = 404 nothing learned).
 fn learned(ns: &TestNetns, ip: &str) -> Option<Value> {
     admin_json(ns, &format!("/admin/v1/learned/{ip}")).map(|v| v["names"].clone())
@@ -154,12 +146,12 @@ fn learned_addresses_reach_the_gateway_per_sandbox_and_go_on_release() {
     assert_eq!(learned(&ag.topo.node, &ip_a).as_ref(), Some(&want));
 
     // Release forgets A's learned names on the gateway; B still has nothing.
-    release(&ag, "sb-a");
+    assert!(ag.release("sb-a"));
     wait_for("A's learned names gone", Duration::from_secs(10), || learned(&ag.topo.node, &ip_a).is_none());
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(learned(&ag.topo.node, &ip_a), None, "fed again after Release");
     assert_eq!(learned(&ag.topo.node, &ip_b), None);
-    release(&ag, "sb-b");
+    assert!(ag.release("sb-b"));
 }
 
 #[test]
@@ -291,8 +283,8 @@ fn operator_sees_each_sandboxs_learned_addresses() {
     assert!(jb["drops"].is_object(), "the counters are still there: {jb}");
 
     // Released: gone from the view; B (same patterns) still shows nothing.
-    release(&ag, "sb-a");
+    assert!(ag.release("sb-a"));
     assert!(view("sb-a").is_none());
     assert_eq!(view("sb-b").unwrap()["learned"], json!({}));
-    release(&ag, "sb-b");
+    assert!(ag.release("sb-b"));
 }

@@ -69,14 +69,6 @@ fn ensure(a: &AgentUnderTest, id: &str, rule: &str) -> String {
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        let r = cl.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await;
-        assert!(r.expect("release").into_inner().released);
-    })
-}
-
 /// `GET path` on `addr` from inside `ns`: (status, body), status 0 when unreachable.
 fn get_in(ns: &TestNetns, addr: &str, path: &str) -> (u16, String) {
     let (a, p) = (addr.to_string(), path.to_string());
@@ -133,10 +125,10 @@ fn gateway_in_the_dataplane_bootstraps_and_gets_pushes() {
     assert_eq!(gateway_policy(node, &ip2).unwrap()["rules"][0]["id"], "two");
     let m = a.http("/metrics").expect("metrics").1;
     assert!(m.contains("cubenet_egress_up 1"), "the agent sees the gateway up");
-    release(&a, "sb-2");
+    assert!(a.release("sb-2"));
     wait_for("sb-2's policy deleted", Duration::from_secs(10), || gateway_policy(node, &ip2).is_none());
     assert!(gateway_policy(node, &ip1).is_some(), "sb-1 untouched");
-    release(&a, "sb-1");
+    assert!(a.release("sb-1"));
     wait_for("sb-1's policy deleted", Duration::from_secs(10), || gateway_policy(node, &ip1).is_none());
     drop(gw);
     assert!(!a.log().contains(SECRET), "the agent logged the secret");
@@ -190,5 +182,5 @@ fn dump_listener_refuses_other_namespaces_and_non_loopback() {
     assert_eq!(code, 200, "{body}");
     let d: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(d["policies"][&ip]["rules"][0]["action"]["inject"][0]["secret"], SECRET);
-    release(&a, "sb-1");
+    assert!(a.release("sb-1"));
 }

@@ -76,17 +76,6 @@ fn reconcile(
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) -> bool {
-    rt().block_on(async {
-        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        cl.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() })
-            .await
-            .expect("release")
-            .into_inner()
-            .released
-    })
-}
-
 /// The installed policy of `tap` from `/v1/dataplane/policies`.
 fn policy_of(a: &AgentUnderTest, tap: &str) -> serde_json::Value {
     let pol = a.http_json("/v1/dataplane/policies");
@@ -143,7 +132,7 @@ fn policy_errors_name_the_field_and_the_limit() {
     assert_invalid(reconcile(&a, "sb-ok", ctx(true, vec![], over), &[]), &["cubevs_context.deny_out", "1024"]);
     assert_invalid(reconcile(&a, "sb-ok", ctx(false, vec![], vec!["1.2.3.4/+8".into()]), &[]), &["deny_out[0]"]);
     assert_eq!(policy_of(&a, &tap), before, "a refused Reconcile changed the policy");
-    assert!(release(&a, "sb-ok"));
+    assert!(a.release("sb-ok"));
 }
 
 /// Item 19, as an attacker: sandboxes Ensure the largest deny lists the agent accepts
@@ -186,7 +175,7 @@ fn one_sandbox_cannot_lock_up_the_node() {
     let first = attackers.first().expect("at least one attacker").clone();
     reconcile(&a, &first, ctx(true, vec![], vec!["203.0.113.7".into()]), &[]).expect("shrinking a policy");
     for id in attackers.iter().chain(std::iter::once(&"sb-normal".to_string())) {
-        assert!(release(&a, id));
+        assert!(a.release(id));
     }
     let t = StdInstant::now();
     while states(&a).iter().any(|s| s != "Ready") && t.elapsed() < Duration::from_secs(10) {

@@ -55,15 +55,6 @@ fn ensure(a: &AgentUnderTest, id: &str) -> pb::EnsureNetworkResponse {
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() })
-            .await
-            .unwrap_or_else(|e| panic!("release {id}: {e}"));
-    });
-}
-
 /// A guest TCP echo server on `GUEST_PORT` (smoltcp on the TAP fd) until `stop`; returns the
 /// bytes it echoed.
 fn echo_guest(g: TapGuest, stop: Arc<AtomicBool>) -> JoinHandle<usize> {
@@ -147,7 +138,7 @@ fn reuse(tag: &str, tap_init_num: usize, same_tap: bool) {
     assert_eq!(server.join().unwrap(), 7);
 
     // A goes (its VMM closed the TAP first); B gets the same host port at once.
-    release(&a, "sb-a");
+    a.release("sb-a");
     if same_tap {
         let tap = ra.interfaces[0].name.clone();
         let t = StdInstant::now();

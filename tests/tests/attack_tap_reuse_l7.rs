@@ -54,14 +54,6 @@ fn ensure(a: &AgentUnderTest, id: &str, ctx: Option<pb::CubeVsContext>) -> pb::E
     .into_inner()
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut cl = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        let r = cl.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() }).await;
-        assert!(r.expect("release").into_inner().released);
-    })
-}
-
 fn tap_states(a: &AgentUnderTest) -> Vec<String> {
     let taps = a.http_json("/v1/network/taps");
     taps["taps"].as_array().unwrap().iter().map(|t| t["state"].as_str().unwrap().to_string()).collect()
@@ -207,7 +199,7 @@ fn a_released_sandboxs_l7_stream_never_reaches_the_next_sandbox_on_its_tap() {
     // A's VMM ends (nothing reads or acknowledges its TAP any more), then cubelet releases A.
     drop(guest);
     drop(curl);
-    release(&a, "sb-a");
+    assert!(a.release("sb-a"));
     let t = Instant::now();
     while tap_states(&a) != ["Ready"] {
         assert!(t.elapsed() < Duration::from_secs(15), "A's TAP never went Ready: {:?}", tap_states(&a));
@@ -302,7 +294,7 @@ fn a_node_connection_to_a_released_sandbox_never_reaches_the_next_sandbox_on_its
         std::thread::sleep(Duration::from_millis(50));
     }
     drop(guest);
-    release(&a, "sb-a");
+    assert!(a.release("sb-a"));
     let t = Instant::now();
     while tap_states(&a) != ["Ready"] {
         assert!(t.elapsed() < Duration::from_secs(15), "A's TAP never went Ready: {:?}", tap_states(&a));

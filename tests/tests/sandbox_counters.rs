@@ -46,15 +46,6 @@ fn ensure(a: &AgentUnderTest, id: &str, deny: &[&str]) -> pb::EnsureNetworkRespo
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() })
-            .await
-            .expect("release");
-    });
-}
-
 /// Pings world once; returns (request frame length, reply frame length).
 fn ping(g: &TapGuest, seq: u16) -> (u64, u64) {
     let req = packet::icmp_echo_request(WORLD_IP, 0x77, seq);
@@ -221,7 +212,7 @@ fn sandbox_counters_exact_reset_on_reuse_and_bounded_series() {
 
     // --- Release A, B takes the same TAP -----------------------------------------------------
     drop(ga);
-    release(&a, "sb-a");
+    a.release("sb-a");
     let (ok, _, err) = cli(&a, false, "sb-a");
     assert!(!ok && err.contains("not registered"), "a released sandbox must be refused: {err}");
     let (_, m) = a.http("/metrics").unwrap();

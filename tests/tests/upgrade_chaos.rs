@@ -72,15 +72,6 @@ fn list(a: &AgentUnderTest) -> Vec<pb::NetworkState> {
     })
 }
 
-fn release(a: &AgentUnderTest, id: &str) {
-    rt().block_on(async {
-        let mut c = network_agent::client::connect(&a.grpc_endpoint()).await.unwrap();
-        c.release_network(pb::ReleaseNetworkRequest { sandbox_id: id.into(), ..Default::default() })
-            .await
-            .unwrap_or_else(|e| panic!("release {id}: {e}\n{}", a.log()));
-    })
-}
-
 /// Connections waiting, not yet accepted, in the backlog of the listening Unix socket the
 /// agent with PID `pid` placed at `path` (`ss`'s Recv-Q of a listening socket; `ss` names it
 /// by its bound name, `<path>.tmp-<pid>`, renamed into place since, H6); `None` when no such
@@ -135,8 +126,8 @@ fn a_refused_successor_never_changes_the_always_denied_list() {
     assert!(hosts.reaches(&g, 41004, "p4"), "the successor's emptied list did not apply after the hand-over");
     assert!(hosts.reaches(&g2, 41005, "p5"), "the successor's emptied list did not apply after the hand-over");
     drop((g, g2));
-    release(&a, "sb-all");
-    release(&a, "sb-new");
+    a.release("sb-all");
+    a.release("sb-new");
 }
 
 #[test]
@@ -188,8 +179,8 @@ fn the_running_agent_killed_before_its_offer_leaves_the_successor_serving() {
     let g2 = a.guest(&r2);
     assert!(!hosts.reaches(&g2, 42003, "v3"), "the always-denied address is open to a new sandbox");
     drop((g, g2));
-    release(&a, "sb-live");
-    release(&a, "sb-after");
+    a.release("sb-live");
+    a.release("sb-after");
     assert!(list(&a).is_empty(), "{:?}", list(&a));
 }
 
@@ -250,8 +241,8 @@ fn a_successor_with_another_cidr_is_refused_before_it_changes_the_node() {
     let r2 = ensure(&a, "sb-next");
     assert!(r2.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r2:?}");
     drop(g);
-    release(&a, "sb-cidr");
-    release(&a, "sb-next");
+    a.release("sb-cidr");
+    a.release("sb-next");
     assert!(list(&a).is_empty());
 }
 
@@ -315,8 +306,8 @@ fn two_successors_at_once_leave_exactly_one_agent_serving() {
     assert!(!hosts.reaches(&g, 44001, "t1"), "the always-denied address opened");
     let r2 = ensure(&a, "sb-two-next");
     drop(g);
-    release(&a, "sb-two");
-    release(&a, &r2.sandbox_id);
+    a.release("sb-two");
+    a.release(&r2.sandbox_id);
     assert!(list(&a).is_empty());
 }
 
@@ -397,8 +388,8 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
     assert!(!hosts.reaches(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
     drop((g, g2));
-    release(&a, "sb-obj");
-    release(&a, "sb-obj-next");
+    a.release("sb-obj");
+    a.release("sb-obj-next");
 }
 
 #[test]
@@ -439,5 +430,5 @@ fn a_successor_on_a_full_node_is_ready_as_its_predecessor_was() {
     upgrade(&mut a).unwrap_or_else(|e| panic!("{e}: {:?}\n{}", a.http("/readyz"), a.log()));
     let r = ensure(&a, "sb-after-upgrade");
     assert!(r.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r:?}");
-    release(&a, "sb-after-upgrade");
+    a.release("sb-after-upgrade");
 }
