@@ -354,6 +354,17 @@ impl Agent {
         let _ = self.egress.set(s);
     }
 
+    /// The CubeEgress client once installed (`None` before that or without
+    /// `cube_egress_admin_url`).
+    pub fn egress_sync(&self) -> Option<&Arc<crate::egress_sync::EgressSync>> {
+        self.egress.get()
+    }
+
+    /// Whether `cube_egress_admin_url` names a gateway (not `""`).
+    pub fn egress_configured(&self) -> bool {
+        !self.cfg.raw.cube_egress_admin_url.is_empty()
+    }
+
     /// Every live sandbox with L7 rules as its gateway policy `(sandbox IP, {policy_id, rules})`
     /// (what `GET /v1/policies/dump` serves and a gateway resync sends). Contains secrets.
     pub fn egress_policies(&self) -> Vec<(std::net::Ipv4Addr, egress_policy::PolicySpec)> {

@@ -211,6 +211,45 @@ struct LearnedBody<'a> {
     ttl_secs: u64,
 }
 
+/// Largest CubeEgress `/metrics` body the agent relays (1 MiB; the gateway's is a few KiB:
+/// its metrics carry no per-sandbox labels). O26.
+pub const MAX_METRICS_BODY: usize = 1 << 20;
+
+/// Why [`EgressSync::send`] got no response.
+#[derive(Debug)]
+enum SendError {
+    /// No connection to the admin address.
+    Connect(String),
+    /// Connected, but the HTTP exchange failed.
+    Http(String),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::Connect(e) | SendError::Http(e) => f.write_str(e),
+        }
+    }
+}
+
+/// A failed relay of the gateway's `/metrics` ([`EgressSync::fetch_metrics`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrapeError {
+    /// The status the agent answers: 503 (gateway unreachable or silent), 502 (it answered
+    /// something the agent does not relay).
+    pub status: u16,
+    /// `reason` label of `cubenet_egress_scrape_errors_total` ([`crate::metrics::SCRAPE_ERRORS`]).
+    pub reason: &'static str,
+    /// One line for the scraper and the log.
+    pub detail: String,
+}
+
+impl ScrapeError {
+    fn new(status: u16, reason: &'static str, detail: String) -> Self {
+        Self { status, reason, detail: detail.replace('\n', " ") }
+    }
+}
+
 /// The push client and its pending work.
 #[derive(Debug)]
 pub struct EgressSync {
@@ -462,27 +501,74 @@ impl EgressSync {
         }
     }
 
+    /// Sends one request to the gateway on a fresh connection from the dataplane namespace
+    /// and returns its response head (the body still to read). Not bounded in time: callers
+    /// wrap it and the body's read in one `self.timeout`.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, SendError> {
+        let stream = self.sockets.connect(&self.authority).await.map_err(|e| SendError::Connect(e.to_string()))?;
+        let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| SendError::Http(e.to_string()))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", &self.authority)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| SendError::Http(e.to_string()))?;
+        tx.send_request(req).await.map_err(|e| SendError::Http(e.to_string()))
+    }
+
     async fn request(&self, method: Method, path: &str, body: Vec<u8>) -> Result<(u16, Bytes), String> {
         let fut = async {
-            let stream = self.sockets.connect(&self.authority).await.map_err(|e| e.to_string())?;
-            let (mut tx, conn) =
-                hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
-            tokio::spawn(async move {
-                let _ = conn.await;
-            });
-            let req = Request::builder()
-                .method(method)
-                .uri(path)
-                .header("host", &self.authority)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(body)))
-                .map_err(|e| e.to_string())?;
-            let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
+            let resp = self.send(method, path, body).await.map_err(|e| e.to_string())?;
             let status = resp.status().as_u16();
             let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
             Ok::<_, String>((status, body))
         };
         tokio::time::timeout(self.timeout, fut).await.map_err(|_| format!("timed out after {:?}", self.timeout))?
+    }
+
+    /// The gateway's Prometheus text (`GET /metrics` on its admin address), for the agent's
+    /// `GET /metrics/cube-egress` (O26): its content type and body. Bounded: the whole
+    /// exchange by `cube_egress_push_timeout_ms`, the body by [`MAX_METRICS_BODY`] (a
+    /// larger one is refused as soon as its length is known or its read passes the limit,
+    /// so the agent never holds more than the limit and one read buffer).
+    pub async fn fetch_metrics(&self) -> Result<(Option<String>, Bytes), ScrapeError> {
+        let fut = async {
+            let resp = self.send(Method::GET, "/metrics", Vec::new()).await.map_err(|e| match e {
+                SendError::Connect(e) => ScrapeError::new(503, "unreachable", format!("connect: {e}")),
+                SendError::Http(e) => ScrapeError::new(502, "unreachable", e),
+            })?;
+            if resp.status() != hyper::StatusCode::OK {
+                return Err(ScrapeError::new(502, "status", format!("answered {}", resp.status())));
+            }
+            let too_large = || ScrapeError::new(502, "too_large", format!("body over {MAX_METRICS_BODY} bytes"));
+            if hyper::body::Body::size_hint(resp.body()).lower() > MAX_METRICS_BODY as u64 {
+                return Err(too_large());
+            }
+            let ctype = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+            let body =
+                http_body_util::Limited::new(resp.into_body(), MAX_METRICS_BODY).collect().await.map_err(|e| {
+                    if e.is::<http_body_util::LengthLimitError>() {
+                        too_large()
+                    } else {
+                        ScrapeError::new(502, "unreachable", format!("body: {e}"))
+                    }
+                })?;
+            Ok((ctype, body.to_bytes()))
+        };
+        tokio::time::timeout(self.timeout, fut).await.map_err(|_| {
+            ScrapeError::new(503, "timeout", format!("no answer within {} ms", self.timeout.as_millis()))
+        })?
     }
 
     async fn push(&self, ip: Ipv4Addr, desired: Option<&PolicySpec>) -> Push {

@@ -1,6 +1,7 @@
 //! HTTP on `health_listen`: `/healthz` (alive), `/readyz` (whether an Ensure can succeed now,
 //! see [`Agent::readiness`]; 503 with the reason), `/metrics` (Prometheus; datapath figures
-//! are read at scrape time), and, to loopback clients only, `GET /v1/network/taps` (upstream
+//! are read at scrape time), `/metrics/cube-egress` (CubeEgress's own `/metrics`, relayed at
+//! scrape time: [`egress_metrics`], O26), and, to loopback clients only, `GET /v1/network/taps` (upstream
 //! shape, `reference/upstream.md §1.2`) plus the CLI dumps `GET /v1/dataplane/{sessions,
 //! sandboxes,portmaps,policies,counters}` (`counters`: every registered sandbox with its
 //! packets/bytes each way and drops by reason) and `GET /v1/policies/dump` (CubeEgress
@@ -119,6 +120,7 @@ async fn route(
             }))
             .await
         }
+        "/metrics/cube-egress" => egress_metrics(&agent).await,
         "/v1/network/taps" => {
             blocking(Box::new(|a: &Agent| {
                 let taps = a.taps();
@@ -212,6 +214,31 @@ async fn route(
             .await
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n", "text/plain"),
+    }
+}
+
+/// `GET /metrics/cube-egress` (O26): CubeEgress's own `/metrics`, fetched from
+/// `cube_egress_admin_url` at scrape time through the dataplane-namespace client, bounded in
+/// time and size ([`crate::egress_sync::EgressSync::fetch_metrics`]). A failure answers at
+/// once with 503 (unreachable, timed out) or 502 (another status, an oversize body) and a
+/// one-line reason, and counts in `cubenet_egress_scrape_errors_total{reason}`; the agent's
+/// `/metrics` never waits for the gateway. 404 without `cube_egress_admin_url`.
+async fn egress_metrics(agent: &Agent) -> Response<Full<Bytes>> {
+    let Some(sync) = agent.egress_sync() else {
+        return if agent.egress_configured() {
+            text(StatusCode::SERVICE_UNAVAILABLE, "cube-egress client not started yet\n", "text/plain")
+        } else {
+            text(StatusCode::NOT_FOUND, "no CubeEgress: cube_egress_admin_url is empty\n", "text/plain")
+        };
+    };
+    match sync.fetch_metrics().await {
+        Ok((ctype, body)) => text(StatusCode::OK, body, ctype.as_deref().unwrap_or("text/plain; version=0.0.4")),
+        Err(e) => {
+            agent.metrics.egress_scrape_errors.with_label_values(&[e.reason]).inc();
+            tracing::warn!(reason = e.reason, "cube-egress /metrics relay failed: {}", e.detail);
+            let code = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            text(code, format!("cube-egress /metrics: {}\n", e.detail), "text/plain")
+        }
     }
 }
 

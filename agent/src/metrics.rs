@@ -21,6 +21,12 @@ pub const TAP_CREATE_STAGES: &[&str] = &["create", "attach"];
 /// `result` values of `cubenet_egress_push_total` and `cubenet_egress_learned_push_total`.
 pub const PUSH_RESULTS: &[&str] = &["ok", "retry", "refused"];
 
+/// `reason` values of `cubenet_egress_scrape_errors_total` (`GET /metrics/cube-egress`, O26):
+/// the gateway's admin address refused or could not be reached (`unreachable`), did not
+/// answer within `cube_egress_push_timeout_ms` (`timeout`), answered another status than 200
+/// (`status`), or sent more than [`crate::egress_sync::MAX_METRICS_BODY`] (`too_large`).
+pub const SCRAPE_ERRORS: &[&str] = &["unreachable", "timeout", "status", "too_large"];
+
 /// `result` values of `cubenet_config_reloads_total` (decision R51).
 pub const RELOAD_RESULTS: &[&str] = &["applied", "invalid", "failed", "no_file", "handed_over"];
 
@@ -70,6 +76,9 @@ pub struct Metrics {
     pub egress_pending: IntGauge,
     /// `cubenet_egress_up`: 1 while the gateway's health endpoint answers.
     pub egress_up: IntGauge,
+    /// `cubenet_egress_scrape_errors_total{reason}`: relays of CubeEgress's `/metrics` on
+    /// `GET /metrics/cube-egress` that failed ([`SCRAPE_ERRORS`]; O26).
+    pub egress_scrape_errors: IntCounterVec,
     /// `cubenet_tap_warmup_filters`: TAPs whose `from_cube` still runs from the warm-up
     /// filter, waiting for the maintenance loop to move them to their tcx link (F5); read
     /// from the datapath at scrape time.
@@ -145,6 +154,11 @@ impl Metrics {
             IntGauge::new("cubenet_egress_pending", "Sandbox addresses whose CubeEgress policy is out of date")
                 .unwrap();
         let egress_up = IntGauge::new("cubenet_egress_up", "CubeEgress admin API reachable").unwrap();
+        let egress_scrape_errors = IntCounterVec::new(
+            Opts::new("cubenet_egress_scrape_errors_total", "Failed relays of CubeEgress's /metrics by reason"),
+            &["reason"],
+        )
+        .unwrap();
         let warmup_filters =
             IntGauge::new("cubenet_tap_warmup_filters", "TAPs on a warm-up tc filter, waiting for their tcx link")
                 .unwrap();
@@ -170,6 +184,7 @@ impl Metrics {
             Box::new(egress_learned_push.clone()),
             Box::new(egress_pending.clone()),
             Box::new(egress_up.clone()),
+            Box::new(egress_scrape_errors.clone()),
             Box::new(ensure.clone()),
             Box::new(release.clone()),
             Box::new(ensure_seconds.clone()),
@@ -189,13 +204,14 @@ impl Metrics {
         // that first appears at 1 shows no `increase()`/`rate()` in Prometheus, so the first
         // failure of a node would never fire an alert, and an absent series reads as "no data".
         use crate::fdserver::codes;
-        let known: [(&IntCounterVec, &[&str]); 8] = [
+        let known: [(&IntCounterVec, &[&str]); 9] = [
             (&ensure, &["ok", "error"]),
             (&release, &["ok", "error"]),
             (&fd_handoffs, &[codes::OK.0, codes::PARSE.0, codes::NOT_FOUND.0, codes::UNKNOWN.0]),
             (&tap_create_failures, TAP_CREATE_STAGES),
             (&egress_push, PUSH_RESULTS),
             (&egress_learned_push, PUSH_RESULTS),
+            (&egress_scrape_errors, SCRAPE_ERRORS),
             (&config_reloads, RELOAD_RESULTS),
             (&fqdn_backfill, &["named", "sealed_out"]),
         ];
@@ -223,6 +239,7 @@ impl Metrics {
             egress_learned_push,
             egress_pending,
             egress_up,
+            egress_scrape_errors,
             warmup_filters,
             config_reloads,
             fqdn_backfill,
@@ -339,6 +356,9 @@ mod tests {
         }
         for r in ["applied", "invalid", "failed", "no_file", "handed_over"] {
             want.push(format!("cubenet_config_reloads_total{{result=\"{r}\"}} 0"));
+        }
+        for r in ["unreachable", "timeout", "status", "too_large"] {
+            want.push(format!("cubenet_egress_scrape_errors_total{{reason=\"{r}\"}} 0"));
         }
         for w in want {
             assert!(t.lines().any(|l| l == w), "missing {w:?} in\n{t}");

@@ -49,13 +49,21 @@ PROBE_HANDLERS = ("exec", "httpGet", "tcpSocket", "grpc")
 # The seed's network-agent mounts (container paths), DESIGN.md / upstream.md §5.
 SEED_AGENT_MOUNTS = {"/tmp/cube", "/dev/net/tun", "/sys/fs/bpf", "/var/lib/cubenet/state", "/data/log/network-agent", "/etc/cubenet"}
 
+# Fields of monitoring.coreos.com/v1 PodMonitor the chart may use (prometheus-operator API).
+PODMONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels", "sampleLimit"}
+PODMONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings", "metricRelabelings"}
+
 VARIANTS = {
     "underlay-selfsigned": {"mode": "underlay"},
     "overlay-selfsigned": {"mode": "overlay", "allowedPeerUids": [1001, 65534]},
     "underlay-existing-secret": {"mode": "underlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}}},
     "overlay-existing-secret": {"mode": "overlay", "egress": {"ca": {"mode": "existingSecret", "existingSecret": "my-ca"}},
                                 "agent": {"healthPort": 19190}, "hostPaths": {"bpffsSubdir": "cubevs-b"}},
-    "underlay-named-netns-no-egress": {"mode": "underlay", "underlay": {"netnsPath": "/run/netns/node0"}, "egress": {"enabled": False}},
+    "underlay-named-netns-no-egress": {"mode": "underlay", "underlay": {"netnsPath": "/run/netns/node0"}, "egress": {"enabled": False},
+                                       "metrics": {"podMonitor": {"enabled": True}}},
+    # The scrape target (O26) with a gateway admin port of its own.
+    "underlay-podmonitor": {"mode": "underlay", "egress": {"adminPort": 9191},
+                            "metrics": {"podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kube-prometheus"}}}},
     # The pre-K15 rollout: no surge, no hand-over, the health hostPort.
     "underlay-no-surge-hostport": {"mode": "underlay", "underlay": {"surge": False, "healthHostPort": 19090}},
 }
@@ -83,6 +91,7 @@ REFUSED = {
     "ephemeral-in-snat-range": ({"agent": {"ipLocalPortRange": "32768 60999"}}, "or the SNAT ports 30000-65535"),
     # values.schema.json: a typo'd value is refused, not silently ignored (O13).
     "typo-value": ({"agent": {"tapInitNm": 5}}, "additional properties 'tapInitNm' not allowed"),
+    "podmonitor-interval": ({"metrics": {"podMonitor": {"enabled": True, "interval": "30"}}}, "interval"),
     "typo-top-level": ({"alwaysDeniedCidr": ["10.0.0.5"]}, "additional properties 'alwaysDeniedCidr' not allowed"),
 }
 
@@ -95,11 +104,16 @@ def _agent(objs):
     return next(c for c in _ds(objs)["spec"]["template"]["spec"]["containers"] if c["name"] == "network-agent")
 
 
+def _podmonitor(objs):
+    return next(o for o in objs if o["kind"] == "PodMonitor")
+
+
 def _cm(objs):
     return next(o for o in objs if o["kind"] == "ConfigMap")
 
 
-# Defects the asserts must catch (each applied to a good rendering; proves the asserts bite).
+# Defects the asserts must catch (each applied to a good rendering, of the variant named third
+# or underlay-selfsigned; proves the asserts bite).
 MUTATIONS = {
     "probe without handler": (lambda o: _agent(o)["readinessProbe"].pop("httpGet"), "has handlers []"),
     "probe on an undeclared port": (lambda o: _agent(o)["livenessProbe"]["httpGet"].update(port="metrics"), "does not declare"),
@@ -116,6 +130,9 @@ MUTATIONS = {
     "surge without the agent's hand-over socket": (lambda o: _cm(o)["data"].update({"config.toml": re.sub(r"(?m)^handover_socket = .*$", "", _cm(o)["data"]["config.toml"])}), "maxSurge 1 without the agent's handover_socket"),
     "claim marker on a host path": (lambda o: [v.update(hostPath={"path": "/run/x", "type": "DirectoryOrCreate"}, emptyDir=None) or v.pop("emptyDir") for v in _ds(o)["spec"]["template"]["spec"]["volumes"] if v["name"] == "pod-run"], "must be an emptyDir"),
     "gateway hand-off socket not shared": (lambda o: [c.update(env=[dict(e, value="/run/cube-egress/egress.sock") if e["name"] == "CUBE_EGRESS_HANDOFF_SOCKET" else e for e in c["env"]]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress"], "not on the shared hand-over volume"),
+    "admin url off the gateway's port": (lambda o: _cm(o)["data"].update({"config.toml": _cm(o)["data"]["config.toml"].replace("127.0.0.1:9091", "127.0.0.1:9092")}), "!= the gateway's admin address"),
+    "podmonitor on an undeclared port": (lambda o: _podmonitor(o)["spec"]["podMetricsEndpoints"][1].update(port="metrics"), "the agent does not declare", "underlay-podmonitor"),
+    "podmonitor endpoints share a job": (lambda o: _podmonitor(o)["spec"]["podMetricsEndpoints"][1].pop("relabelings"), "need a job each", "underlay-podmonitor"),
     "egress log format dropped": (lambda o: [c.update(env=[e for e in c["env"] if e["name"] != "CUBE_EGRESS_LOG_FORMAT"]) for c in _ds(o)["spec"]["template"]["spec"]["containers"] if c["name"] == "cube-egress-standby"], "CUBE_EGRESS_LOG_FORMAT is None"),
 }
 
@@ -354,6 +371,15 @@ class Checker:
             if run is None or "emptyDir" not in vols.get(run["name"], {}):
                 self.fail("CUBENET_POD_RUN must be an emptyDir (the claim marker lives as long as the pod)")
 
+        # The agent reaches the gateway's admin API (pushes, the /metrics relay; O26) at the
+        # address egress.toml gives it, and only when CubeEgress runs.
+        want_admin = ""
+        if values["egress"]["enabled"]:
+            want_admin = "http://" + tomllib.loads(cm["data"]["egress.toml"])["admin_addr"]
+        if cfg.get("cube_egress_admin_url") != want_admin:
+            self.fail(f"agent cube_egress_admin_url {cfg.get('cube_egress_admin_url')!r} != the gateway's admin address {want_admin!r}")
+        self.check_pod_monitor(by_kind.get("PodMonitor", []), values, spec["template"], agent)
+
         # CubeEgress: config keys, CIDR everywhere, marks file mounted, CA mounted, probes.
         if values["egress"]["enabled"]:
             for n in ("cube-egress", "cube-egress-net"):
@@ -392,11 +418,53 @@ class Checker:
                 self.fail("preflight does not get the CIDR")
 
 
+    def check_pod_monitor(self, monitors, values, template, agent):
+        """The PodMonitor (O26): rendered only when enabled; it selects the DaemonSet's pods,
+        scrapes named ports of the agent container on the paths the agent serves (the relayed
+        CubeEgress one only with CubeEgress), each endpoint under its own `job`, and uses only
+        fields of monitoring.coreos.com/v1 (no schema for a CRD in kubernetes-validate)."""
+        pm = values["metrics"]["podMonitor"]
+        if len(monitors) != (1 if pm["enabled"] else 0):
+            self.fail(f"{len(monitors)} PodMonitors rendered with metrics.podMonitor.enabled={pm['enabled']}")
+        for m in monitors:
+            if m.get("apiVersion") != "monitoring.coreos.com/v1":
+                self.fail(f"PodMonitor apiVersion {m.get('apiVersion')}")
+            extra = set(m["spec"]) - PODMONITOR_SPEC
+            if extra:
+                self.fail(f"PodMonitor spec fields unknown to monitoring.coreos.com/v1: {sorted(extra)}")
+            for k, v in (pm.get("labels") or {}).items():
+                if m["metadata"].get("labels", {}).get(k) != v:
+                    self.fail(f"PodMonitor lacks the label {k}={v}")
+            sel = m["spec"].get("selector", {}).get("matchLabels", {})
+            pod_labels = template["metadata"].get("labels", {})
+            if not sel or any(pod_labels.get(k) != v for k, v in sel.items()):
+                self.fail(f"PodMonitor selector {sel} does not select the pods ({pod_labels})")
+            ports = {p.get("name") for p in agent.get("ports", [])}
+            want = ["/metrics"] + (["/metrics/cube-egress"] if values["egress"]["enabled"] else [])
+            eps = m["spec"].get("podMetricsEndpoints", [])
+            if [e.get("path") for e in eps] != want:
+                self.fail(f"PodMonitor paths {[e.get('path') for e in eps]}, want {want}")
+            jobs = []
+            for e in eps:
+                extra = set(e) - PODMONITOR_ENDPOINT
+                if extra:
+                    self.fail(f"PodMonitor endpoint fields unknown to monitoring.coreos.com/v1: {sorted(extra)}")
+                if e.get("port") not in ports:
+                    self.fail(f"PodMonitor endpoint {e.get('path')} names port {e.get('port')!r} the agent does not declare")
+                if e.get("interval") != pm["interval"]:
+                    self.fail(f"PodMonitor endpoint {e.get('path')} interval {e.get('interval')} != {pm['interval']}")
+                jobs += [r.get("replacement") for r in e.get("relabelings", []) if r.get("targetLabel") == "job"]
+            if len(jobs) != len(eps) or len(set(jobs)) != len(jobs):
+                self.fail(f"PodMonitor endpoints need a job each (their `up` series would clash): {jobs}")
+
+
 def kube_validate(objs, variant):
     import kubernetes_validate
 
     errs = []
     for o in objs:
+        if o["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no bundled schema; Checker.check_pod_monitor checks it
         try:
             kubernetes_validate.validate(o, KUBE_VERSION, True)
         except kubernetes_validate.ValidationError as e:
@@ -533,12 +601,12 @@ def cmd_check(out):
         errors += c.errors
         errors += ca_checks(objs, variant, tmp)
         print(f"{variant}: {len(objs)} objects ({', '.join(sorted(o['kind'] for o in objs))}) checked")
-    base_values = merge(defaults, VARIANTS["underlay-selfsigned"])
-    for name, (mutate, fragment) in MUTATIONS.items():
-        objs, _ = render(VARIANTS["underlay-selfsigned"])
+    for name, (mutate, fragment, *variant) in MUTATIONS.items():
+        base = VARIANTS[variant[0] if variant else "underlay-selfsigned"]
+        objs, _ = render(base)
         mutate(objs)
         c = Checker("mutation")
-        c.check(objs, base_values)
+        c.check(objs, merge(defaults, base))
         if not any(fragment in e for e in c.errors):
             errors.append(f"mutation/{name}: not caught (want {fragment!r}; got {c.errors})")
         else:

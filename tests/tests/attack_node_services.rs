@@ -152,3 +152,29 @@ fn deny_out_of_the_node_address_closes_host_services() {
     assert_eq!((o.status.code(), code.as_str()), (Some(7), "000"), "{o:?}");
     assert_eq!(get(&a.topo.world, &format!("http://{node}:19090/healthz")).0, 200);
 }
+
+/// The agent relays CubeEgress's `/metrics` on the same listener (`/metrics/cube-egress`,
+/// decision O26), which the gateway itself only serves on the dataplane's loopback: the relay
+/// must not hand a sandbox what its own loopback never could (the gateway's request, deny and
+/// injection counts, a side channel on every other sandbox's L7 traffic). The real gateway on
+/// the node's loopback; the scraper on the node's network gets its text, the sandbox 403.
+#[test]
+fn sandbox_cannot_read_the_gateway_metrics_through_the_agent() {
+    if !require_root("sandbox_cannot_read_the_gateway_metrics_through_the_agent") {
+        return;
+    }
+    let a = chart_agent("nodesvc-egm");
+    let dir = std::env::temp_dir().join(format!("cubenet-nodesvc-egm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dir = cubenet_tests::TmpDir(dir);
+    let _gw = cubenet_tests::egress::AdminGateway::start(&a.topo.node, &dir.0, "");
+    let guest = guest(&a, "sb-attacker", None);
+    let node = Ipv4Addr::from(NODE_IP);
+    let url = format!("http://{node}:19090/metrics/cube-egress");
+    let (code, body) = get(&a.topo.world, &url);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("cube_egress_requests_total"), "the scraper gets the gateway's metrics: {body}");
+    let (code, body) = guest_get(&guest, &url);
+    assert!(!body.contains("cube_egress_"), "the sandbox read the gateway's metrics:\n{body}");
+    assert_eq!(code, 403, "{body}");
+}
