@@ -76,7 +76,7 @@ fn chart_renders_and_validates() {
             );
             checked += 1;
         }
-        assert_eq!(checked, 6, "expected the six variants' config.toml");
+        assert_eq!(checked, 7, "expected the seven variants' config.toml");
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }
