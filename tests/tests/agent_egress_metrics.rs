@@ -75,7 +75,7 @@ fn agent_relays_the_gateway_metrics() {
         return;
     }
     let tmp = tmpdir("relay");
-    let mut a = AgentUnderTest::prepare("egm-relay", 1, "cube_egress_push_timeout_ms = 1500\n");
+    let mut a = AgentUnderTest::prepare("egm-relay", 1, "cube_egress_push_timeout_ms = 3000\n");
     a.start();
 
     // No gateway yet: connection refused in the dataplane namespace, answered at once.
@@ -83,7 +83,7 @@ fn agent_relays_the_gateway_metrics() {
     assert_eq!(code, 503, "{body}");
     assert_eq!(body.trim().lines().count(), 1, "one-line reason: {body:?}");
     assert!(body.contains("connect"), "{body}");
-    assert!(took < Duration::from_millis(500), "{took:?}");
+    assert!(took < Duration::from_millis(1500), "{took:?}");
     assert_eq!(scrape_errors(&a, "unreachable"), 1.0);
 
     // The real gateway in the node namespace: its own text, through the agent.
@@ -116,15 +116,16 @@ fn agent_relays_the_gateway_metrics() {
     gw.stop(&a.topo.node);
     let (code, body, took) = timed(&a, "/metrics/cube-egress");
     assert_eq!(code, 503, "{body}");
-    assert!(took < Duration::from_millis(500), "{took:?}");
+    assert!(body.contains("connect"), "{body}");
+    assert!(took < Duration::from_millis(1500), "{took:?}");
     let (code, m, took) = timed(&a, "/metrics");
     assert_eq!(code, 200);
-    assert!(took < Duration::from_millis(500), "{took:?}");
+    assert!(took < Duration::from_millis(1500), "{took:?}");
     assert!(m.contains("cubenet_pool_taps"), "{m}");
     assert_eq!(scrape_errors(&a, "unreachable"), 2.0);
 
     // A gateway that accepts and never answers (a listener nobody accepts on): the relay ends
-    // at the push timeout (1.5 s) with 503; a /metrics scrape meanwhile does not wait for it.
+    // at the push timeout (3 s) with 503; a /metrics scrape meanwhile does not wait for it.
     let hole = a.topo.node.run(|| TcpListener::bind(ADMIN)).expect("black hole on the admin address");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
@@ -132,12 +133,12 @@ fn agent_relays_the_gateway_metrics() {
         std::thread::sleep(Duration::from_millis(300));
         let (code, _, took) = timed(&a, "/metrics");
         assert_eq!(code, 200);
-        assert!(took < Duration::from_millis(500), "/metrics waited for the relay: {took:?}");
+        assert!(took < Duration::from_millis(1500), "/metrics waited for the relay: {took:?}");
     });
     let (code, body, took) = rx.recv().unwrap();
     assert_eq!(code, 503, "{body}");
-    assert!(body.contains("no answer within 1500 ms"), "{body}");
-    assert!(took >= Duration::from_millis(1400) && took < Duration::from_millis(2500), "{took:?}");
+    assert!(body.contains("no answer within 3000 ms"), "{body}");
+    assert!(took >= Duration::from_millis(2900) && took < Duration::from_millis(4500), "{took:?}");
     assert_eq!(scrape_errors(&a, "timeout"), 1.0);
     drop(hole);
     assert!(a.log().contains("cube-egress /metrics relay failed"), "{}", a.log());
@@ -220,7 +221,7 @@ fn oversize_gateway_metrics_are_refused_in_bounded_memory() {
 
     let (code, body, took) = timed(&a, "/metrics/cube-egress");
     assert_eq!((code, body.trim()), (502, "cube-egress /metrics: body over 1048576 bytes"));
-    assert!(took < Duration::from_secs(1), "a declared oversize length is refused before reading: {took:?}");
+    assert!(took < Duration::from_secs(2), "a declared oversize length is refused before reading: {took:?}");
     let (code, body, _) = timed(&a, "/metrics/cube-egress");
     assert_eq!((code, body.trim()), (502, "cube-egress /metrics: answered 500 Internal Server Error"));
     server.join().unwrap();
