@@ -17,19 +17,14 @@
 
 use std::{net::Ipv4Addr, time::Duration};
 
-use cubenet_sys::tap::TapOptions;
 use cubenet_tests::{
-    bpffs::BpfFs,
     capture::{Capture, Captured},
-    ebpf_object,
     frames::{fix_ip_csum, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
+    tap_node::TapNode,
+    topology::{NODE_IP, WORLD_IF, WORLD_IP},
 };
-use cubevs::{Datapath, LoadOptions, SandboxEntry, SnatAddr};
-
-const TAP: &str = "z192.168.0.3";
 const SPORT: u16 = 44000;
 const DPORT: u16 = 7777;
 /// Where the guest aims the destination's upper half: 169.254 (link-local, the cloud
@@ -84,38 +79,12 @@ fn guest_checksum_offload_never_rewrites_the_ip_header() {
     if !require_root("attack_csum_offload guest_checksum_offload_never_rewrites_the_ip_header") {
         return;
     }
-    let topo = Topology::new();
-    topo.add_cube_dev();
-    let (tap, tap_ifindex) = topo.add_tap(TAP, TapOptions::POOL);
-    let bpffs = BpfFs::new();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let maps = dp.maps();
-    let dp = topo.node.run(move || {
-        let mut dp = dp;
-        dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-        dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-        dp.attach_sandbox(TAP).expect("attach sandbox");
-        dp
-    });
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(tap_ifindex).expect("stats");
-    let sb = SandboxEntry { ifindex: tap_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
-    maps.sandboxes.register(&sb).expect("register");
-    maps.policy.install_default_deny(tap_ifindex).expect("policy");
-    let o = topo.node.exec("ethtool", &["-K", NODE_UPLINK, "tx", "off"]);
-    assert!(o.status.success(), "ethtool: {}", String::from_utf8_lossy(&o.stderr));
+    let n = TapNode::new();
+    n.uplink_offloads(&["tx", "off"]);
 
-    let cap = topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("wp0 ifindex")));
-    let fd = tap.into_fd();
+    let cap = n.topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("wp0 ifindex")));
     let send = |marker: &[u8], f: Vec<u8>| -> Vec<Captured> {
-        let n = nix::unistd::write(&fd, &f).expect("write frame to TAP");
-        assert_eq!(n, f.len(), "short write to TAP");
+        n.write(&f);
         let seen = cap.read_until(Duration::from_secs(5), |c| c.data.windows(marker.len()).any(|w| w == marker));
         carrying(&seen, marker).into_iter().cloned().collect()
     };
@@ -145,6 +114,4 @@ fn guest_checksum_offload_never_rewrites_the_ip_header() {
     let mut bad = wrong(&probe);
     bad.extend(wrong(&aimed));
     assert!(bad.is_empty(), "guest datagrams left with an IPv4 header the datapath never wrote: {bad:?}");
-    drop(dp);
-    drop(bpffs);
 }

@@ -12,22 +12,17 @@
 //! is what a wire would see. Order, not time, decides: a plain control datagram follows the
 //! attack frames on the same path, and the capture on the world end reads until it arrives.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::time::Duration;
 
-use cubenet_sys::tap::TapOptions;
 use cubenet_tests::{
-    bpffs::BpfFs,
     capture::{Capture, Captured},
-    ebpf_object,
     frames::{Tcp, tcp, udp},
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
+    tap_node::TapNode,
+    topology::{NODE_IP, WORLD_IF, WORLD_IP},
 };
-use cubevs::{Datapath, LoadOptions, SandboxEntry, SnatAddr};
 use cubevs_common::counter;
-
-const TAP: &str = "z192.168.0.3";
 
 /// `virtio_net_hdr` (12 bytes, little endian) with `VIRTIO_NET_HDR_F_NEEDS_CSUM`, checksum from
 /// the L4 header (offset 34) with the field at `csum_offset`.
@@ -81,40 +76,13 @@ fn tiny_and_unannounced_gso_frames_never_leave_the_node() {
     if !require_root("attack_gso tiny_and_unannounced_gso_frames_never_leave_the_node") {
         return;
     }
-    let topo = Topology::new();
-    topo.add_cube_dev();
-    let (tap, tap_ifindex) = topo.add_tap(TAP, TapOptions::POOL);
-    let bpffs = BpfFs::new();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let maps = dp.maps();
-    let dp = topo.node.run(move || {
-        let mut dp = dp;
-        dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-        dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-        dp.attach_sandbox(TAP).expect("attach sandbox");
-        dp
-    });
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(tap_ifindex).expect("stats");
-    let sb = SandboxEntry { ifindex: tap_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
-    maps.sandboxes.register(&sb).expect("register");
-    maps.policy.install_default_deny(tap_ifindex).expect("policy");
+    let n = TapNode::new();
+    let maps = n.dp().maps();
     // A NIC without segmentation offload: the kernel segments GSO frames in software.
-    let o = topo.node.exec("ethtool", &["-K", NODE_UPLINK, "tso", "off", "gso", "off"]);
-    assert!(o.status.success(), "ethtool: {}", String::from_utf8_lossy(&o.stderr));
+    n.uplink_offloads(&["tso", "off", "gso", "off"]);
 
-    let cap = topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("wp0 ifindex")));
-    let fd = tap.into_fd();
-    let write = |buf: &[u8]| {
-        let n = nix::unistd::write(&fd, buf).expect("write frame to TAP");
-        assert_eq!(n, buf.len(), "short write to TAP");
-    };
+    let cap = n.topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("wp0 ifindex")));
+    let write = |buf: &[u8]| n.write(buf);
     // The neighbour of the world address is resolved before anything is counted.
     let warm = b"gso-warm";
     let mut b = vec![0u8; 12];
@@ -163,6 +131,4 @@ fn tiny_and_unannounced_gso_frames_never_leave_the_node() {
     assert_eq!(drops, attacks.len() as u64, "drop_proto counted for every attack frame");
     let sessions = maps.sessions.list().unwrap();
     assert!(sessions.iter().all(|s| !(8001..=8004).contains(&s.guest_port)), "{sessions:?}");
-    drop(dp);
-    drop(bpffs);
 }
