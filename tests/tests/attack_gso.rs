@@ -1,7 +1,7 @@
 //! Attack: a guest writes GSO frames whose `virtio_net_hdr` asks for tiny segments, or for a
 //! GSO type its TAP never announced, to have the node's uplink cut one frame into thousands of
 //! packets (decision R100). A VMM's rate limiter charges the frame as written (bytes, one op);
-//! a TCP frame of 4,000 bytes with `gso_size` 1 left an uplink without TSO as 4,000 one-byte
+//! a TCP frame of 2,000 bytes with `gso_size` 1 left an uplink without TSO as 2,000 one-byte
 //! segments (about 55 bytes on the wire per byte charged), and UDP "fragmentation offload"
 //! (`VIRTIO_NET_HDR_GSO_UDP`, which the pool's TAPs never announce) left as IPv4 fragments of
 //! 8 bytes, which `from_cube` otherwise never forwards: node CPU and the shared uplink spent on
