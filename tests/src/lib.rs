@@ -49,6 +49,7 @@ pub mod pod;
 pub mod rig;
 pub mod servers;
 pub mod smol;
+pub mod tap_node;
 pub mod tls;
 pub mod topology;
 pub mod veth_node;

@@ -9,23 +9,17 @@
 //! Order, not time, decides: an untagged control datagram is sent after every tagged one, on
 //! the same path, and the capture reads until the control arrives.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::time::Duration;
 
-use cubenet_sys::tap::{TapOptions, VNET_HDR_LEN};
 use cubenet_tests::{
-    bpffs::BpfFs,
     capture::{Capture, Captured},
-    ebpf_object,
     frames::udp,
-    guest::TapGuest,
     packet::{GATEWAY_MAC, GUEST_IP, GUEST_MAC},
     require_root,
-    topology::{CUBE_DEV, CUBE_DEV_IP, NODE_IP, NODE_UPLINK, Topology, WORLD_IF, WORLD_IP},
+    tap_node::TapNode,
+    topology::{WORLD_IF, WORLD_IP},
 };
-use cubevs::{Datapath, LoadOptions, SandboxEntry, SnatAddr};
 use cubevs_common::counter;
-
-const TAP: &str = "z192.168.0.3";
 const DPORT: u16 = 7777;
 
 /// `frame` with a VLAN tag (`tpid`, `tci`) inserted after the MAC addresses.
@@ -48,34 +42,12 @@ fn vlan_tagged_guest_frames_never_leave_the_node() {
     if !require_root("attack_vlan vlan_tagged_guest_frames_never_leave_the_node") {
         return;
     }
-    let topo = Topology::new();
-    topo.add_cube_dev();
-    let (tap, tap_ifindex) = topo.add_tap(TAP, TapOptions { offload: 0, ..TapOptions::POOL });
-    let bpffs = BpfFs::new();
-    let dp = Datapath::load(LoadOptions {
-        object: ebpf_object(),
-        pin_dir: Some(bpffs.path().join("cubevs")),
-        ..LoadOptions::new()
-    })
-    .unwrap_or_else(|e| panic!("load datapath: {e}"));
-    let maps = dp.maps();
-    let dp = topo.node.run(move || {
-        let mut dp = dp;
-        dp.attach_uplink(NODE_UPLINK, Ipv4Addr::from(NODE_IP)).expect("attach uplink");
-        dp.attach_cube_dev(CUBE_DEV, Ipv4Addr::from(CUBE_DEV_IP)).expect("attach cube-dev");
-        dp.attach_sandbox(TAP).expect("attach sandbox");
-        dp
-    });
-    let uplink = topo.node.run(|| cubenet_sys::ifindex(NODE_UPLINK).unwrap());
-    maps.snat.set(&[SnatAddr { ip: Ipv4Addr::from(NODE_IP), ifindex: uplink }]).expect("snat");
-    maps.sandbox_stats.reset(tap_ifindex).expect("stats");
-    let sb = SandboxEntry { ifindex: tap_ifindex, ip: Ipv4Addr::new(192, 168, 0, 3), version: 1, id: "sb-a".into() };
-    maps.sandboxes.register(&sb).expect("register");
-    maps.policy.install_default_deny(tap_ifindex).expect("policy");
+    let n = TapNode::new();
+    let maps = n.dp().maps();
 
     // The capture on the world end of the uplink: what the node put on its wire.
-    let cap = topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("wp0 ifindex")));
-    let guest = TapGuest::new(tap.into_fd(), VNET_HDR_LEN);
+    let cap = n.topo.world.run(|| Capture::open(cubenet_sys::ifindex(WORLD_IF).expect("wp0 ifindex")));
+    let guest = &n.guest;
     guest.drain();
 
     // Each attack frame: a UDP datagram to the world (a flow the policy allows untagged),
@@ -115,6 +87,4 @@ fn vlan_tagged_guest_frames_never_leave_the_node() {
     // Dropped and counted on this sandbox (the QinQ inner tag is a non-IPv4 EtherType too).
     let drops = maps.counters.get(counter::CUBE_DROP_PROTO).unwrap() - drops0;
     assert_eq!(drops, attacks.len() as u64, "drop_proto counted for every tagged frame");
-    drop(dp);
-    drop(bpffs);
 }

@@ -3,7 +3,8 @@
 //!
 //! 1. No registered sandbox on the interface → drop everything, ARP included (decision D25).
 //! 2. A frame that carried a VLAN tag (taken off by the kernel before tc) → drop (decision R9).
-//!    ARP → proxy; other non-IPv4 → drop.
+//!    ARP → proxy; other non-IPv4 → drop; a GSO frame other than TCP with segments of 48 bytes
+//!    or more → drop (decision R100).
 //! 3. Source must be the guest address; every path below treats it as the sandbox's mvm IP
 //!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
 //! 4. To the gateway (169.254.68.5): ICMP echo (request or reply) and TCP non-SYN are DNATed
@@ -76,15 +77,35 @@ pub fn from_cube(ctx: TcContext) -> i32 {
     if unsafe { (*ctx.skb.skb).vlan_present } != 0 {
         return drop(ifindex, counter::CUBE_DROP_PROTO);
     }
+    // A GSO frame the uplink would cut into more packets than the VMM charged for (R100).
+    // SAFETY: `skb` is the context pointer the kernel passed in.
+    let gso_size = unsafe { (*ctx.skb.skb).gso_size };
     match packet::ethertype(&ctx) {
         Some(ether::P_ARP) => {
             count(counter::CUBE_ARP);
             arp::proxy(&ctx, ifindex, cfg.gateway_mac)
         }
+        Some(ether::P_IP) if gso_size != 0 && !tcp_gso_ok(&ctx, gso_size) => drop(ifindex, counter::CUBE_DROP_PROTO),
         Some(ether::P_IP) => ipv4(&ctx, &cfg, ifindex, version, sandbox_ip),
         Some(_) => drop(ifindex, counter::CUBE_DROP_PROTO),
         None => drop(ifindex, counter::CUBE_DROP_MALFORMED),
     }
+}
+
+/// Linux's smallest TCP send MSS (`TCP_MIN_SND_MSS`): its own stack never cuts a segment
+/// smaller, so a guest kernel's TSO frames never ask for less.
+const MIN_GSO_SIZE: u32 = 48;
+
+/// True for a GSO frame (`gso_size` non-zero) the datapath may pass on: TCP, cut into segments
+/// of at least [`MIN_GSO_SIZE`] bytes. The TAP writer chooses `gso_type` and `gso_size` in its
+/// `virtio_net_hdr` whatever offloads the TAP announced; a device without the offload then
+/// segments the frame in software, so a frame of 64 KiB with `gso_size` 1 left the uplink as
+/// 65,535 one-byte segments, and UDP "fragmentation offload" as IPv4 fragments of 8 bytes
+/// (which `from_cube` otherwise never forwards). The pool's TAPs announce TSO only, so no
+/// honest guest sends UDP GSO (decision R100).
+#[inline(always)]
+fn tcp_gso_ok(ctx: &TcContext, gso_size: u32) -> bool {
+    gso_size >= MIN_GSO_SIZE && packet::ipv4(ctx).is_some_and(|ip| ip.proto == proto::TCP)
 }
 
 /// Drops the packet: counts `reason` and charges it to the sandbox on `ifindex` (when it is a
