@@ -334,6 +334,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             gateway_mac: cfg.gw_mac,
             // Set from `limits` by the loader.
             session_budget: 0,
+            new_flow_rate: raw.l7_connect_rate_per_sandbox,
+            new_flow_burst: raw.l7_connect_burst_per_sandbox,
         };
         let obj = (!raw.bpf_object.is_empty()).then(|| PathBuf::from(&raw.bpf_object));
         let reaper = Duration::from_secs(raw.reaper_interval_secs);

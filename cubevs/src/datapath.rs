@@ -351,6 +351,7 @@ impl Datapath {
             (map::DNS_ALLOW_NAMES, l.dns_allow_entries()?),
             (map::SESSION_OPENED, l.session_quota_keys()?),
             (map::SESSION_CLOSED, l.session_quota_keys()?),
+            (map::NEW_FLOW_RATE, l.session_quota_keys()?),
             (map::SESSION_FLOOR, limits::SESSION_FLOOR_KEYS),
             (map::TRACK_OPENED, l.session_quota_keys()?),
             (map::TRACK_CLOSED, l.session_quota_keys()?),
@@ -506,6 +507,11 @@ impl Datapath {
             // Optional as well: read for operators only.
             budget: crate::insert_budget::InsertBudgetTable::new(
                 ebpf.take_map(map::INSERT_BUDGET).and_then(|m| m.try_into().ok()),
+            ),
+            new_flow: crate::new_flow::NewFlowTable::new(
+                ebpf.take_map(map::NEW_FLOW_RATE).and_then(|m| m.try_into().ok()),
+                opts.config.new_flow_rate,
+                opts.config.new_flow_burst,
             ),
         });
         Ok(Self {

@@ -40,6 +40,8 @@ pub struct Rig {
     pub uplink_ifindex: u32,
     /// Where [`Rig::pinned`] pinned the datapath.
     pin_dir: Option<std::path::PathBuf>,
+    /// The `CONFIG` the datapath was loaded with (and is reloaded with).
+    config: cubevs::DatapathConfig,
     _topo: Topology,
 }
 
@@ -59,7 +61,13 @@ impl Rig {
 
     /// Builds the rig with `limits` (e.g. larger session maps for scale benchmarks).
     pub fn with_limits(limits: MapLimits) -> Self {
-        Self::build(limits, None)
+        Self::build(limits, None, cubevs::DatapathConfig::DEFAULT)
+    }
+
+    /// Builds the rig with default map sizes and `config` in the programs' `CONFIG` (e.g. a
+    /// new-connection rate of its own, decision R91).
+    pub fn with_config(config: cubevs::DatapathConfig) -> Self {
+        Self::build(MapLimits::default(), None, config)
     }
 
     /// Builds the rig with its maps and programs pinned under `pin_dir` (a directory in a
@@ -67,7 +75,12 @@ impl Rig {
     /// metadata and every map pinned; [`Rig::reload`] then loads it again as a new process
     /// would, adopting the pins.
     pub fn pinned(pin_dir: std::path::PathBuf) -> Self {
-        Self::build(MapLimits::default(), Some(pin_dir))
+        Self::build(MapLimits::default(), Some(pin_dir), cubevs::DatapathConfig::DEFAULT)
+    }
+
+    /// [`Rig::pinned`] with `config` in the programs' `CONFIG` ([`Rig::reload`] keeps it).
+    pub fn pinned_with_config(pin_dir: std::path::PathBuf, config: cubevs::DatapathConfig) -> Self {
+        Self::build(MapLimits::default(), Some(pin_dir), config)
     }
 
     /// Loads the datapath again from the pins of [`Rig::pinned`], as a restarted or upgraded
@@ -76,13 +89,18 @@ impl Rig {
     pub fn reload(&mut self) {
         let pin_dir = self.pin_dir.clone().expect("reload needs a pinned rig");
         let dp =
-            Datapath::load(LoadOptions { object: crate::ebpf_object(), pin_dir: Some(pin_dir), ..LoadOptions::new() })
+            Datapath::load(LoadOptions {
+                object: crate::ebpf_object(),
+                pin_dir: Some(pin_dir),
+                config: self.config,
+                ..LoadOptions::new()
+            })
                 .expect("reload datapath");
         self.maps = dp.maps();
         *self.dp.lock().expect("datapath lock") = dp;
     }
 
-    fn build(limits: MapLimits, pin_dir: Option<std::path::PathBuf>) -> Self {
+    fn build(limits: MapLimits, pin_dir: Option<std::path::PathBuf>, config: cubevs::DatapathConfig) -> Self {
         let topo = Topology::new();
         let world_mac = topo.world_mac();
         let up_mac = topo.node_uplink_mac();
@@ -103,6 +121,7 @@ impl Rig {
         let dp = Datapath::load(LoadOptions {
             object: crate::ebpf_object(),
             limits,
+            config,
             pin_dir: pin_dir.clone(),
             ..LoadOptions::new()
         })
@@ -124,7 +143,7 @@ impl Rig {
             .expect("register");
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, pin_dir, _topo: topo }
+        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, pin_dir, config, _topo: topo }
     }
 
     /// The datapath's global counter `c` (`cubevs_common::counter`).

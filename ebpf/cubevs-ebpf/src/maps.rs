@@ -8,7 +8,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
 };
 use cubevs_common::{
-    AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig,
+    AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NewFlowBucket, NodeConfig,
     PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp, TrackCount,
     dns::{DnsAllowKey, DnsAllowName, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
@@ -162,6 +162,12 @@ pub static FRAG_SESSIONS: HashMap<FragKey, FragTarget> = HashMap::with_max_entri
 /// an evicted window only restarts that sandbox's count.
 #[map(name = "insert_budget")]
 pub static INSERT_BUDGET: LruHashMap<BudgetKey, BudgetValue> = LruHashMap::with_max_entries(limits::INSERT_BUDGET, 0);
+
+/// Per-sandbox-version buckets of new connections to CubeEgress (`crate::new_flow`,
+/// decision R91; datapath-written only). LRU: two keys per sandbox fit, so only a released
+/// version's bucket is evicted, and an evicted bucket only starts full again.
+#[map(name = "new_flow_rate")]
+pub static NEW_FLOW_RATE: LruHashMap<QuotaKey, NewFlowBucket> = LruHashMap::with_max_entries(limits::NEW_FLOW_KEYS, 0);
 
 /// Verdict and drop-reason COUNTERS.
 #[map(name = "counters")]
