@@ -88,14 +88,13 @@ impl Rig {
     /// library rebuilds its view of them by scanning, and the old handles are dropped.
     pub fn reload(&mut self) {
         let pin_dir = self.pin_dir.clone().expect("reload needs a pinned rig");
-        let dp =
-            Datapath::load(LoadOptions {
-                object: crate::ebpf_object(),
-                pin_dir: Some(pin_dir),
-                config: self.config,
-                ..LoadOptions::new()
-            })
-                .expect("reload datapath");
+        let dp = Datapath::load(LoadOptions {
+            object: crate::ebpf_object(),
+            pin_dir: Some(pin_dir),
+            config: self.config,
+            ..LoadOptions::new()
+        })
+        .expect("reload datapath");
         self.maps = dp.maps();
         *self.dp.lock().expect("datapath lock") = dp;
     }
@@ -143,7 +142,17 @@ impl Rig {
             .expect("register");
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, pin_dir, config, _topo: topo }
+        Self {
+            dp: Arc::new(Mutex::new(dp)),
+            maps,
+            thread,
+            world_mac,
+            up_mac,
+            uplink_ifindex: up,
+            pin_dir,
+            config,
+            _topo: topo,
+        }
     }
 
     /// The datapath's global counter `c` (`cubevs_common::counter`).

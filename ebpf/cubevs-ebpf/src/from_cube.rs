@@ -58,11 +58,11 @@ use crate::{
         EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, PORTMAP_SESSIONS, count, node,
         sandbox_drop, sandbox_out,
     },
-    nat,
+    nat, new_flow,
     packet::{
         self, ICMP_ECHO_REPLY, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len,
     },
-    new_flow, policy, quota, rst, track,
+    policy, quota, rst, track,
 };
 
 #[classifier]
