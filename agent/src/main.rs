@@ -334,8 +334,6 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             gateway_mac: cfg.gw_mac,
             // Set from `limits` by the loader.
             session_budget: 0,
-            new_flow_rate: raw.l7_connect_rate_per_sandbox,
-            new_flow_burst: raw.l7_connect_burst_per_sandbox,
         };
         let obj = (!raw.bpf_object.is_empty()).then(|| PathBuf::from(&raw.bpf_object));
         let reaper = Duration::from_secs(raw.reaper_interval_secs);
@@ -346,6 +344,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             dns_query_floor: raw.dns_query_floor_per_sandbox,
             frag_floor: raw.frag_floor_per_sandbox,
             dns_learned_floor: raw.dns_learned_floor_per_sandbox,
+            l7_connect_rate: raw.l7_connect_rate_per_sandbox,
+            l7_connect_burst: raw.l7_connect_burst_per_sandbox,
             ..Default::default()
         };
         let attach = match raw.tc_attach.as_str() {

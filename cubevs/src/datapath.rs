@@ -118,6 +118,12 @@ pub struct MapLimits {
     /// Enforced capped like the tracking floors ([`MapLimits::track_floor`], without the
     /// 255 cap: [`MapLimits::learned_floor`]).
     pub dns_learned_floor: u32,
+    /// New connections to CubeEgress one sandbox version may open per second (default 200,
+    /// `cubevs_common::new_flow::RATE`; 0 = no bound; decision R91): written into
+    /// `new_flow_config` at every load.
+    pub l7_connect_rate: u32,
+    /// The depth of that bucket (default 400, `cubevs_common::new_flow::BURST`).
+    pub l7_connect_burst: u32,
 }
 
 impl Default for MapLimits {
@@ -132,6 +138,8 @@ impl Default for MapLimits {
             dns_query_floor: limits::DNS_QUERY_FLOOR,
             frag_floor: limits::FRAG_FLOOR,
             dns_learned_floor: limits::DNS_LEARNED_FLOOR,
+            l7_connect_rate: cubevs_common::new_flow::RATE,
+            l7_connect_burst: cubevs_common::new_flow::BURST,
         }
     }
 }
@@ -510,10 +518,10 @@ impl Datapath {
             ),
             new_flow: crate::new_flow::NewFlowTable::new(
                 ebpf.take_map(map::NEW_FLOW_RATE).and_then(|m| m.try_into().ok()),
-                opts.config.new_flow_rate,
-                opts.config.new_flow_burst,
+                ebpf.take_map(map::NEW_FLOW_CONFIG).and_then(|m| m.try_into().ok()),
             ),
         });
+        maps.new_flow.set_limits(l.l7_connect_rate, l.l7_connect_burst)?;
         Ok(Self {
             ebpf,
             opts,

@@ -134,8 +134,6 @@ impl Meta {
         b[24..30].copy_from_slice(&c.mvm_mac);
         b[30..36].copy_from_slice(&c.gateway_mac);
         b[36..40].copy_from_slice(&c.session_budget.to_ne_bytes());
-        b[40..44].copy_from_slice(&c.new_flow_rate.to_ne_bytes());
-        b[44..48].copy_from_slice(&c.new_flow_burst.to_ne_bytes());
         for (slot, &off) in self.slots.iter().zip(&SLOT_OFF) {
             b[off..off + 32].copy_from_slice(&slot.sha256);
             put_str(&mut b[off + 32..off + 64], &slot.version);
@@ -161,9 +159,6 @@ impl Meta {
         // Zero in metadata written before the quota existed: no budget, so a load with one
         // differs from the recorded configuration and switches in a self-tested slot.
         config.session_budget = u32_at(b, 36);
-        // Zero in metadata written before R91: no new-connection bound recorded.
-        config.new_flow_rate = u32_at(b, 40);
-        config.new_flow_burst = u32_at(b, 44);
         let slots = SLOT_OFF.map(|off| SlotRecord {
             sha256: b[off..off + 32].try_into().expect("32 bytes"),
             version: get_str(&b[off + 32..off + 64]),
@@ -301,8 +296,6 @@ mod tests {
         config.gateway_mac = [2, 4, 6, 8, 10, 12];
         // A budget that is neither the default nor 0: the round trip must keep it.
         config.session_budget = 777;
-        config.new_flow_rate = 123;
-        config.new_flow_burst = 45;
         let mut m = Meta::new(config);
         m.active = Some(1);
         m.pending = None;

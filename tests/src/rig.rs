@@ -40,8 +40,8 @@ pub struct Rig {
     pub uplink_ifindex: u32,
     /// Where [`Rig::pinned`] pinned the datapath.
     pin_dir: Option<std::path::PathBuf>,
-    /// The `CONFIG` the datapath was loaded with (and is reloaded with).
-    config: cubevs::DatapathConfig,
+    /// The map limits the datapath was loaded with (and is reloaded with).
+    limits: MapLimits,
     _topo: Topology,
 }
 
@@ -61,13 +61,7 @@ impl Rig {
 
     /// Builds the rig with `limits` (e.g. larger session maps for scale benchmarks).
     pub fn with_limits(limits: MapLimits) -> Self {
-        Self::build(limits, None, cubevs::DatapathConfig::DEFAULT)
-    }
-
-    /// Builds the rig with default map sizes and `config` in the programs' `CONFIG` (e.g. a
-    /// new-connection rate of its own, decision R91).
-    pub fn with_config(config: cubevs::DatapathConfig) -> Self {
-        Self::build(MapLimits::default(), None, config)
+        Self::build(limits, None)
     }
 
     /// Builds the rig with its maps and programs pinned under `pin_dir` (a directory in a
@@ -75,12 +69,12 @@ impl Rig {
     /// metadata and every map pinned; [`Rig::reload`] then loads it again as a new process
     /// would, adopting the pins.
     pub fn pinned(pin_dir: std::path::PathBuf) -> Self {
-        Self::build(MapLimits::default(), Some(pin_dir), cubevs::DatapathConfig::DEFAULT)
+        Self::build(MapLimits::default(), Some(pin_dir))
     }
 
-    /// [`Rig::pinned`] with `config` in the programs' `CONFIG` ([`Rig::reload`] keeps it).
-    pub fn pinned_with_config(pin_dir: std::path::PathBuf, config: cubevs::DatapathConfig) -> Self {
-        Self::build(MapLimits::default(), Some(pin_dir), config)
+    /// [`Rig::pinned`] with `limits` ([`Rig::reload`] loads with them again).
+    pub fn pinned_with_limits(pin_dir: std::path::PathBuf, limits: MapLimits) -> Self {
+        Self::build(limits, Some(pin_dir))
     }
 
     /// Loads the datapath again from the pins of [`Rig::pinned`], as a restarted or upgraded
@@ -91,7 +85,7 @@ impl Rig {
         let dp = Datapath::load(LoadOptions {
             object: crate::ebpf_object(),
             pin_dir: Some(pin_dir),
-            config: self.config,
+            limits: self.limits,
             ..LoadOptions::new()
         })
         .expect("reload datapath");
@@ -99,7 +93,7 @@ impl Rig {
         *self.dp.lock().expect("datapath lock") = dp;
     }
 
-    fn build(limits: MapLimits, pin_dir: Option<std::path::PathBuf>, config: cubevs::DatapathConfig) -> Self {
+    fn build(limits: MapLimits, pin_dir: Option<std::path::PathBuf>) -> Self {
         let topo = Topology::new();
         let world_mac = topo.world_mac();
         let up_mac = topo.node_uplink_mac();
@@ -120,7 +114,6 @@ impl Rig {
         let dp = Datapath::load(LoadOptions {
             object: crate::ebpf_object(),
             limits,
-            config,
             pin_dir: pin_dir.clone(),
             ..LoadOptions::new()
         })
@@ -150,7 +143,7 @@ impl Rig {
             up_mac,
             uplink_ifindex: up,
             pin_dir,
-            config,
+            limits,
             _topo: topo,
         }
     }

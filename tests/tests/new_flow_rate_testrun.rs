@@ -17,7 +17,7 @@ use cubenet_tests::{
     rig::{Rig, SB_IFINDEX, SB_IP, VERSION},
 };
 use cubevs::{
-    DatapathConfig, EgressPolicy, SandboxEntry, prog,
+    EgressPolicy, MapLimits, SandboxEntry, prog,
     reaper::monotonic_ns,
     testrun::{TC_ACT_REDIRECT, TC_ACT_SHOT, TestRunOutput},
 };
@@ -40,7 +40,7 @@ fn policy() -> EgressPolicy {
 
 /// A rig whose sandboxes A (the rig's) and B have the L7 policy, at `rate` / `burst`.
 fn rig(rate: u32, burst: u32) -> Rig {
-    let r = Rig::with_config(DatapathConfig { new_flow_rate: rate, new_flow_burst: burst, ..DatapathConfig::DEFAULT });
+    let r = Rig::with_limits(MapLimits { l7_connect_rate: rate, l7_connect_burst: burst, ..MapLimits::default() });
     add_b(&r);
     r.maps.policy.replace(SB_IFINDEX, &policy()).expect("policy a");
     r
@@ -206,8 +206,8 @@ fn the_bucket_survives_a_reload() {
         return;
     }
     let bpffs = BpfFs::new();
-    let config = DatapathConfig { new_flow_rate: 1, new_flow_burst: 50, ..DatapathConfig::DEFAULT };
-    let mut r = Rig::pinned_with_config(bpffs.path().join("cubevs"), config);
+    let limits = MapLimits { l7_connect_rate: 1, l7_connect_burst: 50, ..MapLimits::default() };
+    let mut r = Rig::pinned_with_limits(bpffs.path().join("cubevs"), limits);
     r.maps.policy.replace(SB_IFINDEX, &policy()).expect("policy");
     let steered_before = (0..60u16).filter(|p| steered(&syn(&r, SB_IFINDEX, 10_000 + p))).count();
     assert_eq!(steered_before, 50, "the burst");

@@ -138,6 +138,9 @@ pub mod map {
     /// new connections to CubeEgress ([`super::new_flow`], decision R91; written by the
     /// datapath only).
     pub const NEW_FLOW_RATE: &str = "new_flow_rate";
+    /// Array, one entry: [`super::NewFlowConfig`], the rate and burst of the `new_flow_rate`
+    /// buckets (written by userspace at every load; all zero, e.g. never written: no bound).
+    pub const NEW_FLOW_CONFIG: &str = "new_flow_config";
     /// Hash: [`super::QuotaKey`] → `u64` sessions the kernel charged to that sandbox version
     /// (created and atomically added to / subtracted from by the datapath only, see
     /// [`super::quota`]).
@@ -178,6 +181,9 @@ pub mod map {
     ///
     /// `host_port_released` (decision R74): without it a released host port's next owner on
     /// another interface still gets the previous owner's world connections (R73's limit).
+    ///
+    /// `new_flow_rate`, `new_flow_config` (decision R91): without it an object does not bound a sandbox's new
+    /// connections to CubeEgress (R90's limit).
     pub const OPTIONAL: &[&str] = &[
         SESSION_FLOOR,
         TRACK_OPENED,
@@ -188,6 +194,8 @@ pub mod map {
         LEARNED_CLOSED,
         LEARNED_FLOOR,
         HOST_PORT_RELEASED,
+        NEW_FLOW_RATE,
+        NEW_FLOW_CONFIG,
     ];
     /// LPM trie: key `{prefixlen: u32, addr: u32 NBO}` (8 bytes) → `u8` 1, the node's extra
     /// always-denied destinations (agent key `always_denied_cidrs`, decision R30): checked
@@ -238,6 +246,7 @@ pub mod map {
         FRAG_SESSIONS,
         INSERT_BUDGET,
         NEW_FLOW_RATE,
+        NEW_FLOW_CONFIG,
         SESSION_OPENED,
         SESSION_CLOSED,
         SESSION_FLOOR,
@@ -249,6 +258,7 @@ pub mod map {
         LEARNED_CLOSED,
         LEARNED_FLOOR,
         HOST_PORT_RELEASED,
+        NEW_FLOW_RATE,
     ];
 }
 
@@ -393,12 +403,6 @@ pub struct DatapathConfig {
     /// padding this field replaced was always zero, so objects loaded by older userspace run
     /// without one). Default [`limits::SESSIONS_PER_SANDBOX`].
     pub session_budget: u32,
-    /// New connections steered to CubeEgress one sandbox version may open per second
-    /// ([`new_flow`], decision R91); 0 = no bound. Default [`new_flow::RATE`].
-    pub new_flow_rate: u32,
-    /// How many of those it may open back to back after a quiet spell (the bucket's depth;
-    /// at least 1 when `new_flow_rate` is set). Default [`new_flow::BURST`].
-    pub new_flow_burst: u32,
 }
 
 impl DatapathConfig {
@@ -409,8 +413,6 @@ impl DatapathConfig {
         mvm_mac: guest::MAC,
         gateway_mac: guest::GATEWAY_MAC,
         session_budget: limits::SESSIONS_PER_SANDBOX,
-        new_flow_rate: new_flow::RATE,
-        new_flow_burst: new_flow::BURST,
     };
 }
 
@@ -420,7 +422,7 @@ impl Default for DatapathConfig {
     }
 }
 
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 32);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 24);
 
 /// Node addresses the programs need, written by userspace when it attaches the uplink and
 /// cube-dev (map `node_config`, one entry at index 0). 16 bytes.
@@ -693,8 +695,8 @@ pub mod budget {
 }
 
 /// The per-sandbox bound on new connections steered to CubeEgress (decision R91): a token
-/// bucket of `DatapathConfig::new_flow_burst` connections refilled at
-/// `DatapathConfig::new_flow_rate` a second, kept as a GCRA "theoretical arrival time" per
+/// bucket of [`NewFlowConfig::burst`] connections refilled at [`NewFlowConfig::rate`] a
+/// second, kept as a GCRA "theoretical arrival time" per
 /// sandbox version in `new_flow_rate` ([`NewFlowBucket`], [`QuotaKey`]). The node's TCP stack
 /// completes every such handshake for the gateway (TPROXY) before the gateway sees it, so
 /// the gateway cannot bound this work; the datapath drops the SYN before it reaches the node.
@@ -750,6 +752,19 @@ pub struct NewFlowBucket {
     pub tat_ns: u64,
 }
 const _: () = assert!(core::mem::size_of::<NewFlowBucket>() == 8);
+
+/// Value of `new_flow_config` (8 bytes, index 0): the [`new_flow`] buckets' parameters,
+/// written by userspace at every load (a map, not a `CONFIG` field: objects built before R91
+/// keep loading with this userspace, and an older userspace leaves it untouched).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NewFlowConfig {
+    /// New connections to CubeEgress one sandbox version may open per second; 0 = no bound.
+    pub rate: u32,
+    /// How many of those it may open back to back (the bucket's depth; 0 counts as 1).
+    pub burst: u32,
+}
+const _: () = assert!(core::mem::size_of::<NewFlowConfig>() == 8);
 
 /// Key of `insert_budget` (8 bytes).
 #[repr(C)]
@@ -1047,7 +1062,8 @@ pod!(
     FragTarget,
     BudgetKey,
     BudgetValue,
-    NewFlowBucket
+    NewFlowBucket,
+    NewFlowConfig
 );
 
 /// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.

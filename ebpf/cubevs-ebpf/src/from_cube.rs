@@ -28,7 +28,7 @@
 //!
 //! 10. A SYN that would open a connection to CubeEgress (a new L7 flow, or an L7 session's
 //!     finished port reused) takes a token from its sandbox version's bucket
-//!     (`DatapathConfig::new_flow_rate` / `new_flow_burst`); an empty bucket drops it
+//!     (rate and burst in `new_flow_config`); an empty bucket drops it
 //!     (`drop_new_flow_rate`, decision R91). Established flows and other classes take none.
 //!
 //! Every verdict after step 1 is also charged to the sandbox (`sandbox_stats`): forwarded
@@ -217,7 +217,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
                     }
                     // A new connection to CubeEgress on a reused port costs the node a
                     // handshake like a new flow: it takes a token too (R91).
-                    if l7_now && !new_flow::take(ifindex, version, cfg.new_flow_rate, cfg.new_flow_burst) {
+                    if l7_now && !new_flow::take(ifindex, version) {
                         return drop(ifindex, counter::CUBE_DROP_NEW_FLOW_RATE);
                     }
                 }
@@ -310,7 +310,7 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     if class == policy::FLOW_L7 && ip.proto == proto::TCP && scheme != 0 && node.cube_dev_ifindex != 0 {
         // The sandbox's new connections to CubeEgress (R91): after the quota, so a SYN the
         // quota drops takes no token.
-        if !new_flow::take(ifindex, version, cfg.new_flow_rate, cfg.new_flow_burst) {
+        if !new_flow::take(ifindex, version) {
             return drop(ifindex, counter::CUBE_DROP_NEW_FLOW_RATE);
         }
         let first = nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 };

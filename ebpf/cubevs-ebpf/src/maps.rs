@@ -9,7 +9,8 @@ use aya_ebpf::{
 };
 use cubevs_common::{
     AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NewFlowBucket,
-    NodeConfig, PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp, TrackCount,
+    NewFlowConfig, NodeConfig, PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp,
+    TrackCount,
     dns::{DnsAllowKey, DnsAllowName, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
 };
@@ -168,6 +169,10 @@ pub static INSERT_BUDGET: LruHashMap<BudgetKey, BudgetValue> = LruHashMap::with_
 /// version's bucket is evicted, and an evicted bucket only starts full again.
 #[map(name = "new_flow_rate")]
 pub static NEW_FLOW_RATE: LruHashMap<QuotaKey, NewFlowBucket> = LruHashMap::with_max_entries(limits::NEW_FLOW_KEYS, 0);
+
+/// Rate and burst of the `new_flow_rate` buckets (index 0; userspace-written).
+#[map(name = "new_flow_config")]
+pub static NEW_FLOW_CONFIG: Array<NewFlowConfig> = Array::with_max_entries(1, 0);
 
 /// Verdict and drop-reason COUNTERS.
 #[map(name = "counters")]

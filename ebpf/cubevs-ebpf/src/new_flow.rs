@@ -7,19 +7,21 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
 use cubevs_common::{NewFlowBucket, QuotaKey, new_flow};
 
-use crate::maps::NEW_FLOW_RATE;
+use crate::maps::{NEW_FLOW_CONFIG, NEW_FLOW_RATE};
 
 /// Takes one new connection from the bucket of the sandbox version (`ifindex`, `version`) at
-/// `rate` a second and depth `burst` (`rate` 0: no bound, always `true`). `false`: the bucket
+/// the rate and depth of `new_flow_config` (rate 0 or no entry: no bound, always `true`). `false`: the bucket
 /// is empty, the caller drops the SYN. A missing entry is a full bucket (created here); when
 /// it cannot be created the SYN is admitted (the LRU map evicts, so this does not happen).
 /// The update is a plain store: CPUs racing on one sandbox's last token may each take it.
 #[inline(always)]
-pub fn take(ifindex: u32, version: u32, rate: u32, burst: u32) -> bool {
+pub fn take(ifindex: u32, version: u32) -> bool {
+    let Some(cfg) = NEW_FLOW_CONFIG.get(0).copied() else { return true };
+    let rate = cfg.rate;
     if rate == 0 {
         return true;
     }
-    let burst = if burst == 0 { 1 } else { burst };
+    let burst = if cfg.burst == 0 { 1 } else { cfg.burst };
     let key = QuotaKey { ifindex, version };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
