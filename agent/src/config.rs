@@ -184,6 +184,15 @@ pub struct Config {
     /// else the answer's address is not learned (`dns_learn_full`). 31 × 8,192 + 1,024 fit
     /// the map (decision R66).
     pub dns_learned_floor_per_sandbox: u32,
+    /// New connections to CubeEgress (TCP SYNs the datapath steers to the gateway) one sandbox
+    /// may open per second (default 200, 0..=1000000; 0 = no bound): beyond its bucket the SYN
+    /// is dropped and counted (`drop_new_flow_rate`), the guest retransmits it. The node's TCP
+    /// stack completes every such handshake before the gateway can admit it, so this is what
+    /// keeps one sandbox's connection churn from starving the others' L7 traffic (decision R91).
+    pub l7_connect_rate_per_sandbox: u32,
+    /// How many of those a sandbox may open back to back after a quiet spell (default 400,
+    /// 1..=1000000).
+    pub l7_connect_burst_per_sandbox: u32,
     /// A Reconcile whose new policy denies a destination the old one allowed flushes the
     /// sandbox's established flows (default true; sessions are cut by a new sandbox version).
     /// Per request: `persist_metadata["cubenet.io/flush-sessions-on-tighten"]` = `"true"` /
@@ -273,6 +282,8 @@ impl Default for Config {
             dns_query_floor_per_sandbox: cubevs_common::limits::DNS_QUERY_FLOOR,
             frag_floor_per_sandbox: cubevs_common::limits::FRAG_FLOOR,
             dns_learned_floor_per_sandbox: cubevs_common::limits::DNS_LEARNED_FLOOR,
+            l7_connect_rate_per_sandbox: cubevs_common::new_flow::RATE,
+            l7_connect_burst_per_sandbox: cubevs_common::new_flow::BURST,
             flush_sessions_on_policy_tighten: true,
             cube_egress_admin_url: "http://127.0.0.1:9091".into(),
             cube_egress_push_timeout_ms: 2000,
@@ -583,6 +594,18 @@ impl Config {
                 return Err(invalid(key, format!("{floor} above {max} (({capacity} - 1024) / 8192 sandboxes)")));
             }
         }
+        if self.l7_connect_rate_per_sandbox > 1_000_000 {
+            return Err(invalid(
+                "l7_connect_rate_per_sandbox",
+                format!("{} outside 0..1000000", self.l7_connect_rate_per_sandbox),
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.l7_connect_burst_per_sandbox) {
+            return Err(invalid(
+                "l7_connect_burst_per_sandbox",
+                format!("{} outside 1..1000000", self.l7_connect_burst_per_sandbox),
+            ));
+        }
         if !self.cube_egress_admin_url.is_empty() {
             crate::egress_sync::parse_admin_url(&self.cube_egress_admin_url)
                 .map_err(|r| invalid("cube_egress_admin_url", r))?;
@@ -845,6 +868,12 @@ mod tests {
                 Config::parse(&format!("{key} = {ok}")).unwrap().validate().unwrap();
             }
         }
+        for bad in ["l7_connect_rate_per_sandbox = 1000001", "l7_connect_burst_per_sandbox = 0"] {
+            let e = Config::parse(bad).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains(bad.split(' ').next().unwrap()), "{bad}: {e}");
+        }
+        let c = Config::parse("l7_connect_rate_per_sandbox = 0").unwrap().validate().unwrap();
+        assert_eq!((c.raw.l7_connect_rate_per_sandbox, c.raw.l7_connect_burst_per_sandbox), (0, 400));
         let e = Config::parse("dns_learned_floor_per_sandbox = 32").unwrap().validate().unwrap_err().to_string();
         assert!(e.contains("`dns_learned_floor_per_sandbox`"), "{e}");
         for ok in [0, 8, 31] {

@@ -344,6 +344,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             dns_query_floor: raw.dns_query_floor_per_sandbox,
             frag_floor: raw.frag_floor_per_sandbox,
             dns_learned_floor: raw.dns_learned_floor_per_sandbox,
+            l7_connect_rate: raw.l7_connect_rate_per_sandbox,
+            l7_connect_burst: raw.l7_connect_burst_per_sandbox,
             ..Default::default()
         };
         let attach = match raw.tc_attach.as_str() {

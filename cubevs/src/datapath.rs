@@ -118,6 +118,12 @@ pub struct MapLimits {
     /// Enforced capped like the tracking floors ([`MapLimits::track_floor`], without the
     /// 255 cap: [`MapLimits::learned_floor`]).
     pub dns_learned_floor: u32,
+    /// New connections to CubeEgress one sandbox version may open per second (default 200,
+    /// `cubevs_common::new_flow::RATE`; 0 = no bound; decision R91): written into
+    /// `new_flow_config` at every load.
+    pub l7_connect_rate: u32,
+    /// The depth of that bucket (default 400, `cubevs_common::new_flow::BURST`).
+    pub l7_connect_burst: u32,
 }
 
 impl Default for MapLimits {
@@ -132,6 +138,8 @@ impl Default for MapLimits {
             dns_query_floor: limits::DNS_QUERY_FLOOR,
             frag_floor: limits::FRAG_FLOOR,
             dns_learned_floor: limits::DNS_LEARNED_FLOOR,
+            l7_connect_rate: cubevs_common::new_flow::RATE,
+            l7_connect_burst: cubevs_common::new_flow::BURST,
         }
     }
 }
@@ -351,6 +359,7 @@ impl Datapath {
             (map::DNS_ALLOW_NAMES, l.dns_allow_entries()?),
             (map::SESSION_OPENED, l.session_quota_keys()?),
             (map::SESSION_CLOSED, l.session_quota_keys()?),
+            (map::NEW_FLOW_RATE, l.session_quota_keys()?),
             (map::SESSION_FLOOR, limits::SESSION_FLOOR_KEYS),
             (map::TRACK_OPENED, l.session_quota_keys()?),
             (map::TRACK_CLOSED, l.session_quota_keys()?),
@@ -507,7 +516,12 @@ impl Datapath {
             budget: crate::insert_budget::InsertBudgetTable::new(
                 ebpf.take_map(map::INSERT_BUDGET).and_then(|m| m.try_into().ok()),
             ),
+            new_flow: crate::new_flow::NewFlowTable::new(
+                ebpf.take_map(map::NEW_FLOW_RATE).and_then(|m| m.try_into().ok()),
+                ebpf.take_map(map::NEW_FLOW_CONFIG).and_then(|m| m.try_into().ok()),
+            ),
         });
+        maps.new_flow.set_limits(l.l7_connect_rate, l.l7_connect_burst)?;
         Ok(Self {
             ebpf,
             opts,

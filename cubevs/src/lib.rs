@@ -24,6 +24,7 @@ pub mod insert_budget;
 pub mod layout;
 pub mod learned_floor;
 pub mod lock;
+pub mod new_flow;
 mod node;
 mod node_deny;
 mod periodic;
@@ -92,6 +93,9 @@ pub struct Maps {
     pub node_deny: NodeDenyTable,
     /// `insert_budget`, read-only: each sandbox version's DNS query and learning windows.
     pub budget: insert_budget::InsertBudgetTable,
+    /// `new_flow_rate`, read-only: each sandbox version's bucket of new connections to
+    /// CubeEgress (decision R91).
+    pub new_flow: new_flow::NewFlowTable,
 }
 
 impl std::fmt::Debug for Maps {

@@ -40,6 +40,8 @@ pub struct Rig {
     pub uplink_ifindex: u32,
     /// Where [`Rig::pinned`] pinned the datapath.
     pin_dir: Option<std::path::PathBuf>,
+    /// The map limits the datapath was loaded with (and is reloaded with).
+    limits: MapLimits,
     _topo: Topology,
 }
 
@@ -70,14 +72,23 @@ impl Rig {
         Self::build(MapLimits::default(), Some(pin_dir))
     }
 
+    /// [`Rig::pinned`] with `limits` ([`Rig::reload`] loads with them again).
+    pub fn pinned_with_limits(pin_dir: std::path::PathBuf, limits: MapLimits) -> Self {
+        Self::build(limits, Some(pin_dir))
+    }
+
     /// Loads the datapath again from the pins of [`Rig::pinned`], as a restarted or upgraded
     /// agent does: the maps (sandbox, policy, learned addresses) are the pinned ones, the
     /// library rebuilds its view of them by scanning, and the old handles are dropped.
     pub fn reload(&mut self) {
         let pin_dir = self.pin_dir.clone().expect("reload needs a pinned rig");
-        let dp =
-            Datapath::load(LoadOptions { object: crate::ebpf_object(), pin_dir: Some(pin_dir), ..LoadOptions::new() })
-                .expect("reload datapath");
+        let dp = Datapath::load(LoadOptions {
+            object: crate::ebpf_object(),
+            pin_dir: Some(pin_dir),
+            limits: self.limits,
+            ..LoadOptions::new()
+        })
+        .expect("reload datapath");
         self.maps = dp.maps();
         *self.dp.lock().expect("datapath lock") = dp;
     }
@@ -124,7 +135,17 @@ impl Rig {
             .expect("register");
         maps.policy.install_default_deny(SB_IFINDEX).expect("policy");
         let thread = topo.node.thread();
-        Self { dp: Arc::new(Mutex::new(dp)), maps, thread, world_mac, up_mac, uplink_ifindex: up, pin_dir, _topo: topo }
+        Self {
+            dp: Arc::new(Mutex::new(dp)),
+            maps,
+            thread,
+            world_mac,
+            up_mac,
+            uplink_ifindex: up,
+            pin_dir,
+            limits,
+            _topo: topo,
+        }
     }
 
     /// The datapath's global counter `c` (`cubevs_common::counter`).

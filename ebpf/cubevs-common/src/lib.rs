@@ -134,6 +134,13 @@ pub mod map {
     /// LRU: [`super::BudgetKey`] → [`super::BudgetValue`], the insert windows of
     /// [`super::budget`] (written by the datapath only).
     pub const INSERT_BUDGET: &str = "insert_budget";
+    /// LRU: [`super::QuotaKey`] → [`super::NewFlowBucket`], each sandbox version's bucket of
+    /// new connections to CubeEgress ([`super::new_flow`], decision R91; written by the
+    /// datapath only).
+    pub const NEW_FLOW_RATE: &str = "new_flow_rate";
+    /// Array, one entry: [`super::NewFlowConfig`], the rate and burst of the `new_flow_rate`
+    /// buckets (written by userspace at every load; all zero, e.g. never written: no bound).
+    pub const NEW_FLOW_CONFIG: &str = "new_flow_config";
     /// Hash: [`super::QuotaKey`] → `u64` sessions the kernel charged to that sandbox version
     /// (created and atomically added to / subtracted from by the datapath only, see
     /// [`super::quota`]).
@@ -174,6 +181,9 @@ pub mod map {
     ///
     /// `host_port_released` (decision R74): without it a released host port's next owner on
     /// another interface still gets the previous owner's world connections (R73's limit).
+    ///
+    /// `new_flow_rate`, `new_flow_config` (decision R91): without it an object does not bound a sandbox's new
+    /// connections to CubeEgress (R90's limit).
     pub const OPTIONAL: &[&str] = &[
         SESSION_FLOOR,
         TRACK_OPENED,
@@ -184,6 +194,8 @@ pub mod map {
         LEARNED_CLOSED,
         LEARNED_FLOOR,
         HOST_PORT_RELEASED,
+        NEW_FLOW_RATE,
+        NEW_FLOW_CONFIG,
     ];
     /// LPM trie: key `{prefixlen: u32, addr: u32 NBO}` (8 bytes) → `u8` 1, the node's extra
     /// always-denied destinations (agent key `always_denied_cidrs`, decision R30): checked
@@ -233,6 +245,8 @@ pub mod map {
         PORTMAP_SESSIONS,
         FRAG_SESSIONS,
         INSERT_BUDGET,
+        NEW_FLOW_RATE,
+        NEW_FLOW_CONFIG,
         SESSION_OPENED,
         SESSION_CLOSED,
         SESSION_FLOOR,
@@ -244,6 +258,7 @@ pub mod map {
         LEARNED_CLOSED,
         LEARNED_FLOOR,
         HOST_PORT_RELEASED,
+        NEW_FLOW_RATE,
     ];
 }
 
@@ -295,6 +310,9 @@ pub mod limits {
     pub const SNAT_IPS: u32 = 4;
     /// Counter slots.
     pub const COUNTERS: u32 = 64;
+    /// Entries of `new_flow_rate`: two sandbox versions per sandbox, as
+    /// [`SESSION_QUOTA_KEYS`] (LRU: a released version's bucket is evicted first).
+    pub const NEW_FLOW_KEYS: u32 = 2 * SANDBOXES;
     /// Tracked host-port connections (`portmap_sessions`, LRU: the oldest is evicted first).
     pub const PORTMAP_SESSIONS: u32 = 1 << 18;
     /// Fragmented datagrams in flight from the world (`frag_sessions_v2`, hash: when full, a
@@ -676,6 +694,78 @@ pub mod budget {
     }
 }
 
+/// The per-sandbox bound on new connections steered to CubeEgress (decision R91): a token
+/// bucket of [`NewFlowConfig::burst`] connections refilled at [`NewFlowConfig::rate`] a
+/// second, kept as a GCRA "theoretical arrival time" per
+/// sandbox version in `new_flow_rate` ([`NewFlowBucket`], [`QuotaKey`]). The node's TCP stack
+/// completes every such handshake for the gateway (TPROXY) before the gateway sees it, so
+/// the gateway cannot bound this work; the datapath drops the SYN before it reaches the node.
+/// The bucket is keyed by version, so the next sandbox on a reused interface starts full.
+/// Approximate under races: two CPUs admitting one sandbox's SYNs at the same instant may both
+/// take the last token (at most one extra connection per CPU).
+pub mod new_flow {
+    /// Default rate: new connections to CubeEgress per second per sandbox.
+    pub const RATE: u32 = 200;
+    /// Default burst: connections a sandbox may open back to back.
+    pub const BURST: u32 = 400;
+    /// Nanoseconds per second.
+    pub const NS_PER_SEC: u64 = 1_000_000_000;
+
+    /// The admission of one new connection at `now_ns` by a bucket whose stored theoretical
+    /// arrival time is `tat_ns` (`None`: no entry yet, a full bucket), at `rate` a second
+    /// with depth `burst` (both at least 1). `Some(new tat)`: admitted, store it; `None`:
+    /// the bucket is empty. Shared by the datapath and userspace's reading of the bucket.
+    #[inline(always)]
+    pub const fn admit(tat_ns: Option<u64>, now_ns: u64, rate: u32, burst: u32) -> Option<u64> {
+        let interval = NS_PER_SEC / rate as u64;
+        let tolerance = interval * burst as u64;
+        let tat = match tat_ns {
+            Some(t) if t > now_ns => t,
+            _ => now_ns,
+        };
+        let next = tat + interval;
+        if next - now_ns > tolerance { None } else { Some(next) }
+    }
+
+    /// Connections the bucket of stored time `tat_ns` would admit back to back at `now_ns`.
+    pub const fn available(tat_ns: Option<u64>, now_ns: u64, rate: u32, burst: u32) -> u32 {
+        if rate == 0 {
+            return u32::MAX;
+        }
+        let interval = NS_PER_SEC / rate as u64;
+        let used = match tat_ns {
+            Some(t) if t > now_ns => (t - now_ns).div_ceil(interval),
+            _ => 0,
+        };
+        let b = burst as u64;
+        if used >= b { 0 } else { (b - used) as u32 }
+    }
+}
+
+/// Value of `new_flow_rate` (8 bytes): one sandbox version's new-connection bucket
+/// ([`new_flow`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NewFlowBucket {
+    /// Theoretical arrival time, CLOCK_MONOTONIC ns: the bucket is full when it is at or
+    /// before now, and each admitted connection moves it one interval (1 s / rate) later.
+    pub tat_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<NewFlowBucket>() == 8);
+
+/// Value of `new_flow_config` (8 bytes, index 0): the [`new_flow`] buckets' parameters,
+/// written by userspace at every load (a map, not a `CONFIG` field: objects built before R91
+/// keep loading with this userspace, and an older userspace leaves it untouched).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NewFlowConfig {
+    /// New connections to CubeEgress one sandbox version may open per second; 0 = no bound.
+    pub rate: u32,
+    /// How many of those it may open back to back (the bucket's depth; 0 counts as 1).
+    pub burst: u32,
+}
+const _: () = assert!(core::mem::size_of::<NewFlowConfig>() == 8);
+
 /// Key of `insert_budget` (8 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -971,7 +1061,9 @@ pod!(
     FragKey,
     FragTarget,
     BudgetKey,
-    BudgetValue
+    BudgetValue,
+    NewFlowBucket,
+    NewFlowConfig
 );
 
 /// Counter slots (per-CPU `u64`, map `counters`). Userspace sums across CPUs.
@@ -1122,6 +1214,10 @@ pub mod counter {
     /// [`super::dns::always_denied`]) not learned: a DNS answer never opens what the baseline
     /// denies (decision R15).
     pub const DNS_RESP_NOT_PUBLIC: u32 = 63;
+    /// from_cube: a SYN that would open a connection to CubeEgress (a new L7 flow, or a
+    /// finished L7 session's port reused) dropped: its sandbox has used its new-connection
+    /// bucket ([`super::new_flow`], decision R91). No session is made; the guest retransmits.
+    pub const CUBE_DROP_NEW_FLOW_RATE: u32 = 33;
     /// Names of the slots, for metrics and dumps.
     pub const NAMES: &[(u32, &str, &str)] = &[
         (XDP_REDIRECT, "xdp_world", "redirect"),
@@ -1182,6 +1278,7 @@ pub mod counter {
         (ENVOY_L7_REPLY, "from_envoy", "l7_reply"),
         (CUBE_DROP_SESSION_QUOTA, "from_cube", "drop_session_quota"),
         (CUBE_DROP_NODE_SESSIONS, "from_cube", "drop_node_sessions"),
+        (CUBE_DROP_NEW_FLOW_RATE, "from_cube", "drop_new_flow_rate"),
         (WORLD_DROP_TO_SANDBOX, "from_world", "drop_to_sandbox"),
     ];
 }
@@ -1254,5 +1351,30 @@ mod tests {
         assert_eq!((r.src_ip, r.dst_ip, r.sport, r.dport, r.version, r.proto), (2, 5, 4, 6, 0, proto::TCP));
         let icmp = SessionKey { proto: proto::ICMP, dport: 0, ..k };
         assert_eq!(icmp.reverse(5, 6).sport, 0, "ICMP: remote port 0, SNAT id in dport");
+    }
+
+    /// The bucket admits `burst` back to back, then one per interval; a long quiet spell
+    /// refills it to `burst`, never beyond.
+    #[test]
+    fn new_flow_bucket_bursts_then_refills_at_the_rate() {
+        let (rate, burst) = (10, 3);
+        let mut tat = None;
+        for i in 0..3 {
+            assert_eq!(new_flow::available(tat, 1_000, rate, burst), 3 - i);
+            tat = Some(new_flow::admit(tat, 1_000, rate, burst).expect("within the burst"));
+        }
+        assert_eq!(new_flow::admit(tat, 1_000, rate, burst), None, "beyond the burst");
+        assert_eq!(new_flow::available(tat, 1_000, rate, burst), 0);
+        // One interval (100 ms) later exactly one more.
+        let t = 1_000 + 100_000_000;
+        tat = Some(new_flow::admit(tat, t, rate, burst).expect("refilled one"));
+        assert_eq!(new_flow::admit(tat, t, rate, burst), None);
+        // An hour later: full, not more.
+        let t = t + 3_600 * new_flow::NS_PER_SEC;
+        assert_eq!(new_flow::available(tat, t, rate, burst), 3);
+        for _ in 0..3 {
+            tat = Some(new_flow::admit(tat, t, rate, burst).expect("full again"));
+        }
+        assert_eq!(new_flow::admit(tat, t, rate, burst), None);
     }
 }

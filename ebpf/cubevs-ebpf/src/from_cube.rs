@@ -27,6 +27,11 @@
 //!    sessions are under the ceiling that keeps every registered sandbox's floor free
 //!    (`drop_node_sessions`, decision Q4).
 //!
+//! 10. A SYN that would open a connection to CubeEgress (a new L7 flow, or an L7 session's
+//!     finished port reused) takes a token from its sandbox version's bucket
+//!     (rate and burst in `new_flow_config`); an empty bucket drops it
+//!     (`drop_new_flow_rate`, decision R91). Established flows and other classes take none.
+//!
 //! Every verdict after step 1 is also charged to the sandbox (`sandbox_stats`): forwarded
 //! packets as `out`, drops by reason (`cubevs_common::stats`); ARP is not counted.
 
@@ -54,7 +59,7 @@ use crate::{
         EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, PORTMAP_SESSIONS, count, node,
         sandbox_drop, sandbox_out,
     },
-    nat,
+    nat, new_flow,
     packet::{
         self, ICMP_ECHO_REPLY, ICMP_ECHO_REQUEST, IP_DST_OFF, IP_SRC_OFF, Ipv4, L4, set_ip, set_port, tcp_seg_len,
     },
@@ -231,6 +236,11 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
                         count(counter::CUBE_RECLASSIFIED);
                         break 'existing;
                     }
+                    // A new connection to CubeEgress on a reused port costs the node a
+                    // handshake like a new flow: it takes a token too (R91).
+                    if l7_now && !new_flow::take(ifindex, version) {
+                        return drop(ifindex, counter::CUBE_DROP_NEW_FLOW_RATE);
+                    }
                 }
                 // A reopened port starts a new connection on the same SNAT port: the remote sees
                 // the guest's own 4-tuple reused, which its TIME_WAIT accepts (D15).
@@ -319,6 +329,11 @@ fn ipv4(ctx: &TcContext, cfg: &DatapathConfig, ifindex: u32, version: u32, sandb
     let counted = if cfg.session_budget != 0 { COUNTED } else { 0 };
     let scheme = l7::scheme_of(l4.dport);
     if class == policy::FLOW_L7 && ip.proto == proto::TCP && scheme != 0 && node.cube_dev_ifindex != 0 {
+        // The sandbox's new connections to CubeEgress (R91): after the quota, so a SYN the
+        // quota drops takes no token.
+        if !new_flow::take(ifindex, version) {
+            return drop(ifindex, counter::CUBE_DROP_NEW_FLOW_RATE);
+        }
         let first = nat::FirstSeg { seen: 1, end: l4.seq.wrapping_add(tcp_seg_len(&ip, &l4)), win: l4.win as u32 };
         if nat::create_l7_session(&key, ifindex, node.cube_dev_ifindex, scheme, first, counted).is_none() {
             return drop(ifindex, counter::CUBE_DROP_NO_SNAT);

@@ -12,7 +12,8 @@
 //! [`nat`] (SNAT ports, sessions), [`forward`] (FIB next hop), [`rst`] (RST synthesis),
 //! [`arp`] (proxy), [`config`] (load-time constants), [`track`] (TCP state and sequence
 //! tracking), [`icmp_err`] (ICMP errors from the world), [`frag`] (fragmented replies), [`world`] (reverse
-//! path shared by `from_world` and `xdp_world`), [`dns`] (DNS learning).
+//! path shared by `from_world` and `xdp_world`), [`dns`] (DNS learning), [`new_flow`] (new
+//! connections to CubeEgress per sandbox).
 #![no_std]
 #![no_main]
 // `atomic_xadd`: the bpfel target has no atomic read-modify-write in `core::sync::atomic`
@@ -36,6 +37,7 @@ mod icmp_err;
 mod learned_floor;
 mod maps;
 mod nat;
+mod new_flow;
 mod packet;
 mod policy;
 mod quota;

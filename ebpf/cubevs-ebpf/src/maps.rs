@@ -8,8 +8,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
 };
 use cubevs_common::{
-    AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NodeConfig,
-    PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp, TrackCount,
+    AllowValue, BudgetKey, BudgetValue, FragKey, FragTarget, IngressValue, MvmMeta, MvmPort, NatSession, NewFlowBucket,
+    NewFlowConfig, NodeConfig, PolicyLpmData, PortmapKey, PortmapSession, QuotaKey, SandboxStats, SessionKey, SnatIp,
+    TrackCount,
     dns::{DnsAllowKey, DnsAllowName, DnsAllowValue, DnsQueryKey, DnsQueryValue, LearnedKey, LearnedValue, Scratch},
     limits, stats,
 };
@@ -162,6 +163,16 @@ pub static FRAG_SESSIONS: HashMap<FragKey, FragTarget> = HashMap::with_max_entri
 /// an evicted window only restarts that sandbox's count.
 #[map(name = "insert_budget")]
 pub static INSERT_BUDGET: LruHashMap<BudgetKey, BudgetValue> = LruHashMap::with_max_entries(limits::INSERT_BUDGET, 0);
+
+/// Per-sandbox-version buckets of new connections to CubeEgress (`crate::new_flow`,
+/// decision R91; datapath-written only). LRU: two keys per sandbox fit, so only a released
+/// version's bucket is evicted, and an evicted bucket only starts full again.
+#[map(name = "new_flow_rate")]
+pub static NEW_FLOW_RATE: LruHashMap<QuotaKey, NewFlowBucket> = LruHashMap::with_max_entries(limits::NEW_FLOW_KEYS, 0);
+
+/// Rate and burst of the `new_flow_rate` buckets (index 0; userspace-written).
+#[map(name = "new_flow_config")]
+pub static NEW_FLOW_CONFIG: Array<NewFlowConfig> = Array::with_max_entries(1, 0);
 
 /// Verdict and drop-reason COUNTERS.
 #[map(name = "counters")]
