@@ -324,7 +324,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     // 1. Datapath: load the programs; pinned links are adopted by the attaches below. Another
     //    object than the active slot's is switched to at once; a start that fails before this
     //    agent owns its sockets (e.g. a refused hand-over) switches back (U11).
-    let active_before = handover::SlotRollback::active(&raw.bpffs_dir);
+    let active_before = handover::ActiveSlot::read(&raw.bpffs_dir);
+    // A running agent is connected to (without a word yet) before this process can switch
+    // the datapath: should it die anywhere after the switch, even before it asks for the
+    // hand-over, the running agent sees the connection end and makes its own slot active
+    // again (U13).
+    let early_conn = (!raw.handover_socket.as_os_str().is_empty()).then(|| handover::connect(&raw.handover_socket));
     let dp = step("load datapath", || {
         check_bpffs(&raw.bpffs_dir)?;
         let dcfg = DatapathConfig {
@@ -361,6 +366,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     // Until this process owns its sockets (bound fresh, or handed over), another agent may
     // serve on this node: any failure until then switches back (U11).
     let mut slot_rollback = handover::SlotRollback::after_load(&raw.bpffs_dir, active_before);
+    // This agent's own slot, made active again after a hand-over it offers fails (U13).
+    let own_slot = dp.slot().and_then(|s| handover::OwnSlot::after_own_load(&raw.bpffs_dir, s));
     if let Some(g) = slot_rollback.as_mut() {
         g.arm();
     }
@@ -402,13 +409,14 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     let mut handover_conn = None;
     let mut adopted_listeners = None;
     let mut received = HashMap::new();
-    if !raw.handover_socket.as_os_str().is_empty() {
+    if let Some(conn) = early_conn {
         let sock = &raw.handover_socket;
         let t = Instant::now();
         let mut old_pid = None;
-        let offer = handover::begin(sock).and_then(|conn| {
+        let offer = conn.and_then(|conn| {
             let Some(conn) = conn else { return Ok(None) };
             old_pid = handover::peer_pid(&conn);
+            handover::begin(&conn)?;
             tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
             let (m, fds) = handover::recv_offer(&conn)?;
             let (l, taps) = handover::split_offer(m, fds)?;
@@ -674,7 +682,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             })
         });
         tokio::spawn(async move {
-            handover::serve(l, a, g, fds, ep, stop).await;
+            handover::serve(l, a, g, fds, ep, stop, own_slot).await;
             let _ = handed_tx.send(());
         });
     } else {

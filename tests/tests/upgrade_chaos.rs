@@ -432,3 +432,84 @@ fn a_successor_on_a_full_node_is_ready_as_its_predecessor_was() {
     assert!(r.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r:?}");
     a.release("sb-after-upgrade");
 }
+
+#[test]
+fn a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapath() {
+    if !require_root("a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapath") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-kill9", 2, "");
+    start(&mut a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
+    let r = ensure(&a, "sb-k9");
+    let g = a.guest(&r);
+    // Every probe also proves the sandbox's traffic flows (its control datagram must arrive).
+    assert!(!hosts.reaches(&g, 46001, "k1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let before = list(&a);
+    let (active, links) = slots_in_use(&a);
+    let active = active.expect("an active slot");
+    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+
+    // The worst moment, made deterministic: the running agent is stopped, so the successor
+    // (another object) switches every link to its slot and then waits for the offer, before
+    // READY; it is killed there (no guard of its own runs), then the running agent resumes.
+    let old = a.child.take().expect("agent running");
+    let old_pid = Pid::from_raw(old.id() as i32);
+    nix::sys::signal::kill(old_pid, Signal::SIGSTOP).unwrap();
+    let obj = other_build(&a.dir);
+    let mut next = spawn_agent(&a, &format!("--bpf-object {}", obj.display()));
+    wait_until("the successor's datapath switch", Duration::from_secs(60), || {
+        let (now, links_now) = slots_in_use(&a);
+        now == Some(1 - active) && links_now.iter().all(|s| *s == now)
+    })
+    .unwrap_or_else(|e| {
+        let _ = nix::sys::signal::kill(old_pid, Signal::SIGCONT);
+        panic!("{e}\n{}", a.log())
+    });
+    assert!(!hosts.reaches(&g, 46002, "k2"), "the always-denied address opened on the successor's programs");
+    let sock = handover_socket(&a);
+    wait_until("the successor's connection in the hand-over backlog", Duration::from_secs(60), || {
+        backlog(&a, &sock, old_pid.as_raw() as u32).unwrap_or(0) > 0
+    })
+    .unwrap_or_else(|e| {
+        let _ = nix::sys::signal::kill(old_pid, Signal::SIGCONT);
+        panic!("{e}\n{}", a.log())
+    });
+    assert!(next.child().try_wait().unwrap().is_none(), "the successor exited before READY:\n{}", a.log());
+    nix::sys::signal::kill(Pid::from_raw(next.id() as i32), Signal::SIGKILL).unwrap();
+    wait_exit(&mut next, Duration::from_secs(10)).unwrap();
+    assert!(!hosts.reaches(&g, 46003, "k3"), "the always-denied address opened after the kill");
+    nix::sys::signal::kill(old_pid, Signal::SIGCONT).unwrap();
+    a.child = Some(old);
+
+    // The running agent sees the hand-over fail and makes its own slot active again.
+    let restored = wait_until("the running agent's slot active again", Duration::from_secs(30), || {
+        let (now, links_now) = slots_in_use(&a);
+        now == Some(active) && links_now.iter().all(|s| *s == Some(active))
+    });
+    assert!(restored.is_ok(), "the dead successor's datapath stayed active: {:?}\n{}", slots_in_use(&a), a.log());
+    assert!(a.log().contains("this agent's datapath is active again"), "{}", a.log());
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    assert_eq!(list(&a), before, "the sandbox's state changed");
+    assert!(!hosts.reaches(&g, 46004, "k4"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-k9-next");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 46005, "k5"), "the always-denied address is open to a new sandbox");
+
+    // A later normal upgrade with that object works and keeps it.
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap();
+    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
+    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let (after, links_after) = slots_in_use(&a);
+    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
+    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+    assert_eq!(list(&a).len(), 2);
+    assert!(!hosts.reaches(&g, 46006, "k6"), "the always-denied address opened after the upgrade");
+    assert!(!hosts.reaches(&g2, 46007, "k7"), "the always-denied address opened after the upgrade");
+    drop((g, g2));
+    a.release("sb-k9");
+    a.release("sb-k9-next");
+    assert!(list(&a).is_empty());
+}

@@ -48,8 +48,8 @@ mod wire;
 
 pub use gate::{Entry, MutationGate};
 pub use predecessor::{StopAccepting, serve};
-pub use slot_rollback::SlotRollback;
-pub use successor::{STOP_TIMEOUT, begin, commit, peer_pid, predecessor_gone, split_offer, wait_exited};
+pub use slot_rollback::{ActiveSlot, OwnSlot, SlotRollback};
+pub use successor::{STOP_TIMEOUT, begin, commit, connect, peer_pid, predecessor_gone, split_offer, wait_exited};
 pub use wire::{bind, peer_allowed, read_line, recv_offer, send_offer, verify_tap};
 
 /// Version of the hand-over protocol and manifest; a successor refuses any other.
