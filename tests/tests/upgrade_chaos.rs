@@ -35,7 +35,7 @@ use cubenet_tests::{
     agent_upgrade::{handover_socket, spawn_agent, start, upgrade, wait_exit, wait_until},
     deny_probe::DenyProbe,
     netns::ChildGuard,
-    require_root,
+    require_root, topology,
 };
 use nix::{sys::signal::Signal, unistd::Pid};
 
@@ -512,4 +512,107 @@ fn a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapa
     a.release("sb-k9");
     a.release("sb-k9-next");
     assert!(list(&a).is_empty());
+}
+
+/// What a successor must not change before it has taken over (H14), as the node shows it:
+/// cube-dev's MTU, the uplink's XDP attachment, the uplink entry of the pinned `node_config`
+/// map (ifindex and address: host ports are DNATed to it), and the tc programs on `up0`,
+/// cube-dev and the spare interface `spare`.
+fn node_settings(a: &AgentUnderTest, spare: &str) -> String {
+    let link = |dev: &str| {
+        let l = a.topo.node.ip(&["-o", "link", "show", "dev", dev]);
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let mtu = f.iter().position(|w| *w == "mtu").map(|i| f[i + 1]).unwrap_or("?").to_string();
+        let xdp = f.iter().filter(|w| w.starts_with("xdp")).cloned().collect::<Vec<_>>().join(",");
+        format!("{dev}: mtu {mtu} xdp [{xdp}]")
+    };
+    let node = {
+        let data = aya::maps::MapData::from_pin(a.pin_dir().join("maps/node_config")).expect("node_config pin");
+        let arr = aya::maps::Array::<_, [u8; 16]>::try_from(aya::maps::Map::Array(data)).expect("node_config");
+        arr.get(&0, 0).expect("node_config entry")
+    };
+    let names = [topology::NODE_UPLINK.to_string(), topology::CUBE_DEV.to_string(), spare.to_string()];
+    let tc = a.topo.node.run(move || {
+        names
+            .iter()
+            .map(|n| {
+                let ingress = cubevs::tcx_programs(n, aya::programs::tc::TcAttachType::Ingress).unwrap_or_default();
+                let egress = cubevs::tcx_programs(n, aya::programs::tc::TcAttachType::Egress).unwrap_or_default();
+                let filters = |dir: &str| {
+                    let o = std::process::Command::new("tc").args(["filter", "show", "dev", n, dir]).output();
+                    o.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+                };
+                format!(
+                    "{n}: tcx in {ingress:?} out {egress:?} filters {:?} {:?}",
+                    filters("ingress"),
+                    filters("egress")
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    format!(
+        "{}; {}; node_config uplink {:?}; {}",
+        link(topology::CUBE_DEV),
+        link(topology::NODE_UPLINK),
+        &node[8..16],
+        tc.join("; ")
+    )
+}
+
+#[test]
+fn a_refused_successor_leaves_the_node_settings_as_they_were() {
+    if !require_root("a_refused_successor_leaves_the_node_settings_as_they_were") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-node", 2, "");
+    start(&mut a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
+    let r = ensure(&a, "sb-node");
+    let g = a.guest(&r);
+    assert!(!hosts.reaches(&g, 47001, "n1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    // A second interface with one IPv4 address (a veth: the kernel may lack dummy links): a
+    // valid `eth_name` for the next version.
+    const SPARE: &str = "spare0";
+    a.topo.node.ip(&["link", "add", SPARE, "type", "veth", "peer", "name", "spare1"]);
+    a.topo.node.ip(&["addr", "add", "10.123.0.1/24", "dev", SPARE]);
+    a.topo.node.ip(&["link", "set", SPARE, "up"]);
+    let before = node_settings(&a, SPARE);
+    assert!(before.contains("cube-dev: mtu 1500 xdp []") && before.contains("up0: mtu 1500 xdp []"), "{before}");
+    let listed = list(&a);
+
+    // Successors whose configuration changes node settings, each refused at the hand-over
+    // (its tap_fd_listen does not fit the running agent's socket).
+    let cfg = a.dir.join("agent.toml");
+    let orig = std::fs::read_to_string(&cfg).unwrap();
+    let other = a.dir.join("cube/other-tap.sock");
+    for (i, extra) in ["mtu = 1400\nxdp_mode = \"generic\"\n", "eth_name = \"spare0\"\n", "tc_attach = \"legacy\"\n"]
+        .into_iter()
+        .enumerate()
+    {
+        std::fs::write(&cfg, format!("{orig}{extra}")).unwrap();
+        let aborted = a.log().matches("hand-over aborted, this agent keeps serving").count();
+        let mut bad = spawn_agent(&a, &format!("--tap-fd-listen {}", other.display()));
+        let st = wait_exit(&mut bad, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+        assert!(!st.success(), "a successor on another tap_fd_listen took over:\n{}", a.log());
+        assert!(a.log().matches("hand-over aborted, this agent keeps serving").count() > aborted, "{}", a.log());
+        assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+        let now = node_settings(&a, SPARE);
+        assert_eq!(now, before, "a refused successor with {extra:?} changed the node's settings:\n{}", a.log());
+        let port = 47010 + i as u16;
+        assert!(!hosts.reaches(&g, port, &format!("n{port}")), "the always-denied address opened");
+    }
+    assert_eq!(list(&a), listed);
+
+    // A successor that takes over writes its settings after STOPPED.
+    std::fs::write(&cfg, format!("{orig}mtu = 1400\nxdp_mode = \"generic\"\n")).unwrap();
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let after = node_settings(&a, SPARE);
+    assert!(after.contains("cube-dev: mtu 1400") && after.contains("up0: mtu 1500 xdp [xdpgeneric"), "{after}");
+    assert!(!hosts.reaches(&g, 47020, "n20"), "the always-denied address opened after the upgrade");
+    let r2 = ensure(&a, "sb-node-next");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 47021, "n21"), "the always-denied address is open to a new sandbox");
+    drop((g, g2));
+    a.release("sb-node");
+    a.release("sb-node-next");
 }
