@@ -517,6 +517,11 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         if let Some(mut g) = slot_rollback.take() {
             g.disarm();
         }
+        // The serving agent runs its own object: another successor's failure handled by the
+        // previous agent meanwhile may have made the previous agent's slot active (U13).
+        if let Some(o) = &own_slot {
+            o.ensure("the hand-over");
+        }
         agent.adopt_warm_pool();
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
         // Ours now: this configuration's cube-dev and uplink settings (H14). A failure keeps

@@ -488,7 +488,13 @@ fn a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapa
         now == Some(active) && links_now.iter().all(|s| *s == Some(active))
     });
     assert!(restored.is_ok(), "the dead successor's datapath stayed active: {:?}\n{}", slots_in_use(&a), a.log());
-    assert!(a.log().contains("this agent's datapath is active again"), "{}", a.log());
+    assert!(
+        a.log().contains(
+            "after the failed hand-over another agent's object was active: this agent's datapath is active again"
+        ),
+        "{}",
+        a.log()
+    );
     assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
     assert_eq!(list(&a), before, "the sandbox's state changed");
     assert!(!hosts.reaches(&g, 46004, "k4"), "the always-denied address opened");

@@ -68,7 +68,7 @@ pub async fn serve(
             Err(e) => {
                 tracing::warn!("hand-over aborted, this agent keeps serving: {e}");
                 if let Some(o) = own.clone() {
-                    let _ = tokio::task::spawn_blocking(move || o.ensure()).await;
+                    let _ = tokio::task::spawn_blocking(move || o.ensure("the failed hand-over")).await;
                 }
             }
         }

@@ -132,20 +132,21 @@ impl OwnSlot {
     }
 
     /// Makes this agent's slot active on every pinned link unless it is (blocking: takes the
-    /// update lock, waiting while another updater holds it). Logs what it did.
-    pub fn ensure(&self) {
+    /// update lock, waiting while another updater holds it). `after` says when, for the log
+    /// (e.g. `the failed hand-over`).
+    pub fn ensure(&self, after: &str) {
         let own = SLOT_NAMES[self.own.slot];
         match restore(&self.pin_dir, &self.own, None) {
             Ok(Restored::AlreadyActive(_)) => {}
             Ok(Restored::Switched { from, to }) => tracing::warn!(
                 from = SLOT_NAMES[from],
                 to = SLOT_NAMES[to],
-                "the failed successor had switched the datapath to its object: this agent's datapath is active again"
+                "after {after} another agent's object was active: this agent's datapath is active again"
             ),
             Err(e) => tracing::error!(
                 slot = own,
-                "after the failed hand-over this agent's datapath could not be made active again ({e}): it serves on \
-                 the programs of the active slot; `cubenet-cli datapath rollback` restores the previous"
+                "after {after} this agent's datapath could not be made active again ({e}): it serves on the \
+                 programs of the active slot; `cubenet-cli datapath rollback` restores the previous"
             ),
         }
     }
