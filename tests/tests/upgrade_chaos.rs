@@ -321,6 +321,27 @@ fn other_build(dir: &Path) -> std::path::PathBuf {
     p
 }
 
+/// A successful upgrade of `a` to an agent configured with the object `obj`: the node runs it
+/// afterwards on every pinned link, in the slot other than `active`.
+fn upgrade_to_object(a: &mut AgentUnderTest, obj: &Path, active: usize) {
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap();
+    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
+    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
+    upgrade(a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let (after, links_after) = slots_in_use(a);
+    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
+    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+}
+
+/// The active slot, which every pinned link runs (asserted), and those links' slots.
+fn running_slot(a: &AgentUnderTest) -> (usize, Vec<Option<usize>>) {
+    let (active, links) = slots_in_use(a);
+    let active = active.expect("an active slot");
+    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+    (active, links)
+}
+
 /// The active slot and the slot each pinned link runs.
 fn slots_in_use(a: &AgentUnderTest) -> (Option<usize>, Vec<Option<usize>>) {
     let st = cubevs::slots::status(&a.pin_dir()).expect("datapath status");
@@ -338,9 +359,7 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     let r = ensure(&a, "sb-obj");
     let g = a.guest(&r);
     assert!(!hosts.reaches(&g, 45001, "o1"), "allow_out 0.0.0.0/0 reached the always-denied address");
-    let (active, links) = slots_in_use(&a);
-    let active = active.expect("an active slot");
-    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+    let (active, links) = running_slot(&a);
 
     // The next version brings another eBPF object; its start switches the node to it, then
     // its hand-over is refused (its tap_fd_listen does not fit): the running agent must keep
@@ -378,14 +397,7 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     assert!(!hosts.reaches(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");
 
     // The same object in an upgrade that succeeds: the node runs it afterwards.
-    let cfg = a.dir.join("agent.toml");
-    let toml = std::fs::read_to_string(&cfg).unwrap();
-    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
-    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
-    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
-    let (after, links_after) = slots_in_use(&a);
-    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
-    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+    upgrade_to_object(&mut a, &obj, active);
     assert!(!hosts.reaches(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
     drop((g, g2));
     a.release("sb-obj");
@@ -446,9 +458,7 @@ fn a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapa
     // Every probe also proves the sandbox's traffic flows (its control datagram must arrive).
     assert!(!hosts.reaches(&g, 46001, "k1"), "allow_out 0.0.0.0/0 reached the always-denied address");
     let before = list(&a);
-    let (active, links) = slots_in_use(&a);
-    let active = active.expect("an active slot");
-    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+    let (active, _) = running_slot(&a);
 
     // The worst moment, made deterministic: the running agent is stopped, so the successor
     // (another object) switches every link to its slot and then waits for the offer, before
@@ -503,14 +513,7 @@ fn a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapa
     assert!(!hosts.reaches(&g2, 46005, "k5"), "the always-denied address is open to a new sandbox");
 
     // A later normal upgrade with that object works and keeps it.
-    let cfg = a.dir.join("agent.toml");
-    let toml = std::fs::read_to_string(&cfg).unwrap();
-    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
-    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
-    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
-    let (after, links_after) = slots_in_use(&a);
-    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
-    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+    upgrade_to_object(&mut a, &obj, active);
     assert_eq!(list(&a).len(), 2);
     assert!(!hosts.reaches(&g, 46006, "k6"), "the always-denied address opened after the upgrade");
     assert!(!hosts.reaches(&g2, 46007, "k7"), "the always-denied address opened after the upgrade");
