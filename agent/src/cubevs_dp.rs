@@ -129,6 +129,11 @@ impl CubeVsDataplane {
         self.maps.sessions.delete_to(&added).map_err(err)
     }
 
+    /// The slot this process's load activated (pinned tcx), `None` in legacy tc mode.
+    pub fn slot(&self) -> Option<usize> {
+        self.datapath.lock().unwrap_or_else(|e| e.into_inner()).slot()
+    }
+
     /// Removes link pins of interfaces that no longer exist (deleted TAPs).
     pub fn gc_link_pins(&self) -> Result<Vec<String>, DataplaneError> {
         self.on_thread(|dp| dp.gc_link_pins())

@@ -324,7 +324,12 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     // 1. Datapath: load the programs; pinned links are adopted by the attaches below. Another
     //    object than the active slot's is switched to at once; a start that fails before this
     //    agent owns its sockets (e.g. a refused hand-over) switches back (U11).
-    let active_before = handover::SlotRollback::active(&raw.bpffs_dir);
+    let active_before = handover::ActiveSlot::read(&raw.bpffs_dir);
+    // A running agent is connected to (without a word yet) before this process can switch
+    // the datapath: should it die anywhere after the switch, even before it asks for the
+    // hand-over, the running agent sees the connection end and makes its own slot active
+    // again (U13).
+    let early_conn = (!raw.handover_socket.as_os_str().is_empty()).then(|| handover::connect(&raw.handover_socket));
     let dp = step("load datapath", || {
         check_bpffs(&raw.bpffs_dir)?;
         let dcfg = DatapathConfig {
@@ -363,20 +368,20 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     // Until this process owns its sockets (bound fresh, or handed over), another agent may
     // serve on this node: any failure until then switches back (U11).
     let mut slot_rollback = handover::SlotRollback::after_load(&raw.bpffs_dir, active_before);
+    // This agent's own slot, made active again after a hand-over it offers fails (U13).
+    let own_slot = dp.slot().and_then(|s| handover::OwnSlot::after_own_load(&raw.bpffs_dir, s));
     if let Some(g) = slot_rollback.as_mut() {
         g.arm();
     }
 
-    // 2. cube-dev.
+    // 2. cube-dev and 3. the uplink (SNAT address, XDP, per-netns sysctls) are node-wide: the
+    //    uplink is found and checked here (read only); both are written once this process owns
+    //    its sockets, on a fresh start right after the bind (an agent started next to a running
+    //    one stops there, H7), on a hand-over after STOPPED, so a successor refused or killed
+    //    before that leaves the running agent's cube-dev MTU, uplink entry, XDP mode and tc
+    //    attachments as they were (H14).
     let gw = cfg.gateway_ip();
-    step("cube-dev", || {
-        host.ensure_cube_dev(cfg.gw_mac, gw, cfg.cidr)?;
-        dp.attach_cube_dev(&raw.cube_dev_name, gw)?;
-        Ok(())
-    })?;
-
-    // 3. Uplink, SNAT address, per-netns sysctls.
-    step("uplink", || {
+    let (eth, uplink_ifindex, uplink_ip) = step("uplink check", || {
         let eth = if raw.eth_name.is_empty() {
             host.default_route_dev()?.context("no IPv4 default route in the dataplane netns; set eth_name")?
         } else {
@@ -386,17 +391,25 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         if ips.len() != 1 {
             bail!("uplink {eth} must carry exactly one IPv4 address, has {ips:?}");
         }
-        dp.attach_uplink(&eth, ips[0])?;
+        Ok((eth, ifindex, ips[0]))
+    })?;
+    let cube_dev = || -> anyhow::Result<()> {
+        host.ensure_cube_dev(cfg.gw_mac, gw, cfg.cidr)?;
+        dp.attach_cube_dev(&raw.cube_dev_name, gw)?;
+        Ok(())
+    };
+    let uplink = || -> anyhow::Result<()> {
+        dp.attach_uplink(&eth, uplink_ip)?;
         // After from_world: whatever XDP passes finds the TC path in place.
         let xdp = dp.attach_uplink_xdp(&eth, cfg.xdp_mode)?;
         tracing::info!(uplink = %eth, mode = %cfg.xdp_mode, attached = ?xdp, "xdp fast path");
-        dp.set_snat_ips(&[SnatIp { ip: ips[0], ifindex }])?;
+        dp.set_snat_ips(&[SnatIp { ip: uplink_ip, ifindex: uplink_ifindex }])?;
         if !raw.ip_local_port_range.is_empty() {
             host.netns_sysctl("ipv4/ip_local_port_range", &raw.ip_local_port_range)?;
         }
-        tracing::info!(uplink = %eth, ip = %ips[0], "uplink found");
+        tracing::info!(uplink = %eth, ip = %uplink_ip, "uplink found");
         Ok(())
-    })?;
+    };
 
     // Live upgrade: ask a running agent for its listeners and TAP fds (handover/). Any
     // failure before READY leaves the old agent serving; this process exits. A running agent
@@ -404,13 +417,14 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     let mut handover_conn = None;
     let mut adopted_listeners = None;
     let mut received = HashMap::new();
-    if !raw.handover_socket.as_os_str().is_empty() {
+    if let Some(conn) = early_conn {
         let sock = &raw.handover_socket;
         let t = Instant::now();
         let mut old_pid = None;
-        let offer = handover::begin(sock).and_then(|conn| {
+        let offer = conn.and_then(|conn| {
             let Some(conn) = conn else { return Ok(None) };
             old_pid = handover::peer_pid(&conn);
+            handover::begin(&conn)?;
             tracing::info!(socket = %sock.display(), "asked the running agent for a hand-over; waiting for its offer");
             let (m, fds) = handover::recv_offer(&conn)?;
             let (l, taps) = handover::split_offer(m, fds)?;
@@ -474,6 +488,8 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
     // successor that gives up or dies before that never changes the list the running agent
     // enforces (H10).
     if handover_conn.is_none() {
+        step("cube-dev", cube_dev)?;
+        step("uplink", uplink)?;
         step("always-denied list", || {
             let cut = dp.set_always_denied(&cfg.always_denied)?;
             tracing::info!(always_denied = ?raw.always_denied_cidrs, sessions_deleted = cut, "node always-denied list written");
@@ -503,8 +519,24 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
         if let Some(mut g) = slot_rollback.take() {
             g.disarm();
         }
+        // The serving agent runs its own object: another successor's failure handled by the
+        // previous agent meanwhile may have made the previous agent's slot active (U13).
+        if let Some(o) = &own_slot {
+            o.ensure("the hand-over");
+        }
         agent.adopt_warm_pool();
         tracing::info!("hand-over complete: the previous agent stopped accepting and exits");
+        // Ours now: this configuration's cube-dev and uplink settings (H14). A failure keeps
+        // the previous agent's (nobody else serves any more), as for the list below.
+        for (what, r) in [("cube-dev", cube_dev()), ("uplink", uplink())] {
+            match r {
+                Ok(()) => tracing::info!(step = what, "node settings written after the hand-over"),
+                Err(e) => tracing::error!(
+                    step = what,
+                    "writing the node settings after the hand-over failed ({e:#}); the previous agent's stay in force"
+                ),
+            }
+        }
         // Ours now: this configuration's list replaces the previous agent's in place. As on a
         // SIGHUP (R51), only sessions toward newly listed entries are cut, and a failed write
         // keeps the previous list (this agent serves anyway: nobody else does any more).
@@ -676,7 +708,7 @@ async fn run(cfg: Arc<network_agent::config::Validated>, load: Option<Loader>) -
             })
         });
         tokio::spawn(async move {
-            handover::serve(l, a, g, fds, ep, stop).await;
+            handover::serve(l, a, g, fds, ep, stop, own_slot).await;
             let _ = handed_tx.send(());
         });
     } else {

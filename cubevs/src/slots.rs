@@ -421,6 +421,70 @@ pub fn rollback(pin_dir: &Path) -> Result<usize, Error> {
     Ok(other)
 }
 
+/// What [`restore`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Restored {
+    /// The slot holding the object was active already; every pinned link was pointed at it
+    /// again (a no-op unless a switch was cut short, e.g. its process killed mid-way).
+    AlreadyActive(usize),
+    /// The slot holding the object was made active again, from the other one.
+    Switched {
+        /// The slot active before.
+        from: usize,
+        /// The slot holding the object, active now.
+        to: usize,
+    },
+}
+
+/// Makes the slot holding the object with `sha256` active on every pinned link, recording
+/// `config` (the configuration its programs were loaded with) when given: the undo of another
+/// process's start that switched the node to its own object and then gave up or died (agent
+/// decisions U11, U13). With `expect_active`, only while that slot is still the active one
+/// (nobody switched since). Links already on the slot are left alone, so on an active slot
+/// it only repairs links a cut-short switch left on the other slot.
+///
+/// Errors: [`Error::Busy`]; [`Error::Slot`] when no self-tested slot holds that object (its
+/// standby was overwritten since) or the active slot is not `expect_active`.
+pub fn restore(
+    pin_dir: &Path,
+    sha256: &[u8; 32],
+    config: Option<DatapathConfig>,
+    expect_active: Option<usize>,
+) -> Result<Restored, Error> {
+    let _lock = UpdateLock::try_acquire(pin_dir)?;
+    let mut meta = need_meta(pin_dir)?;
+    if expect_active.is_some() && meta.active != expect_active {
+        return Err(Error::Slot(format!("the active slot is {:?} now, not {expect_active:?}", meta.active)));
+    }
+    let holds = |s: usize| {
+        meta.slots[s].sha256 == *sha256
+            && meta.slots[s].selftest == SelfTestState::Passed
+            && slot_dir(pin_dir, s).join(prog::FROM_CUBE).exists()
+    };
+    // The active slot first, should both hold it.
+    let order = meta.active.map_or([0, 1], |a| [a, 1 - a]);
+    let Some(to) = order.into_iter().find(|&s| holds(s)) else {
+        return Err(Error::Slot(format!("no slot holds the object with sha256 {}", hex(sha256))));
+    };
+    let from = meta.active;
+    replace_links(pin_dir, to, from)?;
+    let switched = from != Some(to);
+    if switched || config.is_some_and(|c| c != meta.config) {
+        if switched {
+            meta.active = Some(to);
+            meta.pending = None;
+        }
+        if let Some(c) = config {
+            meta.config = c;
+        }
+        write_meta(pin_dir, &meta)?;
+    }
+    Ok(match from {
+        Some(f) if f != to => Restored::Switched { from: f, to },
+        _ => Restored::AlreadyActive(to),
+    })
+}
+
 /// One attach point as the kernel reports it.
 #[derive(Clone, Debug)]
 pub struct AttachPoint {

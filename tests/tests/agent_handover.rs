@@ -501,7 +501,8 @@ fn handover_socket_refuses_strangers_bad_versions_and_failed_successors() {
 
     // A hand-over aborted after the offer: mutations wait meanwhile (reads and fd requests
     // are answered), then the old agent keeps serving and runs the queued Ensure itself.
-    let s = handover::begin(&sock).unwrap().expect("agent listening");
+    let s = handover::connect(&sock).unwrap().expect("agent listening");
+    handover::begin(&s).unwrap();
     let (m, fds) = handover::recv_offer(&s).unwrap();
     assert_eq!(fds.len(), m.fd_count());
     assert_eq!(m.listeners.len(), 3);
@@ -668,7 +669,8 @@ fn sigterm_during_a_handover_leaves_the_sockets_to_the_successor() {
     start(&mut a);
     // A successor that has the offer (and so the listening sockets) when the old agent is
     // told to stop: the files must stay, or the successor would serve unreachable sockets.
-    let s = handover::begin(&handover_socket(&a)).unwrap().expect("agent listening");
+    let s = handover::connect(&handover_socket(&a)).unwrap().expect("agent listening");
+    handover::begin(&s).unwrap();
     let (_m, fds) = handover::recv_offer(&s).unwrap();
     let mut old = a.child.take().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();

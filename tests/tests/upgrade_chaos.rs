@@ -35,7 +35,7 @@ use cubenet_tests::{
     agent_upgrade::{handover_socket, spawn_agent, start, upgrade, wait_exit, wait_until},
     deny_probe::DenyProbe,
     netns::ChildGuard,
-    require_root,
+    require_root, topology,
 };
 use nix::{sys::signal::Signal, unistd::Pid};
 
@@ -321,6 +321,27 @@ fn other_build(dir: &Path) -> std::path::PathBuf {
     p
 }
 
+/// A successful upgrade of `a` to an agent configured with the object `obj`: the node runs it
+/// afterwards on every pinned link, in the slot other than `active`.
+fn upgrade_to_object(a: &mut AgentUnderTest, obj: &Path, active: usize) {
+    let cfg = a.dir.join("agent.toml");
+    let toml = std::fs::read_to_string(&cfg).unwrap();
+    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
+    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
+    upgrade(a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let (after, links_after) = slots_in_use(a);
+    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
+    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+}
+
+/// The active slot, which every pinned link runs (asserted), and those links' slots.
+fn running_slot(a: &AgentUnderTest) -> (usize, Vec<Option<usize>>) {
+    let (active, links) = slots_in_use(a);
+    let active = active.expect("an active slot");
+    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+    (active, links)
+}
+
 /// The active slot and the slot each pinned link runs.
 fn slots_in_use(a: &AgentUnderTest) -> (Option<usize>, Vec<Option<usize>>) {
     let st = cubevs::slots::status(&a.pin_dir()).expect("datapath status");
@@ -338,9 +359,7 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     let r = ensure(&a, "sb-obj");
     let g = a.guest(&r);
     assert!(!hosts.reaches(&g, 45001, "o1"), "allow_out 0.0.0.0/0 reached the always-denied address");
-    let (active, links) = slots_in_use(&a);
-    let active = active.expect("an active slot");
-    assert!(!links.is_empty() && links.iter().all(|s| *s == Some(active)), "{active} {links:?}");
+    let (active, links) = running_slot(&a);
 
     // The next version brings another eBPF object; its start switches the node to it, then
     // its hand-over is refused (its tap_fd_listen does not fit): the running agent must keep
@@ -378,14 +397,7 @@ fn a_refused_successor_with_another_object_leaves_the_datapath_as_it_was() {
     assert!(!hosts.reaches(&g2, 45003, "o3"), "the always-denied address is open to a new sandbox");
 
     // The same object in an upgrade that succeeds: the node runs it afterwards.
-    let cfg = a.dir.join("agent.toml");
-    let toml = std::fs::read_to_string(&cfg).unwrap();
-    let line = toml.lines().find(|l| l.starts_with("bpf_object =")).expect("bpf_object line").to_string();
-    std::fs::write(&cfg, toml.replace(&line, &format!("bpf_object = \"{}\"", obj.display()))).unwrap();
-    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
-    let (after, links_after) = slots_in_use(&a);
-    assert_eq!(after, Some(1 - active), "the upgrade's object must be active");
-    assert!(links_after.iter().all(|s| *s == after), "{links_after:?}");
+    upgrade_to_object(&mut a, &obj, active);
     assert!(!hosts.reaches(&g, 45004, "o4"), "the always-denied address opened after the upgrade");
     drop((g, g2));
     a.release("sb-obj");
@@ -431,4 +443,185 @@ fn a_successor_on_a_full_node_is_ready_as_its_predecessor_was() {
     let r = ensure(&a, "sb-after-upgrade");
     assert!(r.persist_metadata["sandbox_ip"].starts_with("192.168.0."), "{r:?}");
     a.release("sb-after-upgrade");
+}
+
+#[test]
+fn a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapath() {
+    if !require_root("a_successor_killed_after_its_datapath_switch_leaves_the_running_agents_datapath") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-kill9", 2, "");
+    start(&mut a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
+    let r = ensure(&a, "sb-k9");
+    let g = a.guest(&r);
+    // Every probe also proves the sandbox's traffic flows (its control datagram must arrive).
+    assert!(!hosts.reaches(&g, 46001, "k1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    let before = list(&a);
+    let (active, _) = running_slot(&a);
+
+    // The worst moment, made deterministic: the running agent is stopped, so the successor
+    // (another object) switches every link to its slot and then waits for the offer, before
+    // READY; it is killed there (no guard of its own runs), then the running agent resumes.
+    let old = a.child.take().expect("agent running");
+    let old_pid = Pid::from_raw(old.id() as i32);
+    nix::sys::signal::kill(old_pid, Signal::SIGSTOP).unwrap();
+    let obj = other_build(&a.dir);
+    let mut next = spawn_agent(&a, &format!("--bpf-object {}", obj.display()));
+    wait_until("the successor's datapath switch", Duration::from_secs(60), || {
+        let (now, links_now) = slots_in_use(&a);
+        now == Some(1 - active) && links_now.iter().all(|s| *s == now)
+    })
+    .unwrap_or_else(|e| {
+        let _ = nix::sys::signal::kill(old_pid, Signal::SIGCONT);
+        panic!("{e}\n{}", a.log())
+    });
+    assert!(!hosts.reaches(&g, 46002, "k2"), "the always-denied address opened on the successor's programs");
+    let sock = handover_socket(&a);
+    wait_until("the successor's connection in the hand-over backlog", Duration::from_secs(60), || {
+        backlog(&a, &sock, old_pid.as_raw() as u32).unwrap_or(0) > 0
+    })
+    .unwrap_or_else(|e| {
+        let _ = nix::sys::signal::kill(old_pid, Signal::SIGCONT);
+        panic!("{e}\n{}", a.log())
+    });
+    assert!(next.child().try_wait().unwrap().is_none(), "the successor exited before READY:\n{}", a.log());
+    nix::sys::signal::kill(Pid::from_raw(next.id() as i32), Signal::SIGKILL).unwrap();
+    wait_exit(&mut next, Duration::from_secs(10)).unwrap();
+    assert!(!hosts.reaches(&g, 46003, "k3"), "the always-denied address opened after the kill");
+    nix::sys::signal::kill(old_pid, Signal::SIGCONT).unwrap();
+    a.child = Some(old);
+
+    // The running agent sees the hand-over fail and makes its own slot active again.
+    let restored = wait_until("the running agent's slot active again", Duration::from_secs(30), || {
+        let (now, links_now) = slots_in_use(&a);
+        now == Some(active) && links_now.iter().all(|s| *s == Some(active))
+    });
+    assert!(restored.is_ok(), "the dead successor's datapath stayed active: {:?}\n{}", slots_in_use(&a), a.log());
+    assert!(
+        a.log().contains(
+            "after the failed hand-over another agent's object was active: this agent's datapath is active again"
+        ),
+        "{}",
+        a.log()
+    );
+    assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+    assert_eq!(list(&a), before, "the sandbox's state changed");
+    assert!(!hosts.reaches(&g, 46004, "k4"), "the always-denied address opened");
+    let r2 = ensure(&a, "sb-k9-next");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 46005, "k5"), "the always-denied address is open to a new sandbox");
+
+    // A later normal upgrade with that object works and keeps it.
+    upgrade_to_object(&mut a, &obj, active);
+    assert_eq!(list(&a).len(), 2);
+    assert!(!hosts.reaches(&g, 46006, "k6"), "the always-denied address opened after the upgrade");
+    assert!(!hosts.reaches(&g2, 46007, "k7"), "the always-denied address opened after the upgrade");
+    drop((g, g2));
+    a.release("sb-k9");
+    a.release("sb-k9-next");
+    assert!(list(&a).is_empty());
+}
+
+/// What a successor must not change before it has taken over (H14), as the node shows it:
+/// cube-dev's MTU, the uplink's XDP attachment, the uplink entry of the pinned `node_config`
+/// map (ifindex and address: host ports are DNATed to it), and the tc programs on `up0`,
+/// cube-dev and the spare interface `spare`.
+fn node_settings(a: &AgentUnderTest, spare: &str) -> String {
+    let link = |dev: &str| {
+        let l = a.topo.node.ip(&["-o", "link", "show", "dev", dev]);
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let mtu = f.iter().position(|w| *w == "mtu").map(|i| f[i + 1]).unwrap_or("?").to_string();
+        let xdp = f.iter().filter(|w| w.starts_with("xdp")).cloned().collect::<Vec<_>>().join(",");
+        format!("{dev}: mtu {mtu} xdp [{xdp}]")
+    };
+    let node = {
+        let data = aya::maps::MapData::from_pin(a.pin_dir().join("maps/node_config")).expect("node_config pin");
+        let arr = aya::maps::Array::<_, [u8; 16]>::try_from(aya::maps::Map::Array(data)).expect("node_config");
+        arr.get(&0, 0).expect("node_config entry")
+    };
+    let names = [topology::NODE_UPLINK.to_string(), topology::CUBE_DEV.to_string(), spare.to_string()];
+    let tc = a.topo.node.run(move || {
+        names
+            .iter()
+            .map(|n| {
+                let ingress = cubevs::tcx_programs(n, aya::programs::tc::TcAttachType::Ingress).unwrap_or_default();
+                let egress = cubevs::tcx_programs(n, aya::programs::tc::TcAttachType::Egress).unwrap_or_default();
+                let filters = |dir: &str| {
+                    let o = std::process::Command::new("tc").args(["filter", "show", "dev", n, dir]).output();
+                    o.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+                };
+                format!(
+                    "{n}: tcx in {ingress:?} out {egress:?} filters {:?} {:?}",
+                    filters("ingress"),
+                    filters("egress")
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    format!(
+        "{}; {}; node_config uplink {:?}; {}",
+        link(topology::CUBE_DEV),
+        link(topology::NODE_UPLINK),
+        &node[8..16],
+        tc.join("; ")
+    )
+}
+
+#[test]
+fn a_refused_successor_leaves_the_node_settings_as_they_were() {
+    if !require_root("a_refused_successor_leaves_the_node_settings_as_they_were") {
+        return;
+    }
+    let mut a = AgentUnderTest::prepare("chaos-node", 2, "");
+    start(&mut a);
+    let hosts = DenyProbe::new(&a, METADATA, PORT);
+    let r = ensure(&a, "sb-node");
+    let g = a.guest(&r);
+    assert!(!hosts.reaches(&g, 47001, "n1"), "allow_out 0.0.0.0/0 reached the always-denied address");
+    // A second interface with one IPv4 address (a veth: the kernel may lack dummy links): a
+    // valid `eth_name` for the next version.
+    const SPARE: &str = "spare0";
+    a.topo.node.ip(&["link", "add", SPARE, "type", "veth", "peer", "name", "spare1"]);
+    a.topo.node.ip(&["addr", "add", "10.123.0.1/24", "dev", SPARE]);
+    a.topo.node.ip(&["link", "set", SPARE, "up"]);
+    let before = node_settings(&a, SPARE);
+    assert!(before.contains("cube-dev: mtu 1500 xdp []") && before.contains("up0: mtu 1500 xdp []"), "{before}");
+    let listed = list(&a);
+
+    // Successors whose configuration changes node settings, each refused at the hand-over
+    // (its tap_fd_listen does not fit the running agent's socket).
+    let cfg = a.dir.join("agent.toml");
+    let orig = std::fs::read_to_string(&cfg).unwrap();
+    let other = a.dir.join("cube/other-tap.sock");
+    for (i, extra) in ["mtu = 1400\nxdp_mode = \"generic\"\n", "eth_name = \"spare0\"\n", "tc_attach = \"legacy\"\n"]
+        .into_iter()
+        .enumerate()
+    {
+        std::fs::write(&cfg, format!("{orig}{extra}")).unwrap();
+        let aborted = a.log().matches("hand-over aborted, this agent keeps serving").count();
+        let mut bad = spawn_agent(&a, &format!("--tap-fd-listen {}", other.display()));
+        let st = wait_exit(&mut bad, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+        assert!(!st.success(), "a successor on another tap_fd_listen took over:\n{}", a.log());
+        assert!(a.log().matches("hand-over aborted, this agent keeps serving").count() > aborted, "{}", a.log());
+        assert!(a.child.as_mut().unwrap().child().try_wait().unwrap().is_none(), "the running agent exited");
+        let now = node_settings(&a, SPARE);
+        assert_eq!(now, before, "a refused successor with {extra:?} changed the node's settings:\n{}", a.log());
+        let port = 47010 + i as u16;
+        assert!(!hosts.reaches(&g, port, &format!("n{port}")), "the always-denied address opened");
+    }
+    assert_eq!(list(&a), listed);
+
+    // A successor that takes over writes its settings after STOPPED.
+    std::fs::write(&cfg, format!("{orig}mtu = 1400\nxdp_mode = \"generic\"\n")).unwrap();
+    upgrade(&mut a).unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    let after = node_settings(&a, SPARE);
+    assert!(after.contains("cube-dev: mtu 1400") && after.contains("up0: mtu 1500 xdp [xdpgeneric"), "{after}");
+    assert!(!hosts.reaches(&g, 47020, "n20"), "the always-denied address opened after the upgrade");
+    let r2 = ensure(&a, "sb-node-next");
+    let g2 = a.guest(&r2);
+    assert!(!hosts.reaches(&g2, 47021, "n21"), "the always-denied address is open to a new sandbox");
+    drop((g, g2));
+    a.release("sb-node");
+    a.release("sb-node-next");
 }

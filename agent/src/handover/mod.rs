@@ -7,8 +7,10 @@
 //!
 //! Protocol (version [`PROTOCOL_VERSION`]), on one `SOCK_STREAM` connection, lines end in `\n`:
 //!
-//! 1. successor → old: `BEGIN <version>`. Another version: old answers `REFUSE <why>` and
-//!    closes; nothing changed.
+//! 1. successor → old: `BEGIN <version>`, on a connection made before the successor's
+//!    datapath load (the old agent waits [`STEP_TIMEOUT`] for the line). Another version: old
+//!    answers `REFUSE <why>` and closes. A connection that fails anywhere before the commit
+//!    has the old agent make its own datapath slot active again (U13).
 //! 2. old: closes its [`MutationGate`] (waits for running Ensure/Release/Reconcile calls and the
 //!    maintenance pass; later ones queue), then sends `OFFER <version>`, a 4-byte little-endian
 //!    length and the [`Manifest`] JSON, then the fds in manifest order (listeners, then TAPs)
@@ -48,8 +50,8 @@ mod wire;
 
 pub use gate::{Entry, MutationGate};
 pub use predecessor::{StopAccepting, serve};
-pub use slot_rollback::SlotRollback;
-pub use successor::{STOP_TIMEOUT, begin, commit, peer_pid, predecessor_gone, split_offer, wait_exited};
+pub use slot_rollback::{ActiveSlot, OwnSlot, SlotRollback};
+pub use successor::{STOP_TIMEOUT, begin, commit, connect, peer_pid, predecessor_gone, split_offer, wait_exited};
 pub use wire::{bind, peer_allowed, read_line, recv_offer, send_offer, verify_tap};
 
 /// Version of the hand-over protocol and manifest; a successor refuses any other.

@@ -13,7 +13,7 @@ use std::{
 };
 
 use super::{
-    ListenerKind, Manifest, MutationGate, PROTOCOL_VERSION, STEP_TIMEOUT, peer_allowed, proto_err, read_line,
+    ListenerKind, Manifest, MutationGate, OwnSlot, PROTOCOL_VERSION, STEP_TIMEOUT, peer_allowed, proto_err, read_line,
     send_offer,
 };
 use crate::agent::Agent;
@@ -23,7 +23,9 @@ pub type StopAccepting = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + S
 
 /// Old side: answers hand-over requests on `listener` until one completes, then returns (the
 /// caller finishes in-flight requests and exits). A refused, failed or aborted hand-over
-/// reopens the gate and the agent keeps serving. `listeners` are the duplicates to pass;
+/// reopens the gate and the agent keeps serving, on its own datapath: `own` (this agent's
+/// slot) is made active again should the successor have switched the node to its object and
+/// given up or died before `READY` (U13). `listeners` are the duplicates to pass;
 /// `grpc_endpoint` is where mutations are forwarded once the successor is ready;
 /// `stop_accepting` is called once, on `READY`.
 pub async fn serve(
@@ -33,6 +35,7 @@ pub async fn serve(
     listeners: Arc<Vec<(ListenerKind, OwnedFd)>>,
     grpc_endpoint: String,
     stop_accepting: StopAccepting,
+    own: Option<OwnSlot>,
 ) {
     let mut stop_accepting = Some(stop_accepting);
     loop {
@@ -62,7 +65,12 @@ pub async fn serve(
                 tracing::info!(taps = n, ms = t.elapsed().as_secs_f64() * 1e3, "handed over to the successor");
                 return;
             }
-            Err(e) => tracing::warn!("hand-over aborted, this agent keeps serving: {e}"),
+            Err(e) => {
+                tracing::warn!("hand-over aborted, this agent keeps serving: {e}");
+                if let Some(o) = own.clone() {
+                    let _ = tokio::task::spawn_blocking(move || o.ensure("the failed hand-over")).await;
+                }
+            }
         }
     }
 }

@@ -12,10 +12,13 @@ use super::{
     Manifest, Offer, PROTOCOL_VERSION, ReceivedTap, STEP_TIMEOUT, peer_allowed, proto_err, read_line, verify_tap,
 };
 
-/// Successor side, step 1: connects to a running agent and asks for the hand-over. `Ok(None)`
-/// when no agent listens there (no socket file, or nobody accepting: a crash left it).
-/// Errors: the peer runs as another uid (`PermissionDenied`), I/O.
-pub fn begin(path: &Path) -> io::Result<Option<UnixStream>> {
+/// Successor side, before its datapath load: connects to a running agent's hand-over socket
+/// without a word yet. `Ok(None)` when no agent listens there (no socket file, or nobody
+/// accepting: a crash left it). Connected first, so the running agent sees the connection end
+/// should this process die anywhere after its datapath switch, also before [`begin`], and
+/// makes its own datapath active again (U13). Errors: the peer runs as another uid
+/// (`PermissionDenied`), I/O.
+pub fn connect(path: &Path) -> io::Result<Option<UnixStream>> {
     let s = match UnixStream::connect(path) {
         Ok(s) => s,
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ECONNREFUSED)) => return Ok(None),
@@ -26,8 +29,13 @@ pub fn begin(path: &Path) -> io::Result<Option<UnixStream>> {
     }
     s.set_read_timeout(Some(STEP_TIMEOUT))?;
     s.set_write_timeout(Some(STEP_TIMEOUT))?;
-    (&s).write_all(format!("BEGIN {PROTOCOL_VERSION}\n").as_bytes())?;
     Ok(Some(s))
+}
+
+/// Successor side, step 1: asks the running agent on `s` (from [`connect`]) for the hand-over.
+/// The running agent waits [`STEP_TIMEOUT`] for this line after its accept.
+pub fn begin(s: &UnixStream) -> io::Result<()> {
+    (&*s).write_all(format!("BEGIN {PROTOCOL_VERSION}\n").as_bytes())
 }
 
 /// Splits a received offer into the listeners and the TAP fds by name, checking each TAP fd
