@@ -257,10 +257,15 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
         // Seen in 2 of 7 runs on 2026-12-02 (cause not found): what the node says then.
         let qemu = Command::new("pgrep").args(["-a", "qemu-system"]).output().map(|o| o.stdout).unwrap_or_default();
         let link = topo.node.exec("ip", &["-d", "link", "show", &i.name]).stdout;
+        // Seen again on 2026-12-02 with QEMU defunct: the guest had ended, so nobody held
+        // the TAP; its console and the sink's count tell why it ended.
         panic!(
-            "expected the restart limit (K14), got {again}\nqemu: {}\nlink: {}\n{new_log}",
+            "expected the restart limit (K14), got {again}\nqemu: {}\nsink: {} of {UPLOAD} bytes\nlink: {}\n\
+             guest console:\n{}\n{new_log}",
             String::from_utf8_lossy(&qemu),
-            String::from_utf8_lossy(&link)
+            sink.received.load(Ordering::SeqCst),
+            String::from_utf8_lossy(&link),
+            vm.console()
         );
     }
     let during = sink.received.load(Ordering::SeqCst);
@@ -292,6 +297,12 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
     assert!(c["in"]["packets"].as_u64().unwrap() > 0, "{c}");
     let metrics = exec_wget(agent_c2, "http://127.0.0.1:19090/metrics", false).expect("metrics");
     assert!(metrics.contains(r#"cubenet_sandbox_bytes_total{direction="out",sandbox="sb-k8s"}"#), "{metrics}");
+    // CubeEgress's metrics, relayed by the agent from the dataplane namespace where the
+    // chart's gateway serves them on its loopback admin address (O26; what the PodMonitor
+    // scrapes).
+    let egress_metrics =
+        exec_wget(agent_c2, "http://127.0.0.1:19090/metrics/cube-egress", false).expect("/metrics/cube-egress");
+    assert!(egress_metrics.lines().any(|l| l.starts_with("cube_egress_connections{")), "{egress_metrics}");
     for msg in ["network ensured", "TAP fd handed out"] {
         assert!(
             old_log.lines().any(|l| l.contains(msg) && l.contains(r#""sandbox_id":"sb-k8s""#)),
