@@ -31,6 +31,14 @@ pub enum Error {
         /// What differs.
         reason: String,
     },
+    /// The kernel's BTF lacks what the datapath needs to run safely (decision R101).
+    #[error("kernel BTF: {what}: {reason} (the kernel needs CONFIG_DEBUG_INFO_BTF)")]
+    KernelBtf {
+        /// What was looked for.
+        what: &'static str,
+        /// Why it was not found.
+        reason: String,
+    },
     /// The object has no program or map of that name.
     #[error("{0} not found in the eBPF object")]
     Missing(&'static str),

@@ -36,6 +36,7 @@ mod sandbox;
 mod sandbox_stats;
 pub mod selftest;
 pub mod sessions;
+pub mod skb_layout;
 pub mod slots;
 mod snat;
 pub mod testrun;

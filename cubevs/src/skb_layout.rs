@@ -51,8 +51,13 @@ struct Member {
 
 /// The parts of one BTF type this reader keeps.
 enum Ty {
-    Int { bits: u32 },
-    Aggregate { name: u32, members: Vec<Member> },
+    Int {
+        bits: u32,
+    },
+    Aggregate {
+        name: u32,
+        members: Vec<Member>,
+    },
     /// typedef, const, volatile, restrict, type tag: refers on to another type.
     Alias(u32),
     Other,
@@ -202,7 +207,8 @@ mod tests {
     /// `struct sk_buff { u64 x; union { u32 csum; struct { __u16 csum_start; __u16 csum_offset; }; };
     /// u8 a:5, ip_summed:2; __u16 mac_header; }` laid out at bytes 0, 8, 12 (bits 5-6), 14.
     fn blob(summed_bits: u32) -> Vec<u8> {
-        let mut strings = b"\0u16\0__u16\0u8\0sk_buff\0csum_start\0csum_offset\0ip_summed\0a\0mac_header\0csum\0x\0".to_vec();
+        let mut strings =
+            b"\0u16\0__u16\0u8\0sk_buff\0csum_start\0csum_offset\0ip_summed\0a\0mac_header\0csum\0x\0".to_vec();
         let off = |s: &str, strings: &[u8]| -> u32 {
             let mut pat = s.as_bytes().to_vec();
             pat.push(0);
@@ -258,7 +264,14 @@ mod tests {
         let l = parse(&blob(2)).unwrap();
         assert_eq!(
             l,
-            SkbLayout { ip_summed: 12, ip_summed_shift: 5, csum_start: 8, csum_offset: 10, mac_header: 14, _pad: [0; 3] }
+            SkbLayout {
+                ip_summed: 12,
+                ip_summed_shift: 5,
+                csum_start: 8,
+                csum_offset: 10,
+                mac_header: 14,
+                _pad: [0; 3]
+            }
         );
     }
 

@@ -33,7 +33,7 @@ use aya::{
         tc::SchedClassifierLink,
     },
 };
-use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, MvmMeta, map, prog};
+use cubevs_common::{CONFIG_GLOBAL, DatapathConfig, MvmMeta, SKB_LAYOUT_GLOBAL, map, prog};
 use sha2::{Digest, Sha256};
 
 use crate::{
@@ -89,8 +89,13 @@ pub(crate) fn load_object(
     max_entries: &[(&'static str, u32)],
     map_pins: &[(&'static str, PathBuf)],
 ) -> Result<Ebpf, Error> {
+    // R101: where the kernel keeps the skb's checksum offload fields; an object older than
+    // R101 has no such global (not required to exist).
+    let skb_layout = crate::skb_layout::running_kernel()
+        .map_err(|reason| Error::KernelBtf { what: "sk_buff layout for the checksum offload check (R101)", reason })?;
     let mut loader = EbpfLoader::new();
     loader.override_global(CONFIG_GLOBAL, config, true);
+    loader.override_global(SKB_LAYOUT_GLOBAL, &skb_layout, false);
     for &(name, max) in max_entries {
         loader.map_max_entries(name, max);
     }

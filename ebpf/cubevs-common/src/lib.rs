@@ -356,6 +356,44 @@ pub mod limits {
 /// Name of the load-time global holding [`DatapathConfig`].
 pub const CONFIG_GLOBAL: &str = "CONFIG";
 
+/// Byte offsets of the running kernel's `struct sk_buff` fields `from_cube` reads with
+/// `bpf_probe_read_kernel` to refuse a guest's checksum offload request that points anywhere
+/// but the TCP/UDP checksum field (decision R101): `__sk_buff` exposes none of them, and their
+/// places differ between kernel builds, so userspace reads them from the kernel's BTF
+/// (`/sys/kernel/btf/vmlinux`) and writes them into the load-time global
+/// [`SKB_LAYOUT_GLOBAL`]. All offsets are from the start of `struct sk_buff`, host order.
+///
+/// Layout: 12 bytes, `#[repr(C)]`, no implicit padding. [`SkbLayout::UNKNOWN`] (all zero: no
+/// field of `sk_buff` that matters here sits at offset 0) leaves the check off, as in an object
+/// loaded by userspace older than R101.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SkbLayout {
+    /// Offset of the byte holding the `ip_summed:2` bitfield (0 = unknown: no check).
+    pub ip_summed: u16,
+    /// Offset of `csum_start` (u16: where the checksum starts, counted from `skb->head`).
+    pub csum_start: u16,
+    /// Offset of `csum_offset` (u16: where the checksum goes, counted from `csum_start`).
+    pub csum_offset: u16,
+    /// Offset of `mac_header` (u16: the Ethernet header, counted from `skb->head`).
+    pub mac_header: u16,
+    /// Bit position of `ip_summed` in its byte, from the least significant bit.
+    pub ip_summed_shift: u8,
+    /// Explicit padding, always zero.
+    pub _pad: [u8; 3],
+}
+
+impl SkbLayout {
+    /// No layout known: `from_cube` does not look at checksum offload requests.
+    pub const UNKNOWN: Self =
+        Self { ip_summed: 0, csum_start: 0, csum_offset: 0, mac_header: 0, ip_summed_shift: 0, _pad: [0; 3] };
+}
+
+const _: () = assert!(core::mem::size_of::<SkbLayout>() == 12);
+
+/// Name of the load-time global holding [`SkbLayout`].
+pub const SKB_LAYOUT_GLOBAL: &str = "SKB_LAYOUT";
+
 /// Guest-facing constants of upstream (`reference/upstream.md §1.5`, `§3.3`).
 pub mod guest {
     /// Address every guest sees as its own: 169.254.68.6.
@@ -1047,6 +1085,7 @@ pod!(
     QuotaKey,
     TrackCount,
     DatapathConfig,
+    SkbLayout,
     NodeConfig,
     MvmMeta,
     MvmPort,

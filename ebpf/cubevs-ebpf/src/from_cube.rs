@@ -4,7 +4,8 @@
 //! 1. No registered sandbox on the interface → drop everything, ARP included (decision D25).
 //! 2. A frame that carried a VLAN tag (taken off by the kernel before tc) → drop (decision R9).
 //!    ARP → proxy; other non-IPv4 → drop; a GSO frame other than TCP with segments of 48 bytes
-//!    or more → drop (decision R100).
+//!    or more → drop (decision R100); a checksum offload request for anything but the TCP/UDP
+//!    checksum field → drop (decision R101).
 //! 3. Source must be the guest address; every path below treats it as the sandbox's mvm IP
 //!    (upstream rewrites it first; we rewrite the source once, to its final value, per path).
 //! 4. To the gateway (169.254.68.5): ICMP echo (request or reply) and TCP non-SYN are DNATed
@@ -53,7 +54,7 @@ use cubevs_common::{
 };
 
 use crate::{
-    arp, config, dns,
+    arp, config, csum_offload, dns,
     forward::to_next_hop,
     maps::{
         EGRESS_SESSIONS, IFINDEX_TO_MVMMETA, LOCAL_PORT_MAPPING, LOCAL_PORT_MAPPING_UDP, PORTMAP_SESSIONS, count, node,
@@ -91,6 +92,10 @@ pub fn from_cube(ctx: TcContext) -> i32 {
             arp::proxy(&ctx, ifindex, cfg.gateway_mac)
         }
         Some(ether::P_IP) if gso_size != 0 && !tcp_gso_ok(&ctx, gso_size) => drop(ifindex, counter::CUBE_DROP_PROTO),
+        // A checksum offload request pointing anywhere but the L4 checksum (R101).
+        Some(ether::P_IP) if !packet::ipv4(&ctx).is_none_or(|ip| csum_offload::request_ok(&ctx, &ip)) => {
+            drop(ifindex, counter::CUBE_DROP_PROTO)
+        }
         Some(ether::P_IP) => ipv4(&ctx, &cfg, ifindex, version, sandbox_ip),
         Some(_) => drop(ifindex, counter::CUBE_DROP_PROTO),
         None => drop(ifindex, counter::CUBE_DROP_MALFORMED),

@@ -27,6 +27,7 @@ mod arp;
 mod baseline;
 mod budget;
 mod config;
+mod csum_offload;
 mod dns;
 mod forward;
 mod frag;
