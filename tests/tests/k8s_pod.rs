@@ -51,16 +51,25 @@ const SINK_PORT: u16 = 9000;
 
 /// A world server that reads slowly (64 KiB per 50 ms ≈ 1.3 MB/s), so an upload spans the
 /// agent replacement; reads `UPLOAD` bytes (or to EOF), fails on a reset or a timeout, then
-/// answers `got <n>` (busybox nc in the guest does not half-close after stdin's EOF).
+/// answers `got <n>` (busybox nc in the guest does not half-close after stdin's EOF). It stops
+/// reading `HELD_BACK` bytes short of the end until `release` is set: the guest (and so QEMU,
+/// which holds the TAP) cannot finish before the test has asked for the TAP again (a loaded
+/// machine replaced the agent in more time than the whole upload took, and QEMU had exited).
 struct SlowSink {
     received: Arc<AtomicU64>,
+    release: Arc<std::sync::atomic::AtomicBool>,
     result: std::sync::mpsc::Receiver<Result<u64, String>>,
 }
+
+/// See [`SlowSink`].
+const HELD_BACK: u64 = 1024 * 1024;
 
 fn slow_sink(topo: &Topology) -> SlowSink {
     let (tx, rx) = std::sync::mpsc::channel();
     let received = Arc::new(AtomicU64::new(0));
     let r = received.clone();
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let released = release.clone();
     let listener =
         topo.world.run(|| TcpListener::bind(SocketAddrV4::new(Ipv4Addr::from(WORLD_IP), SINK_PORT)).unwrap());
     std::thread::spawn(move || {
@@ -69,6 +78,10 @@ fn slow_sink(topo: &Topology) -> SlowSink {
             s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
             let mut buf = vec![0u8; 64 * 1024];
             while r.load(Ordering::SeqCst) < UPLOAD {
+                if r.load(Ordering::SeqCst) >= UPLOAD - HELD_BACK && !released.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
                 match s.read(&mut buf) {
                     Ok(0) => break,
                     Ok(n) => {
@@ -87,7 +100,7 @@ fn slow_sink(topo: &Topology) -> SlowSink {
         })();
         let _ = tx.send(res);
     });
-    SlowSink { received, result: rx }
+    SlowSink { received, release, result: rx }
 }
 
 #[test]
@@ -269,7 +282,8 @@ fn cube_node_pod_under_podman_survives_agent_replacement() {
         );
     }
     let during = sink.received.load(Ordering::SeqCst);
-    assert!(during < UPLOAD, "the upload ended before the replacement finished ({during} bytes): make it longer");
+    assert!(during < UPLOAD, "the upload ended before the replacement finished ({during} bytes)");
+    sink.release.store(true, Ordering::SeqCst);
 
     let results = vm.wait_done(Duration::from_secs(150)).unwrap_or_else(|e| panic!("{e:#}\n{}", vm.console()));
     for res in &results {
