@@ -98,6 +98,13 @@ pub struct Config {
     /// wait for a turn (up to 10 s, then closed) without being served, never another
     /// sandbox's (decision R90; default 1, 1–1024).
     pub handshakes_per_sandbox: usize,
+    /// New proxy connections one sandbox (source address) may open per second; a connection
+    /// over it is reset at accept (decision R102; default 400, twice the datapath's own bound
+    /// `l7_connect_rate_per_sandbox`; 0 = unbounded).
+    pub new_conns_per_sandbox_per_sec: u32,
+    /// Connections a sandbox may open at once above `new_conns_per_sandbox_per_sec` (default
+    /// 800; at least 1 when the rate is on).
+    pub new_conns_burst_per_sandbox: u32,
 }
 
 /// Default `always_denied_cidrs`, the agent's default too (decisions R30, R85).
@@ -140,6 +147,8 @@ impl Default for Config {
             audit_floor_per_sandbox: 8,
             allowed_peer_uids: Vec::new(),
             handshakes_per_sandbox: crate::handshakes::DEFAULT_PER_SANDBOX,
+            new_conns_per_sandbox_per_sec: crate::accept_rate::DEFAULT_RATE,
+            new_conns_burst_per_sandbox: crate::accept_rate::DEFAULT_BURST,
         }
     }
 }
@@ -193,6 +202,12 @@ pub struct Cli {
     /// Client TLS handshakes one sandbox may have in progress (R90).
     #[arg(long, env = "CUBE_EGRESS_HANDSHAKES_PER_SANDBOX")]
     pub handshakes_per_sandbox: Option<usize>,
+    /// New connections one sandbox may open per second, 0 = unbounded (R102).
+    #[arg(long, env = "CUBE_EGRESS_NEW_CONNS_PER_SANDBOX_PER_SEC")]
+    pub new_conns_per_sandbox_per_sec: Option<u32>,
+    /// Burst of new connections per sandbox (R102).
+    #[arg(long, env = "CUBE_EGRESS_NEW_CONNS_BURST_PER_SANDBOX")]
+    pub new_conns_burst_per_sandbox: Option<u32>,
     /// Drain deadline on SIGTERM (seconds).
     #[arg(long, env = "CUBE_EGRESS_DRAIN_TIMEOUT_SECS")]
     pub drain_timeout_secs: Option<u64>,
@@ -230,7 +245,7 @@ impl Config {
         }
         over!(sandbox_cidr, http_port, https_port, admin_addr, ca_dir, audit_file, bootstrap_url, bootstrap_attempts);
         over!(bootstrap_retry_secs, mint_rate_per_sec, mint_burst, drain_timeout_secs, dns_servers);
-        over!(handshakes_per_sandbox);
+        over!(handshakes_per_sandbox, new_conns_per_sandbox_per_sec, new_conns_burst_per_sandbox);
         if let Some(v) = cli.always_denied_cidrs {
             c.always_denied_cidrs = v.into_iter().filter(|s| !s.is_empty()).collect();
         }
@@ -296,6 +311,9 @@ impl Config {
                 self.handshakes_per_sandbox,
                 crate::handshakes::MAX_PER_SANDBOX
             );
+        }
+        if self.new_conns_per_sandbox_per_sec > 0 && self.new_conns_burst_per_sandbox == 0 {
+            bail!("new_conns_burst_per_sandbox: must be at least 1 while new_conns_per_sandbox_per_sec is on");
         }
         if self.dns_timeout_ms == 0 || self.audit_queue_capacity == 0 {
             bail!("dns_timeout_ms and audit_queue_capacity must be positive");
@@ -437,6 +455,21 @@ mod tests {
             let e = ok(n).unwrap_err().to_string();
             assert!(e.starts_with(&format!("handshakes_per_sandbox: {n} is outside 1..=1024")), "{e}");
         }
+    }
+
+    #[test]
+    fn new_conn_rate_needs_a_burst_while_on() {
+        let cfg = |rate: u32, burst: u32| Config {
+            new_conns_per_sandbox_per_sec: rate,
+            new_conns_burst_per_sandbox: burst,
+            ..Config::default()
+        };
+        let d = Config::default();
+        assert_eq!((d.new_conns_per_sandbox_per_sec, d.new_conns_burst_per_sandbox), (400, 800));
+        assert!(cfg(0, 0).validate().is_ok(), "off needs no burst");
+        assert!(cfg(1, 1).validate().is_ok());
+        let e = cfg(10, 0).validate().unwrap_err().to_string();
+        assert!(e.starts_with("new_conns_burst_per_sandbox: must be at least 1"), "{e}");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! sandbox and a ceiling ([`floor`], [`conns`]). Behaviour follows
 //! `reference/upstream.md §4` unless a decision in `docs/decisions.md` (E-entries) says otherwise.
 
+pub mod accept_rate;
 pub mod admin;
 pub mod audit;
 pub mod bootstrap;
@@ -87,6 +88,8 @@ pub struct App {
     pub conns: Arc<conns::ConnBudget>,
     /// Client TLS handshakes in progress per sandbox, at most `handshakes_per_sandbox` (R90).
     pub handshakes: Arc<handshakes::HandshakeGate>,
+    /// New proxy connections per sandbox and second, checked at accept (R102).
+    pub accept_rate: accept_rate::AcceptRate,
     /// When the drain started (set once, just before `drain` turns `true`).
     pub drain_at: std::sync::OnceLock<std::time::Instant>,
     ids: AtomicU64,
@@ -146,6 +149,10 @@ impl App {
             allowed_peer_uids: cfg.allowed_peer_uids.clone(),
             conns,
             handshakes: handshakes::HandshakeGate::new(cfg.handshakes_per_sandbox),
+            accept_rate: accept_rate::AcceptRate::new(
+                cfg.new_conns_per_sandbox_per_sec,
+                cfg.new_conns_burst_per_sandbox,
+            ),
             drain_at: std::sync::OnceLock::new(),
             ids: AtomicU64::new(
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
@@ -296,6 +303,13 @@ async fn accept_loop(app: Arc<App>, l: TcpListener, scheme: Option<Scheme>, mut 
                     Ok(std::net::SocketAddr::V4(p)) => *p.ip(),
                     _ => continue,
                 };
+                // Over its rate (R102): reset now, before a task, a read or any TLS work; the
+                // zero linger leaves no TIME_WAIT behind.
+                if !app.accept_rate.admit(peer) {
+                    app.metrics.connections_refused.with_label_values(&["sandbox_rate"]).inc();
+                    let _ = s.set_zero_linger();
+                    continue;
+                }
                 let slot = match app.conns.admit(peer) {
                     Ok(slot) => slot,
                     Err(why) => {

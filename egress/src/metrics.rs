@@ -30,7 +30,8 @@ pub struct Metrics {
     pub tls_handshakes: IntCounterVec,
     /// Connections closed at accept, by `reason`: `sandbox_budget` (the sandbox held
     /// `max_conns_per_sandbox`, R18), `node_ceiling` (its floor was used, or it has no policy,
-    /// and the shared remainder was full, R22); requests refused a second upstream socket of
+    /// and the shared remainder was full, R22), `sandbox_rate` (it opened more than
+    /// `new_conns_per_sandbox_per_sec`, R102); requests refused a second upstream socket of
     /// their connection: `upstream_sandbox_budget`, `upstream_node_ceiling` (503, R24).
     pub connections_refused: IntCounterVec,
     /// Live proxy connections by `pool` (`floor`, `shared`), set when `/metrics` is read (R22).
@@ -149,7 +150,7 @@ impl Metrics {
             (&requests, &["allow", "deny"]),
             (
                 &connections_refused,
-                &["sandbox_budget", "node_ceiling", "upstream_sandbox_budget", "upstream_node_ceiling"],
+                &["sandbox_budget", "node_ceiling", "sandbox_rate", "upstream_sandbox_budget", "upstream_node_ceiling"],
             ),
             (&upstream_errors, &["timeout", "tls", "connect", "other"]),
             (&audit_refused, &["queue_share", "write_failed", "writer_gone"]),
