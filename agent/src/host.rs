@@ -527,11 +527,15 @@ pub struct FakeHost {
     pub held: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Injected failure of every `delete_tap`.
     pub fail_delete: std::sync::atomic::AtomicBool,
+    /// How long each `create_tap` takes (default none): a creation in flight for tests.
+    pub create_delay: std::sync::Mutex<std::time::Duration>,
     next: AtomicUsize,
 }
 
 impl Host for FakeHost {
     fn create_tap(&self, ip: Ipv4Addr) -> io::Result<NewTap> {
+        let delay = *self.create_delay.lock().unwrap();
+        std::thread::sleep(delay);
         let name = tap_name(ip);
         let mut t = self.taps.lock().unwrap();
         let idx = t

@@ -17,6 +17,10 @@ use crate::host::{NewTap, tap_name};
 
 /// Released TAPs an Ensure tries to reclaim before creating a TAP on demand.
 pub(super) const RECLAIM_TRIES: usize = 2;
+/// Longest an Ensure with no address left waits for a TAP the refill is creating (A38).
+pub(super) const REFILL_WAIT: Duration = Duration::from_secs(2);
+/// How often that wait looks at the pool.
+const REFILL_POLL: Duration = Duration::from_millis(5);
 
 impl Agent {
     /// Creates one pooled TAP: address, TAP, `from_cube`, baseline deny. Returns its name.
@@ -209,6 +213,28 @@ impl Agent {
             self.transit(&mut inner, n, Transition::Acquire(id)).map_err(internal)?;
         }
         Ok(name)
+    }
+
+    /// With no Ready TAP and no address left to create one: while TAPs are being created
+    /// (addresses allocated that no pool entry holds yet: the refill's creations in flight),
+    /// waits up to [`REFILL_WAIT`] for one to join the pool Ready and gives it to `id` (A38).
+    /// `None` when nothing is being created or nothing came in time: the caller's
+    /// RESOURCE_EXHAUSTED stands.
+    pub(super) fn await_refill(&self, id: &str) -> Result<Option<String>, AgentError> {
+        let end = Instant::now() + REFILL_WAIT;
+        loop {
+            if let Some(n) = self.acquire_ready(id)? {
+                return Ok(Some(n));
+            }
+            let in_flight = {
+                let inner = lock(&self.inner);
+                inner.ipam.in_use().saturating_sub(inner.pool.iter().count())
+            };
+            if in_flight == 0 || Instant::now() >= end {
+                return Ok(None);
+            }
+            std::thread::sleep(REFILL_POLL);
+        }
     }
 
     /// With no Ready TAP: runs the free check (one reopen of the queue) of up to

@@ -97,12 +97,16 @@ impl Agent {
         }
 
         // 1. A TAP: first Ready one, else a released one whose free check passes now, else
-        //    on demand (T2).
+        //    on demand (T2); with every address taken by TAPs the refill is still creating,
+        //    the first of them that joins the pool (A38).
         let name = match self.acquire_ready(&id)? {
             Some(n) => n,
             None => match self.reclaim_released(&id)? {
                 Some(n) => n,
-                None => self.create_tap(Some(&id))?,
+                None => match self.create_tap(Some(&id)) {
+                    Err(AgentError::Exhausted(why)) => self.await_refill(&id)?.ok_or(AgentError::Exhausted(why))?,
+                    r => r?,
+                },
             },
         };
         let (ip, ifindex) = {

@@ -1,7 +1,9 @@
 //! Unit tests of the service core over the fake host and dataplane.
 
+use super::maintenance::REFILL_WAIT;
 use super::*;
 use crate::{config::Config, dataplane::FakeDataplane, host::FakeHost, state::Phase};
+use std::time::{Duration, Instant};
 
 struct Fixture {
     agent: Agent,
@@ -453,6 +455,40 @@ fn taps_never_outnumber_the_datapath_interfaces() {
     assert!(f.agent.release("sb-1").unwrap());
     f.agent.finish_cleanups();
     f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap();
+}
+
+#[test]
+fn an_ensure_waits_for_the_tap_the_refill_is_creating_with_the_last_address() {
+    let f = fixture("refill-wait");
+    f.dp.interface_limit.store(3, std::sync::atomic::Ordering::Relaxed);
+    f.agent.recover().unwrap();
+    assert_eq!(f.agent.warm(2, 2), 2);
+    f.agent.set_started();
+    for id in ["sb-1", "sb-2"] {
+        f.agent.ensure(EnsureRequest { sandbox_id: id.into(), ..Default::default() }).unwrap();
+    }
+    // The refill creates the third and last TAP, slowly; an Ensure arrives meanwhile. Before
+    // A38 it was refused RESOURCE_EXHAUSTED while the TAP it needed was being made.
+    *f.host.create_delay.lock().unwrap() = Duration::from_millis(300);
+    std::thread::scope(|s| {
+        let refill = s.spawn(|| f.agent.warm(1, 1));
+        let end = Instant::now() + Duration::from_secs(5);
+        while lock(&f.agent.inner).ipam.in_use() < 3 {
+            assert!(Instant::now() < end, "the refill never took the last address");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let t = Instant::now();
+        let v = f.agent.ensure(EnsureRequest { sandbox_id: "sb-3".into(), ..Default::default() }).unwrap();
+        assert_eq!(v.record.tap_name, "z10.9.0.4", "the refill's TAP");
+        assert!(t.elapsed() < REFILL_WAIT, "waited {:?}", t.elapsed());
+        assert_eq!(refill.join().unwrap(), 1);
+    });
+    // Nothing in flight: refused at once, as before.
+    *f.host.create_delay.lock().unwrap() = Duration::ZERO;
+    let t = Instant::now();
+    let e = f.agent.ensure(EnsureRequest { sandbox_id: "sb-4".into(), ..Default::default() }).unwrap_err();
+    assert!(matches!(&e, AgentError::Exhausted(m) if m.contains("at most 3")), "{e}");
+    assert!(t.elapsed() < Duration::from_millis(500), "refused after {:?}", t.elapsed());
 }
 
 #[test]
