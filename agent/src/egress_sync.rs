@@ -739,10 +739,16 @@ mod tests {
         let ip: Ipv4Addr = "192.168.0.2".parse().unwrap();
         let s2 = sync.clone();
         let slow = std::thread::spawn(move || s2.set_blocking(ip, Some(spec("slow"))));
-        std::thread::sleep(Duration::from_millis(100));
-        let t = std::time::Instant::now();
+        // The PUT is claimed (in flight) before it is sent: from then on the delete must wait.
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while !sync.lock().get(&ip).is_some_and(|e| e.in_flight) {
+            assert!(std::time::Instant::now() < end, "the PUT never started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         sync.set_blocking(ip, None);
-        assert!(t.elapsed() < Duration::from_millis(200), "waited for the request in flight");
+        // The gateway records the slow PUT 400 ms after it arrived: nothing yet means the
+        // delete neither waited for it nor went beside it.
+        assert!(applied.lock().unwrap().is_empty(), "waited for the request in flight");
         slow.join().unwrap();
         assert_eq!(sync.pending(), 1, "the delete is still owed");
         assert!(!rt.block_on(sync.push_dirty()));

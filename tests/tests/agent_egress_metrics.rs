@@ -138,7 +138,7 @@ fn agent_relays_the_gateway_metrics() {
     let (code, body, took) = rx.recv().unwrap();
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("no answer within 3000 ms"), "{body}");
-    assert!(took >= Duration::from_millis(2900) && took < Duration::from_millis(4500), "{took:?}");
+    assert!(took >= Duration::from_millis(2900) && took < Duration::from_millis(6000), "{took:?}");
     assert_eq!(scrape_errors(&a, "timeout"), 1.0);
     drop(hole);
     assert!(a.log().contains("cube-egress /metrics relay failed"), "{}", a.log());

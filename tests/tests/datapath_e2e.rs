@@ -328,7 +328,9 @@ fn datapath_survives_loader_restart() {
         }
     });
     let mut conn = gns.run(move || TcpStream::connect(("198.51.100.1", echo_port))).expect("connect echo");
-    conn.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    // 2 s: a stall of the busy test machine (the verifier runs beside this thread) is no
+    // failure; a datapath gap is (a dropped segment's retransmissions, a reset, the ping).
+    conn.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let rounds = Arc::new(AtomicU64::new(0));
     let failures = Arc::new(AtomicU64::new(0));
     let (s2, r2, f2) = (stop.clone(), rounds.clone(), failures.clone());
